@@ -1,0 +1,33 @@
+# The venv is (re)built when missing or older than pyproject.toml.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint typecheck bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]' -e examples/plugin
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m cdcflow.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check cdcflow tests bench examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict cdcflow
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache out

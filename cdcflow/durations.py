@@ -1,0 +1,54 @@
+"""Parsing durations ("250ms", "1s", "5m", "1h30m") and times ("now", RFC 3339, "-10m")."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+
+from cdcflow.model import Timestamp
+
+__all__ = ["parse_duration", "parse_time"]
+
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds in a duration such as ``"250ms"``, ``"1.5s"``, ``"1h30m"`` or a bare number."""
+    if isinstance(text, int | float):
+        return float(text)
+    s = text.strip().lower()
+    try:
+        return float(s)
+    except ValueError:
+        pass
+    pos, total = 0, 0.0
+    for m in _PART.finditer(s):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos = m.end()
+    if pos != len(s) or not s:
+        msg = f"not a duration: {text!r}; write e.g. 250ms, 1s, 5m or 1h30m"
+        raise ValueError(msg)
+    return total
+
+
+def parse_time(value: str | datetime | int, now_ns: int | None = None) -> int:
+    """Nanoseconds since the epoch for ``"now"``, ``"-10m"`` (before now), RFC 3339 text,
+    a datetime (naive taken as UTC) or integer nanoseconds."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, datetime):
+        return Timestamp.from_datetime(value).ns
+    now = Timestamp.now().ns if now_ns is None else now_ns
+    s = value.strip()
+    if s.lower() == "now":
+        return now
+    if s.startswith("-"):
+        return now - int(parse_duration(s[1:]) * 1e9)
+    try:
+        return Timestamp.parse(s).ns
+    except ValueError:
+        msg = f"not a time: {value!r}; write 'now', '-10m' (ten minutes ago) or RFC 3339 text"
+        raise ValueError(msg) from None

@@ -1,0 +1,87 @@
+"""The MetadataStore protocol: partitions, watermarks and the batch log of pipelines.
+
+State is keyed by pipeline name, so one store serves many pipelines. Positions are integer
+nanoseconds since the epoch. Implementations: ``memory://`` (tests), ``sqlite:///path``
+(embedded default), ``spanner://projects/P/instances/I/databases/D[?table=NAME]``.
+Every implementation passes the contract suite in ``tests/metadata/test_contract.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+from cdcflow.model import BatchPlan, BatchRecord, PartitionMetadata, PartitionState, PartitionUpdate
+
+__all__ = ["MetadataStore"]
+
+
+@runtime_checkable
+class MetadataStore(Protocol):
+    """Durable progress of pipelines.
+
+    Contract:
+    - ``insert_partitions`` inserts each partition only if its token is absent for the
+      pipeline (a merge child reported by several parents is stored once).
+    - ``write_plan`` is the write-ahead step: in one transaction it logs the plan and applies
+      the state transitions (setting ``scheduled_at`` / ``running_at``). It raises
+      :class:`~cdcflow.errors.PlanConflictError` if another batch is pending (planned and not
+      committed) or if ``plan.batch_id`` is not greater than every logged batch id.
+    - ``commit_batch`` applies a batch's progress in one transaction: watermarks (a smaller
+      watermark than stored raises :class:`~cdcflow.errors.WatermarkRegressionError` and
+      changes nothing), FINISHED states with ``finished_at``, insert-if-absent children, and
+      marks the batch committed. Committing an already committed batch changes nothing and
+      returns False (replay after a crash between store commit and the caller noticing).
+    - ``delete_partitions`` removes rows (garbage collection of finished partitions).
+    """
+
+    @property
+    def url(self) -> str: ...
+
+    def partitions(self, pipeline: str) -> list[PartitionMetadata]:
+        """All stored partitions of the pipeline, ordered by (start, token)."""
+        ...
+
+    def insert_partitions(self, pipeline: str, partitions: Sequence[PartitionMetadata]) -> int:
+        """Insert the partitions whose tokens are absent; return how many were inserted."""
+        ...
+
+    def pending_plan(self, pipeline: str) -> BatchPlan | None:
+        """The planned batch that has not been committed, if any."""
+        ...
+
+    def last_batch_id(self, pipeline: str) -> int:
+        """The largest logged batch id (0 when the pipeline has none)."""
+        ...
+
+    def write_plan(
+        self,
+        pipeline: str,
+        plan: BatchPlan,
+        transitions: Mapping[str, PartitionState],
+    ) -> None: ...
+
+    def commit_batch(
+        self,
+        pipeline: str,
+        batch_id: int,
+        updates: Sequence[PartitionUpdate],
+        children: Sequence[PartitionMetadata],
+        records: int = 0,
+    ) -> bool: ...
+
+    def delete_partitions(self, pipeline: str, tokens: Sequence[str]) -> int: ...
+
+    def batches(self, pipeline: str, limit: int = 20) -> list[BatchRecord]:
+        """The newest ``limit`` entries of the batch log, newest first."""
+        ...
+
+    def pipelines(self) -> list[str]:
+        """Names of the pipelines with stored state, sorted."""
+        ...
+
+    def reset(self, pipeline: str) -> None:
+        """Forget everything stored for the pipeline (``cdcflow run --reset``)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,403 @@
+"""Change-stream records and partition metadata.
+
+Records mirror Spanner's change stream record types field for field (GoogleSQL names in
+snake_case). Every record carries the ``partition_token`` it was read from. JSON values are
+plain Python values. Timestamps are :class:`Timestamp`: timezone-aware UTC datetimes that
+keep nanoseconds. This module imports nothing of cdcflow.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, TypeAlias
+
+import attrs
+
+__all__ = [
+    "INITIAL_PARTITION_TOKEN",
+    "MAX_NS",
+    "BatchPlan",
+    "BatchRecord",
+    "ChangeRecord",
+    "ChildPartition",
+    "ChildPartitionsRecord",
+    "ColumnType",
+    "DataChangeRecord",
+    "HeartbeatRecord",
+    "Mod",
+    "ModType",
+    "MoveInEvent",
+    "MoveOutEvent",
+    "PartitionEndRecord",
+    "PartitionEventRecord",
+    "PartitionMetadata",
+    "PartitionStartRecord",
+    "PartitionUpdate",
+    "PartitionState",
+    "Slice",
+    "Timestamp",
+    "ValueCaptureType",
+    "record_position",
+]
+
+#: Token of the synthetic root partition; its query passes a NULL partition token and
+#: returns the stream's first child partitions (the name Beam's metadata table uses).
+INITIAL_PARTITION_TOKEN = "Parent0"
+
+#: Largest position: "no end". Spanner's maximum timestamp is 9999-12-31T23:59:59.999999999Z.
+MAX_NS = 253402300799_999999999 + 1
+
+_NS_PER_S = 1_000_000_000
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_RFC3339 = re.compile(
+    r"^(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?"
+    r"(Z|z|[+-]\d{2}:\d{2})?$"
+)
+
+
+class Timestamp(datetime):
+    """A timezone-aware UTC datetime that keeps nanoseconds.
+
+    Equality, ordering and hashing use the full nanosecond value when both sides are
+    Timestamps; against a plain ``datetime`` the comparison is the datetime one.
+    """
+
+    _nanosecond: int
+
+    def __new__(cls, *args: Any, nanosecond: int = 0, **kwargs: Any) -> Timestamp:
+        if "tzinfo" not in kwargs and len(args) < 8:
+            kwargs["tzinfo"] = UTC
+        self = super().__new__(cls, *args, **kwargs)
+        if self.tzinfo is None:
+            msg = "Timestamp needs a timezone; pass tzinfo=datetime.UTC"
+            raise ValueError(msg)
+        if not 0 <= nanosecond < 1000:
+            msg = f"nanosecond must be in 0..999 (the part below microseconds), got {nanosecond}"
+            raise ValueError(msg)
+        self._nanosecond = nanosecond
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Timestamp.from_ns, (self.ns,))
+
+    @property
+    def nanosecond(self) -> int:
+        """The nanoseconds below the microsecond (0..999)."""
+        return self._nanosecond
+
+    @property
+    def ns(self) -> int:
+        """Integer nanoseconds since the Unix epoch."""
+        delta = self - _EPOCH
+        micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+        return micros * 1000 + self._nanosecond
+
+    @classmethod
+    def from_ns(cls, ns: int) -> Timestamp:
+        micros, nanos = divmod(ns, 1000)
+        dt = _EPOCH + timedelta(microseconds=micros)
+        return cls(
+            dt.year, dt.month, dt.day, dt.hour, dt.minute, dt.second, dt.microsecond,
+            tzinfo=UTC, nanosecond=nanos,
+        )
+
+    @classmethod
+    def from_datetime(cls, value: datetime) -> Timestamp:
+        """Convert a datetime (naive values are taken as UTC); keeps ``.nanosecond`` if any."""
+        if isinstance(value, Timestamp):
+            return value
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        value = value.astimezone(UTC)
+        nanos = int(getattr(value, "nanosecond", 0) or 0)
+        return cls(
+            value.year, value.month, value.day, value.hour, value.minute, value.second,
+            value.microsecond, tzinfo=UTC, nanosecond=nanos % 1000,
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> Timestamp:
+        """Parse an RFC 3339 timestamp with up to nine fractional digits."""
+        m = _RFC3339.match(text.strip())
+        if m is None:
+            msg = f"not an RFC 3339 timestamp: {text!r}; write e.g. 2024-05-01T12:00:00.123456789Z"
+            raise ValueError(msg)
+        year, month, day, hour, minute, second, frac, zone = m.groups()
+        frac = (frac or "").ljust(9, "0")
+        base = datetime(int(year), int(month), int(day), int(hour), int(minute), int(second),
+                        tzinfo=UTC)
+        if zone and zone not in ("Z", "z"):
+            sign = 1 if zone[0] == "+" else -1
+            offset = timedelta(hours=int(zone[1:3]), minutes=int(zone[4:6]))
+            base = base - sign * offset
+        return cls.from_ns(cls.from_datetime(base).ns + int(frac))
+
+    @classmethod
+    def now(cls, tz: Any = None) -> Timestamp:  # type: ignore[override]
+        return cls.from_datetime(datetime.now(UTC))
+
+    def rfc3339(self) -> str:
+        """RFC 3339 text with nine fractional digits, e.g. ``2024-05-01T12:00:00.123456789Z``."""
+        return (
+            f"{self.year:04d}-{self.month:02d}-{self.day:02d}T{self.hour:02d}:{self.minute:02d}:"
+            f"{self.second:02d}.{self.microsecond:06d}{self._nanosecond:03d}Z"
+        )
+
+    def __str__(self) -> str:
+        return self.rfc3339()
+
+    def __repr__(self) -> str:
+        return f"Timestamp.parse({self.rfc3339()!r})"
+
+    def _key(self, other: object) -> tuple[int, int] | None:
+        if isinstance(other, Timestamp):
+            return self.ns, other.ns
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        k = self._key(other)
+        return k[0] == k[1] if k else super().__eq__(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __lt__(self, other: datetime) -> bool:
+        k = self._key(other)
+        return k[0] < k[1] if k else super().__lt__(other)
+
+    def __le__(self, other: datetime) -> bool:
+        k = self._key(other)
+        return k[0] <= k[1] if k else super().__le__(other)
+
+    def __gt__(self, other: datetime) -> bool:
+        k = self._key(other)
+        return k[0] > k[1] if k else super().__gt__(other)
+
+    def __ge__(self, other: datetime) -> bool:
+        k = self._key(other)
+        return k[0] >= k[1] if k else super().__ge__(other)
+
+    def __hash__(self) -> int:
+        return hash(self.ns)
+
+
+def _ts(value: Any) -> Timestamp:
+    if isinstance(value, Timestamp):
+        return value
+    if isinstance(value, int):
+        return Timestamp.from_ns(value)
+    if isinstance(value, datetime):
+        return Timestamp.from_datetime(value)
+    if isinstance(value, str):
+        return Timestamp.parse(value)
+    msg = f"expected a timestamp (datetime, RFC 3339 text or integer ns), got {value!r}"
+    raise TypeError(msg)
+
+
+def _tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value)
+
+
+ModType: TypeAlias = Literal["INSERT", "UPDATE", "DELETE"]
+ValueCaptureType: TypeAlias = Literal[
+    "OLD_AND_NEW_VALUES", "NEW_ROW", "NEW_VALUES", "NEW_ROW_AND_OLD_VALUES"
+]
+
+
+@attrs.frozen
+class ColumnType:
+    """A column of a tracked table; ``type`` is the decoded JSON type, e.g. ``{"code": "INT64"}``."""
+
+    name: str
+    type: Any
+    is_primary_key: bool
+    ordinal_position: int
+
+
+@attrs.frozen
+class Mod:
+    """One changed row: primary key, new and old column values as plain dicts."""
+
+    keys: Mapping[str, Any]
+    new_values: Mapping[str, Any] = attrs.field(factory=dict)
+    old_values: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class DataChangeRecord:
+    """Changes of one table in one transaction, as read from one partition."""
+
+    partition_token: str
+    commit_timestamp: Timestamp = attrs.field(converter=_ts)
+    record_sequence: str
+    server_transaction_id: str
+    is_last_record_in_transaction_in_partition: bool
+    table_name: str
+    column_types: tuple[ColumnType, ...] = attrs.field(converter=_tuple)
+    mods: tuple[Mod, ...] = attrs.field(converter=_tuple)
+    mod_type: ModType
+    value_capture_type: str
+    number_of_records_in_transaction: int
+    number_of_partitions_in_transaction: int
+    transaction_tag: str = ""
+    is_system_transaction: bool = False
+
+
+@attrs.frozen
+class HeartbeatRecord:
+    """No change in the partition up to ``timestamp``."""
+
+    partition_token: str
+    timestamp: Timestamp = attrs.field(converter=_ts)
+
+
+@attrs.frozen
+class ChildPartition:
+    token: str
+    parent_partition_tokens: tuple[str, ...] = attrs.field(converter=_tuple)
+
+
+@attrs.frozen
+class ChildPartitionsRecord:
+    """The partition ends at ``start_timestamp``; the children continue from there."""
+
+    partition_token: str
+    start_timestamp: Timestamp = attrs.field(converter=_ts)
+    record_sequence: str
+    child_partitions: tuple[ChildPartition, ...] = attrs.field(converter=_tuple)
+
+
+@attrs.frozen
+class PartitionStartRecord:
+    """MUTABLE_KEY_RANGE: new partitions to read from ``start_timestamp``."""
+
+    partition_token: str
+    start_timestamp: Timestamp = attrs.field(converter=_ts)
+    record_sequence: str
+    partition_tokens: tuple[str, ...] = attrs.field(converter=_tuple)
+
+
+@attrs.frozen
+class PartitionEndRecord:
+    """MUTABLE_KEY_RANGE: the partition ends at ``end_timestamp``."""
+
+    partition_token: str
+    end_timestamp: Timestamp = attrs.field(converter=_ts)
+    record_sequence: str
+
+
+@attrs.frozen
+class MoveInEvent:
+    source_partition_token: str
+
+
+@attrs.frozen
+class MoveOutEvent:
+    destination_partition_token: str
+
+
+@attrs.frozen
+class PartitionEventRecord:
+    """MUTABLE_KEY_RANGE: key ranges moved into or out of the partition."""
+
+    partition_token: str
+    commit_timestamp: Timestamp = attrs.field(converter=_ts)
+    record_sequence: str
+    move_in_events: tuple[MoveInEvent, ...] = attrs.field(converter=_tuple, default=())
+    move_out_events: tuple[MoveOutEvent, ...] = attrs.field(converter=_tuple, default=())
+
+
+ChangeRecord: TypeAlias = (
+    DataChangeRecord
+    | HeartbeatRecord
+    | ChildPartitionsRecord
+    | PartitionStartRecord
+    | PartitionEndRecord
+    | PartitionEventRecord
+)
+
+
+def record_position(record: ChangeRecord) -> int:
+    """The record's position (its timestamp) in integer nanoseconds since the epoch."""
+    if isinstance(record, DataChangeRecord | PartitionEventRecord):
+        return record.commit_timestamp.ns
+    if isinstance(record, HeartbeatRecord):
+        return record.timestamp.ns
+    if isinstance(record, ChildPartitionsRecord | PartitionStartRecord):
+        return record.start_timestamp.ns
+    return record.end_timestamp.ns
+
+
+class PartitionState(enum.StrEnum):
+    CREATED = "CREATED"
+    SCHEDULED = "SCHEDULED"
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+
+
+@attrs.frozen
+class PartitionMetadata:
+    """A partition's stored state. Positions are integer nanoseconds since the epoch.
+
+    ``watermark`` is the position up to which everything the partition holds has been read,
+    processed and committed; reading resumes there. ``end`` is exclusive (MAX_NS: no end).
+    """
+
+    token: str
+    parent_tokens: tuple[str, ...] = attrs.field(converter=_tuple)
+    start: int
+    end: int
+    watermark: int
+    state: PartitionState = attrs.field(converter=PartitionState)
+    heartbeat_millis: int = 1000
+    created_at: int = 0
+    scheduled_at: int | None = None
+    running_at: int | None = None
+    finished_at: int | None = None
+
+
+@attrs.frozen
+class Slice:
+    """One partition's share of a batch: read positions ``start <= ts < end``."""
+
+    token: str
+    start: int
+    end: int
+
+
+@attrs.frozen
+class BatchPlan:
+    """A planned micro-batch, written to the store before any task runs (write-ahead).
+
+    ``end`` is the batch end T; each slice ends at ``min(T, partition end)``. Replaying a
+    crashed batch re-executes exactly these slices.
+    """
+
+    batch_id: int
+    end: int
+    slices: tuple[Slice, ...] = attrs.field(converter=_tuple)
+    planned_at: int = 0
+
+
+@attrs.frozen
+class PartitionUpdate:
+    """A partition's progress in a committed batch."""
+
+    token: str
+    watermark: int
+    finished: bool = False
+
+
+@attrs.frozen
+class BatchRecord:
+    """A row of the batch log."""
+
+    batch_id: int
+    end: int
+    planned_at: int
+    committed_at: int | None
+    slices: int
+    records: int = 0

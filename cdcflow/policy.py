@@ -1,0 +1,45 @@
+"""What happens when a user function or a sink raises."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+
+from cdcflow.durations import parse_duration
+
+if TYPE_CHECKING:
+    from cdcflow.transforms.base import Sink
+
+__all__ = ["ErrorPolicy"]
+
+
+def _seconds(value: float | str) -> float:
+    return parse_duration(value) if isinstance(value, str) else float(value)
+
+
+@attrs.frozen
+class ErrorPolicy:
+    """Retry a failing element ``retries`` times with capped exponential backoff and jitter,
+    then ``"stop"`` (the batch is not committed; the run exits and resumes at that batch) or
+    ``"skip"`` (the element goes to ``dead_letter`` if given, and the run goes on).
+
+    Stopping never commits past the failed record.
+    """
+
+    retries: int = 3
+    backoff: float = attrs.field(default=0.1, converter=_seconds)
+    max_backoff: float = attrs.field(default=10.0, converter=_seconds)
+    then: Literal["stop", "skip"] = "stop"
+    dead_letter: Sink | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.retries < 0:
+            msg = f"ErrorPolicy.retries must be >= 0, got {self.retries}"
+            raise ValueError(msg)
+        if self.then not in ("stop", "skip"):
+            msg = f"ErrorPolicy.then must be 'stop' or 'skip', got {self.then!r}"
+            raise ValueError(msg)
+        if self.dead_letter is not None and self.then != "skip":
+            msg = "ErrorPolicy.dead_letter needs then='skip' (stopped elements are not skipped)"
+            raise ValueError(msg)

@@ -1,0 +1,64 @@
+"""The Runner protocol and what tasks return.
+
+A runner executes the tasks of a micro-batch and nothing else: planning and committing are
+the engine's (cdcflow.runners.engine), one engine for every runner. A task and its program
+travel as cloudpickle bytes, exactly as Spark ships them, and every runner calls
+``cdcflow.runners.task.execute_task(program, task) -> bytes`` where the task runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from cdcflow.model import PartitionMetadata, Slice
+
+__all__ = ["Runner", "Task", "TaskResult"]
+
+
+@attrs.frozen
+class Task:
+    """Read one slice of one batch and push its records through the fused transforms."""
+
+    pipeline: str
+    batch_id: int
+    slice: Slice
+
+
+@attrs.frozen
+class TaskResult:
+    """The small result a task returns to the driver.
+
+    ``watermark`` is the position the partition reached: ``slice.end``, or the position at
+    which it finished (its child partitions start there) when ``finished``.
+    ``sink_messages`` maps a sink's label to its writer's commit message.
+    """
+
+    token: str
+    watermark: int
+    finished: bool
+    children: tuple[PartitionMetadata, ...] = ()
+    sink_messages: Mapping[str, Any] = attrs.field(factory=dict)
+    records: int = 0
+    bytes: int = 0
+    counters: Mapping[str, int] = attrs.field(factory=dict)
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Executes a batch's tasks, possibly in parallel and elsewhere.
+
+    Contract of ``run_tasks``: returns one result per task, in task order, each the bytes
+    ``execute_task(program, task)`` returned; raises if any task failed after the runner's
+    own retries (nothing of the batch is committed then, and the engine replays it).
+    """
+
+    name: str
+
+    def open(self, app_name: str) -> None: ...
+
+    def run_tasks(self, program: bytes, tasks: Sequence[bytes]) -> list[bytes]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,255 @@
+"""Find, start and provision the Cloud Spanner emulator (a local process, no Docker).
+
+The binary ``emulator_main`` ships with the Google Cloud SDK component
+``cloud-spanner-emulator`` (Debian package google-cloud-cli-spanner-emulator). It is found
+through ``$CDCFLOW_SPANNER_EMULATOR`` (path to emulator_main), then the SDK root that
+``gcloud info`` reports, then the usual SDK locations. The emulator keeps no data across
+restarts and serves gRPC only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from cdcflow.errors import CdcflowError
+
+__all__ = [
+    "Emulator",
+    "EmulatorNotFoundError",
+    "emulator_client",
+    "find_emulator_binary",
+    "free_port",
+]
+
+INSTALL_HINT = (
+    "install the Cloud Spanner emulator: `apt-get install google-cloud-cli-spanner-emulator` "
+    "(or `gcloud components install cloud-spanner-emulator`), or set "
+    "CDCFLOW_SPANNER_EMULATOR to the path of emulator_main"
+)
+
+_RELATIVE = Path("bin") / "cloud_spanner_emulator" / "emulator_main"
+_SDK_ROOTS = ("/usr/lib/google-cloud-sdk", "/usr/share/google-cloud-sdk", "/opt/google-cloud-sdk")
+
+
+class EmulatorNotFoundError(CdcflowError):
+    """emulator_main is not installed where cdcflow looks."""
+
+
+def _sdk_root_from_gcloud() -> Path | None:
+    gcloud = shutil.which("gcloud")
+    if gcloud is None:
+        return None
+    try:
+        out = subprocess.run(
+            [gcloud, "info", "--format=value(installation.sdk_root)"],
+            capture_output=True, text=True, timeout=60, check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return Path(out) if out else None
+
+
+def find_emulator_binary() -> Path:
+    """Path of emulator_main; raise EmulatorNotFoundError with install instructions."""
+    env = os.environ.get("CDCFLOW_SPANNER_EMULATOR")
+    if env:
+        path = Path(env)
+        if path.is_dir():
+            path = path / "emulator_main"
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        msg = f"CDCFLOW_SPANNER_EMULATOR={env} is not an executable emulator_main; {INSTALL_HINT}"
+        raise EmulatorNotFoundError(msg)
+    candidates = [Path(root) / _RELATIVE for root in _SDK_ROOTS]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    root = _sdk_root_from_gcloud()
+    if root is not None and (root / _RELATIVE).is_file():
+        return root / _RELATIVE
+    msg = f"the Cloud Spanner emulator (emulator_main) was not found; {INSTALL_HINT}"
+    raise EmulatorNotFoundError(msg)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def emulator_client(host: str, project: str = "test-project") -> Any:
+    """A google-cloud-spanner Client talking to the emulator at ``host`` (``127.0.0.1:PORT``)."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import spanner
+
+    return spanner.Client(
+        project=project,
+        credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": host},
+        disable_builtin_metrics=True,
+    )
+
+
+class Emulator:
+    """A Cloud Spanner emulator process on a free loopback port.
+
+    ``partition_alive_seconds`` makes change-stream partitions split and merge every N..2N
+    seconds instead of 20..40 s, so tests see churn quickly.
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        partition_alive_seconds: int | None = None,
+        binary: Path | None = None,
+        extra_args: Sequence[str] = (),
+        project: str = "test-project",
+    ) -> None:
+        self.binary = binary or find_emulator_binary()
+        self.port = port or free_port()
+        self.partition_alive_seconds = partition_alive_seconds
+        self.extra_args = list(extra_args)
+        self.project = project
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+        self._client: Any = None
+
+    @property
+    def host(self) -> str:
+        """``127.0.0.1:PORT``: the value for SPANNER_EMULATOR_HOST."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> str | None:
+        return self._log.name if self._log is not None else None
+
+    def start(self, timeout: float = 60.0) -> Emulator:
+        args = [str(self.binary), f"--host_port={self.host}"]
+        if self.partition_alive_seconds:
+            args.append(
+                f"--override_change_stream_partition_token_alive_seconds="
+                f"{self.partition_alive_seconds}"
+            )
+            # The churner wakes up every 20 s by default; make it follow the partition lifetime.
+            interval = max(1, self.partition_alive_seconds // 2)
+            args += [
+                f"--change_stream_churning_interval={interval}s",
+                f"--change_stream_churn_thread_sleep_interval={interval}s",
+            ]
+        args += self.extra_args
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
+            prefix="spanner-emulator-", suffix=".log", delete=False
+        )
+        self._proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                msg = (
+                    f"the Spanner emulator exited with code {self._proc.returncode} at start; "
+                    f"see its log {self.log_path}"
+                )
+                raise CdcflowError(msg)
+            with contextlib.suppress(OSError), socket.create_connection(
+                ("127.0.0.1", self.port), timeout=0.5
+            ):
+                return
+            time.sleep(0.1)
+        self.stop()
+        msg = f"the Spanner emulator did not answer on {self.host} within {timeout:.0f}s"
+        raise CdcflowError(msg)
+
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = emulator_client(self.host, self.project)
+        return self._client
+
+    def create_instance(self, instance: str = "test-instance") -> Any:
+        client = self.client()
+        inst = client.instance(instance, configuration_name=f"{client.project_name}/instanceConfigs/emulator-config",
+                                display_name=instance, node_count=1)
+        if not inst.exists():
+            inst.create().result(120)
+        return inst
+
+    def create_database(
+        self,
+        database: str,
+        ddl: Sequence[str] = (),
+        *,
+        instance: str = "test-instance",
+        dialect: Literal["GOOGLE_STANDARD_SQL", "POSTGRESQL"] = "GOOGLE_STANDARD_SQL",
+    ) -> Any:
+        """Create (or recreate) a database with the given DDL; return the Database handle."""
+        from google.cloud.spanner_admin_database_v1 import DatabaseDialect
+
+        inst = self.create_instance(instance)
+        if dialect == "POSTGRESQL":
+            db = inst.database(database, database_dialect=DatabaseDialect.POSTGRESQL)
+            if db.exists():
+                db.drop()
+            db.create().result(120)
+            if ddl:
+                db.update_ddl(list(ddl)).result(300)
+        else:
+            db = inst.database(database, ddl_statements=list(ddl))
+            if db.exists():
+                db.drop()
+            db.create().result(300)
+        return db
+
+    def database_path(self, database: str, instance: str = "test-instance") -> str:
+        return f"projects/{self.project}/instances/{instance}/databases/{database}"
+
+    def stop(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+        self._proc = None
+        if self._log is not None:
+            self._log.close()
+
+    def __enter__(self) -> Emulator:
+        return self.start() if self._proc is None else self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def running_emulator(**kwargs: Any) -> Iterator[Emulator]:
+    """``with running_emulator(partition_alive_seconds=2) as emu: ...``"""
+    emu = Emulator(**kwargs).start()
+    try:
+        yield emu
+    finally:
+        emu.stop()

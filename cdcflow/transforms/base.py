@@ -1,0 +1,182 @@
+"""Transform kinds: PTransform (composite), and the primitives runners execute.
+
+Runners know four primitive kinds and raise on anything else:
+
+- ``Source`` (DetectPartitions): where partitions come from.
+- ``Read`` (ReadPartition): reads partitions; emits DataChangeRecords.
+- ``ParDo``: element-wise user code (a :class:`DoFn`); Map, FlatMap, Filter are ParDos.
+- ``Sink``: terminal; writers in tasks, commit on the driver, once per batch.
+
+A composite transform overrides :meth:`PTransform.expand` and applies other transforms.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
+
+if TYPE_CHECKING:
+    from cdcflow.pipeline import PCollection
+
+__all__ = [
+    "DoFn",
+    "ParDo",
+    "PTransform",
+    "PrimitiveTransform",
+    "Sink",
+    "SinkContext",
+    "SinkWriter",
+    "WriterContext",
+]
+
+
+class PTransform:
+    """A step of a pipeline. ``"label" >> transform`` names it; ``pcoll | transform`` applies it.
+
+    Subclasses that are composites override :meth:`expand` and apply other transforms to the
+    input PCollection, returning the output PCollection.
+    """
+
+    label: str | None = None
+
+    def default_label(self) -> str:
+        """The label used when none is given: the class name."""
+        return type(self).__name__
+
+    def with_label(self, label: str) -> PTransform:
+        """A shallow copy of this transform carrying ``label``."""
+        if not isinstance(label, str) or not label.strip():
+            msg = f"a label must be a non-empty string, got {label!r}"
+            raise TypeError(msg)
+        clone = copy.copy(self)
+        clone.label = label
+        return clone
+
+    def __rrshift__(self, label: str) -> PTransform:
+        return self.with_label(label)
+
+    def expand(self, pcoll: PCollection) -> PCollection:
+        """Apply this transform to ``pcoll``. Composites override this."""
+        msg = f"{type(self).__name__} is neither a primitive nor a composite: override expand()"
+        raise NotImplementedError(msg)
+
+
+class PrimitiveTransform(PTransform):
+    """A transform that runners execute directly; ``kind`` is one of the primitive kinds."""
+
+    kind: str = ""
+
+    def expand(self, pcoll: PCollection) -> PCollection:
+        return pcoll.pipeline._add_primitive(self, pcoll)
+
+    def describe_params(self) -> str:
+        """A short text of the parameters, shown by ``cdcflow graph``."""
+        return ""
+
+
+class DoFn:
+    """Element-wise user code. ``process`` returns (or yields) zero or more outputs.
+
+    ``setup`` runs once per task before the first element, ``teardown`` after the last.
+    A DoFn is pickled into every task: keep clients and pools out of ``__init__``.
+    """
+
+    def setup(self) -> None:
+        return None
+
+    def process(self, element: Any) -> Iterable[Any]:
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        return None
+
+
+class ParDo(PrimitiveTransform):
+    """Apply a :class:`DoFn` to every element."""
+
+    kind = "ParDo"
+
+    def __init__(self, fn: DoFn) -> None:
+        if not isinstance(fn, DoFn):
+            msg = f"ParDo takes a DoFn instance, got {fn!r}; subclass cdcflow.DoFn"
+            raise TypeError(msg)
+        self.fn = fn
+
+    def default_label(self) -> str:
+        return type(self.fn).__name__
+
+
+@attrs.frozen
+class WriterContext:
+    """Where a sink writer runs: one task, i.e. one slice of one batch."""
+
+    pipeline: str
+    sink_label: str
+    batch_id: int
+    partition_token: str
+    slice_start: int
+    slice_end: int
+    attempt: str  # unique per execution attempt of the task (retries get a new one)
+
+
+@attrs.frozen
+class SinkContext:
+    """What a sink learns on the driver before the first batch."""
+
+    pipeline: str
+    sink_label: str
+    base_dir: str  # directory of the pipeline file; relative paths resolve against it
+
+
+@runtime_checkable
+class SinkWriter(Protocol):
+    """Writes one task's elements. Runs where the task runs (an executor on Spark)."""
+
+    def write(self, element: Any) -> None: ...
+
+    def close(self) -> Any:
+        """Finish writing; return a small picklable commit message (None if nothing written)."""
+        ...
+
+    def abort(self) -> None:
+        """Discard what was written; called when the task fails."""
+        ...
+
+
+class Sink(PrimitiveTransform):
+    """A terminal transform. Two stages, as in a two-phase commit:
+
+    1. ``open_writer`` in every task; the writer's ``close`` returns a commit message.
+    2. ``commit`` on the driver with every message of the batch, before the store commits
+       the batch's progress. ``commit`` must be idempotent for a batch id: a crash between
+       sink commit and store commit replays the batch with the same slices and calls
+       ``commit`` again for the same id. Such a sink gives exactly-once output.
+
+    After the store commits, ``on_watermark`` tells the sink that every record with
+    commit timestamp below ``watermark_ns`` has been delivered and committed.
+    """
+
+    kind = "Sink"
+
+    def setup(self, ctx: SinkContext) -> None:
+        """Driver-side preparation before the first batch (resolve paths, create tables)."""
+        return None
+
+    def open_writer(self, ctx: WriterContext) -> SinkWriter:
+        raise NotImplementedError
+
+    def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
+        raise NotImplementedError
+
+    def abort(self, batch_id: int, messages: Sequence[Any]) -> None:
+        """Discard the batch's uncommitted output (the batch will be replayed)."""
+        return None
+
+    def on_watermark(self, watermark_ns: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
