@@ -1,0 +1,77 @@
+"""Entry-point registry for third-party transforms, sinks, runners and metadata stores.
+
+A package registers under one of the groups in ``GROUPS``, e.g. in its pyproject.toml::
+
+    [project.entry-points."cdcflow.sinks"]
+    kafka = "my_pkg.sinks:KafkaSink"
+
+A plugin that fails to import gives a warning, not a crash.
+"""
+
+from __future__ import annotations
+
+import warnings
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import attrs
+
+from cdcflow.errors import PluginError
+
+__all__ = ["GROUPS", "PluginInfo", "available", "list_plugins", "load_plugin"]
+
+GROUPS = ("cdcflow.transforms", "cdcflow.sinks", "cdcflow.runners", "cdcflow.metadata")
+
+
+@attrs.frozen
+class PluginInfo:
+    group: str
+    name: str
+    value: str  # "module:attr"
+    distribution: str
+    error: str | None = None  # why it failed to load, when it did
+
+
+def _entry_points(group: str) -> list[EntryPoint]:
+    if group not in GROUPS:
+        msg = f"unknown plugin group {group!r}; use one of {', '.join(GROUPS)}"
+        raise PluginError(msg)
+    return sorted(entry_points(group=group), key=lambda ep: ep.name)
+
+
+def available(group: str) -> list[str]:
+    """Names registered under ``group``."""
+    return [ep.name for ep in _entry_points(group)]
+
+
+def load_plugin(group: str, name: str) -> Any:
+    """The object registered as ``name`` under ``group``; PluginError names what exists."""
+    eps = [ep for ep in _entry_points(group) if ep.name == name]
+    if not eps:
+        names = ", ".join(available(group)) or "none"
+        msg = f"no {group.split('.')[1][:-1]} named {name!r} is installed (installed: {names})"
+        raise PluginError(msg)
+    try:
+        return eps[0].load()
+    except Exception as e:  # a broken plugin must not take the CLI down with a traceback
+        msg = f"plugin {name!r} ({eps[0].value}) failed to load: {type(e).__name__}: {e}"
+        raise PluginError(msg) from e
+
+
+def list_plugins(load: bool = True) -> list[PluginInfo]:
+    """Every registered plugin; with ``load``, each is imported and failures are reported
+    in ``error`` (and warned about) instead of raised."""
+    out: list[PluginInfo] = []
+    for group in GROUPS:
+        for ep in _entry_points(group):
+            dist = ep.dist.name if ep.dist is not None else "?"
+            error = None
+            if load:
+                try:
+                    ep.load()
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+                    warnings.warn(f"cdcflow plugin {ep.name!r} ({ep.value}) is broken: {error}",
+                                  stacklevel=2)
+            out.append(PluginInfo(group, ep.name, ep.value, dist, error))
+    return out

@@ -1,0 +1,136 @@
+"""DetectPartitions and ReadPartition: the change-stream source of a pipeline."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from cdcflow.durations import parse_duration, parse_time
+from cdcflow.errors import PipelineDefinitionError
+from cdcflow.model import MAX_NS
+from cdcflow.transforms.base import PrimitiveTransform
+
+if TYPE_CHECKING:
+    from cdcflow.spanner.base import ChangeStreamClient
+
+__all__ = ["DetectPartitions", "ReadPartition"]
+
+_DATABASE = re.compile(r"^projects/[^/]+/instances/[^/]+/databases/[^/]+$")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_PRIORITIES = ("LOW", "MEDIUM", "HIGH")
+
+TimeLike = str | datetime | int
+
+
+class DetectPartitions(PrimitiveTransform):
+    """Where partitions come from: a change stream of a Spanner database.
+
+    ``start_at``: ``"now"`` (resolved once, on the first run), ``"-10m"``, RFC 3339 text or
+    a datetime. ``end_at`` (inclusive; None reads forever): when every partition has been
+    read up to it, the run ends. ``client`` replaces the Spanner reader (tests use
+    :class:`cdcflow.testing.ScriptedChangeStream`); it is pickled into every task.
+    """
+
+    kind = "Source"
+
+    def __init__(
+        self,
+        database: str | None = None,
+        stream: str = "",
+        start_at: TimeLike = "now",
+        end_at: TimeLike | None = None,
+        *,
+        client: ChangeStreamClient | None = None,
+        priority: str = "MEDIUM",
+        query_timeout: str | float = "10m",
+    ) -> None:
+        if client is None and (database is None or not _DATABASE.match(database)):
+            msg = (
+                f"DetectPartitions(database={database!r}): write the full path "
+                "projects/PROJECT/instances/INSTANCE/databases/DATABASE"
+            )
+            raise PipelineDefinitionError(msg)
+        if not _IDENTIFIER.match(stream or ""):
+            msg = (
+                f"DetectPartitions(stream={stream!r}): a change stream name is an identifier "
+                "(letters, digits, '_', not starting with a digit)"
+            )
+            raise PipelineDefinitionError(msg)
+        if priority.upper() not in _PRIORITIES:
+            msg = f"DetectPartitions(priority={priority!r}): use one of {', '.join(_PRIORITIES)}"
+            raise PipelineDefinitionError(msg)
+        for name, value in (("start_at", start_at), ("end_at", end_at)):
+            if value is not None:
+                try:
+                    parse_time(value)
+                except ValueError as e:
+                    raise PipelineDefinitionError(f"DetectPartitions({name}=...): {e}") from None
+        self.database = database
+        self.stream = stream
+        self.start_at = start_at
+        self.end_at = end_at
+        self.client = client
+        self.priority = priority.upper()
+        self.query_timeout = parse_duration(query_timeout)
+
+    def start_ns(self, now_ns: int) -> int:
+        """The first position to read, for a pipeline that has no stored state yet."""
+        return parse_time(self.start_at, now_ns)
+
+    def end_ns(self, now_ns: int) -> int:
+        """The exclusive end position (``end_at`` + 1 ns, since ``end_at`` is inclusive)."""
+        return MAX_NS if self.end_at is None else parse_time(self.end_at, now_ns) + 1
+
+    def make_client(self) -> ChangeStreamClient:
+        """The client tasks read with (cached per worker process for Spanner)."""
+        if self.client is not None:
+            return self.client
+        from cdcflow.spanner.client import cached_client
+
+        assert self.database is not None
+        return cached_client(
+            self.database, priority=self.priority, query_timeout=self.query_timeout
+        )
+
+    def describe_params(self) -> str:
+        where = self.database or type(self.client).__name__
+        end = f", end_at={self.end_at!s}" if self.end_at is not None else ""
+        return f"{where} stream={self.stream} start_at={self.start_at!s}{end}"
+
+
+class ReadPartition(PrimitiveTransform):
+    """Read every scheduled partition; emit its DataChangeRecords.
+
+    ``heartbeat``: how often an idle partition reports progress. ``max_inflight`` > 1 runs
+    the downstream transforms of up to that many records concurrently inside a task; output
+    still reaches sinks in record order and progress advances only through the contiguously
+    completed prefix. ``max_inflight_bytes`` bounds the memory of records in flight: reading
+    blocks while it is exceeded.
+    """
+
+    kind = "Read"
+
+    def __init__(
+        self,
+        heartbeat: str | float = "1s",
+        *,
+        max_inflight: int = 1,
+        max_inflight_bytes: int = 64 << 20,
+    ) -> None:
+        seconds = parse_duration(heartbeat)
+        if not 0.001 <= seconds <= 300:
+            msg = f"ReadPartition(heartbeat={heartbeat!r}): use a value from 1ms to 300s"
+            raise PipelineDefinitionError(msg)
+        if max_inflight < 1:
+            msg = f"ReadPartition(max_inflight={max_inflight}): use 1 or more"
+            raise PipelineDefinitionError(msg)
+        if max_inflight_bytes < 1:
+            msg = f"ReadPartition(max_inflight_bytes={max_inflight_bytes}): use 1 or more"
+            raise PipelineDefinitionError(msg)
+        self.heartbeat_millis = max(1, round(seconds * 1000))
+        self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes
+
+    def describe_params(self) -> str:
+        return f"heartbeat={self.heartbeat_millis}ms max_inflight={self.max_inflight}"
