@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any, Literal, TypeAlias
 
 import attrs
@@ -35,8 +35,8 @@ __all__ = [
     "PartitionEventRecord",
     "PartitionMetadata",
     "PartitionStartRecord",
-    "PartitionUpdate",
     "PartitionState",
+    "PartitionUpdate",
     "Slice",
     "Timestamp",
     "ValueCaptureType",
@@ -47,8 +47,9 @@ __all__ = [
 #: returns the stream's first child partitions (the name Beam's metadata table uses).
 INITIAL_PARTITION_TOKEN = "Parent0"
 
-#: Largest position: "no end". Spanner's maximum timestamp is 9999-12-31T23:59:59.999999999Z.
-MAX_NS = 253402300799_999999999 + 1
+#: Largest position, "no end": the largest signed 64-bit value (2262-04-11), so positions
+#: fit every store's integer column and Spark's LongType.
+MAX_NS = (1 << 63) - 1
 
 _NS_PER_S = 1_000_000_000
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -91,7 +92,7 @@ class Timestamp(datetime):
     @property
     def ns(self) -> int:
         """Integer nanoseconds since the Unix epoch."""
-        delta = self - _EPOCH
+        delta: timedelta = datetime.__sub__(self, _EPOCH)
         micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
         return micros * 1000 + self._nanosecond
 
@@ -136,7 +137,7 @@ class Timestamp(datetime):
         return cls.from_ns(cls.from_datetime(base).ns + int(frac))
 
     @classmethod
-    def now(cls, tz: Any = None) -> Timestamp:  # type: ignore[override]
+    def now(cls, tz: Any = None) -> Timestamp:
         return cls.from_datetime(datetime.now(UTC))
 
     def rfc3339(self) -> str:
@@ -164,21 +165,21 @@ class Timestamp(datetime):
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
 
-    def __lt__(self, other: datetime) -> bool:
+    def __lt__(self, other: date) -> bool:
         k = self._key(other)
-        return k[0] < k[1] if k else super().__lt__(other)
+        return k[0] < k[1] if k else super().__lt__(other)  # type: ignore[operator]
 
-    def __le__(self, other: datetime) -> bool:
+    def __le__(self, other: date) -> bool:
         k = self._key(other)
-        return k[0] <= k[1] if k else super().__le__(other)
+        return k[0] <= k[1] if k else super().__le__(other)  # type: ignore[operator]
 
-    def __gt__(self, other: datetime) -> bool:
+    def __gt__(self, other: date) -> bool:
         k = self._key(other)
-        return k[0] > k[1] if k else super().__gt__(other)
+        return k[0] > k[1] if k else super().__gt__(other)  # type: ignore[operator]
 
-    def __ge__(self, other: datetime) -> bool:
+    def __ge__(self, other: date) -> bool:
         k = self._key(other)
-        return k[0] >= k[1] if k else super().__ge__(other)
+        return k[0] >= k[1] if k else super().__ge__(other)  # type: ignore[operator]
 
     def __hash__(self) -> int:
         return hash(self.ns)
@@ -209,7 +210,7 @@ ValueCaptureType: TypeAlias = Literal[
 
 @attrs.frozen
 class ColumnType:
-    """A column of a tracked table; ``type`` is the decoded JSON type, e.g. ``{"code": "INT64"}``."""
+    """A column of a tracked table; ``type`` is the decoded JSON type (``{"code": "INT64"}``)."""
 
     name: str
     type: Any

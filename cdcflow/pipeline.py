@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+
 import networkx as nx
 
 from cdcflow.errors import DuplicateLabelError, PipelineDefinitionError
@@ -163,7 +164,10 @@ class Pipeline:
                 )
                 raise PipelineDefinitionError(msg)
             if t.kind == "Read" and up_kind != "Source":
-                msg = f"{label!r}: ReadPartition reads DetectPartitions' output; apply it right after"
+                msg = (
+                    f"{label!r}: ReadPartition reads DetectPartitions' output; apply it "
+                    "right after DetectPartitions"
+                )
                 raise PipelineDefinitionError(msg)
             if t.kind in ("ParDo", "Sink") and up_kind == "Source":
                 msg = (

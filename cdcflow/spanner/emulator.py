@@ -96,7 +96,7 @@ def emulator_client(host: str, project: str = "test-project") -> Any:
 
     return spanner.Client(
         project=project,
-        credentials=AnonymousCredentials(),
+        credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]
         client_options={"api_endpoint": host},
         disable_builtin_metrics=True,
     )
@@ -185,8 +185,10 @@ class Emulator:
 
     def create_instance(self, instance: str = "test-instance") -> Any:
         client = self.client()
-        inst = client.instance(instance, configuration_name=f"{client.project_name}/instanceConfigs/emulator-config",
-                                display_name=instance, node_count=1)
+        config = f"{client.project_name}/instanceConfigs/emulator-config"
+        inst = client.instance(
+            instance, configuration_name=config, display_name=instance, node_count=1
+        )
         if not inst.exists():
             inst.create().result(120)
         return inst

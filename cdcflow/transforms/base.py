@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DoFn",
-    "ParDo",
     "PTransform",
+    "ParDo",
     "PrimitiveTransform",
     "Sink",
     "SinkContext",
