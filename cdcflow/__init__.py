@@ -1,8 +1,74 @@
-"""cdcflow: read Google Cloud Spanner change streams with a small Python dataflow DSL."""
+"""cdcflow: read Google Cloud Spanner change streams with a small Python dataflow DSL.
 
+    import cdcflow as cf
+
+    pipeline = cf.Pipeline("orders-to-files")
+    (pipeline
+     | cf.DetectPartitions(database="projects/p/instances/i/databases/shop",
+                           stream="OrdersStream", start_at="now")
+     | cf.ReadPartition(heartbeat="1s")
+     | "no deletes" >> cf.Filter(lambda r: r.mod_type != "DELETE")
+     | cf.WriteFiles("out/orders", format="jsonl"))
+
+Importing this package is light: Spark and the Spanner client load only when a run needs them.
+"""
+
+from cdcflow.model import (
+    ChildPartition,
+    ChildPartitionsRecord,
+    ColumnType,
+    DataChangeRecord,
+    HeartbeatRecord,
+    Mod,
+    ModType,
+    PartitionEndRecord,
+    PartitionEventRecord,
+    PartitionStartRecord,
+    Timestamp,
+    ValueCaptureType,
+)
 from cdcflow.pipeline import PCollection, Pipeline
 from cdcflow.policy import ErrorPolicy
+from cdcflow.transforms import (
+    DetectPartitions,
+    DoFn,
+    Filter,
+    FlatMap,
+    Map,
+    ParDo,
+    PTransform,
+    ReadPartition,
+    Sink,
+    plugin,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["ErrorPolicy", "PCollection", "Pipeline", "__version__"]
+__all__ = [
+    "ChildPartition",
+    "ChildPartitionsRecord",
+    "ColumnType",
+    "DataChangeRecord",
+    "DetectPartitions",
+    "DoFn",
+    "ErrorPolicy",
+    "Filter",
+    "FlatMap",
+    "HeartbeatRecord",
+    "Map",
+    "Mod",
+    "ModType",
+    "PCollection",
+    "PTransform",
+    "ParDo",
+    "PartitionEndRecord",
+    "PartitionEventRecord",
+    "PartitionStartRecord",
+    "Pipeline",
+    "ReadPartition",
+    "Sink",
+    "Timestamp",
+    "ValueCaptureType",
+    "__version__",
+    "plugin",
+]

@@ -1,0 +1,75 @@
+"""Transforms and sinks a pipeline is built from, and :func:`plugin` for third-party ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cdcflow.errors import PluginError
+from cdcflow.transforms.base import DoFn, ParDo, PTransform, Sink
+from cdcflow.transforms.core import Filter, FlatMap, Map
+from cdcflow.transforms.partitions import DetectPartitions, ReadPartition
+
+__all__ = [
+    "DetectPartitions",
+    "DoFn",
+    "Filter",
+    "FlatMap",
+    "Map",
+    "PTransform",
+    "ParDo",
+    "ReadPartition",
+    "Sink",
+    "plugin",
+]
+
+_PLUGIN_GROUPS = ("cdcflow.transforms", "cdcflow.sinks")
+
+
+def plugin(name: str, *args: Any, **kwargs: Any) -> PTransform:
+    """Build the transform or sink a third-party package registered as ``name``.
+
+    Looks ``name`` up under the entry-point groups ``cdcflow.transforms`` and
+    ``cdcflow.sinks``, and calls what is registered with ``*args`` and ``**kwargs``::
+
+        pipeline | ... | plugin("counting", "out/counts")
+
+    Raises PluginError listing what is installed when ``name`` is not registered, when it
+    is registered in both groups, or when it fails to load or does not build a transform.
+    """
+    from cdcflow import plugins  # importlib.metadata is only needed here
+
+    found = [g for g in _PLUGIN_GROUPS if name in plugins.available(g)]
+    if not found:
+        installed = "; ".join(
+            f"{g.split('.')[1]}: {', '.join(plugins.available(g)) or 'none'}"
+            for g in _PLUGIN_GROUPS
+        )
+        msg = (
+            f"no transform or sink plugin named {name!r} is installed ({installed}); "
+            "install the package that provides it, or check the name"
+        )
+        raise PluginError(msg)
+    if len(found) > 1:
+        msg = (
+            f"{name!r} is registered both as a transform and as a sink plugin; import the "
+            "class from its package instead of using plugin()"
+        )
+        raise PluginError(msg)
+    factory = plugins.load_plugin(found[0], name)
+    if not callable(factory):
+        msg = f"plugin {name!r} in {found[0]} is {factory!r}, not a transform class or factory"
+        raise PluginError(msg)
+    transform = factory(*args, **kwargs)
+    if not isinstance(transform, PTransform):
+        msg = (
+            f"plugin {name!r} in {found[0]} built {transform!r}, not a transform; its package "
+            "must register a PTransform or Sink subclass (or a function returning one)"
+        )
+        raise PluginError(msg)
+    if found[0] == "cdcflow.sinks" and not isinstance(transform, Sink):
+        msg = (
+            f"plugin {name!r} is registered under cdcflow.sinks but built {transform!r}, "
+            "which is not a Sink; its package must register a Sink subclass there"
+        )
+        raise PluginError(msg)
+    return transform
