@@ -1,0 +1,54 @@
+"""Metadata stores: durable progress of pipelines, selected by URL.
+
+>>> store = open_store("sqlite:///state.db")   # doctest: +SKIP
+
+``memory://`` and ``memory://NAME`` (in-process), ``sqlite:///relative.db`` and
+``sqlite:////absolute.db`` (embedded default), and any scheme registered under the
+``cdcflow.metadata`` entry-point group, such as
+``spanner://projects/P/instances/I/databases/D[?table=NAME]``. A plugin store class provides
+``from_url(url) -> store``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from cdcflow.errors import StoreURLError
+from cdcflow.metadata._rules import URL_FORMS
+from cdcflow.metadata.base import MetadataStore
+from cdcflow.metadata.memory import MemoryStore
+from cdcflow.plugins import available, load_plugin
+
+__all__ = ["URL_FORMS", "MemoryStore", "MetadataStore", "open_store"]
+
+_SCHEME = re.compile(r"^([a-z][a-z0-9+.-]*)://")
+_GROUP = "cdcflow.metadata"
+
+
+def open_store(url: str) -> MetadataStore:
+    """Open the metadata store named by ``url``.
+
+    Raises :class:`~cdcflow.errors.StoreURLError` for a malformed URL or an unknown scheme,
+    with the valid forms in the message. Stores other than memory and SQLite are loaded
+    through the plugin registry only when their scheme is used (the Spanner store's client
+    library is imported on first use).
+    """
+    m = _SCHEME.match(url.strip())
+    if m is None:
+        msg = f"not a metadata store URL: {url!r}; valid forms: {URL_FORMS}"
+        raise StoreURLError(msg)
+    url = url.strip()
+    scheme = m.group(1)
+    if scheme == "memory":
+        return MemoryStore.from_url(url)
+    if scheme not in available(_GROUP):
+        installed = ", ".join(sorted({"memory", "sqlite", *available(_GROUP)}))
+        msg = (
+            f"unknown metadata store scheme {scheme!r} in {url!r} (installed: {installed}); "
+            f"valid forms: {URL_FORMS}"
+        )
+        raise StoreURLError(msg)
+    cls: Any = load_plugin(_GROUP, scheme)
+    store: MetadataStore = cls.from_url(url)
+    return store

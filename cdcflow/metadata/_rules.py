@@ -1,0 +1,112 @@
+"""Rules every store applies the same way: state transitions, plan checks, error messages.
+
+Kept apart from the stores so the memory, SQLite and Spanner stores cannot drift apart on
+what the MetadataStore contract means.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from cdcflow.errors import PlanConflictError, StoreError, StoreURLError, WatermarkRegressionError
+from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
+
+__all__ = [
+    "DEFAULT_BATCH_LOG_SIZE",
+    "URL_FORMS",
+    "check_new_plan",
+    "not_planned",
+    "regression",
+    "transition",
+    "unknown_partition",
+    "url_error",
+]
+
+#: Committed batches kept per pipeline in the batch log; older ones are pruned on commit so
+#: a long-running pipeline's log stays small. The pending batch is never pruned.
+DEFAULT_BATCH_LOG_SIZE = 10_000
+
+URL_FORMS = (
+    "memory:// (private to this store object), memory://NAME (shared within the process), "
+    "sqlite:///relative/path.db, sqlite:////absolute/path.db, "
+    "spanner://projects/P/instances/I/databases/D[?table=NAME]"
+)
+
+_ORDER = {
+    PartitionState.CREATED: 0,
+    PartitionState.SCHEDULED: 1,
+    PartitionState.RUNNING: 2,
+    PartitionState.FINISHED: 3,
+}
+
+
+def url_error(url: str, why: str) -> StoreURLError:
+    return StoreURLError(f"bad metadata store URL {url!r}: {why}; valid forms: {URL_FORMS}")
+
+
+def transition(
+    pipeline: str, partition: PartitionMetadata, state: PartitionState, now: int
+) -> PartitionMetadata:
+    """``partition`` moved to ``state``, with the timestamps of the states it reaches set.
+
+    Moving to the current state changes nothing. A jump (CREATED -> RUNNING) also sets the
+    skipped state's timestamp. Moving backwards raises StoreError: states only go forward.
+    """
+    state = PartitionState(state)
+    if state == partition.state:
+        return partition
+    if _ORDER[state] < _ORDER[partition.state]:
+        msg = (
+            f"pipeline {pipeline!r}: partition {partition.token!r} cannot go from "
+            f"{partition.state} back to {state}; states only move forward "
+            "(CREATED -> SCHEDULED -> RUNNING -> FINISHED); use reset to start over"
+        )
+        raise StoreError(msg)
+    level = _ORDER[state]
+    return attrs.evolve(
+        partition,
+        state=state,
+        scheduled_at=partition.scheduled_at if partition.scheduled_at is not None or level < 1
+        else now,
+        running_at=partition.running_at if partition.running_at is not None or level < 2
+        else now,
+        finished_at=partition.finished_at if partition.finished_at is not None or level < 3
+        else now,
+    )
+
+
+def check_new_plan(pipeline: str, plan: BatchPlan, last_id: int, pending_id: int | None) -> None:
+    """Raise PlanConflictError unless ``plan`` may be logged next."""
+    if pending_id is not None:
+        msg = (
+            f"pipeline {pipeline!r}: batch {pending_id} is still pending; commit or replay it "
+            f"before planning batch {plan.batch_id} (is another run of this pipeline active?)"
+        )
+        raise PlanConflictError(msg)
+    if plan.batch_id <= last_id:
+        msg = (
+            f"pipeline {pipeline!r}: batch id {plan.batch_id} is not greater than the last "
+            f"logged batch id {last_id}; plan batch {last_id + 1} next"
+        )
+        raise PlanConflictError(msg)
+
+
+def not_planned(pipeline: str, batch_id: int) -> StoreError:
+    return StoreError(
+        f"pipeline {pipeline!r}: batch {batch_id} was never planned; "
+        "call write_plan before commit_batch"
+    )
+
+
+def unknown_partition(pipeline: str, token: str) -> StoreError:
+    return StoreError(
+        f"pipeline {pipeline!r} has no partition {token!r}; insert it first "
+        "(insert_partitions, or as a child in commit_batch)"
+    )
+
+
+def regression(pipeline: str, token: str, stored: int, new: int) -> WatermarkRegressionError:
+    return WatermarkRegressionError(
+        f"pipeline {pipeline!r}: partition {token!r} watermark would move back from {stored} "
+        f"to {new} ns; watermarks never go backwards, so commit progress at or after {stored}"
+    )
