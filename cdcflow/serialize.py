@@ -1,0 +1,125 @@
+"""Elements as JSON: change records, attrs and dataclass instances, and dicts.
+
+:func:`to_json_dict` turns an element into a dict of plain JSON values; :func:`dumps_line`
+makes one JSONL line of it. Conversions: :class:`~cdcflow.model.Timestamp` and other
+datetimes -> RFC 3339 text with nine fractional digits (UTC); ``date``/``time`` -> ISO text;
+``Decimal`` -> text (Spanner NUMERIC keeps its precision); ``bytes`` -> base64 text (as
+Spanner's JSON does for BYTES); enums -> their value; tuples and lists -> lists; sets ->
+sorted lists; attrs/dataclass instances and mappings -> dicts. Anything else raises
+SinkError: map it to a dict with ``Map`` first.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import enum
+from collections.abc import Mapping
+from datetime import date, datetime, time
+from decimal import Decimal
+from typing import Any
+
+import attrs
+import orjson
+
+from cdcflow.errors import SinkError
+from cdcflow.model import Timestamp
+
+__all__ = ["dumps_line", "to_json_dict", "to_json_value"]
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        if attrs.has(cls):
+            names = tuple(f.name for f in attrs.fields(cls))
+        else:
+            names = tuple(f.name for f in dataclasses.fields(cls))
+        _FIELD_NAMES[cls] = names
+    return names
+
+
+def _is_struct(value: Any) -> bool:
+    cls = type(value)
+    return attrs.has(cls) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, int | float | bool) or key is None:
+        return str(key)
+    msg = (
+        f"cannot use {key!r} ({type(key).__name__}) as a JSON object key; map it to a dict "
+        "with str keys with Map first"
+    )
+    raise SinkError(msg)
+
+
+def _struct_dict(value: Any) -> dict[str, Any]:
+    return {name: to_json_value(getattr(value, name)) for name in _field_names(type(value))}
+
+
+def to_json_value(value: Any) -> Any:
+    """Convert ``value`` to plain JSON values (see the module docstring for the rules)."""
+    if isinstance(value, _SCALARS) and not isinstance(value, enum.Enum):
+        return value
+    if isinstance(value, datetime):
+        return Timestamp.from_datetime(value).rfc3339()
+    if isinstance(value, enum.Enum):
+        return to_json_value(value.value)
+    if isinstance(value, Mapping):
+        return {_key(k): to_json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json_value(v) for v in value]
+    if _is_struct(value):
+        return _struct_dict(value)
+    if isinstance(value, date | time):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, set | frozenset):
+        items = [to_json_value(v) for v in value]
+        try:
+            return sorted(items)
+        except TypeError:
+            return sorted(items, key=lambda v: orjson.dumps(v))
+    msg = (
+        f"cannot write {type(value).__name__} value {value!r:.80} as JSON; map it to a dict "
+        "of plain values (str, numbers, lists, dicts) with Map first"
+    )
+    raise SinkError(msg)
+
+
+def to_json_dict(element: Any) -> dict[str, Any]:
+    """A record, attrs or dataclass instance, or mapping, as a dict of plain JSON values.
+
+    Records keep their field names (``DataChangeRecord`` -> ``{"partition_token": ...,
+    "commit_timestamp": "2024-05-01T12:00:00.123456789Z", "mods": [{"keys": ...}], ...}``).
+    Raises SinkError for any other element: map it to a dict with ``Map`` first.
+    """
+    if isinstance(element, Mapping):
+        return {_key(k): to_json_value(v) for k, v in element.items()}
+    if _is_struct(element):
+        return _struct_dict(element)
+    msg = (
+        f"cannot write a {type(element).__name__} ({element!r:.80}) as a JSON object; map "
+        "each element to a dict with Map first"
+    )
+    raise SinkError(msg)
+
+
+def dumps_line(element: Any) -> bytes:
+    """One JSONL line (UTF-8, ending in a newline) for ``element`` (see :func:`to_json_dict`)."""
+    try:
+        return orjson.dumps(to_json_dict(element), option=orjson.OPT_APPEND_NEWLINE)
+    except orjson.JSONEncodeError as exc:  # e.g. an int beyond 64 bits
+        msg = f"cannot encode {element!r:.80} as JSON ({exc}); map it to plain values with Map"
+        raise SinkError(msg) from exc

@@ -1,0 +1,99 @@
+"""to_json_dict / dumps_line: records, attrs, dataclasses and dicts as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from datetime import UTC, date, datetime
+from decimal import Decimal
+
+import attrs
+import orjson
+import pytest
+
+from cdcflow.errors import SinkError
+from cdcflow.model import ColumnType, DataChangeRecord, HeartbeatRecord, Mod, Timestamp
+from cdcflow.serialize import dumps_line, to_json_dict, to_json_value
+
+
+def _record() -> DataChangeRecord:
+    return DataChangeRecord(
+        partition_token="tok",
+        commit_timestamp=Timestamp.parse("2024-05-01T12:00:00.123456789Z"),
+        record_sequence="00000001",
+        server_transaction_id="tx1",
+        is_last_record_in_transaction_in_partition=True,
+        table_name="Orders",
+        column_types=[
+            ColumnType("OrderId", {"code": "INT64"}, True, 1),
+            ColumnType("Total", {"code": "NUMERIC"}, False, 2),
+        ],
+        mods=[Mod(keys={"OrderId": "7"}, new_values={"Total": "9.50", "Tags": ["a", "b"]})],
+        mod_type="INSERT",
+        value_capture_type="OLD_AND_NEW_VALUES",
+        number_of_records_in_transaction=1,
+        number_of_partitions_in_transaction=1,
+    )
+
+
+def test_data_change_record_field_for_field() -> None:
+    d = to_json_dict(_record())
+    assert d["commit_timestamp"] == "2024-05-01T12:00:00.123456789Z"
+    assert d["column_types"][0] == {
+        "name": "OrderId",
+        "type": {"code": "INT64"},
+        "is_primary_key": True,
+        "ordinal_position": 1,
+    }
+    assert d["mods"] == [
+        {"keys": {"OrderId": "7"}, "new_values": {"Total": "9.50", "Tags": ["a", "b"]},
+         "old_values": {}}
+    ]
+    assert d["transaction_tag"] == "" and d["is_system_transaction"] is False
+    assert list(d) == [f.name for f in attrs.fields(DataChangeRecord)]
+
+
+def test_dumps_line_round_trips() -> None:
+    line = dumps_line(_record())
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert orjson.loads(line) == to_json_dict(_record())
+    hb = orjson.loads(dumps_line(HeartbeatRecord("p", Timestamp.from_ns(1_000_000_001))))
+    assert hb == {"partition_token": "p", "timestamp": "1970-01-01T00:00:01.000000001Z"}
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+@dataclasses.dataclass
+class Row:
+    id: int
+    when: datetime
+    tags: frozenset[str]
+
+
+def test_plain_values_and_dataclasses() -> None:
+    row = Row(1, datetime(2024, 1, 2, 3, 4, 5, 6, tzinfo=UTC), frozenset({"b", "a"}))
+    assert to_json_dict(row) == {
+        "id": 1,
+        "when": "2024-01-02T03:04:05.000006000Z",
+        "tags": ["a", "b"],
+    }
+    assert to_json_dict({1: Decimal("1.10"), "b": b"\x00\xff", "c": Color.RED}) == {
+        "1": "1.10",
+        "b": "AP8=",
+        "c": "red",
+    }
+    assert to_json_value(date(2024, 2, 29)) == "2024-02-29"
+    assert to_json_value((1, (2, None))) == [1, [2, None]]
+
+
+def test_unsupported_values_name_the_fix() -> None:
+    with pytest.raises(SinkError, match="Map first"):
+        to_json_dict({"x": object()})
+    with pytest.raises(SinkError, match="to a dict with Map first"):
+        to_json_dict("just text")
+    with pytest.raises(SinkError, match="str keys"):
+        to_json_dict({(1, 2): 3})
+    with pytest.raises(SinkError, match="Map"):
+        dumps_line({"big": 1 << 70})
