@@ -84,6 +84,11 @@ class Timestamp(datetime):
     def __reduce__(self) -> tuple[Any, ...]:
         return (Timestamp.from_ns, (self.ns,))
 
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # datetime defines __reduce_ex__, which pickle and copy prefer over __reduce__;
+        # without this override a pickled Timestamp loses its nanoseconds.
+        return self.__reduce__()
+
     @property
     def nanosecond(self) -> int:
         """The nanoseconds below the microsecond (0..999)."""
