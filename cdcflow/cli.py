@@ -1,0 +1,530 @@
+"""The ``cdcflow`` command: run, graph, status, plugins, metadata init, emulator start.
+
+Exit codes: 0 success (a run that reached ``end_at``, ``--for`` or ``--max-batches``);
+1 the pipeline stopped on an error (its error policy said stop) or another runtime
+failure; 2 bad input (a pipeline file, option, URL or name), printed as one line
+``cdcflow: error: <cause and fix>`` without a traceback; 130 interrupted.
+``--debug`` (or ``CDCFLOW_DEBUG=1``) shows tracebacks and debug logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
+
+from cdcflow import __version__
+from cdcflow.durations import parse_duration
+from cdcflow.errors import CdcflowError, PipelineStopped, StoreURLError, UserInputError
+
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+log = logging.getLogger("cdcflow.cli")
+
+
+class _UsageError(UserInputError):
+    """A command line argparse rejected."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``cdcflow: error:`` line like every other."""
+
+    def error(self, message: str) -> NoReturn:
+        msg = f"{message}; see `{self.prog} --help`"
+        raise _UsageError(msg)
+
+
+def _duration(text: str) -> float:
+    try:
+        seconds = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if seconds < 0:
+        msg = f"{text!r} is negative; give a duration such as 30s"
+        raise argparse.ArgumentTypeError(msg)
+    return seconds
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        msg = f"{text!r} is not a positive whole number"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        msg = f"{text!r} is not key=value"
+        raise argparse.ArgumentTypeError(msg)
+    return key.strip(), value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="cdcflow",
+        description="Read Google Cloud Spanner change streams with a Python dataflow DSL.",
+    )
+    parser.add_argument("--version", action="version", version=f"cdcflow {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks and debug logs (also CDCFLOW_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    run = sub.add_parser("run", help="run a pipeline file", description=(
+        "Run the pipeline defined in FILE (FILE:NAME picks one of several). Progress is "
+        "stored in the metadata store, so a second run resumes where the first stopped."))
+    run.add_argument("file", metavar="FILE", help="pipeline file, or FILE:NAME")
+    run.add_argument("--runner", default="memory", metavar="NAME",
+                     help="runner plugin: memory (default), spark, ... (see `cdcflow plugins`)")
+    run.add_argument("--metadata", metavar="URL", help=(
+        "metadata store: sqlite:///PATH, memory://, spanner://projects/P/instances/I/"
+        "databases/D (default: sqlite in .cdcflow/state.db next to FILE)"))
+    run.add_argument("--for", dest="duration", type=_duration, metavar="DURATION",
+                     help="stop after this long (e.g. 30s, 5m), after the batch in progress")
+    run.add_argument("--max-batches", type=_positive_int, metavar="N",
+                     help="stop after N committed batches")
+    run.add_argument("--batch-interval", type=_duration, metavar="DURATION",
+                     help="time between batch ends (e.g. 1s)")
+    run.add_argument("--reset", action="store_true",
+                     help="forget stored progress of this pipeline and start over")
+    run.add_argument("--set", dest="settings", action="append", type=_key_value, default=[],
+                     metavar="KEY=VALUE", help="an engine or runner option, e.g. "
+                     "max_batch_span=30s, gc_ttl=1h, workers=4 (repeatable)")
+    run.add_argument("--master", metavar="M",
+                     help="Spark master URL for --runner spark (default local[*])")
+    run.add_argument("--conf", action="append", type=_key_value, default=[], metavar="K=V",
+                     help="Spark configuration for --runner spark (repeatable)")
+    run.set_defaults(func=_cmd_run)
+
+    graph = sub.add_parser("graph", help="print a pipeline's DAG",
+                           description="Print the DAG of the pipeline in FILE.")
+    graph.add_argument("file", metavar="FILE", help="pipeline file, or FILE:NAME")
+    graph.add_argument("--format", choices=("text", "dot"), default="text",
+                       help="text (default) or Graphviz dot (render with `dot -Tsvg`)")
+    graph.set_defaults(func=_cmd_graph)
+
+    status = sub.add_parser("status", help="show stored progress", description=(
+        "Show the partitions by state, watermarks, lag and recent batches of the pipelines "
+        "in a metadata store."))
+    status.add_argument("file", nargs="?", metavar="FILE",
+                        help="a pipeline file, to use its default store (instead of --metadata)")
+    status.add_argument("--metadata", metavar="URL", help="metadata store URL")
+    status.add_argument("--pipeline", metavar="NAME", help="only this pipeline")
+    status.add_argument("--batches", type=_positive_int, default=5, metavar="N",
+                        help="how many recent batches to show (default 5)")
+    status.set_defaults(func=_cmd_status)
+
+    plugins = sub.add_parser("plugins", help="list installed runners, stores, transforms, sinks")
+    plugins.set_defaults(func=_cmd_plugins)
+
+    metadata = sub.add_parser("metadata", help="manage metadata stores")
+    msub = metadata.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    msub.required = True
+    init = msub.add_parser("init", help="create a store's tables (e.g. in Spanner)",
+                           description="Create the tables and indexes of a metadata store.")
+    init.add_argument("url", metavar="URL", help="metadata store URL")
+    init.set_defaults(func=_cmd_metadata_init)
+
+    emulator = sub.add_parser("emulator", help="the local Cloud Spanner emulator")
+    esub = emulator.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    esub.required = True
+    start = esub.add_parser("start", help="start the emulator in the foreground", description=(
+        "Start the Cloud Spanner emulator on a loopback port and keep it running until "
+        "Ctrl-C. It keeps no data across restarts."))
+    start.add_argument("--port", type=_positive_int, metavar="N",
+                       help="port (default: a free one)")
+    start.add_argument("--partition-alive-seconds", type=_positive_int, metavar="N",
+                       help="split and merge change-stream partitions every N..2N seconds")
+    start.add_argument("--database", metavar="NAME", help="create this database")
+    start.add_argument("--ddl-file", metavar="FILE", type=Path,
+                       help="DDL for --database: statements separated by ';'")
+    start.add_argument("--instance", default="test-instance", metavar="NAME",
+                       help="instance of --database (default test-instance)")
+    start.set_defaults(func=_cmd_emulator_start)
+    return parser
+
+
+# -- run -----------------------------------------------------------------------------------
+
+
+def default_store_url(pipeline_file: Path) -> str:
+    """``sqlite:///<dir of the file>/.cdcflow/state.db`` (the directory is created)."""
+    state = pipeline_file.resolve().parent / ".cdcflow"
+    state.mkdir(exist_ok=True)
+    return f"sqlite:///{state / 'state.db'}"
+
+
+def _fields(cls: Any) -> dict[str, Any]:
+    """name -> (annotation text, default) of an attrs class or dataclass."""
+    import dataclasses
+
+    import attrs
+
+    if attrs.has(cls):
+        return {f.name: (str(f.type), f.default) for f in attrs.fields(cls)}
+    if dataclasses.is_dataclass(cls):
+        return {f.name: (str(f.type), f.default) for f in dataclasses.fields(cls)}
+    msg = f"{cls!r} is neither an attrs class nor a dataclass"
+    raise TypeError(msg)
+
+
+def _convert(key: str, text: str, annotation: str, default: Any) -> Any:
+    """Turn ``--set`` text into the option's type (durations become seconds)."""
+    kind = annotation.replace(" ", "")
+    try:
+        if "bool" in kind or isinstance(default, bool):
+            lowered = text.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if "float" in kind or isinstance(default, float):
+            if text.strip().lower() in ("none", ""):
+                return None
+            return parse_duration(text)
+        if "int" in kind or isinstance(default, int):
+            if text.strip().lower() in ("none", ""):
+                return None
+            return int(text)
+    except ValueError:
+        want = "true or false" if "bool" in kind else (
+            "a duration such as 30s" if "float" in kind else "a whole number")
+        msg = f"--set {key}={text}: {key} takes {want}"
+        raise UserInputError(msg) from None
+    return text
+
+
+def _runner_params(runner_cls: Any) -> dict[str, Any]:
+    import inspect
+
+    try:
+        params = inspect.signature(runner_cls).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {
+        name: ("", p.default if p.default is not p.empty else None)
+        for name, p in params.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
+def _build_options(
+    args: argparse.Namespace, option_cls: Any, runner_cls: Any, runner_name: str, base: Path
+) -> tuple[Any, dict[str, Any]]:
+    """(RunOptions, runner keyword arguments) from the flags and ``--set`` pairs."""
+    option_fields = _fields(option_cls)
+    runner_fields = {k: v for k, v in _runner_params(runner_cls).items()
+                     if k not in ("master", "conf")}
+    options: dict[str, Any] = {}
+    runner_kwargs: dict[str, Any] = {}
+    for key, text in args.settings:
+        key = key.replace("-", "_")
+        if key in option_fields:
+            annotation, default = option_fields[key]
+            options[key] = _convert(key, text, annotation, default)
+        elif key in runner_fields:
+            annotation, default = runner_fields[key]
+            runner_kwargs[key] = _convert(key, text, "int" if key == "workers" else annotation,
+                                          default)
+        else:
+            valid = sorted(set(option_fields) - {"base_dir"} | set(runner_fields))
+            msg = (
+                f"--set {key}: unknown option for the {runner_name} runner; valid keys: "
+                f"{', '.join(valid)}"
+            )
+            raise UserInputError(msg)
+    for flag, key in (("duration", "duration"), ("max_batches", "max_batches"),
+                      ("batch_interval", "batch_interval")):
+        value = getattr(args, flag)
+        if value is not None:
+            options[key] = value
+    if args.reset:
+        options["reset"] = True
+    if "base_dir" in option_fields and "base_dir" not in options:
+        options["base_dir"] = str(base)
+    spark_params = _runner_params(runner_cls)
+    for flag in ("master", "conf"):
+        value = getattr(args, flag)
+        if not value:
+            continue
+        if flag not in spark_params:
+            msg = f"--{flag} applies to the spark runner, not {runner_name}; drop it or use " \
+                  "--runner spark"
+            raise UserInputError(msg)
+        runner_kwargs[flag] = dict(value) if flag == "conf" else value
+    try:
+        return option_cls(**options), runner_kwargs
+    except (TypeError, ValueError) as e:
+        msg = f"bad run option: {e}"
+        raise UserInputError(msg) from None
+
+
+@contextlib.contextmanager
+def _graceful_interrupt(engine: Any, progress: Any) -> Iterator[None]:
+    """First Ctrl-C: stop after the current batch. Second Ctrl-C: abort at once."""
+    stop: Callable[[], None] | None = getattr(engine, "request_stop", None) or getattr(
+        engine, "stop", None)
+    if stop is None or not callable(stop):
+        yield
+        return
+    calls = [0]
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        calls[0] += 1
+        if calls[0] > 1:
+            raise KeyboardInterrupt
+        clear = getattr(progress, "clear", None)
+        if clear is not None:
+            clear()
+        sys.stderr.write("cdcflow: stopping after the current batch (Ctrl-C again to abort)\n")
+        sys.stderr.flush()
+        assert stop is not None
+        stop()
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: no signal handling there
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _configure_logging(debug: bool, progress: Any) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    make_handler = getattr(progress, "logging_handler", None)
+    if make_handler is not None:
+        handler = make_handler(logging.DEBUG if debug else logging.WARNING)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if debug else logging.WARNING)
+    logging.getLogger("cdcflow").setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from cdcflow.loader import load_pipeline, split_target
+    from cdcflow.metadata import open_store
+    from cdcflow.plugins import load_plugin
+    from cdcflow.progress import make_progress
+    from cdcflow.runners.engine import Engine, RunOptions
+
+    pipeline = load_pipeline(args.file)
+    pipeline.validate()
+    path, _ = split_target(args.file)
+    runner_cls = load_plugin("cdcflow.runners", args.runner)
+    options, runner_kwargs = _build_options(
+        args, RunOptions, runner_cls, args.runner, path.resolve().parent
+    )
+    url = args.metadata or default_store_url(path)
+    progress = make_progress(sys.stderr)
+    _configure_logging(args.debug, progress)
+    store = open_store(url)
+    try:
+        runner = runner_cls(**runner_kwargs)
+        engine = Engine(pipeline, store, runner, options, progress)
+        with _graceful_interrupt(engine, progress):
+            summary = engine.run()
+    finally:
+        store.close()
+    return EXIT_INTERRUPTED if summary.reason == "interrupted" else EXIT_OK
+
+
+# -- graph, plugins, metadata --------------------------------------------------------------
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    from cdcflow.loader import load_pipeline
+
+    pipeline = load_pipeline(args.file)
+    pipeline.validate()
+    sys.stdout.write(pipeline.describe(args.format))
+    return EXIT_OK
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    import warnings
+
+    from cdcflow.plugins import GROUPS, list_plugins
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # broken plugins are listed with their error below
+        infos = list_plugins(load=True)
+    for group in GROUPS:
+        rows = [p for p in infos if p.group == group]
+        print(group)
+        if not rows:
+            print("  (none installed)")
+        width = max((len(p.name) for p in rows), default=0)
+        for p in rows:
+            line = f"  {p.name:<{width}}  {p.value}  [{p.distribution}]"
+            if p.error:
+                line += f"  BROKEN: {p.error}"
+            print(line)
+    return EXIT_OK
+
+
+def _check_url(url: str) -> str:
+    scheme, sep, _ = url.partition("://")
+    if not sep or not scheme:
+        msg = (
+            f"{url!r} is not a metadata store URL; write sqlite:///PATH, memory:// or "
+            "spanner://projects/P/instances/I/databases/D"
+        )
+        raise StoreURLError(msg)
+    return scheme
+
+
+def _cmd_metadata_init(args: argparse.Namespace) -> int:
+    from cdcflow.metadata import open_store
+    from cdcflow.plugins import load_plugin
+
+    scheme = _check_url(args.url)
+    try:
+        store_cls = load_plugin("cdcflow.metadata", scheme)
+    except UserInputError as e:
+        raise StoreURLError(str(e)) from None
+    init = getattr(sys.modules.get(getattr(store_cls, "__module__", "")), "init_store", None)
+    if callable(init):
+        init(args.url)
+    else:
+        open_store(args.url).close()
+    print(f"initialized {args.url}")
+    return EXIT_OK
+
+
+# -- status --------------------------------------------------------------------------------
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from cdcflow.loader import split_target
+    from cdcflow.metadata import open_store
+    from cdcflow.status import render_status
+
+    if args.metadata:
+        url = args.metadata
+    elif args.file:
+        path, _ = split_target(args.file)
+        url = f"sqlite:///{path.resolve().parent / '.cdcflow' / 'state.db'}"
+    else:
+        msg = "status needs a store: give --metadata URL (or the pipeline FILE for its default)"
+        raise UserInputError(msg)
+    _check_url(url)
+    if url.startswith("sqlite:///"):
+        db = Path(url[len("sqlite:///"):].split("?", 1)[0])
+        if not db.exists():
+            msg = f"no state at {db}: run the pipeline first, or check --metadata"
+            raise UserInputError(msg)
+    store = open_store(url)
+    try:
+        sys.stdout.write(render_status(store, args.pipeline, batches=args.batches))
+    finally:
+        store.close()
+    return EXIT_OK
+
+
+# -- emulator ------------------------------------------------------------------------------
+
+
+def _read_ddl(path: Path) -> list[str]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        msg = f"cannot read --ddl-file {path}: {e.strerror}; check the path"
+        raise UserInputError(msg) from None
+    return [s.strip() for s in text.split(";") if s.strip()]
+
+
+def _cmd_emulator_start(args: argparse.Namespace) -> int:
+    import socket
+
+    from cdcflow.spanner.emulator import Emulator, EmulatorNotFoundError
+
+    if args.ddl_file is not None and not args.database:
+        msg = "--ddl-file needs --database NAME (the database to create with it)"
+        raise UserInputError(msg)
+    ddl = _read_ddl(args.ddl_file) if args.ddl_file is not None else []
+    try:
+        emu = Emulator(port=args.port, partition_alive_seconds=args.partition_alive_seconds)
+    except EmulatorNotFoundError as e:
+        raise UserInputError(str(e)) from None
+    emu.start()
+    try:
+        print(f"export SPANNER_EMULATOR_HOST={emu.host}", flush=True)
+        if args.database:
+            emu.create_database(args.database, ddl, instance=args.instance)
+            print(f"# database {emu.database_path(args.database, args.instance)}", flush=True)
+        print(f"# emulator log: {emu.log_path}; Ctrl-C stops it", file=sys.stderr, flush=True)
+        while True:  # runs until Ctrl-C (or the emulator dies)
+            time.sleep(1)
+            try:
+                socket.create_connection(("127.0.0.1", emu.port), timeout=2).close()
+            except OSError:
+                msg = f"the emulator stopped answering on {emu.host}; see {emu.log_path}"
+                raise CdcflowError(msg) from None
+    except KeyboardInterrupt:
+        print("\nstopping the emulator", file=sys.stderr)
+        return EXIT_OK
+    finally:
+        emu.stop()
+
+
+# -- entry point ---------------------------------------------------------------------------
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("CDCFLOW_DEBUG", "") not in ("", "0")
+    try:
+        args = build_parser().parse_args(argv)
+        args.debug = debug
+        code: int = args.func(args)
+        return code
+    except UserInputError as e:
+        if debug:
+            raise
+        print(f"cdcflow: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except PipelineStopped as e:
+        if debug:
+            raise
+        print(f"cdcflow: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
+    except CdcflowError as e:
+        if debug:
+            raise
+        print(f"cdcflow: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("\ncdcflow: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
