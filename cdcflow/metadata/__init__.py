@@ -18,9 +18,12 @@ from cdcflow.errors import StoreURLError
 from cdcflow.metadata._rules import URL_FORMS
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.metadata.memory import MemoryStore
+from cdcflow.metadata.sqlite import SQLiteStore, sqlite_url
 from cdcflow.plugins import available, load_plugin
 
-__all__ = ["URL_FORMS", "MemoryStore", "MetadataStore", "open_store"]
+__all__ = [
+    "URL_FORMS", "MemoryStore", "MetadataStore", "SQLiteStore", "open_store", "sqlite_url",
+]
 
 _SCHEME = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 _GROUP = "cdcflow.metadata"
@@ -42,6 +45,8 @@ def open_store(url: str) -> MetadataStore:
     scheme = m.group(1)
     if scheme == "memory":
         return MemoryStore.from_url(url)
+    if scheme == "sqlite":
+        return SQLiteStore.from_url(url)
     if scheme not in available(_GROUP):
         installed = ", ".join(sorted({"memory", "sqlite", *available(_GROUP)}))
         msg = (

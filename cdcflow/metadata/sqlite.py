@@ -1,0 +1,399 @@
+"""SQLiteStore: the embedded MetadataStore (``sqlite:///relative.db``, ``sqlite:////abs.db``).
+
+One file holds every pipeline's partitions and batch log. The database runs in WAL mode
+with a busy timeout, and every write is one ``BEGIN IMMEDIATE`` transaction, so several
+processes may open the same file: writers queue on the lock instead of failing, and a
+process that crashes mid-write leaves the previous committed state. Positions are stored as
+INTEGER nanoseconds (MAX_NS fits SQLite's signed 64-bit integers).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from cdcflow.errors import StoreError
+from cdcflow.metadata import _rules
+from cdcflow.model import (
+    BatchPlan,
+    BatchRecord,
+    PartitionMetadata,
+    PartitionState,
+    PartitionUpdate,
+    Slice,
+)
+
+__all__ = ["SCHEMA_VERSION", "SQLiteStore", "sqlite_url"]
+
+#: Version of the table layout this module writes; a file with a newer version is refused.
+SCHEMA_VERSION = 1
+
+_PREFIX = "sqlite:///"
+
+_SCHEMA = """
+CREATE TABLE partitions (
+    pipeline         TEXT    NOT NULL,
+    token            TEXT    NOT NULL,
+    parent_tokens    TEXT    NOT NULL,  -- JSON list of tokens
+    start_ns         INTEGER NOT NULL,
+    end_ns           INTEGER NOT NULL,  -- exclusive, MAX_NS: no end
+    watermark        INTEGER NOT NULL,
+    state            TEXT    NOT NULL,
+    heartbeat_millis INTEGER NOT NULL,
+    created_at       INTEGER NOT NULL,
+    scheduled_at     INTEGER,
+    running_at       INTEGER,
+    finished_at      INTEGER,
+    PRIMARY KEY (pipeline, token)
+) WITHOUT ROWID;
+CREATE INDEX partitions_by_state ON partitions (pipeline, state, watermark);
+CREATE TABLE batches (
+    pipeline     TEXT    NOT NULL,
+    batch_id     INTEGER NOT NULL,
+    end_ns       INTEGER NOT NULL,
+    planned_at   INTEGER NOT NULL,
+    committed_at INTEGER,               -- NULL while the batch is pending
+    slices       TEXT    NOT NULL,      -- JSON list of [token, start, end]
+    records      INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (pipeline, batch_id)
+) WITHOUT ROWID;
+"""
+
+_PARTITION_COLUMNS = (
+    "token, parent_tokens, start_ns, end_ns, watermark, state, heartbeat_millis, "
+    "created_at, scheduled_at, running_at, finished_at"
+)
+
+
+def sqlite_url(path: str | Path) -> str:
+    """The absolute ``sqlite:////...`` URL of a database file."""
+    return _PREFIX + str(Path(path).expanduser().absolute())
+
+
+def _parse_url(url: str) -> Path:
+    if not url.startswith(_PREFIX):
+        why = "a SQLite URL has three slashes before a relative path, four before an absolute one"
+        raise _rules.url_error(url, why)
+    rest = url[len(_PREFIX):]
+    if not rest or rest == "/":
+        raise _rules.url_error(url, "the SQLite URL names no file")
+    if "?" in rest or "#" in rest:
+        raise _rules.url_error(url, "SQLite URLs take no query parameters")
+    if rest == ":memory:":
+        raise _rules.url_error(url, "for a store in memory use memory:// or memory://NAME")
+    return Path(rest).expanduser()
+
+
+def _partition(row: Sequence[Any]) -> PartitionMetadata:
+    return PartitionMetadata(
+        token=row[0], parent_tokens=tuple(json.loads(row[1])), start=row[2], end=row[3],
+        watermark=row[4], state=PartitionState(row[5]), heartbeat_millis=row[6],
+        created_at=row[7], scheduled_at=row[8], running_at=row[9], finished_at=row[10],
+    )
+
+
+def _partition_row(pipeline: str, p: PartitionMetadata) -> tuple[Any, ...]:
+    return (
+        pipeline, p.token, json.dumps(list(p.parent_tokens)), p.start, p.end, p.watermark,
+        str(p.state), p.heartbeat_millis, p.created_at, p.scheduled_at, p.running_at,
+        p.finished_at,
+    )
+
+
+class SQLiteStore:
+    """A MetadataStore in one SQLite file; see the protocol for the contract.
+
+    Thread-safe (one connection behind a lock). ``busy_timeout`` is how long a write waits
+    for another process's transaction before raising StoreError.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        busy_timeout: float = 30.0,
+        clock: Callable[[], int] = time.time_ns,
+        batch_log_size: int = _rules.DEFAULT_BATCH_LOG_SIZE,
+    ) -> None:
+        self._path = Path(path).expanduser().absolute()
+        self._clock = clock
+        self._batch_log_size = batch_log_size
+        self._lock = threading.RLock()
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            msg = f"cannot create the directory of the SQLite store {self._path}: {e}; "
+            msg += "choose a writable location"
+            raise StoreError(msg) from e
+        try:
+            # isolation_level=None: transactions are begun and ended explicitly below.
+            conn = sqlite3.connect(
+                self._path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as e:
+            msg = f"cannot open the SQLite store {self._path}: {e}; check the path and permissions"
+            raise StoreError(msg) from e
+        self._conn: sqlite3.Connection | None = conn
+        try:
+            self._setup(conn, busy_timeout)
+        except BaseException:
+            conn.close()
+            self._conn = None
+            raise
+
+    def _setup(self, conn: sqlite3.Connection, busy_timeout: float) -> None:
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            # FULL: a committed plan must survive power loss too, because sinks may have
+            # committed output under its batch id.
+            conn.execute("PRAGMA synchronous = FULL")
+        except sqlite3.DatabaseError as e:
+            msg = f"{self._path} is not a usable SQLite database ({e}); point the URL at "
+            msg += "a new file or at a cdcflow store"
+            raise StoreError(msg) from e
+        with self._write() as c:
+            c.execute("CREATE TABLE IF NOT EXISTS cdcflow_schema (version INTEGER NOT NULL)")
+            row = c.execute("SELECT MAX(version) FROM cdcflow_schema").fetchone()
+            version = row[0] if row else None
+            if version is None:
+                for statement in _SCHEMA.split(";"):  # the schema has no ";" in comments
+                    if statement.strip():
+                        c.execute(statement)
+                c.execute("INSERT INTO cdcflow_schema (version) VALUES (?)", (SCHEMA_VERSION,))
+            elif version > SCHEMA_VERSION:
+                msg = (
+                    f"the SQLite store {self._path} has schema version {version}, written by a "
+                    f"newer cdcflow; this one reads up to version {SCHEMA_VERSION}: upgrade "
+                    "cdcflow, or use another file"
+                )
+                raise StoreError(msg)
+
+    @classmethod
+    def from_url(cls, url: str) -> SQLiteStore:
+        """``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db``."""
+        return cls(_parse_url(url))
+
+    @property
+    def url(self) -> str:
+        return sqlite_url(self._path)
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            msg = f"the SQLite store {self._path} is closed; open it again with open_store(url)"
+            raise StoreError(msg)
+        return self._conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; IMMEDIATE takes the write lock up front, so a
+        read-then-write check (pending plan, watermark) cannot race another process."""
+        with self._transaction("BEGIN IMMEDIATE") as conn:
+            yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A consistent snapshot for reads that span several statements."""
+        with self._transaction("BEGIN") as conn:
+            yield conn
+
+    @contextmanager
+    def _transaction(self, begin: str) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._connection()
+            try:
+                conn.execute(begin)
+            except sqlite3.OperationalError as e:
+                msg = f"the SQLite store {self._path} stayed locked by another process ({e}); "
+                msg += "stop the other run of this pipeline or raise busy_timeout"
+                raise StoreError(msg) from e
+            try:
+                yield conn
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def partitions(self, pipeline: str) -> list[PartitionMetadata]:
+        with self._read() as c:
+            rows = c.execute(
+                f"SELECT {_PARTITION_COLUMNS} FROM partitions WHERE pipeline = ? "
+                "ORDER BY start_ns, token",
+                (pipeline,),
+            ).fetchall()
+        return [_partition(r) for r in rows]
+
+    def insert_partitions(self, pipeline: str, partitions: Sequence[PartitionMetadata]) -> int:
+        with self._write() as c:
+            return self._insert(c, pipeline, partitions)
+
+    @staticmethod
+    def _insert(
+        c: sqlite3.Connection, pipeline: str, partitions: Sequence[PartitionMetadata]
+    ) -> int:
+        cur = c.executemany(
+            "INSERT OR IGNORE INTO partitions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [_partition_row(pipeline, p) for p in partitions],
+        )
+        return max(cur.rowcount, 0)
+
+    def pending_plan(self, pipeline: str) -> BatchPlan | None:
+        with self._read() as c:
+            row = c.execute(
+                "SELECT batch_id, end_ns, slices, planned_at FROM batches "
+                "WHERE pipeline = ? AND committed_at IS NULL ORDER BY batch_id DESC LIMIT 1",
+                (pipeline,),
+            ).fetchone()
+        if row is None:
+            return None
+        slices = tuple(Slice(t, s, e) for t, s, e in json.loads(row[2]))
+        return BatchPlan(batch_id=row[0], end=row[1], slices=slices, planned_at=row[3])
+
+    def last_batch_id(self, pipeline: str) -> int:
+        with self._read() as c:
+            return self._last_batch_id(c, pipeline)
+
+    @staticmethod
+    def _last_batch_id(c: sqlite3.Connection, pipeline: str) -> int:
+        row = c.execute(
+            "SELECT MAX(batch_id) FROM batches WHERE pipeline = ?", (pipeline,)
+        ).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def _get(self, c: sqlite3.Connection, pipeline: str, token: str) -> PartitionMetadata | None:
+        row = c.execute(
+            f"SELECT {_PARTITION_COLUMNS} FROM partitions WHERE pipeline = ? AND token = ?",
+            (pipeline, token),
+        ).fetchone()
+        return _partition(row) if row else None
+
+    def _put(self, c: sqlite3.Connection, pipeline: str, p: PartitionMetadata) -> None:
+        c.execute(
+            "UPDATE partitions SET watermark = ?, state = ?, scheduled_at = ?, running_at = ?, "
+            "finished_at = ? WHERE pipeline = ? AND token = ?",
+            (p.watermark, str(p.state), p.scheduled_at, p.running_at, p.finished_at,
+             pipeline, p.token),
+        )
+
+    def write_plan(
+        self,
+        pipeline: str,
+        plan: BatchPlan,
+        transitions: Mapping[str, PartitionState],
+    ) -> None:
+        with self._write() as c:
+            pending = c.execute(
+                "SELECT MAX(batch_id) FROM batches WHERE pipeline = ? AND committed_at IS NULL",
+                (pipeline,),
+            ).fetchone()[0]
+            _rules.check_new_plan(pipeline, plan, self._last_batch_id(c, pipeline), pending)
+            now = self._clock()
+            for token, state in transitions.items():
+                current = self._get(c, pipeline, token)
+                if current is None:
+                    raise _rules.unknown_partition(pipeline, token)
+                self._put(c, pipeline, _rules.transition(pipeline, current, state, now))
+            slices = json.dumps([[s.token, s.start, s.end] for s in plan.slices])
+            c.execute(
+                "INSERT INTO batches (pipeline, batch_id, end_ns, planned_at, slices) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (pipeline, plan.batch_id, plan.end, plan.planned_at or now, slices),
+            )
+
+    def commit_batch(
+        self,
+        pipeline: str,
+        batch_id: int,
+        updates: Sequence[PartitionUpdate],
+        children: Sequence[PartitionMetadata],
+        records: int = 0,
+    ) -> bool:
+        with self._write() as c:
+            row = c.execute(
+                "SELECT committed_at FROM batches WHERE pipeline = ? AND batch_id = ?",
+                (pipeline, batch_id),
+            ).fetchone()
+            if row is None:
+                raise _rules.not_planned(pipeline, batch_id)
+            if row[0] is not None:
+                return False
+            now = self._clock()
+            for u in updates:
+                current = self._get(c, pipeline, u.token)
+                if current is None:
+                    raise _rules.unknown_partition(pipeline, u.token)
+                if u.watermark < current.watermark:
+                    raise _rules.regression(pipeline, u.token, current.watermark, u.watermark)
+                current = attrs.evolve(current, watermark=u.watermark)
+                if u.finished:
+                    current = _rules.transition(pipeline, current, PartitionState.FINISHED, now)
+                self._put(c, pipeline, current)
+            self._insert(c, pipeline, children)
+            c.execute(
+                "UPDATE batches SET committed_at = ?, records = ? "
+                "WHERE pipeline = ? AND batch_id = ?",
+                (now, records, pipeline, batch_id),
+            )
+            # Keep the newest batch_log_size entries; only committed ones can be older.
+            c.execute(
+                "DELETE FROM batches WHERE pipeline = ? AND committed_at IS NOT NULL AND "
+                "batch_id < (SELECT batch_id FROM batches WHERE pipeline = ? "
+                "ORDER BY batch_id DESC LIMIT 1 OFFSET ?)",
+                (pipeline, pipeline, self._batch_log_size - 1),
+            )
+            return True
+
+    def delete_partitions(self, pipeline: str, tokens: Sequence[str]) -> int:
+        with self._write() as c:
+            cur = c.executemany(
+                "DELETE FROM partitions WHERE pipeline = ? AND token = ?",
+                [(pipeline, t) for t in set(tokens)],
+            )
+            return max(cur.rowcount, 0)
+
+    def batches(self, pipeline: str, limit: int = 20) -> list[BatchRecord]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT batch_id, end_ns, planned_at, committed_at, slices, records FROM batches "
+                "WHERE pipeline = ? ORDER BY batch_id DESC LIMIT ?",
+                (pipeline, max(limit, 0)),
+            ).fetchall()
+        return [
+            BatchRecord(
+                batch_id=r[0], end=r[1], planned_at=r[2], committed_at=r[3],
+                slices=len(json.loads(r[4])), records=r[5],
+            )
+            for r in rows
+        ]
+
+    def pipelines(self) -> list[str]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT pipeline FROM partitions UNION SELECT pipeline FROM batches ORDER BY 1"
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def reset(self, pipeline: str) -> None:
+        with self._write() as c:
+            c.execute("DELETE FROM partitions WHERE pipeline = ?", (pipeline,))
+            c.execute("DELETE FROM batches WHERE pipeline = ?", (pipeline,))
+
+    def close(self) -> None:
+        """Close the connection; later calls raise StoreError. Closing twice is harmless."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
