@@ -46,8 +46,11 @@ def test_data_change_record_field_for_field() -> None:
         "ordinal_position": 1,
     }
     assert d["mods"] == [
-        {"keys": {"OrderId": "7"}, "new_values": {"Total": "9.50", "Tags": ["a", "b"]},
-         "old_values": {}}
+        {
+            "keys": {"OrderId": "7"},
+            "new_values": {"Total": "9.50", "Tags": ["a", "b"]},
+            "old_values": {},
+        }
     ]
     assert d["transaction_tag"] == "" and d["is_system_transaction"] is False
     assert list(d) == [f.name for f in attrs.fields(DataChangeRecord)]
