@@ -99,9 +99,10 @@ class Pipeline:
 
     def _claim_label(self, label: str, transform: PTransform) -> None:
         if label in self.graph or label in self._composite_labels:
+            leaf = label.rsplit("/", 1)[-1]  # inside a composite, the user names the leaf
             msg = (
                 f"duplicate label {label!r} in pipeline {self.name!r}: labels key stored state "
-                f'and must be unique; name this step, e.g. "{label} 2" >> '
+                f'and must be unique; name this step, e.g. "{leaf} 2" >> '
                 f"{type(transform).__name__}(...)"
             )
             raise DuplicateLabelError(msg)
