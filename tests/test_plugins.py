@@ -1,0 +1,144 @@
+"""The entry-point registry and cdcflow.transforms.plugin(), with a throwaway distribution.
+
+The fixture writes a real ``*.dist-info`` with an ``entry_points.txt`` and a module into
+tmp_path and puts tmp_path on sys.path, which is how an installed package is found.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+from cdcflow.errors import PluginError
+from cdcflow.plugins import available, list_plugins, load_plugin
+from cdcflow.transforms import Map, Sink, plugin
+
+_MODULE = "_cdcflow_fake_plugin"
+
+_ENTRY_POINTS = f"""
+[cdcflow.transforms]
+upper = {_MODULE}:Upper
+not_a_transform = {_MODULE}:make_number
+both = {_MODULE}:Upper
+
+[cdcflow.sinks]
+broken = _cdcflow_no_such_module:Nope
+lines = {_MODULE}:Lines
+both = {_MODULE}:Lines
+map_as_sink = {_MODULE}:Upper
+"""
+
+_SOURCE = """
+from cdcflow.transforms import Map, Sink
+
+
+def _upper(s):
+    return s.upper()
+
+
+def Upper():
+    return Map(_upper)
+
+
+def make_number():
+    return 42
+
+
+class Lines(Sink):
+    def __init__(self, path):
+        self.path = path
+"""
+
+
+@pytest.fixture
+def fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    info = tmp_path / "cdcflow_fake_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: cdcflow-fake-plugin\nVersion: 0.1\n"
+    )
+    (info / "entry_points.txt").write_text(textwrap.dedent(_ENTRY_POINTS))
+    (tmp_path / f"{_MODULE}.py").write_text(_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, _MODULE, raising=False)
+    return tmp_path
+
+
+def test_available_lists_registered_names(fake_dist: Path) -> None:
+    assert {"broken", "lines", "both"} <= set(available("cdcflow.sinks"))
+    assert {"upper", "both"} <= set(available("cdcflow.transforms"))
+    assert available("cdcflow.sinks") == sorted(available("cdcflow.sinks"))
+
+
+def test_list_plugins_warns_about_a_broken_plugin_instead_of_crashing(fake_dist: Path) -> None:
+    with pytest.warns(UserWarning, match=r"plugin 'broken' .*is broken: ModuleNotFoundError"):
+        infos = list_plugins()
+    ours = {(i.group, i.name): i for i in infos if i.distribution == "cdcflow-fake-plugin"}
+    broken = ours["cdcflow.sinks", "broken"]
+    assert broken.error is not None and "_cdcflow_no_such_module" in broken.error
+    assert broken.value == "_cdcflow_no_such_module:Nope"
+    assert ours["cdcflow.sinks", "lines"].error is None
+    assert ours["cdcflow.transforms", "upper"].error is None
+
+
+def test_list_plugins_without_loading_does_not_import(fake_dist: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        infos = list_plugins(load=False)
+    assert all(i.error is None for i in infos)
+    assert _MODULE not in sys.modules
+
+
+def test_load_plugin_returns_the_registered_object(fake_dist: Path) -> None:
+    lines = load_plugin("cdcflow.sinks", "lines")
+    assert issubclass(lines, Sink)
+    assert lines.__module__ == _MODULE
+
+
+def test_load_plugin_of_a_broken_plugin_is_a_plugin_error(fake_dist: Path) -> None:
+    with pytest.raises(PluginError, match=r"'broken'.*failed to load: ModuleNotFoundError"):
+        load_plugin("cdcflow.sinks", "broken")
+
+
+def test_load_plugin_unknown_name_lists_what_is_installed(fake_dist: Path) -> None:
+    with pytest.raises(PluginError, match=r"no sink named 'kafka'.*installed: .*lines"):
+        load_plugin("cdcflow.sinks", "kafka")
+
+
+def test_unknown_group_names_the_groups() -> None:
+    with pytest.raises(PluginError, match=r"unknown plugin group 'cdcflow.things'.*cdcflow.sinks"):
+        available("cdcflow.things")
+
+
+def test_plugin_builds_a_transform_with_arguments(fake_dist: Path) -> None:
+    t = plugin("upper")
+    assert isinstance(t, Map)
+    assert list(t.fn.process("abc")) == ["ABC"]
+    sink = plugin("lines", path="out/x")
+    assert isinstance(sink, Sink)
+    assert sink.path == "out/x"  # type: ignore[attr-defined]
+
+
+def test_plugin_unknown_name_lists_transforms_and_sinks(fake_dist: Path) -> None:
+    with pytest.raises(PluginError) as err:
+        plugin("kafka")
+    text = str(err.value)
+    assert "'kafka'" in text
+    assert "transforms: " in text and "upper" in text
+    assert "sinks: " in text and "lines" in text
+    assert "install the package" in text
+
+
+def test_plugin_errors_name_the_problem(fake_dist: Path) -> None:
+    with pytest.raises(PluginError, match="failed to load"):
+        plugin("broken")
+    with pytest.raises(PluginError, match=r"both as a transform and as a sink.*import the class"):
+        plugin("both")
+    with pytest.raises(PluginError, match="built 42, not a transform"):
+        plugin("not_a_transform")
+    with pytest.raises(PluginError, match=r"under cdcflow.sinks but built .*not a Sink"):
+        plugin("map_as_sink")
