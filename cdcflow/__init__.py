@@ -30,15 +30,18 @@ from cdcflow.model import (
 from cdcflow.pipeline import PCollection, Pipeline
 from cdcflow.policy import ErrorPolicy
 from cdcflow.transforms import (
+    Collect,
     DetectPartitions,
     DoFn,
     Filter,
     FlatMap,
     Map,
     ParDo,
+    Print,
     PTransform,
     ReadPartition,
     Sink,
+    WriteFiles,
     plugin,
 )
 
@@ -47,6 +50,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ChildPartition",
     "ChildPartitionsRecord",
+    "Collect",
     "ColumnType",
     "DataChangeRecord",
     "DetectPartitions",
@@ -65,10 +69,12 @@ __all__ = [
     "PartitionEventRecord",
     "PartitionStartRecord",
     "Pipeline",
+    "Print",
     "ReadPartition",
     "Sink",
     "Timestamp",
     "ValueCaptureType",
+    "WriteFiles",
     "__version__",
     "plugin",
 ]

@@ -8,8 +8,10 @@ from cdcflow.errors import PluginError
 from cdcflow.transforms.base import DoFn, ParDo, PTransform, Sink
 from cdcflow.transforms.core import Filter, FlatMap, Map
 from cdcflow.transforms.partitions import DetectPartitions, ReadPartition
+from cdcflow.transforms.sinks import Collect, Print, WriteFiles
 
 __all__ = [
+    "Collect",
     "DetectPartitions",
     "DoFn",
     "Filter",
@@ -17,8 +19,10 @@ __all__ = [
     "Map",
     "PTransform",
     "ParDo",
+    "Print",
     "ReadPartition",
     "Sink",
+    "WriteFiles",
     "plugin",
 ]
 
