@@ -1,0 +1,404 @@
+"""ChangeStreamClient on google-cloud-spanner: bounded queries, bounded retries, fast decode.
+
+Each :class:`~cdcflow.spanner.base.ChangeStreamQuery` is one change stream query with
+``start_timestamp = start`` and ``end_timestamp = end - 1 ns`` (the function's bounds are
+inclusive, slices are half-open). The dialect (GoogleSQL or PostgreSQL) and the partition
+mode are read from the database once per stream.
+
+Retries. Transient errors (see :func:`cdcflow.spanner.retry.is_transient`) are retried
+with capped exponential backoff and full jitter, at most ``RetryPolicy.attempts`` calls
+in a row without progress. A retry re-issues the query from the timestamp ``T`` of the
+last record the caller consumed and drops what the caller already has: records before
+``T``, heartbeats at ``T``, and records at ``T`` whose identity (kind, record sequence,
+server transaction id) was already yielded. The identity test does not depend on the
+server returning records at one timestamp in the same order twice.
+
+Clients hold gRPC channels, so tasks get theirs from :func:`cached_client` (one per
+process and arguments). Pickling a client pickles only its arguments; unpickling
+returns the process's cached client.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+from cdcflow.errors import ChangeStreamError, StreamNotFoundError, TransientError
+from cdcflow.model import (
+    INITIAL_PARTITION_TOKEN,
+    MAX_NS,
+    ChangeRecord,
+    DataChangeRecord,
+    HeartbeatRecord,
+    Timestamp,
+    record_position,
+)
+from cdcflow.spanner.base import ChangeStreamClient, ChangeStreamQuery, StreamInfo
+from cdcflow.spanner.decode import row_decoder
+from cdcflow.spanner.retry import RetryPolicy, is_transient, status_name
+from cdcflow.spanner.transport import GrpcTransport, Param, Transport, assemble_rows
+
+__all__ = ["SpannerChangeStreamClient", "cached_client"]
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_DATABASE = re.compile(r"^projects/[^/]+/instances/[^/]+/databases/[^/]+$")
+_PRIORITIES = ("LOW", "MEDIUM", "HIGH")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
+_UNIT_NS = {"s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86_400 * 10**9}
+_DEFAULT_RETENTION_NS = 86_400 * 10**9
+_READER_ROLE = "roles/spanner.databaseReader"
+
+Dialect = Literal["GOOGLE_STANDARD_SQL", "POSTGRESQL"]
+
+
+def _rfc3339(ns: int) -> str:
+    return Timestamp.from_ns(ns).rfc3339()
+
+
+def _retention_ns(text: str | None) -> int:
+    if not text:
+        return _DEFAULT_RETENTION_NS
+    m = _DURATION.match(text)
+    if m is None:
+        return _DEFAULT_RETENTION_NS
+    return int(float(m.group(1)) * _UNIT_NS[m.group(2)])
+
+
+def _identity(record: ChangeRecord) -> tuple[str, str, str]:
+    if isinstance(record, DataChangeRecord):
+        return ("data", record.record_sequence, record.server_transaction_id)
+    sequence = getattr(record, "record_sequence", "")
+    return (type(record).__name__, str(sequence), "")
+
+
+class SpannerChangeStreamClient:
+    """Reads change streams of one database with the stock google-cloud-spanner client.
+
+    ``priority`` is the RPC priority of every query (LOW, MEDIUM, HIGH); ``query_timeout``
+    the deadline of each query in seconds. ``spanner_client`` replaces the default
+    ``google.cloud.spanner.Client`` (built for the database's project; it honours
+    ``SPANNER_EMULATOR_HOST`` and Application Default Credentials). Nothing connects until
+    the first call. ``transport`` is the seam for tests: set it to wrap the default one.
+    """
+
+    def __init__(
+        self,
+        database: str,
+        *,
+        priority: str = "MEDIUM",
+        query_timeout: float = 600.0,
+        retry: RetryPolicy | None = None,
+        spanner_client: Any = None,
+    ) -> None:
+        if not _DATABASE.match(database):
+            msg = (
+                f"database {database!r}: write the full path "
+                "projects/PROJECT/instances/INSTANCE/databases/DATABASE"
+            )
+            raise StreamNotFoundError(msg)
+        priority = priority.upper()
+        if priority not in _PRIORITIES:
+            msg = f"priority={priority!r}: use one of {', '.join(_PRIORITIES)}"
+            raise ValueError(msg)
+        if query_timeout <= 0:
+            msg = f"query_timeout={query_timeout}: use a positive number of seconds"
+            raise ValueError(msg)
+        self.database = database
+        self.priority = priority
+        self.query_timeout = float(query_timeout)
+        self.retry = retry or RetryPolicy()
+        self._spanner_client = spanner_client
+        self._transport: Transport | None = None
+        self._dialect: Dialect | None = None
+        self._streams: dict[str, StreamInfo] = {}
+        self._lock = threading.Lock()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            self._transport = GrpcTransport(self.database, self._spanner_client)
+        return self._transport
+
+    @transport.setter
+    def transport(self, value: Transport) -> None:
+        self._transport = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Channels and sessions do not travel: the receiving process uses its own client.
+        return (_restore, (self.database, self.priority, self.query_timeout))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        self._transport = None
+
+    def _rows(self, sql: str, params: Mapping[str, Param]) -> list[list[Any]]:
+        """A small metadata query, retried like change stream queries."""
+        failures = 0
+        while True:
+            try:
+                responses = self.transport.execute_streaming_sql(
+                    sql, params, priority=self.priority, timeout=min(self.query_timeout, 60.0)
+                )
+                return [row for _, row in assemble_rows(responses)]
+            except Exception as exc:
+                failures += 1
+                if not self._should_retry(exc, failures):
+                    raise self._translate(exc, None) from exc
+
+    def _should_retry(self, exc: BaseException, failures: int) -> bool:
+        if isinstance(exc, ChangeStreamError | StreamNotFoundError | TransientError):
+            return False
+        session_gone = status_name(exc) == "NOT_FOUND" and "Session not found" in str(exc)
+        if session_gone:
+            self.transport.reset_session()
+        if not (session_gone or is_transient(exc)):
+            return False
+        if failures >= self.retry.attempts:
+            msg = (
+                f"Spanner kept failing after {failures} attempts ({status_name(exc)}: "
+                f"{_text(exc)}); check the database's health and quota, then run again"
+            )
+            raise TransientError(msg) from exc
+        self.retry.backoff(failures)
+        return True
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def dialect(self) -> Dialect:
+        """The database's SQL dialect, read once."""
+        if self._dialect is None:
+            rows = self._rows(
+                "SELECT option_value FROM information_schema.database_options "
+                "WHERE option_name = 'database_dialect'",
+                {},
+            )
+            value = rows[0][0].string_value if rows else "GOOGLE_STANDARD_SQL"
+            self._dialect = "POSTGRESQL" if value == "POSTGRESQL" else "GOOGLE_STANDARD_SQL"
+        return self._dialect
+
+    def describe_stream(self, stream: str) -> StreamInfo:
+        """The stream's name as the database spells it, partition mode, dialect, retention.
+
+        Raises StreamNotFoundError when the database or the stream does not exist.
+        """
+        with self._lock:
+            cached = self._streams.get(stream)
+        if cached is not None:
+            return cached
+        _check_identifier(stream)
+        dialect = self.dialect()
+        names = [row[0].string_value for row in self._rows(
+            "SELECT change_stream_name FROM information_schema.change_streams", {}
+        )]
+        name = stream if stream in names else next(
+            (n for n in names if n.lower() == stream.lower()), None
+        )
+        if name is None:
+            known = ", ".join(sorted(names)) or "none"
+            msg = (
+                f"change stream {stream!r} not found in {self.database} (streams: {known}); "
+                f"fix the name or create it with CREATE CHANGE STREAM {stream} FOR ..."
+            )
+            raise StreamNotFoundError(msg)
+        options = {
+            row[0].string_value.lower(): row[1].string_value
+            for row in self._rows(
+                "SELECT option_name, option_value FROM information_schema.change_stream_options "
+                f"WHERE change_stream_name = '{name}'",
+                {},
+            )
+        }
+        mode = options.get("partition_mode", "IMMUTABLE_KEY_RANGE").upper()
+        info = StreamInfo(
+            name=name,
+            partition_mode=(
+                "MUTABLE_KEY_RANGE" if mode == "MUTABLE_KEY_RANGE" else "IMMUTABLE_KEY_RANGE"
+            ),
+            dialect=dialect,
+            retention_ns=_retention_ns(options.get("retention_period")),
+        )
+        with self._lock:
+            self._streams[stream] = info
+        return info
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _statement(
+        self, info: StreamInfo, token: str | None, start: int, end: int, heartbeat: int
+    ) -> tuple[str, dict[str, Param]]:
+        # end >= MAX_NS means "no end": the function reads on while the partition lives.
+        end_value = None if end >= MAX_NS else _rfc3339(end - 1)
+        if info.dialect == "POSTGRESQL":
+            sql = f"SELECT * FROM spanner.read_json_{info.name}($1, $2, $3, $4, null)"
+            return sql, {
+                "p1": ("TIMESTAMP", _rfc3339(start)),
+                "p2": ("TIMESTAMP", end_value),
+                "p3": ("STRING", token),
+                "p4": ("INT64", str(heartbeat)),
+            }
+        sql = (
+            f"SELECT ChangeRecord FROM READ_{info.name}(start_timestamp => @s, "
+            "end_timestamp => @e, partition_token => @t, heartbeat_milliseconds => @h)"
+        )
+        return sql, {
+            "s": ("TIMESTAMP", _rfc3339(start)),
+            "e": ("TIMESTAMP", end_value),
+            "t": ("STRING", token),
+            "h": ("INT64", str(heartbeat)),
+        }
+
+    def _query(
+        self, info: StreamInfo, token: str | None, start: int, end: int, heartbeat: int
+    ) -> Iterator[ChangeRecord]:
+        sql, params = self._statement(info, token, start, end, heartbeat)
+        label = token if token is not None else INITIAL_PARTITION_TOKEN
+        responses = self.transport.execute_streaming_sql(
+            sql, params, priority=self.priority, timeout=self.query_timeout
+        )
+        decode = None
+        for row_type, row in assemble_rows(responses):
+            if decode is None:
+                decode = row_decoder(row_type.fields[0].type_)
+            yield from decode(row[0], label)
+
+    def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
+        """Records of ``query.partition_token`` with ``start <= position < end``.
+
+        See the module docstring for how retries resume without duplicates.
+        """
+        _check_identifier(query.stream)
+        if query.end <= query.start:
+            return iter(())
+        info = self.describe_stream(query.stream)
+        return self._read(query, info)
+
+    def _read(self, query: ChangeStreamQuery, info: StreamInfo) -> Iterator[ChangeRecord]:
+        start = query.start
+        last: int | None = None  # position of the last record yielded
+        seen: set[tuple[str, str, str]] = set()  # identities yielded at ``last``
+        resume: int | None = None  # while re-reading: drop what is at or before this
+        failures = 0
+        while True:
+            progressed = False
+            try:
+                for record in self._query(
+                    info, query.partition_token, start, query.end, query.heartbeat_millis
+                ):
+                    pos = record_position(record)
+                    if resume is not None:
+                        if pos < resume or (pos == resume and (
+                            isinstance(record, HeartbeatRecord) or _identity(record) in seen
+                        )):
+                            continue
+                        if pos > resume:
+                            resume = None
+                    if pos >= query.end:
+                        # The server's bounds are inclusive of end - 1 ns; never past it.
+                        continue
+                    if pos != last:
+                        last = pos
+                        seen = set()
+                    seen.add(_identity(record))
+                    progressed = True
+                    yield record
+                return
+            except Exception as exc:
+                if progressed:
+                    failures = 0
+                failures += 1
+                if not self._should_retry(exc, failures):
+                    raise self._translate(exc, query) from exc
+                if last is not None:
+                    start = resume = last
+
+    def _translate(self, exc: BaseException, query: ChangeStreamQuery | None) -> Exception:
+        """A cdcflow error naming the fix for a permanent Spanner error."""
+        if isinstance(exc, ChangeStreamError | StreamNotFoundError | TransientError):
+            return exc
+        status = status_name(exc)
+        text = _text(exc)
+        stream = query.stream if query is not None else "?"
+        if status == "PERMISSION_DENIED":
+            msg = (
+                f"permission denied reading {self.database}: grant the caller {_READER_ROLE} "
+                f"(or a role with spanner.databases.select) on the database ({text})"
+            )
+            return ChangeStreamError(msg)
+        if status == "UNAUTHENTICATED":
+            msg = (
+                "Spanner rejected the credentials: run `gcloud auth application-default login`, "
+                "set GOOGLE_APPLICATION_CREDENTIALS, or set SPANNER_EMULATOR_HOST for the "
+                f"emulator ({text})"
+            )
+            return ChangeStreamError(msg)
+        if "Database not found" in text:
+            msg = f"database {self.database} does not exist: fix the path or create it ({text})"
+            return StreamNotFoundError(msg)
+        if "Table-valued function not found" in text or (
+            "read_json_" in text and "does not exist" in text
+        ):
+            msg = (
+                f"change stream {stream!r} not found in {self.database}: fix the name or create "
+                f"it with CREATE CHANGE STREAM ({text})"
+            )
+            return StreamNotFoundError(msg)
+        if "too far in the past" in text or "retention" in text.lower():
+            start = _rfc3339(query.start) if query is not None else "?"
+            msg = (
+                f"start {start} is outside the retention period of change stream {stream!r}: "
+                "start later (for example start_at='-1h'), or raise the stream's "
+                f"retention_period; reset the pipeline if its stored position is too old ({text})"
+            )
+            return ChangeStreamError(msg)
+        if "partition_token is invalid" in text:
+            msg = (
+                f"partition token does not belong to change stream {stream!r}: the stored "
+                f"state is from another stream or database; reset the pipeline ({text})"
+            )
+            return ChangeStreamError(msg)
+        msg = f"change stream query on {self.database} failed ({status}: {text})"
+        return ChangeStreamError(msg)
+
+
+def _text(exc: BaseException) -> str:
+    message = getattr(exc, "message", None)
+    return message if isinstance(message, str) else str(exc)
+
+
+def _check_identifier(stream: str) -> None:
+    if not _IDENTIFIER.match(stream or ""):
+        msg = (
+            f"{stream!r} is not a change stream name: use an identifier (letters, digits, '_', "
+            "not starting with a digit)"
+        )
+        raise StreamNotFoundError(msg)
+
+
+_cache: dict[tuple[int, str, str, float], SpannerChangeStreamClient] = {}
+_cache_lock = threading.Lock()
+
+
+def cached_client(
+    database: str, *, priority: str = "MEDIUM", query_timeout: float = 600.0
+) -> ChangeStreamClient:
+    """The process's client for these arguments, created on first use (nothing connects
+    until it reads). Keyed by process id too, so a forked worker never reuses a channel."""
+    key = (os.getpid(), database, priority.upper(), float(query_timeout))
+    with _cache_lock:
+        client = _cache.get(key)
+        if client is None:
+            client = SpannerChangeStreamClient(
+                database, priority=priority, query_timeout=query_timeout
+            )
+            _cache[key] = client
+        return client
+
+
+def _restore(database: str, priority: str, query_timeout: float) -> ChangeStreamClient:
+    return cached_client(database, priority=priority, query_timeout=query_timeout)

@@ -1,0 +1,224 @@
+"""One streaming SQL call to Spanner, without the stock client's retry loop.
+
+:class:`GrpcTransport` sends ``ExecuteStreamingSql`` through the stock client's GAPIC
+layer (so credentials, ``SPANNER_EMULATOR_HOST``, endpoints and headers behave as usual)
+but with ``retry=None`` and a deadline: retrying is the caller's job, with bounded
+backoff (:mod:`cdcflow.spanner.retry`). It yields raw protobuf ``PartialResultSet``
+messages; :func:`assemble_rows` merges chunked values into rows of protobuf ``Value``.
+
+The transport is the seam tests wrap to inject failures (see ``Transport``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+__all__ = ["GrpcTransport", "Param", "Transport", "assemble_rows"]
+
+#: A query parameter: (Spanner type code name, wire value as text or None for NULL).
+Param = tuple[str, str | None]
+
+_PRIORITIES = {"LOW": 1, "MEDIUM": 2, "HIGH": 3}
+# Multiplexed sessions live up to 28 days; refresh well before that.
+_SESSION_MAX_AGE_S = 7 * 86_400
+
+
+class Transport(Protocol):
+    """Runs one streaming query; yields protobuf ``PartialResultSet`` messages."""
+
+    def execute_streaming_sql(
+        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
+    ) -> Iterator[Any]: ...
+
+    def reset_session(self) -> None:
+        """Forget the session (the server said it no longer exists)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class GrpcTransport:
+    """ExecuteStreamingSql on a multiplexed session of ``database``, created lazily.
+
+    ``spanner_client`` is a ``google.cloud.spanner.Client``; by default one is built for
+    the database's project (honouring ``SPANNER_EMULATOR_HOST`` and Application Default
+    Credentials).
+    """
+
+    def __init__(self, database: str, spanner_client: Any = None) -> None:
+        self.database = database
+        self._client = spanner_client
+        self._owns_client = spanner_client is None
+        self._api: Any = None
+        self._session: str | None = None
+        self._session_born = 0.0
+        self._lock = threading.Lock()
+
+    def _spanner_api(self) -> Any:
+        if self._api is None:
+            parts = self.database.split("/")
+            if self._client is None:
+                from google.cloud import spanner
+
+                self._client = spanner.Client(project=parts[1], disable_builtin_metrics=True)
+            db = self._client.instance(parts[3]).database(parts[5])
+            self._api = db.spanner_api
+        return self._api
+
+    def _metadata(self) -> list[tuple[str, str]]:
+        return [("google-cloud-resource-prefix", self.database)]
+
+    def session(self) -> str:
+        with self._lock:
+            stale = time.monotonic() - self._session_born > _SESSION_MAX_AGE_S
+            if self._session is None or stale:
+                api = self._spanner_api()
+                try:
+                    created = api.create_session(
+                        request={"database": self.database, "session": {"multiplexed": True}},
+                        metadata=self._metadata(),
+                    )
+                except Exception as exc:
+                    # Servers without multiplexed sessions reject the flag; use a plain one.
+                    if getattr(getattr(exc, "grpc_status_code", None), "name", "") not in (
+                        "INVALID_ARGUMENT", "UNIMPLEMENTED",
+                    ):
+                        raise
+                    created = api.create_session(
+                        request={"database": self.database}, metadata=self._metadata()
+                    )
+                self._session = str(created.name)
+                self._session_born = time.monotonic()
+            return self._session
+
+    def reset_session(self) -> None:
+        with self._lock:
+            self._session = None
+
+    def execute_streaming_sql(
+        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
+    ) -> Iterator[Any]:
+        from google.cloud.spanner_v1.types import PartialResultSet
+
+        api = self._spanner_api()
+        request = _request(self.session(), sql, params, priority)
+        stream = api.execute_streaming_sql(
+            request=request, metadata=self._metadata(), retry=None, timeout=timeout
+        )
+        to_pb = PartialResultSet.pb
+        try:
+            for item in stream:
+                yield to_pb(item)
+        finally:
+            # Stop the server streaming when the reader leaves early.
+            cancel = getattr(stream, "cancel", None)
+            if cancel is not None:
+                cancel()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._session is not None and self._api is not None:
+                with contextlib.suppress(Exception):
+                    self._api.delete_session(name=self._session, metadata=self._metadata())
+            self._session = None
+            if self._owns_client and self._client is not None:
+                with contextlib.suppress(Exception):
+                    self._client.close()
+                self._client = None
+            self._api = None
+
+
+def _request(session: str, sql: str, params: Mapping[str, Param], priority: str) -> Any:
+    from google.cloud.spanner_v1.types import ExecuteSqlRequest, RequestOptions, Type
+    from google.protobuf.struct_pb2 import NULL_VALUE, Struct
+
+    struct = Struct()
+    types: dict[str, Any] = {}
+    for name, (code, value) in params.items():
+        if value is None:
+            struct.fields[name].null_value = NULL_VALUE
+        else:
+            struct.fields[name].string_value = value
+        types[name] = Type(code=code)
+    return ExecuteSqlRequest(
+        session=session,
+        sql=sql,
+        params=struct,
+        param_types=types,
+        transaction={"single_use": {"read_only": {"strong": True}}},
+        request_options=RequestOptions(priority=_PRIORITIES[priority]),
+    )
+
+
+# --- rows from partial result sets ----------------------------------------------------------
+
+_FLOAT_CODES = (3, 15)  # FLOAT64, FLOAT32
+_CODE_BOOL = 1
+_CODE_ARRAY = 8
+_CODE_STRUCT = 9
+
+
+def _merge(lhs: Any, rhs: Any, type_: Any) -> Any:
+    """Join a value split across two PartialResultSets (Spanner's chunking rules)."""
+    from google.protobuf.struct_pb2 import ListValue, Value
+
+    code = type_.code
+    if code in (_CODE_ARRAY, _CODE_STRUCT):
+        left = list(lhs.list_value.values)
+        right = list(rhs.list_value.values)
+        if left and right:
+            if code == _CODE_ARRAY:
+                elem = type_.array_element_type
+            else:
+                elem = type_.struct_type.fields[len(left) - 1].type_
+            first = right[0]
+            last = left[-1]
+            mergeable = (
+                elem.code != _CODE_BOOL
+                and first.WhichOneof("kind") != "null_value"
+                and last.WhichOneof("kind") != "null_value"
+            )
+            if mergeable:
+                left[-1] = _merge(last, first, elem)
+                right = right[1:]
+        return Value(list_value=ListValue(values=left + right))
+    if code in _FLOAT_CODES and lhs.WhichOneof("kind") != "string_value":
+        return lhs
+    return Value(string_value=lhs.string_value + rhs.string_value)
+
+
+def assemble_rows(responses: Iterator[Any]) -> Iterator[tuple[Any, list[Any]]]:
+    """Rows from protobuf PartialResultSets: yields ``(row_type, values)`` per row.
+
+    ``row_type`` is the ``StructType`` of the result metadata (sent with the first
+    message); ``values`` holds one protobuf ``Value`` per column.
+    """
+    row_type: Any = None
+    width = 0
+    row: list[Any] = []
+    pending: Any = None
+    for prs in responses:
+        if row_type is None:
+            row_type = prs.metadata.row_type
+            width = len(row_type.fields)
+        values: list[Any] = list(prs.values)
+        if not values:
+            continue
+        if pending is not None:
+            values[0] = _merge(pending, values[0], row_type.fields[len(row)].type_)
+            pending = None
+        if prs.chunked_value:
+            pending = values.pop()
+        for value in values:
+            row.append(value)
+            if len(row) == width:
+                yield row_type, row
+                row = []
+    if pending is not None:
+        row.append(pending)
+    if row and len(row) == width:
+        yield row_type, row
