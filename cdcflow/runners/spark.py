@@ -1,0 +1,337 @@
+"""SparkRunner: run a batch's tasks as one Spark job, one Spark task per slice.
+
+``run_tasks`` broadcasts the program once, then runs
+``sc.parallelize(list(enumerate(tasks)), len(tasks)).mapPartitions(...)``: every Spark task
+calls :func:`cdcflow.runners.task.execute_task` where it runs (an executor's Python worker),
+sinks write from there, and only the small result bytes come back to the driver.
+
+This is the only module that imports pyspark, and it does so inside methods, so
+``import cdcflow`` stays light.
+
+Failures. A task that raises an ordinary exception, or whose Python worker dies, is retried
+by Spark (``local[N,F]`` gives local mode F attempts; clusters use
+``spark.task.maxFailures``). Errors that another attempt cannot fix — the pipeline's error
+policy said stop (:class:`~cdcflow.errors.PipelineStopped`), bad user input, a change stream
+or tracker error — are handed back to the driver as they are and raised there, as the
+in-memory runner would. When Spark gives up, :class:`SparkTaskError` names the task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import pickle
+import re
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from cdcflow.errors import (
+    CdcflowError,
+    ChangeStreamError,
+    PipelineStopped,
+    TrackerError,
+    UserInputError,
+)
+
+__all__ = ["DEFAULT_LOCAL_CONF", "SparkRunner", "SparkTaskError", "local_master"]
+
+#: Attempts per task in local mode (Spark's own default for clusters is 4 as well).
+_LOCAL_TASK_ATTEMPTS = 4
+
+#: Settings for local masters (``local...`` and ``local-cluster[...]``); the user's ``conf``
+#: wins over every one of them.
+DEFAULT_LOCAL_CONF: Mapping[str, str] = {
+    # Python workers talk to the JVM over a Unix socket: about half the per-task overhead.
+    "spark.python.unix.domain.socket.enabled": "true",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+}
+
+#: Settings for every master.
+_ALWAYS_CONF: Mapping[str, str] = {
+    # A reused Python worker keeps its process-wide caches (Spanner clients) across tasks.
+    "spark.python.worker.reuse": "true",
+}
+
+#: Errors another attempt of the same task cannot fix: raised on the driver as they are.
+_FINAL_ERRORS: tuple[type[BaseException], ...] = (
+    PipelineStopped,
+    UserInputError,
+    ChangeStreamError,
+    TrackerError,
+)
+
+_LOCAL = re.compile(r"^local(?:\[(\*|\d+)\])?$")
+_SPARK_TASK = re.compile(r"Task (\d+) in stage \S+ failed (\d+) times")
+_CDCFLOW_TASK = re.compile(r"cdcflow task (\d+) failed")
+
+_QUIET_LOG4J2 = """\
+rootLogger.level = error
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+"""
+
+
+class SparkTaskError(CdcflowError):
+    """A task of a batch failed on every attempt Spark allowed; nothing of the batch was
+    committed, and the next run replays it."""
+
+
+def local_master(master: str | None) -> str:
+    """The master to use: ``local[*]`` by default, and a bare ``local``/``local[N]`` gets
+    task retries (``local[N,4]``) since plain local mode never retries a failed task."""
+    master = master or "local[*]"
+    match = _LOCAL.match(master)
+    if match is None:
+        return master
+    return f"local[{match.group(1) or '1'},{_LOCAL_TASK_ATTEMPTS}]"
+
+
+def _is_local(master: str) -> bool:
+    return master.startswith("local")
+
+
+class _TaskFailed(Exception):
+    """Raised in a Python worker so that Spark retries the task; the text names the task."""
+
+
+def _run_partition(program: Any, items: Iterable[tuple[int, bytes]]) -> Iterator[Any]:
+    """Executor side: run the partition's task(s); yields ``(index, ok, payload)``.
+
+    ``ok`` False means ``payload`` is a pickled error that retrying cannot fix.
+    """
+    from cdcflow.runners.task import execute_task
+
+    code: bytes = program.value
+    for index, task in items:
+        try:
+            result = execute_task(code, task)
+        except _FINAL_ERRORS as exc:
+            yield index, False, _pickle_error(exc)
+            continue
+        except Exception as exc:
+            msg = f"cdcflow task {index} failed: {type(exc).__name__}: {exc}"
+            raise _TaskFailed(msg) from exc
+        yield index, True, result
+
+
+def _pickle_error(exc: BaseException) -> bytes:
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+    except Exception:
+        # An exception whose arguments do not survive pickling: keep its type's name and text.
+        data = pickle.dumps(PipelineStopped(f"{type(exc).__name__}: {exc}"))
+    return data
+
+
+def _describe_task(task: bytes, index: int) -> str:
+    """``task 3 (batch 7, partition tok, slice [a, b))``, as much as the bytes tell."""
+    try:
+        decoded = pickle.loads(task)
+        sl = decoded.slice
+        return (
+            f"task {index} (batch {decoded.batch_id}, partition {sl.token}, "
+            f"slice [{sl.start}, {sl.end}))"
+        )
+    except Exception:
+        return f"task {index}"
+
+
+def _cause_text(exc: BaseException) -> str:
+    """The most telling line of a Spark job failure: the Python error when there is one."""
+    text = str(exc)
+    for line in text.splitlines():
+        if _CDCFLOW_TASK.search(line):
+            return line.strip().removeprefix("cdcflow.runners.spark._TaskFailed: ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
+    return (errors[-1] if errors else lines[0] if lines else type(exc).__name__)[:500]
+
+
+class SparkRunner:
+    """Runs each batch as one Spark job.
+
+    ``master``: a Spark master URL; default ``local[*]`` (with task retries), or the master
+    spark-submit configured when running under it. ``conf``: extra Spark settings; they win
+    over the local defaults (:data:`DEFAULT_LOCAL_CONF`).
+
+    ``open`` uses the active SparkSession when there is one (e.g. in a notebook), else
+    builds one named after the pipeline; ``close`` stops only a session it built.
+    """
+
+    name = "spark"
+
+    def __init__(self, master: str | None = None, conf: Mapping[str, str] | None = None) -> None:
+        self.master = master
+        self.conf: dict[str, str] = dict(conf or {})
+        self._session: Any = None
+        self._owns_session = False
+        self._broadcasts: dict[bytes, Any] = {}
+        self._log_dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def session(self) -> Any:
+        """The SparkSession of this run (after ``open``)."""
+        if self._session is None:
+            msg = "SparkRunner.session is used before open(); call open(app_name) first"
+            raise CdcflowError(msg)
+        return self._session
+
+    def open(self, app_name: str) -> None:
+        if self._session is not None:
+            return
+        # Workers must run the project's interpreter (the one with cdcflow installed).
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            self._session, self._owns_session = active, False
+            return
+        settings = self._settings(app_name)
+        builder = SparkSession.builder
+        for key, value in settings.items():
+            builder = builder.config(key, value)
+        self._session = builder.getOrCreate()
+        self._owns_session = True
+        if _is_local(self._session.sparkContext.master):
+            self._session.sparkContext.setLogLevel("ERROR")
+
+    def _settings(self, app_name: str) -> dict[str, str]:
+        """Spark settings for a session this runner builds."""
+        settings: dict[str, str] = {"spark.app.name": app_name, **_ALWAYS_CONF}
+        # Under spark-submit the launcher already set spark.master (and the JVM is running);
+        # an explicit master still wins.
+        submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+        master = self.master or self.conf.get("spark.master")
+        if master is not None or not submitted:
+            settings["spark.master"] = local_master(master)
+        master = settings.get("spark.master", "")
+        host = os.environ.get("SPANNER_EMULATOR_HOST")
+        if host:
+            settings["spark.executorEnv.SPANNER_EMULATOR_HOST"] = host
+        if _is_local(master):
+            settings.update(DEFAULT_LOCAL_CONF)
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+            # Same machine: user modules the driver imports from extra paths (the pipeline
+            # file's directory, tests) are importable by the workers too.
+            paths = _extra_python_paths()
+            if paths:
+                settings["spark.executorEnv.PYTHONPATH"] = os.pathsep.join(paths)
+            if not submitted:
+                log_file = self._quiet_log_config()
+                option = f"-Dlog4j2.configurationFile=file:{log_file}"
+                settings["spark.driver.extraJavaOptions"] = option
+                settings["spark.executor.extraJavaOptions"] = option
+        settings.update(self.conf)
+        return settings
+
+    def _quiet_log_config(self) -> str:
+        if self._log_dir is None:
+            self._log_dir = tempfile.TemporaryDirectory(prefix="cdcflow-spark-")
+        path = os.path.join(self._log_dir.name, "log4j2.properties")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(_QUIET_LOG4J2)
+        return path
+
+    def _broadcast(self, program: bytes) -> Any:
+        key = hashlib.sha256(program).digest()
+        bc = self._broadcasts.get(key)
+        if bc is None:
+            # One program per run in practice: release older ones so executors drop them.
+            for old in self._broadcasts.values():
+                old.unpersist(blocking=False)
+            self._broadcasts.clear()
+            bc = self._session.sparkContext.broadcast(program)
+            self._broadcasts[key] = bc
+        return bc
+
+    def run_tasks(self, program: bytes, tasks: Sequence[bytes]) -> list[bytes]:
+        """Run every task as one Spark job; results in task order.
+
+        Raises :class:`SparkTaskError` naming the task when Spark gave up on one, or the
+        task's own error when another attempt could not fix it (e.g. ``PipelineStopped``).
+        """
+        if not tasks:
+            return []
+        sc = self.session.sparkContext
+        bc = self._broadcast(program)
+        items = list(enumerate(tasks))
+        sc.setJobDescription(f"cdcflow: {len(items)} tasks")
+        rdd = sc.parallelize(items, len(items)).mapPartitions(functools.partial(_run_partition, bc))
+        try:
+            collected: list[tuple[int, bool, bytes]] = rdd.collect()
+        except Exception as exc:
+            raise self._task_error(exc, tasks) from exc
+        finally:
+            sc.setJobDescription(None)
+        collected.sort(key=lambda item: item[0])
+        if [index for index, _, _ in collected] != list(range(len(tasks))):
+            msg = (
+                f"Spark returned {len(collected)} results for {len(tasks)} tasks; "
+                "the batch is not committed and will be replayed"
+            )
+            raise SparkTaskError(msg)
+        for index, ok, payload in collected:
+            if not ok:
+                error = pickle.loads(payload)
+                if isinstance(error, BaseException):
+                    error.add_note(f"in Spark {_describe_task(tasks[index], index)}")
+                    raise error
+        return [payload for _, _, payload in collected]
+
+    def _task_error(self, exc: BaseException, tasks: Sequence[bytes]) -> CdcflowError:
+        text = str(exc)
+        match = _SPARK_TASK.search(text) or _CDCFLOW_TASK.search(text)
+        index = int(match.group(1)) if match else None
+        attempts = f" after {match.group(2)} attempts" if match and match.lastindex == 2 else ""
+        which = (
+            _describe_task(tasks[index], index)
+            if index is not None and 0 <= index < len(tasks)
+            else "a task"
+        )
+        msg = (
+            f"Spark {which} failed{attempts}: {_cause_text(exc)}. Nothing of the batch was "
+            "committed; fix the cause (see the executor log) and run again to replay it"
+        )
+        return SparkTaskError(msg)
+
+    def close(self) -> None:
+        for bc in self._broadcasts.values():
+            # the session may already be gone; nothing to release then
+            with contextlib.suppress(Exception):
+                bc.unpersist(blocking=False)
+        self._broadcasts.clear()
+        if self._session is not None and self._owns_session:
+            self._session.stop()
+        self._session, self._owns_session = None, False
+        if self._log_dir is not None:
+            self._log_dir.cleanup()
+            self._log_dir = None
+
+
+def _extra_python_paths() -> list[str]:
+    """Directories on the driver's ``sys.path`` beyond the interpreter's own."""
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    extra: list[str] = []
+    for entry in sys.path:
+        path = os.path.realpath(entry or os.getcwd())
+        if not os.path.isdir(path) or path in extra:
+            continue
+        if any(path == p or path.startswith(p + os.sep) for p in prefixes):
+            continue
+        extra.append(path)
+    return extra
