@@ -1,0 +1,144 @@
+"""Scheduling decisions of the micro-batch engine, as pure functions (no I/O, no clock).
+
+Everything here takes the stored partitions of one pipeline and returns what to do; the
+engine (:mod:`cdcflow.runners.engine`) reads the store, calls these, and writes back.
+
+Invariants these functions rely on and keep:
+
+- A child partition is scheduled only when every parent is FINISHED. With one reader per
+  partition this keeps every key's changes in commit-timestamp order across splits and
+  merges. Garbage collection deletes a FINISHED partition only after all of its children
+  have started, so a parent missing for a CREATED child is one not discovered yet (see
+  :func:`ready_partitions`).
+- The batch end ``T`` is never ahead of the clock and at most ``max_span_ns`` after the
+  low watermark, so one lagging partition bounds how far the others run ahead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState, Slice
+
+__all__ = [
+    "children_of",
+    "gc_candidates",
+    "low_watermark",
+    "plan_batch",
+    "ready_partitions",
+]
+
+_FINISHED = PartitionState.FINISHED
+_CREATED = PartitionState.CREATED
+
+
+def ready_partitions(partitions: Sequence[PartitionMetadata]) -> list[PartitionMetadata]:
+    """CREATED partitions whose parents have all FINISHED, in (start, token) order.
+
+    A parent missing from ``partitions`` is either garbage collected (it finished) or not
+    inserted yet: a merge child can be reported by one parent while another parent has
+    not even been discovered, because its own ancestor lags behind. The two cases are
+    told apart by the low watermark: an undiscovered parent has an unfinished ancestor
+    whose watermark is below the child's start, so a child with a missing parent is ready
+    only once no unfinished partition is below its start.
+    """
+    state = {p.token: p.state for p in partitions}
+    low = low_watermark(partitions)
+    ready = []
+    for p in partitions:
+        if p.state != _CREATED:
+            continue
+        if all(
+            state[parent] == _FINISHED if parent in state else low >= p.start
+            for parent in p.parent_tokens
+        ):
+            ready.append(p)
+    return sorted(ready, key=lambda p: (p.start, p.token))
+
+
+def low_watermark(partitions: Iterable[PartitionMetadata]) -> int:
+    """The pipeline's low watermark: every record below it has been delivered and committed.
+
+    The minimum watermark over partitions that are not FINISHED (a CREATED partition's
+    watermark is its start). When every partition is FINISHED it is the largest finish
+    position (the end of what was read); with no partitions at all it is 0.
+    """
+    active: list[int] = []
+    finished: list[int] = []
+    for p in partitions:
+        (finished if p.state == _FINISHED else active).append(p.watermark)
+    if active:
+        return min(active)
+    return max(finished, default=0)
+
+
+def plan_batch(
+    partitions: Sequence[PartitionMetadata],
+    now_ns: int,
+    max_span_ns: int,
+    batch_id: int,
+) -> tuple[BatchPlan, dict[str, PartitionState]]:
+    """Plan batch ``batch_id``: its slices, and the state transitions to write with it.
+
+    The batch end is ``T = min(now_ns, low_watermark + max_span_ns)``. Every active
+    partition (RUNNING or SCHEDULED, plus CREATED partitions that are ready) gets the
+    slice ``[watermark, min(T, end))`` when that is non-empty. A ready partition moves to
+    RUNNING only when it gets a slice; one that starts after ``T`` stays CREATED, so "its
+    children have started" keeps meaning that a reader began on them. A plan with no
+    slices means nothing can advance before the clock passes the low watermark; the
+    engine waits instead of writing it.
+
+    Slices are ordered by (start, token) so a plan is deterministic.
+    """
+    if max_span_ns <= 0:
+        msg = f"max_span_ns must be positive, got {max_span_ns}; use e.g. 10 s = 10_000_000_000"
+        raise ValueError(msg)
+    batch_end = min(now_ns, low_watermark(partitions) + max_span_ns)
+    ready = {p.token for p in ready_partitions(partitions)}
+    slices: list[Slice] = []
+    transitions: dict[str, PartitionState] = {}
+    for p in sorted(partitions, key=lambda p: (p.start, p.token)):
+        starts_now = p.token in ready
+        if not starts_now and p.state not in (PartitionState.RUNNING, PartitionState.SCHEDULED):
+            continue
+        end = min(batch_end, p.end)
+        if p.watermark >= end:
+            continue
+        slices.append(Slice(p.token, p.watermark, end))
+        if p.state != PartitionState.RUNNING:
+            transitions[p.token] = PartitionState.RUNNING
+    return BatchPlan(batch_id=batch_id, end=batch_end, slices=tuple(slices)), transitions
+
+
+def children_of(partitions: Iterable[PartitionMetadata]) -> dict[str, list[PartitionMetadata]]:
+    """Map each parent token to its stored children (a merge child is under every parent)."""
+    out: dict[str, list[PartitionMetadata]] = {}
+    for p in partitions:
+        for parent in p.parent_tokens:
+            out.setdefault(parent, []).append(p)
+    return out
+
+
+def gc_candidates(
+    partitions: Sequence[PartitionMetadata],
+    now_ns: int,
+    ttl_ns: int,
+    children: Mapping[str, Sequence[PartitionMetadata]] | None = None,
+) -> list[str]:
+    """Tokens of FINISHED partitions that can be deleted, sorted.
+
+    A partition qualifies when it finished more than ``ttl_ns`` before ``now_ns``, has at
+    least one stored child, and every child has started (is not CREATED). Partitions
+    without children (the last ones, finished at the pipeline's end) are kept: they are
+    the record that the pipeline reached its end, and a store never becomes empty again
+    (an empty store means "first run").
+    """
+    kids = children_of(partitions) if children is None else children
+    out: list[str] = []
+    for p in partitions:
+        if p.state != _FINISHED or p.finished_at is None or now_ns - p.finished_at <= ttl_ns:
+            continue
+        mine = kids.get(p.token, [])
+        if mine and all(c.state != _CREATED for c in mine):
+            out.append(p.token)
+    return sorted(out)

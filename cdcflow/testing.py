@@ -1,0 +1,581 @@
+"""Test helpers: :class:`ScriptedChangeStream`, an in-memory change stream you script.
+
+Use it wherever a pipeline needs a Spanner change stream in a unit test: it implements
+:class:`cdcflow.spanner.base.ChangeStreamClient`, is deterministic and picklable (so it runs
+on every runner), and knows the ground truth to assert against::
+
+    from cdcflow.testing import ScriptedChangeStream
+
+    stream = ScriptedChangeStream("Orders", partitions=2)           # p0, p1 from time 0
+    stream.write("Orders", {"id": 1}, "INSERT", {"total": 5}, at=T0 + 1_000)
+    stream.split("p0", at=T0 + 5_000, into=["p0a", "p0b"])
+    stream.merge(["p0b", "p1"], at=T0 + 9_000, into="m")
+    with stream.transaction(at=T0 + 10_000) as tx:                  # one transaction,
+        tx.write("Orders", {"id": 1}, "UPDATE", {"total": 6})       # several mods
+        tx.write("Orders", {"id": 2}, "INSERT", {"total": 1})
+
+    source = DetectPartitions(stream="Orders", start_at=T0, end_at=T0 + 20_000, client=stream)
+    ...
+    assert collected == stream.expected_records(T0, T0 + 20_001)
+
+Model. Keys are hashed into ``buckets`` buckets; the initial partitions share the buckets
+in contiguous chunks, a split shares its parent's buckets among the children, a merge
+unions its parents' buckets. A data change is routed to the partition that owns its key's
+bucket at its commit time, so the same key can move between partitions over time, exactly
+the situation in which per-key ordering matters. A transaction yields one
+DataChangeRecord per (partition, table, mod type), as Spanner groups them.
+
+Reads follow the change stream contract:
+
+- The root query (``partition_token=None``) returns one ChildPartitionsRecord per
+  partition alive at the query start, each carrying ``INITIAL_PARTITION_TOKEN`` and
+  starting at the query start (their parent list is empty, as Spanner's is), then ends.
+- A partition's query returns its records with ``start <= commit_timestamp < end`` in
+  commit order, a HeartbeatRecord whenever ``heartbeat_millis`` pass without one, and,
+  when the partition ends inside the query, a ChildPartitionsRecord at its end (a merge
+  child is reported by every parent, each listing all parents); then the query ends.
+
+Positions (``at=``) are integer nanoseconds since the epoch, or anything
+:func:`cdcflow.durations.parse_time` takes (RFC 3339 text, a datetime).
+
+Fault injection: :meth:`ScriptedChangeStream.fail_reads` makes the next reads raise, to
+test retries. The counters live in each copy of the object: a runner that pickles its
+program (every runner does) counts in its own copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Literal
+
+import attrs
+
+from cdcflow.durations import parse_time
+from cdcflow.errors import ChangeStreamError, StreamNotFoundError, TransientError
+from cdcflow.model import (
+    INITIAL_PARTITION_TOKEN,
+    MAX_NS,
+    ChangeRecord,
+    ChildPartition,
+    ChildPartitionsRecord,
+    ColumnType,
+    DataChangeRecord,
+    HeartbeatRecord,
+    Mod,
+    ModType,
+    Timestamp,
+)
+from cdcflow.spanner.base import ChangeStreamQuery, StreamInfo
+
+__all__ = ["ScriptedChange", "ScriptedChangeStream", "ScriptedTransaction"]
+
+TimeLike = int | str | datetime
+_MOD_TYPES = ("INSERT", "UPDATE", "DELETE")
+
+
+@attrs.frozen
+class ScriptedChange:
+    """One scripted row change, the ground truth independent of partitions.
+
+    ``transaction`` is the server transaction id the change's records carry; ``index`` is
+    the change's place in script order (ties in commit time keep it).
+    """
+
+    commit_ns: int
+    transaction: str
+    index: int
+    table: str
+    keys: Mapping[str, Any]
+    mod_type: ModType
+    new_values: Mapping[str, Any]
+    old_values: Mapping[str, Any]
+
+    @property
+    def key(self) -> tuple[str, tuple[tuple[str, Any], ...]]:
+        """A hashable identity of the row: (table, sorted key items)."""
+        return self.table, tuple(sorted(self.keys.items()))
+
+
+@attrs.define
+class _Partition:
+    token: str
+    start: int
+    buckets: tuple[int, ...]
+    parents: tuple[str, ...]
+    end: int = MAX_NS
+    children: tuple[str, ...] = ()
+
+
+@attrs.define
+class _Txn:
+    at: int
+    seq: int
+    tag: str
+    changes: list[tuple[str, dict[str, Any], ModType, dict[str, Any], dict[str, Any]]]
+
+
+class ScriptedTransaction:
+    """Collects the mods of one transaction; committed when the ``with`` block exits."""
+
+    def __init__(self, stream: ScriptedChangeStream, at: int, tag: str) -> None:
+        self._stream = stream
+        self._txn = _Txn(at=at, seq=-1, tag=tag, changes=[])
+        self._done = False
+
+    def write(
+        self,
+        table: str,
+        key: Mapping[str, Any] | Any,
+        mod_type: ModType = "INSERT",
+        new_values: Mapping[str, Any] | None = None,
+        old_values: Mapping[str, Any] | None = None,
+    ) -> ScriptedTransaction:
+        """Add a mod. ``key`` is a dict of primary-key columns, or a value for column "id"."""
+        if self._done:
+            msg = "this transaction was already committed; start a new stream.transaction()"
+            raise RuntimeError(msg)
+        if mod_type not in _MOD_TYPES:
+            msg = f"mod_type must be one of {', '.join(_MOD_TYPES)}, got {mod_type!r}"
+            raise ValueError(msg)
+        keys = dict(key) if isinstance(key, Mapping) else {"id": key}
+        self._txn.changes.append(
+            (table, keys, mod_type, dict(new_values or {}), dict(old_values or {}))
+        )
+        return self
+
+    def commit(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._txn.changes:
+            self._stream._add_txn(self._txn)
+
+    def __enter__(self) -> ScriptedTransaction:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.commit()
+
+
+class ScriptedChangeStream:
+    """A deterministic in-memory :class:`~cdcflow.spanner.base.ChangeStreamClient`.
+
+    ``partitions``: how many initial partitions (tokens ``p0``, ``p1``, ...) or their
+    tokens; they exist from ``origin`` (ns) on. ``buckets``: key-hash buckets shared among
+    partitions (a partition needs at least one, so it bounds how finely they split).
+    ``partition_mode`` is what :meth:`describe_stream` reports. Builder methods return the
+    stream, so calls chain.
+    """
+
+    def __init__(
+        self,
+        stream: str = "Stream",
+        *,
+        partitions: int | Sequence[str] = 1,
+        buckets: int = 64,
+        origin: TimeLike = 0,
+        value_capture_type: str = "OLD_AND_NEW_VALUES",
+        partition_mode: Literal["IMMUTABLE_KEY_RANGE", "MUTABLE_KEY_RANGE"] = (
+            "IMMUTABLE_KEY_RANGE"
+        ),
+    ) -> None:
+        tokens = [f"p{i}" for i in range(partitions)] if isinstance(partitions, int) else list(
+            partitions
+        )
+        if not tokens or len(set(tokens)) != len(tokens):
+            msg = "ScriptedChangeStream needs one or more initial partitions with unique tokens"
+            raise ValueError(msg)
+        if buckets < len(tokens):
+            msg = f"buckets={buckets} is fewer than the {len(tokens)} partitions; raise buckets"
+            raise ValueError(msg)
+        self.stream = stream
+        self.buckets = buckets
+        self.origin = _ns(origin)
+        self.value_capture_type = value_capture_type
+        self.partition_mode = partition_mode
+        self._parts: dict[str, _Partition] = {}
+        for token, chunk in zip(tokens, _chunks(tuple(range(buckets)), len(tokens)), strict=True):
+            self._parts[token] = _Partition(token, self.origin, chunk, ())
+        self._txns: list[_Txn] = []
+        self._compiled: dict[str, list[DataChangeRecord]] | None = None
+        self._fail_left = 0
+        self._fail_after = 0
+        self._fail_error: type[Exception] = TransientError
+        self._fail_token: str | None = None
+        self.reads = 0  # read() calls made on this copy
+        self._lock = threading.Lock()
+
+    # -- pickling (the lock stays behind) ---------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"ScriptedChangeStream({self.stream!r}, partitions={len(self._parts)}, "
+            f"transactions={len(self._txns)})"
+        )
+
+    # -- scripting --------------------------------------------------------------------------
+
+    def split(
+        self, token: str, at: TimeLike, into: int | Sequence[str] = 2
+    ) -> ScriptedChangeStream:
+        """End partition ``token`` at ``at``; its keys continue in the new partitions.
+
+        ``into``: how many children (tokens ``token.0``, ``token.1``, ...) or their tokens.
+        """
+        at_ns = _ns(at)
+        parent = self._alive(token, at_ns)
+        names = [f"{token}.{i}" for i in range(into)] if isinstance(into, int) else list(into)
+        if len(names) < 2 or len(names) > len(parent.buckets):
+            msg = (
+                f"split({token!r}) into {len(names)} partitions: use 2 to "
+                f"{len(parent.buckets)} (the key buckets it owns; raise buckets= for more)"
+            )
+            raise ValueError(msg)
+        self._check_new(names)
+        for name, chunk in zip(names, _chunks(parent.buckets, len(names)), strict=True):
+            self._parts[name] = _Partition(name, at_ns, chunk, (token,))
+        parent.end, parent.children = at_ns, tuple(names)
+        self._compiled = None
+        return self
+
+    def merge(
+        self, tokens: Sequence[str], at: TimeLike, into: str | None = None
+    ) -> ScriptedChangeStream:
+        """End partitions ``tokens`` at ``at``; their keys continue in one new partition."""
+        at_ns = _ns(at)
+        if len(tokens) < 2 or len(set(tokens)) != len(tokens):
+            msg = f"merge({list(tokens)!r}) needs two or more distinct partition tokens"
+            raise ValueError(msg)
+        parents = [self._alive(t, at_ns) for t in tokens]
+        name = into if into is not None else "+".join(tokens)
+        self._check_new([name])
+        buckets = tuple(sorted(b for p in parents for b in p.buckets))
+        self._parts[name] = _Partition(name, at_ns, buckets, tuple(tokens))
+        for p in parents:
+            p.end, p.children = at_ns, (name,)
+        self._compiled = None
+        return self
+
+    def write(
+        self,
+        table: str,
+        key: Mapping[str, Any] | Any,
+        mod_type: ModType = "INSERT",
+        new_values: Mapping[str, Any] | None = None,
+        *,
+        at: TimeLike,
+        old_values: Mapping[str, Any] | None = None,
+        tag: str = "",
+    ) -> ScriptedChangeStream:
+        """Commit a one-mod transaction at ``at``.
+
+        ``key`` is a dict of primary-key columns, or a single value for the column ``id``.
+        """
+        with self.transaction(at=at, tag=tag) as tx:
+            tx.write(table, key, mod_type, new_values, old_values)
+        return self
+
+    def transaction(self, at: TimeLike, tag: str = "") -> ScriptedTransaction:
+        """A transaction committed at ``at``; add mods with ``tx.write(...)`` in a ``with``."""
+        return ScriptedTransaction(self, _ns(at), tag)
+
+    def fail_reads(
+        self,
+        count: int,
+        *,
+        after_records: int = 0,
+        error: type[Exception] = TransientError,
+        token: str | None = None,
+    ) -> ScriptedChangeStream:
+        """Make the next ``count`` reads raise ``error`` after yielding ``after_records``.
+
+        ``token`` limits the failures to reads of that partition (None: any partition).
+        The default error is what a client raises once its own retries of UNAVAILABLE are
+        spent.
+        """
+        self._fail_left, self._fail_after = count, after_records
+        self._fail_error, self._fail_token = error, token
+        return self
+
+    def _add_txn(self, txn: _Txn) -> None:
+        if txn.at < self.origin:
+            msg = f"a transaction at {txn.at} is before the stream's origin {self.origin}"
+            raise ValueError(msg)
+        txn.seq = len(self._txns)
+        self._txns.append(txn)
+        self._compiled = None
+
+    def _alive(self, token: str, at: int) -> _Partition:
+        p = self._parts.get(token)
+        if p is None:
+            msg = f"unknown partition {token!r}; known: {', '.join(sorted(self._parts))}"
+            raise ValueError(msg)
+        if p.end != MAX_NS:
+            msg = f"partition {token!r} already ended at {p.end}; script changes in time order"
+            raise ValueError(msg)
+        if at <= p.start:
+            msg = f"partition {token!r} starts at {p.start}; end it after that, not at {at}"
+            raise ValueError(msg)
+        return p
+
+    def _check_new(self, names: Sequence[str]) -> None:
+        clash = [n for n in names if n in self._parts or n == INITIAL_PARTITION_TOKEN]
+        if clash or len(set(names)) != len(names):
+            msg = f"partition tokens {sorted(set(clash) or names)!r} are taken; pick new ones"
+            raise ValueError(msg)
+
+    # -- ground truth -----------------------------------------------------------------------
+
+    def partitions_at(self, at: TimeLike) -> list[str]:
+        """Tokens of the partitions alive at ``at``, sorted."""
+        at_ns = _ns(at)
+        return sorted(p.token for p in self._parts.values() if p.start <= at_ns < p.end)
+
+    def owner(self, key: Mapping[str, Any] | Any, at: TimeLike) -> str:
+        """The token of the partition that owns ``key`` at ``at``."""
+        keys = dict(key) if isinstance(key, Mapping) else {"id": key}
+        return self._owner(_bucket(keys, self.buckets), _ns(at))
+
+    def expected_changes(
+        self, start: TimeLike | None = None, end: TimeLike | None = None
+    ) -> list[ScriptedChange]:
+        """Every scripted change with ``start <= commit < end``, in commit order."""
+        lo = self.origin if start is None else _ns(start)
+        hi = MAX_NS if end is None else _ns(end)
+        out: list[ScriptedChange] = []
+        index = 0
+        for txn in sorted(self._txns, key=lambda t: (t.at, t.seq)):
+            for table, keys, mod_type, new, old in txn.changes:
+                if lo <= txn.at < hi:
+                    out.append(
+                        ScriptedChange(txn.at, _txn_id(txn), index, table, keys, mod_type, new,
+                                       old)
+                    )
+                index += 1
+        return out
+
+    def expected_records(
+        self, start: TimeLike | None = None, end: TimeLike | None = None
+    ) -> list[DataChangeRecord]:
+        """The DataChangeRecords a complete read of ``[start, end)`` delivers.
+
+        Ordered by (commit timestamp, transaction, partition token, record sequence): the
+        order of any single partition, and of any single key, is this order's restriction.
+        """
+        lo = self.origin if start is None else _ns(start)
+        hi = MAX_NS if end is None else _ns(end)
+        compiled = self._records()
+        out = [
+            r for recs in compiled.values() for r in recs if lo <= r.commit_timestamp.ns < hi
+        ]
+        return sorted(out, key=_record_order)
+
+    # -- ChangeStreamClient -----------------------------------------------------------------
+
+    def describe_stream(self, stream: str) -> StreamInfo:
+        self._check_stream(stream)
+        return StreamInfo(name=stream, partition_mode=self.partition_mode)
+
+    def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
+        """Yield the records of ``query`` (see the module docstring for what they are)."""
+        self._check_stream(query.stream)
+        if query.start >= query.end:
+            return iter(())
+        with self._lock:
+            self.reads += 1
+            fail = self._fail_left > 0 and self._fail_token in (None, query.partition_token)
+            if fail:
+                self._fail_left -= 1
+        records = self._root(query) if query.partition_token is None else self._part(query)
+        return _failing(records, self._fail_after, self._fail_error) if fail else records
+
+    def close(self) -> None:
+        return None
+
+    def _check_stream(self, stream: str) -> None:
+        if stream != self.stream:
+            msg = (
+                f"change stream {stream!r} not found (this scripted stream is "
+                f"{self.stream!r}); pass stream={self.stream!r} to DetectPartitions"
+            )
+            raise StreamNotFoundError(msg)
+
+    def _root(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
+        alive = self.partitions_at(query.start)
+        if not alive:
+            msg = (
+                f"no partition exists at {Timestamp.from_ns(query.start)}: the scripted stream "
+                f"starts at {Timestamp.from_ns(self.origin)}; start reading at or after it"
+            )
+            raise ChangeStreamError(msg)
+        for i, token in enumerate(alive):
+            yield ChildPartitionsRecord(
+                partition_token=INITIAL_PARTITION_TOKEN,
+                start_timestamp=Timestamp.from_ns(query.start),
+                record_sequence=f"{i:08d}",
+                child_partitions=(ChildPartition(token, ()),),
+            )
+
+    def _part(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
+        token = query.partition_token
+        assert token is not None
+        p = self._parts.get(token)
+        if p is None:
+            msg = f"partition token {token!r} is not known to the scripted stream"
+            raise ChangeStreamError(msg)
+        if not p.start <= query.start <= p.end:
+            msg = (
+                f"partition {token!r} holds [{p.start}, {p.end}); a query starting at "
+                f"{query.start} is outside it"
+            )
+            raise ChangeStreamError(msg)
+        hb = max(1, query.heartbeat_millis) * 1_000_000
+        stop = min(query.end, p.end)
+        last = query.start
+        for rec in self._records().get(token, ()):
+            ts = rec.commit_timestamp.ns
+            if ts < query.start:
+                continue
+            if ts >= stop:
+                break
+            while ts - last > hb:
+                last += hb
+                yield HeartbeatRecord(token, Timestamp.from_ns(last))
+            yield rec
+            last = ts
+        while last + hb < stop:
+            last += hb
+            yield HeartbeatRecord(token, Timestamp.from_ns(last))
+        if p.end < query.end:
+            yield ChildPartitionsRecord(
+                partition_token=token,
+                start_timestamp=Timestamp.from_ns(p.end),
+                record_sequence="00000000",
+                child_partitions=tuple(
+                    ChildPartition(c, self._parts[c].parents) for c in p.children
+                ),
+            )
+
+    # -- compiling transactions into per-partition records -----------------------------------
+
+    def _owner(self, bucket: int, at: int) -> str:
+        for p in self._parts.values():
+            if p.start <= at < p.end and bucket in p.buckets:
+                return p.token
+        msg = f"no partition owns bucket {bucket} at {at}"  # unreachable: buckets are covered
+        raise AssertionError(msg)
+
+    def _records(self) -> dict[str, list[DataChangeRecord]]:
+        compiled = self._compiled
+        if compiled is not None:
+            return compiled
+        out: dict[str, list[DataChangeRecord]] = {}
+        for txn in sorted(self._txns, key=lambda t: (t.at, t.seq)):
+            groups: dict[tuple[str, str, ModType], list[Mod]] = {}
+            columns: dict[tuple[str, str, ModType], dict[str, ColumnType]] = {}
+            for table, keys, mod_type, new, old in txn.changes:
+                token = self._owner(_bucket(keys, self.buckets), txn.at)
+                group = (token, table, mod_type)
+                groups.setdefault(group, []).append(Mod(keys, new, old))
+                cols = columns.setdefault(group, {})
+                for name, value in [*keys.items(), *new.items(), *old.items()]:
+                    if name not in cols:
+                        cols[name] = ColumnType(name, {"code": _type_code(value)},
+                                                name in keys, len(cols) + 1)
+            by_partition: dict[str, list[tuple[str, str, ModType]]] = {}
+            for group in groups:
+                by_partition.setdefault(group[0], []).append(group)
+            for token, part_groups in by_partition.items():
+                for seq, group in enumerate(part_groups):
+                    _, table, mod_type = group
+                    out.setdefault(token, []).append(
+                        DataChangeRecord(
+                            partition_token=token,
+                            commit_timestamp=Timestamp.from_ns(txn.at),
+                            record_sequence=f"{seq:08d}",
+                            server_transaction_id=_txn_id(txn),
+                            is_last_record_in_transaction_in_partition=seq == len(part_groups) - 1,
+                            table_name=table,
+                            column_types=tuple(columns[group].values()),
+                            mods=tuple(groups[group]),
+                            mod_type=mod_type,
+                            value_capture_type=self.value_capture_type,
+                            number_of_records_in_transaction=len(groups),
+                            number_of_partitions_in_transaction=len(by_partition),
+                            transaction_tag=txn.tag,
+                        )
+                    )
+        self._compiled = out
+        return out
+
+
+def _ns(value: TimeLike) -> int:
+    return parse_time(value)
+
+
+def _chunks(items: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
+    size, extra = divmod(len(items), n)
+    out, pos = [], 0
+    for i in range(n):
+        step = size + (1 if i < extra else 0)
+        out.append(items[pos : pos + step])
+        pos += step
+    return out
+
+
+def _bucket(keys: Mapping[str, Any], buckets: int) -> int:
+    return zlib.crc32(repr(sorted(keys.items())).encode()) % buckets
+
+
+def _txn_id(txn: _Txn) -> str:
+    return f"txn-{txn.seq:08d}"
+
+
+def _record_order(r: DataChangeRecord) -> tuple[int, str, str, str]:
+    return r.commit_timestamp.ns, r.server_transaction_id, r.partition_token, r.record_sequence
+
+
+def _type_code(value: Any) -> str:
+    if isinstance(value, bool):
+        return "BOOL"
+    if isinstance(value, int):
+        return "INT64"
+    if isinstance(value, float):
+        return "FLOAT64"
+    if isinstance(value, bytes):
+        return "BYTES"
+    if isinstance(value, datetime):
+        return "TIMESTAMP"
+    if isinstance(value, dict | list):
+        return "JSON"
+    return "STRING"
+
+
+def _failing(
+    records: Iterator[ChangeRecord], after: int, error: type[Exception]
+) -> Iterator[ChangeRecord]:
+    for i, record in enumerate(records):
+        if i >= after:
+            break
+        yield record
+    msg = "scripted failure: UNAVAILABLE (injected by ScriptedChangeStream.fail_reads)"
+    raise error(msg)
