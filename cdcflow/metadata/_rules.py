@@ -14,6 +14,7 @@ from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
 __all__ = [
     "DEFAULT_BATCH_LOG_SIZE",
     "URL_FORMS",
+    "check_log_size",
     "check_new_plan",
     "not_planned",
     "regression",
@@ -22,8 +23,8 @@ __all__ = [
     "url_error",
 ]
 
-#: Committed batches kept per pipeline in the batch log; older ones are pruned on commit so
-#: a long-running pipeline's log stays small. The pending batch is never pruned.
+#: Entries kept per pipeline in the batch log; the oldest (always committed) are pruned when a
+#: batch is planned, so a long-running pipeline's log stays small.
 DEFAULT_BATCH_LOG_SIZE = 10_000
 
 URL_FORMS = (
@@ -38,6 +39,13 @@ _ORDER = {
     PartitionState.RUNNING: 2,
     PartitionState.FINISHED: 3,
 }
+
+
+def check_log_size(size: int) -> int:
+    if size < 1:
+        msg = f"batch_log_size must be at least 1 (the pending batch), got {size}"
+        raise ValueError(msg)
+    return size
 
 
 def url_error(url: str, why: str) -> StoreURLError:

@@ -57,7 +57,7 @@ class MemoryStore:
     ) -> None:
         self._name = name
         self._clock = clock
-        self._batch_log_size = batch_log_size
+        self._batch_log_size = _rules.check_log_size(batch_log_size)
         self._lock = threading.RLock()
         self._pipelines: dict[str, _Pipeline] = {}
 
@@ -147,6 +147,7 @@ class MemoryStore:
             if not plan.planned_at:
                 plan = attrs.evolve(plan, planned_at=now)
             state.batches[plan.batch_id] = _Batch(plan)
+            self._prune(state)
             self._pipelines[pipeline] = state
 
     def commit_batch(
@@ -181,7 +182,6 @@ class MemoryStore:
                 state.partitions.setdefault(child.token, child)
             batch.committed_at = now
             batch.records = records
-            self._prune(state)
             return True
 
     def _prune(self, state: _Pipeline) -> None:

@@ -125,7 +125,7 @@ class SQLiteStore:
     ) -> None:
         self._path = Path(path).expanduser().absolute()
         self._clock = clock
-        self._batch_log_size = batch_log_size
+        self._batch_log_size = _rules.check_log_size(batch_log_size)
         self._lock = threading.RLock()
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
@@ -312,6 +312,13 @@ class SQLiteStore:
                 "VALUES (?, ?, ?, ?, ?)",
                 (pipeline, plan.batch_id, plan.end, plan.planned_at or now, slices),
             )
+            # Keep the newest batch_log_size entries; all older ones are committed.
+            c.execute(
+                "DELETE FROM batches WHERE pipeline = ? AND committed_at IS NOT NULL AND "
+                "batch_id < (SELECT batch_id FROM batches WHERE pipeline = ? "
+                "ORDER BY batch_id DESC LIMIT 1 OFFSET ?)",
+                (pipeline, pipeline, self._batch_log_size - 1),
+            )
 
     def commit_batch(
         self,
@@ -346,13 +353,6 @@ class SQLiteStore:
                 "UPDATE batches SET committed_at = ?, records = ? "
                 "WHERE pipeline = ? AND batch_id = ?",
                 (now, records, pipeline, batch_id),
-            )
-            # Keep the newest batch_log_size entries; only committed ones can be older.
-            c.execute(
-                "DELETE FROM batches WHERE pipeline = ? AND committed_at IS NOT NULL AND "
-                "batch_id < (SELECT batch_id FROM batches WHERE pipeline = ? "
-                "ORDER BY batch_id DESC LIMIT 1 OFFSET ?)",
-                (pipeline, pipeline, self._batch_log_size - 1),
             )
             return True
 
