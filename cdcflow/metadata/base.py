@@ -26,12 +26,18 @@ class MetadataStore(Protocol):
     - ``write_plan`` is the write-ahead step: in one transaction it logs the plan and applies
       the state transitions (setting ``scheduled_at`` / ``running_at``). It raises
       :class:`~cdcflow.errors.PlanConflictError` if another batch is pending (planned and not
-      committed) or if ``plan.batch_id`` is not greater than every logged batch id.
+      committed) or if ``plan.batch_id`` is not greater than every logged batch id (ids start
+      at 1). A plan with ``planned_at == 0`` is logged with the store's clock. States only
+      move forward; a transition stamps the timestamps of the states it reaches (a jump from
+      CREATED to RUNNING sets both); an unknown token or a backward transition raises
+      :class:`~cdcflow.errors.StoreError` and nothing changes.
     - ``commit_batch`` applies a batch's progress in one transaction: watermarks (a smaller
       watermark than stored raises :class:`~cdcflow.errors.WatermarkRegressionError` and
       changes nothing), FINISHED states with ``finished_at``, insert-if-absent children, and
       marks the batch committed. Committing an already committed batch changes nothing and
       returns False (replay after a crash between store commit and the caller noticing).
+      A batch never planned, or an update of an unknown partition, raises StoreError and
+      nothing changes.
     - ``delete_partitions`` removes rows (garbage collection of finished partitions).
     """
 

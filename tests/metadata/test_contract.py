@@ -1,4 +1,8 @@
-"""The MetadataStore contract, run against every store in conftest.STORE_FACTORIES."""
+"""The MetadataStore contract, run against every store in conftest.STORE_FACTORIES.
+
+Errors are checked by type here; the wording of the memory and SQLite stores' messages is
+checked in test_rules.py.
+"""
 
 from __future__ import annotations
 
@@ -165,7 +169,7 @@ def test_write_plan_applies_transitions_with_timestamps(store: MetadataStore) ->
 def test_write_plan_refuses_a_second_pending_plan(store: MetadataStore) -> None:
     store.insert_partitions(P, [part("a")])
     store.write_plan(P, plan(1, tokens=("a",)), {})
-    with pytest.raises(PlanConflictError, match="batch 1 is still pending"):
+    with pytest.raises(PlanConflictError):
         store.write_plan(P, plan(2, tokens=("a",)), {"a": RUNNING})
     assert store.pending_plan(P) == plan(1, tokens=("a",))
     assert store.last_batch_id(P) == 1
@@ -180,7 +184,7 @@ def test_write_plan_refuses_a_batch_id_not_above_the_last(
     store.commit_batch(P, 1, [], [])
     store.write_plan(P, plan(2), {})
     store.commit_batch(P, 2, [], [])
-    with pytest.raises(PlanConflictError, match="plan batch 3 next"):
+    with pytest.raises(PlanConflictError):
         store.write_plan(P, plan(batch_id), {})
     assert [b.batch_id for b in store.batches(P)] == [2, 1]
     assert store.pending_plan(P) is None
@@ -197,7 +201,7 @@ def test_write_plan_refuses_an_unknown_partition_and_changes_nothing(
     store: MetadataStore,
 ) -> None:
     store.insert_partitions(P, [part("a")])
-    with pytest.raises(StoreError, match="no partition 'ghost'"):
+    with pytest.raises(StoreError):
         store.write_plan(P, plan(1), {"a": RUNNING, "ghost": RUNNING})
     assert store.pending_plan(P) is None
     assert store.last_batch_id(P) == 0
@@ -208,7 +212,7 @@ def test_write_plan_refuses_a_backward_transition_and_changes_nothing(
     store: MetadataStore,
 ) -> None:
     store.insert_partitions(P, [part("a", state=RUNNING), part("b")])
-    with pytest.raises(StoreError, match="only move forward"):
+    with pytest.raises(StoreError):
         store.write_plan(P, plan(1), {"b": SCHEDULED, "a": CREATED})
     assert store.pending_plan(P) is None
     assert by_token(store) == {"a": part("a", state=RUNNING), "b": part("b")}
@@ -253,7 +257,7 @@ def test_commit_batch_refuses_a_smaller_watermark_and_changes_nothing(
     store.commit_batch(P, 1, [PartitionUpdate("a", 500), PartitionUpdate("b", 500)], [])
     store.write_plan(P, plan(2, tokens=("a", "b")), {})
     before = by_token(store)
-    with pytest.raises(WatermarkRegressionError, match="from 500 to 499"):
+    with pytest.raises(WatermarkRegressionError):
         store.commit_batch(
             P, 2,
             [PartitionUpdate("a", 900, finished=True), PartitionUpdate("b", 499)],
@@ -283,7 +287,7 @@ def test_commit_batch_is_idempotent(store: MetadataStore) -> None:
 
 def test_commit_batch_refuses_a_batch_never_planned(store: MetadataStore) -> None:
     store.insert_partitions(P, [part("a")])
-    with pytest.raises(StoreError, match="never planned"):
+    with pytest.raises(StoreError):
         store.commit_batch(P, 1, [PartitionUpdate("a", 200)], [])
     assert by_token(store)["a"] == part("a")
     assert store.batches(P) == []
@@ -293,7 +297,7 @@ def test_commit_batch_refuses_an_unknown_partition_and_changes_nothing(
     store: MetadataStore,
 ) -> None:
     started(store)
-    with pytest.raises(StoreError, match="no partition 'ghost'"):
+    with pytest.raises(StoreError):
         store.commit_batch(P, 1, [PartitionUpdate("a", 300), PartitionUpdate("ghost", 300)], [])
     assert by_token(store)["a"].watermark == 100
     assert store.pending_plan(P) is not None
