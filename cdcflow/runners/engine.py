@@ -1,0 +1,403 @@
+"""The micro-batch engine: plan -> execute -> commit, the same for every runner.
+
+Each batch:
+
+1. plan: a pending plan in the store (a batch planned by an earlier run that did not
+   commit) is replayed as it is; otherwise ready partitions are scheduled, the batch end
+   ``T`` is chosen (never ahead of the clock, at most ``max_batch_span`` after the low
+   watermark) and the plan is written to the store before any task runs (write-ahead);
+2. execute: the runner runs one task per slice (:mod:`cdcflow.runners.task`);
+3. commit: every sink commits the batch (idempotent per batch id), then the store commits
+   all progress of the batch in one transaction (watermarks, finished partitions, child
+   partitions), then every sink learns the new low watermark; finished partitions whose
+   children have all started are garbage collected after ``gc_ttl``.
+
+A crash at any point leaves either a pending plan, which the next run replays with the
+same slices, or a committed batch: with deterministic reads and idempotent sink commits
+the output is exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import attrs
+import cloudpickle
+
+from cdcflow.errors import PipelineDefinitionError, PipelineStopped, TransientError
+from cdcflow.metadata.base import MetadataStore
+from cdcflow.model import (
+    INITIAL_PARTITION_TOKEN,
+    BatchPlan,
+    PartitionMetadata,
+    PartitionState,
+    PartitionUpdate,
+    Timestamp,
+)
+from cdcflow.pipeline import Pipeline
+from cdcflow.runners.base import BatchStats, EngineListener, Runner, RunSummary, Task, TaskResult
+from cdcflow.runners.task import TaskProgram
+from cdcflow.scheduling import gc_candidates, low_watermark, plan_batch
+from cdcflow.transforms.base import Sink, SinkContext
+
+__all__ = ["Engine", "RunOptions"]
+
+_log = logging.getLogger("cdcflow.engine")
+_NS = 1_000_000_000
+_TICK = 0.05  # seconds between checks for a stop request while waiting
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value < 0:
+        msg = f"RunOptions.{attribute.name} must be 0 or more, got {value}"
+        raise ValueError(msg)
+
+
+def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value <= 0:
+        msg = f"RunOptions.{attribute.name} must be more than 0, got {value}"
+        raise ValueError(msg)
+
+
+@attrs.frozen
+class RunOptions:
+    """How a run proceeds. Durations are seconds.
+
+    ``batch_interval``: the least time between the starts of batches once the pipeline has
+    caught up with the clock (a lagging pipeline runs batches back to back).
+    ``max_batch_span``: a batch reads at most this far past the low watermark.
+    ``max_batches`` / ``duration``: stop after that many batches / seconds (None: no limit).
+    ``reset``: forget the pipeline's stored progress first and start over.
+    ``gc_ttl``: delete finished partitions this long after they finished (once their
+    children have started). ``base_dir``: relative sink paths resolve against it.
+    ``batch_retries`` / ``retry_backoff``: a batch whose tasks failed with a transient
+    error is run again up to this many times, waiting ``retry_backoff`` doubling each time.
+    """
+
+    batch_interval: float = attrs.field(default=1.0, validator=_non_negative)
+    max_batch_span: float = attrs.field(default=10.0, validator=_positive)
+    max_batches: int | None = attrs.field(default=None, validator=_positive)
+    duration: float | None = attrs.field(default=None, validator=_non_negative)
+    reset: bool = False
+    gc_ttl: float = attrs.field(default=3600.0, validator=_non_negative)
+    base_dir: str = "."
+    batch_retries: int = attrs.field(default=3, validator=_non_negative)
+    retry_backoff: float = attrs.field(default=1.0, validator=_non_negative)
+
+
+class Engine:
+    """Runs a pipeline in micro-batches until its end, a limit, or a stop request.
+
+    ``run()`` opens the runner and closes it (and the sinks) when the run ends; the store
+    stays open (its owner closes it). :meth:`request_stop` (also on SIGINT/SIGTERM when
+    nobody else handles them) ends the run gracefully after the current batch commits.
+    ``clock`` returns nanoseconds since the epoch (tests may pass a fake one).
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        store: MetadataStore,
+        runner: Runner,
+        options: RunOptions | None = None,
+        listener: EngineListener | None = None,
+        *,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.pipeline = pipeline
+        self.store = store
+        self.runner = runner
+        self.options = options or RunOptions()
+        self.listener = listener or EngineListener()
+        self._clock = clock
+        self._stop = threading.Event()
+        self._splits = 0
+        self._merges = 0
+
+    def request_stop(self) -> None:
+        """Stop after the current batch commits (safe from any thread or signal handler)."""
+        self._stop.set()
+
+    stop = request_stop
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        """Run until the end is reached, a limit passes, or a stop is requested."""
+        pipeline, opts = self.pipeline, self.options
+        pipeline.validate()
+        program = TaskProgram.from_pipeline(pipeline)
+        program_bytes: bytes = cloudpickle.dumps(program)
+        sinks = self._sinks(program)
+        name = pipeline.name
+        for label, sink in sinks.items():
+            sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir))
+        try:
+            program.source.make_client().describe_stream(program.source.stream)
+            if opts.reset:
+                self.store.reset(name)
+            self._first_run(program)
+            self.runner.open(name)
+            try:
+                self.listener.on_start(name, self.runner.name, self.store.url)
+                with self._signals():
+                    summary = self._loop(program, program_bytes, sinks)
+            finally:
+                self.runner.close()
+        finally:
+            for sink in sinks.values():
+                try:
+                    sink.close()
+                except Exception:
+                    _log.exception("closing a sink failed")
+        self.listener.on_stop(summary)
+        return summary
+
+    def _sinks(self, program: TaskProgram) -> dict[str, Sink]:
+        # The driver's own sink objects (a Collect gathers its items on them).
+        sinks: dict[str, Sink] = {}
+        for label in program.sink_labels:
+            if label == program.dead_letter_label:
+                assert self.pipeline.error_policy.dead_letter is not None
+                sinks[label] = self.pipeline.error_policy.dead_letter
+            else:
+                sink = self.pipeline.transform(label)
+                assert isinstance(sink, Sink)
+                sinks[label] = sink
+        return sinks
+
+    def _first_run(self, program: TaskProgram) -> None:
+        name = self.pipeline.name
+        if self.store.partitions(name) or self.store.pending_plan(name) is not None:
+            return
+        now = self._clock()
+        start, end = program.source.start_ns(now), program.source.end_ns(now)
+        if start >= end:
+            msg = (
+                f"DetectPartitions: end_at ({Timestamp.from_ns(end - 1)}) is before start_at "
+                f"({Timestamp.from_ns(start)}); give an end_at at or after start_at"
+            )
+            raise PipelineDefinitionError(msg)
+        root = PartitionMetadata(
+            token=INITIAL_PARTITION_TOKEN, parent_tokens=(), start=start, end=end,
+            watermark=start, state=PartitionState.CREATED,
+            heartbeat_millis=program.heartbeat_millis, created_at=now,
+        )
+        self.store.insert_partitions(name, [root])
+        _log.info("pipeline %s starts reading at %s", name, Timestamp.from_ns(start))
+
+    def _loop(
+        self, program: TaskProgram, program_bytes: bytes, sinks: dict[str, Sink]
+    ) -> RunSummary:
+        name, opts = self.pipeline.name, self.options
+        began = time.monotonic()
+        deadline = None if opts.duration is None else began + opts.duration
+        batches = records = 0
+        reason = ""
+        while True:
+            if self._stop.is_set():
+                reason = "interrupted"
+                break
+            if opts.max_batches is not None and batches >= opts.max_batches:
+                reason = "max batches"
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                reason = "duration"
+                break
+            batch_began = time.monotonic()
+            plan = self.store.pending_plan(name)
+            replay = plan is not None
+            now = self._clock()
+            if plan is None:
+                parts = self.store.partitions(name)
+                if parts and all(p.state == PartitionState.FINISHED for p in parts):
+                    reason = "end reached"
+                    break
+                plan, transitions = plan_batch(
+                    parts, now, int(opts.max_batch_span * _NS), self.store.last_batch_id(name) + 1
+                )
+                if not plan.slices:
+                    # The clock has not passed the low watermark yet: nothing can advance.
+                    ahead = (low_watermark(parts) - now) / _NS
+                    self._wait(min(max(ahead, 0.01), max(opts.batch_interval, 0.01)), deadline)
+                    continue
+                plan = attrs.evolve(plan, planned_at=now)
+                self.store.write_plan(name, plan, transitions)
+            self.listener.on_planned(plan, replay)
+            stats = self._execute(plan, replay, program_bytes, sinks, batch_began)
+            batches += 1
+            records += stats.records
+            self.listener.on_batch(stats)
+            if not replay and plan.end >= now:
+                # Caught up with the clock: pace batches instead of spinning on tiny ones.
+                self._wait(batch_began + opts.batch_interval - time.monotonic(), deadline)
+        parts = self.store.partitions(name)
+        return RunSummary(
+            pipeline=name, batches=batches, records=records, reason=reason,
+            low_watermark=low_watermark(parts), partitions=_count_states(parts),
+            splits=self._splits, merges=self._merges,
+        )
+
+    def _wait(self, seconds: float, deadline: float | None) -> None:
+        end = time.monotonic() + seconds
+        if deadline is not None:
+            end = min(end, deadline)
+        while not self._stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self._stop.wait(min(left, _TICK))
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    def _execute(
+        self,
+        plan: BatchPlan,
+        replay: bool,
+        program_bytes: bytes,
+        sinks: dict[str, Sink],
+        began: float,
+    ) -> BatchStats:
+        name = self.pipeline.name
+        tasks = [pickle.dumps(Task(name, plan.batch_id, s)) for s in plan.slices]
+        results = self._run_tasks(plan, program_bytes, tasks)
+        for label, sink in sinks.items():
+            messages = [
+                r.sink_messages[label] for r in results if r.sink_messages.get(label) is not None
+            ]
+            sink.commit(plan.batch_id, messages)
+        self.listener.on_sinks_committed(plan.batch_id)
+
+        now = self._clock()
+        stored = {p.token: p for p in self.store.partitions(name)}
+        updates: list[PartitionUpdate] = []
+        children: dict[str, PartitionMetadata] = {}
+        splits = merges = 0
+        for r in results:
+            parent = stored.get(r.token)
+            end = parent.end if parent is not None else None
+            finished = r.finished or (end is not None and r.watermark >= end)
+            updates.append(PartitionUpdate(r.token, r.watermark, finished))
+            if len(r.children) >= 2:
+                splits += 1
+            for child in r.children:
+                if child.token in stored or child.token in children:
+                    continue
+                child = attrs.evolve(child, created_at=now)
+                if end is not None:
+                    child = attrs.evolve(child, end=end)
+                if child.start >= child.end:  # nothing to read: born finished
+                    child = attrs.evolve(
+                        child, state=PartitionState.FINISHED, watermark=child.start,
+                        finished_at=now,
+                    )
+                children[child.token] = child
+                if len(child.parent_tokens) >= 2:
+                    merges += 1
+        count = sum(r.records for r in results)
+        self.store.commit_batch(name, plan.batch_id, updates, list(children.values()), count)
+        self._splits += splits
+        self._merges += merges
+
+        parts = self.store.partitions(name)
+        low = low_watermark(parts)
+        for sink in sinks.values():
+            sink.on_watermark(low)
+        expired = gc_candidates(parts, now, int(self.options.gc_ttl * _NS))
+        if expired:
+            self.store.delete_partitions(name, expired)
+            parts = [p for p in parts if p.token not in set(expired)]
+        return BatchStats(
+            batch_id=plan.batch_id, end=plan.end, slices=len(plan.slices), records=count,
+            bytes=sum(r.bytes for r in results), seconds=time.monotonic() - began,
+            low_watermark=low, partitions=_count_states(parts),
+            new_partitions=len(children), splits=splits, merges=merges, replayed=replay,
+        )
+
+    def _run_tasks(
+        self, plan: BatchPlan, program_bytes: bytes, tasks: Sequence[bytes]
+    ) -> list[TaskResult]:
+        opts = self.options
+        attempt = 0
+        while True:
+            try:
+                raw = self.runner.run_tasks(program_bytes, tasks)
+                break
+            except PipelineStopped:
+                raise
+            except Exception as exc:
+                if attempt >= opts.batch_retries or not _is_transient(exc):
+                    exc.add_note(
+                        f"batch {plan.batch_id} was not committed; its plan stays in the store "
+                        "and the next run replays it"
+                    )
+                    raise
+                delay = opts.retry_backoff * (2**attempt) * random.uniform(0.5, 1.0)
+                attempt += 1
+                _log.warning(
+                    "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
+                    type(exc).__name__, exc, attempt, opts.batch_retries, delay,
+                )
+                time.sleep(delay)
+        if len(raw) != len(tasks):
+            msg = (
+                f"runner {self.runner.name!r} returned {len(raw)} results for {len(tasks)} "
+                "tasks; a runner must return one result per task, in task order"
+            )
+            raise RuntimeError(msg)
+        results = [pickle.loads(b) for b in raw]
+        for result, s in zip(results, plan.slices, strict=True):
+            if not isinstance(result, TaskResult) or result.token != s.token:
+                msg = f"runner {self.runner.name!r} returned results out of task order"
+                raise RuntimeError(msg)
+        return results
+
+    # -- signals -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _signals(self) -> Iterator[None]:
+        """Graceful stop on SIGINT/SIGTERM, unless the caller (the CLI) handles them."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            _log.warning("signal %d: stopping after the current batch", signum)
+            self.request_stop()
+
+        previous: dict[signal.Signals, Any] = {}
+        for sig, default in ((signal.SIGINT, signal.default_int_handler),
+                             (signal.SIGTERM, signal.SIG_DFL)):
+            if signal.getsignal(sig) is default:
+                previous[sig] = signal.signal(sig, handler)
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, TransientError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _count_states(parts: Sequence[PartitionMetadata]) -> dict[str, int]:
+    counts = Counter(str(p.state) for p in parts)
+    return {state.value: counts.get(state.value, 0) for state in PartitionState}
