@@ -123,6 +123,7 @@ class Engine:
         self._stop = threading.Event()
         self._splits = 0
         self._merges = 0
+        self._batch_floor = 0
 
     def request_stop(self) -> None:
         """Stop after the current batch commits (safe from any thread or signal handler)."""
@@ -145,6 +146,9 @@ class Engine:
         try:
             program.source.make_client().describe_stream(program.source.stream)
             if opts.reset:
+                # Batch ids go on from before the reset, so sinks that key output by batch
+                # id (idempotent commits, file names) never mistake new batches for old.
+                self._batch_floor = self.store.last_batch_id(name)
                 self.store.reset(name)
             self._first_run(program)
             self.runner.open(name)
@@ -223,9 +227,8 @@ class Engine:
                 if parts and all(p.state == PartitionState.FINISHED for p in parts):
                     reason = "end reached"
                     break
-                plan, transitions = plan_batch(
-                    parts, now, int(opts.max_batch_span * _NS), self.store.last_batch_id(name) + 1
-                )
+                batch_id = max(self.store.last_batch_id(name), self._batch_floor) + 1
+                plan, transitions = plan_batch(parts, now, int(opts.max_batch_span * _NS), batch_id)
                 if not plan.slices:
                     # The clock has not passed the low watermark yet: nothing can advance.
                     ahead = (low_watermark(parts) - now) / _NS
@@ -288,8 +291,8 @@ class Engine:
             end = parent.end if parent is not None else None
             finished = r.finished or (end is not None and r.watermark >= end)
             updates.append(PartitionUpdate(r.token, r.watermark, finished))
-            if len(r.children) >= 2:
-                splits += 1
+            if len(r.children) >= 2 and r.token != INITIAL_PARTITION_TOKEN:
+                splits += 1  # the root's children are the stream's partitions, not a split
             for child in r.children:
                 if child.token in stored or child.token in children:
                     continue

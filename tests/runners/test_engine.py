@@ -1,0 +1,386 @@
+"""The engine over ScriptedChangeStream: exactly-once delivery, order, replay, policies."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+import cdcflow as cf
+from cdcflow.errors import PipelineStopped, StreamNotFoundError, TransientError
+from cdcflow.metadata import MemoryStore, SQLiteStore, open_store
+from cdcflow.model import INITIAL_PARTITION_TOKEN, BatchPlan, DataChangeRecord, PartitionState
+from cdcflow.policy import ErrorPolicy
+from cdcflow.runners.base import BatchStats, EngineListener, RunSummary
+from cdcflow.runners.engine import Engine, RunOptions
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.runners.task import FailedElement
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms import Collect, DetectPartitions, Map, ReadPartition, Sink, WriteFiles
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+END = T0 + 30 * S  # exclusive end of the runs below (end_at is inclusive)
+
+
+def churn_stream(writes: int = 300, seed: int = 7) -> ScriptedChangeStream:
+    """Two partitions that split and merge several times; keys move between partitions."""
+    rng = random.Random(seed)
+    s = ScriptedChangeStream("S", partitions=2, buckets=32, origin=T0)
+    s.split("p0", at=T0 + 3 * S, into=["a", "b"])
+    s.merge(["b", "p1"], at=T0 + 7 * S, into="m")
+    s.split("m", at=T0 + 11 * S, into=["m1", "m2", "m3"])
+    s.merge(["a", "m1"], at=T0 + 15 * S + 5, into="n")
+    s.split("n", at=T0 + 21 * S, into=["n1", "n2"])
+    for i in range(writes):
+        at = T0 + rng.randrange(0, 29 * S)
+        with s.transaction(at=at) as tx:
+            for _ in range(rng.choice([1, 1, 2, 3])):
+                tx.write("T", rng.randrange(12), rng.choice(["INSERT", "UPDATE"]), {"i": i})
+    return s
+
+
+def pipeline(
+    stream: ScriptedChangeStream,
+    *sinks: Sink,
+    name: str = "eng",
+    policy: ErrorPolicy | None = None,
+    read: ReadPartition | None = None,
+    steps: tuple[Any, ...] = (),
+    end: int | None = END - 1,
+) -> cf.Pipeline:
+    p = cf.Pipeline(name, error_policy=policy)
+    pc = p | DetectPartitions(stream="S", start_at=T0, end_at=end, client=stream)
+    pc = pc | (read or ReadPartition(heartbeat="500ms"))
+    for step in steps:
+        pc = pc | step
+    for sink in sinks:
+        pc | sink  # unlabeled: `"label" >> sink` would apply a copy of the sink
+    return p
+
+
+def ident(r: DataChangeRecord) -> tuple[int, str, str, str]:
+    return r.commit_timestamp.ns, r.server_transaction_id, r.partition_token, r.record_sequence
+
+
+def run(
+    p: cf.Pipeline, store: Any = None, listener: EngineListener | None = None, **options: Any
+) -> RunSummary:
+    opts = {"max_batch_span": 2.0, "batch_interval": 0.0, "batch_retries": 0, **options}
+    engine = Engine(
+        p, store or MemoryStore(), InMemoryRunner(workers=4), RunOptions(**opts), listener
+    )
+    return engine.run()
+
+
+def key_histories(records: list[DataChangeRecord]) -> dict[Any, list[tuple[int, str]]]:
+    out: dict[Any, list[tuple[int, str]]] = {}
+    for r in records:
+        for m in r.mods:
+            out.setdefault((r.table_name, m.keys["id"]), []).append(
+                (r.commit_timestamp.ns, r.server_transaction_id)
+            )
+    return out
+
+
+def read_jsonl(directory: Path) -> list[dict[str, Any]]:
+    rows = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("part-"):
+            with open(directory / name, "rb") as f:
+                rows += [orjson.loads(line) for line in f]
+    return rows
+
+
+def test_every_record_once_in_per_key_commit_order(tmp_path: Path) -> None:
+    s = churn_stream()
+    out = Collect()
+    p = pipeline(s, out, WriteFiles(tmp_path / "files"))
+    summary = run(p, base_dir=str(tmp_path))
+    expected = s.expected_records(T0, END)
+    assert summary.reason == "end reached"
+    assert summary.records == len(expected) == len(out.items)
+    assert sorted(map(ident, out.items)) == sorted(map(ident, expected))
+    # a key's changes arrive in commit order (the order Collect received them)
+    assert key_histories(out.items) == key_histories(expected)
+    assert summary.splits == 3 and summary.merges == 2
+    assert summary.low_watermark == END
+    assert set(summary.partitions) == {s.value for s in PartitionState}
+    rows = read_jsonl(tmp_path / "files")
+    assert len(rows) == len(expected)
+    assert Counter(
+        (r["server_transaction_id"], r["partition_token"], r["record_sequence"]) for r in rows
+    ) == Counter(ident(r)[1:] for r in expected)
+    watermark = orjson.loads((tmp_path / "files" / "_watermark.json").read_bytes())
+    assert watermark["ns"] == END
+
+
+def test_end_at_excludes_later_records_and_ends_the_run() -> None:
+    s = churn_stream(writes=100)
+    s.write("T", 1, "UPDATE", {"i": -1}, at=END)  # just past end_at
+    out = Collect()
+    store = MemoryStore()
+    summary = run(pipeline(s, out), store)
+    assert summary.reason == "end reached"
+    assert all(r.commit_timestamp.ns < END for r in out.items)
+    assert len(out.items) == len(s.expected_records(T0, END))
+    assert all(p.state == PartitionState.FINISHED for p in store.partitions("eng"))
+    again = run(pipeline(s, out), store)  # a finished pipeline stays finished
+    assert again.reason == "end reached" and again.batches == 0
+
+
+def test_idle_stream_advances_its_watermark() -> None:
+    s = ScriptedChangeStream("S", partitions=3, origin=T0)
+    seen: list[BatchStats] = []
+
+    class Listen(EngineListener):
+        def on_batch(self, stats: BatchStats) -> None:
+            seen.append(stats)
+
+    store = MemoryStore()
+    summary = run(pipeline(s, Collect()), store, Listen(), max_batch_span=5.0)
+    assert summary.reason == "end reached" and summary.records == 0
+    lows = [b.low_watermark for b in seen]
+    assert lows == sorted(lows) and lows[-1] == END
+    assert lows[0] < lows[1] < lows[2]  # empty slices still commit their end
+    assert {p.watermark for p in store.partitions("eng") if p.token != INITIAL_PARTITION_TOKEN} == {
+        END
+    }
+
+
+def test_live_pipeline_stops_on_max_batches_duration_and_request() -> None:
+    now = time.time_ns()
+    s = ScriptedChangeStream("S", origin=now - 60 * S)
+    p = cf.Pipeline("live")
+    p | DetectPartitions(stream="S", start_at="-5s", client=s) | ReadPartition() | Collect()
+    assert run(p, max_batches=3).reason == "max batches"
+    summary = run(p, duration=0.3, batch_interval=0.05)
+    assert summary.reason == "duration" and summary.batches >= 1
+    assert summary.low_watermark > now - 6 * S
+
+    class StopAfterTwo(EngineListener):
+        def __init__(self) -> None:
+            self.engine: Engine | None = None
+            self.n = 0
+
+        def on_batch(self, stats: BatchStats) -> None:
+            self.n += 1
+            if self.n == 2 and self.engine is not None:
+                self.engine.request_stop()
+
+    listener = StopAfterTwo()
+    engine = Engine(p, MemoryStore(), InMemoryRunner(), RunOptions(batch_interval=0.01), listener)
+    listener.engine = engine
+    summary = engine.run()
+    assert summary.reason == "interrupted" and summary.batches == 2
+
+
+class _Crash(Exception):
+    pass
+
+
+class CrashAt(EngineListener):
+    """Raises at ``stage`` of batch ``batch`` (an in-process stand-in for a crash)."""
+
+    def __init__(self, stage: str, batch: int) -> None:
+        self.stage, self.batch = stage, batch
+        self.planned: list[tuple[BatchPlan, bool]] = []
+
+    def on_planned(self, plan: BatchPlan, replay: bool) -> None:
+        self.planned.append((plan, replay))
+        self._maybe("planned", plan.batch_id)
+
+    def on_sinks_committed(self, batch_id: int) -> None:
+        self._maybe("sinks", batch_id)
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self._maybe("batch", stats.batch_id)
+
+    def _maybe(self, stage: str, batch_id: int) -> None:
+        if (stage, batch_id) == (self.stage, self.batch):
+            raise _Crash(stage)
+
+
+@pytest.mark.parametrize("stage", ["planned", "sinks", "batch"])
+def test_replaying_a_pending_plan_gives_identical_output(tmp_path: Path, stage: str) -> None:
+    s = churn_stream(writes=150)
+    clean_dir, crash_dir = tmp_path / "clean", tmp_path / "crash"
+    run(pipeline(s, WriteFiles(clean_dir)))
+    store = SQLiteStore.from_url(f"sqlite:///{tmp_path / 'state.db'}")
+    crash = CrashAt(stage, batch=6)
+    with pytest.raises(_Crash):
+        run(pipeline(s, WriteFiles(crash_dir)), store, crash)
+    pending = store.pending_plan("eng")
+    assert (pending is not None) == (stage != "batch")
+    again = CrashAt("none", 0)
+    summary = run(pipeline(s, WriteFiles(crash_dir)), store, again)
+    assert summary.reason == "end reached"
+    if pending is not None:
+        assert again.planned[0] == (pending, True)
+        assert again.planned[0][0] == crash.planned[-1][0]
+    clean = sorted(n for n in os.listdir(clean_dir) if n.startswith("part-"))
+    assert clean == sorted(n for n in os.listdir(crash_dir) if n.startswith("part-"))
+    for name in clean:
+        assert (clean_dir / name).read_bytes() == (crash_dir / name).read_bytes()
+    store.close()
+
+
+def _value(r: DataChangeRecord) -> int:
+    return int(r.mods[0].new_values["i"])
+
+
+class _Poison:
+    """Raises on records whose value is ``bad``, unless ``fixed``."""
+
+    def __init__(self, bad: int, fixed: bool = False) -> None:
+        self.bad, self.fixed = bad, fixed
+
+    def __call__(self, r: DataChangeRecord) -> int:
+        if _value(r) == self.bad and not self.fixed:
+            msg = f"poison {self.bad}"
+            raise ValueError(msg)
+        return _value(r)
+
+
+def test_stop_policy_commits_nothing_past_the_failure_and_resumes() -> None:
+    s = churn_stream(writes=120)
+    expected = s.expected_records(T0, END)
+    bad = _value(expected[len(expected) // 2])
+    store, out = MemoryStore(), Collect()
+    policy = ErrorPolicy(retries=1, backoff=0.001)
+    failing = pipeline(s, out, policy=policy, steps=(Map(_Poison(bad)),))
+    with pytest.raises(PipelineStopped, match=f"poison {bad}"):
+        run(failing, store)
+    pending = store.pending_plan("eng")
+    assert pending is not None
+    bad_at = next(r.commit_timestamp.ns for r in expected if _value(r) == bad)
+    assert bad_at >= min(sl.start for sl in pending.slices)
+    assert bad not in out.items and all(v in [_value(r) for r in expected] for v in out.items)
+    delivered_before = list(out.items)
+    fixed = pipeline(s, out, policy=policy, steps=(Map(_Poison(bad, fixed=True)),))
+    assert run(fixed, store).reason == "end reached"
+    assert Counter(out.items) == Counter(_value(r) for r in expected)
+    assert out.items[: len(delivered_before)] == delivered_before
+
+
+def test_skip_policy_sends_failures_to_the_dead_letter_sink() -> None:
+    s = churn_stream(writes=80)
+    expected = s.expected_records(T0, END)
+    bad = _value(expected[10])
+    out, dead = Collect(), "dead" >> Collect()
+    assert isinstance(dead, Collect)
+    policy = ErrorPolicy(retries=2, backoff=0.001, then="skip", dead_letter=dead)
+    summary = run(pipeline(s, out, policy=policy, steps=(Map(_Poison(bad)),)))
+    assert summary.reason == "end reached"
+    n_bad = sum(1 for r in expected if _value(r) == bad)
+    assert n_bad >= 1 and len(dead.items) == n_bad
+    assert all(isinstance(f, FailedElement) and f"poison {bad}" in f.error for f in dead.items)
+    assert Counter(out.items) == Counter(_value(r) for r in expected if _value(r) != bad)
+
+
+def test_transient_read_failures_are_retried_per_batch() -> None:
+    s = churn_stream(writes=60).fail_reads(2, after_records=1)
+    out = Collect()
+    summary = run(pipeline(s, out), batch_retries=3, retry_backoff=0.001)
+    assert summary.reason == "end reached"
+    assert sorted(map(ident, out.items)) == sorted(map(ident, s.expected_records(T0, END)))
+
+
+def test_transient_failures_beyond_the_retries_leave_the_plan_pending() -> None:
+    s = churn_stream(writes=10).fail_reads(50)
+    store = MemoryStore()
+    with pytest.raises(TransientError) as info:
+        run(pipeline(s, Collect()), store, batch_retries=1, retry_backoff=0.001)
+    assert any("replays it" in note for note in info.value.__notes__)
+    assert store.pending_plan("eng") is not None
+
+
+def _slow_value(r: DataChangeRecord) -> tuple[int, int]:
+    time.sleep(random.random() * 0.002)
+    return r.commit_timestamp.ns, _value(r)
+
+
+def test_max_inflight_gives_the_same_output_in_the_same_order() -> None:
+    s = churn_stream(writes=200)
+    outputs = []
+    for read in (
+        ReadPartition(heartbeat="500ms"),
+        ReadPartition(heartbeat="500ms", max_inflight=6, max_inflight_bytes=4096),
+    ):
+        out = Collect()
+        run(pipeline(s, out, read=read, steps=(Map(_slow_value),)))
+        outputs.append(out.items)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == len(s.expected_records(T0, END))
+
+
+def test_gc_removes_finished_partitions_once_children_started() -> None:
+    s = churn_stream(writes=20)
+    store = MemoryStore()
+    out = Collect()
+    summary = run(pipeline(s, out), store, gc_ttl=0.0)
+    assert summary.reason == "end reached"
+    left = {p.token for p in store.partitions("eng")}
+    assert left == {"m2", "m3", "n1", "n2"}  # the partitions that reached the end
+    assert len(out.items) == len(s.expected_records(T0, END))
+
+
+def test_unknown_stream_surfaces_the_clients_error() -> None:
+    s = ScriptedChangeStream("Other", origin=T0)
+    with pytest.raises(StreamNotFoundError, match="stream='Other'"):
+        run(pipeline(s, Collect()))
+
+
+def test_reset_starts_over_and_sqlite_state_resumes(tmp_path: Path) -> None:
+    s = churn_stream(writes=50)
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    out = Collect()
+    store = open_store(url)
+    first = run(pipeline(s, out), store, max_batches=4)
+    assert first.reason == "max batches"
+    store.close()
+    store = open_store(url)  # a new process would see the same
+    rest = run(pipeline(s, out), store)
+    assert rest.reason == "end reached"
+    assert len(out.items) == len(s.expected_records(T0, END))
+    again = run(pipeline(s, out), store, reset=True)
+    assert again.reason == "end reached"
+    # batch ids continue past the reset, so the same sink takes the new batches
+    assert again.records * 2 == len(out.items)
+    assert (
+        min(b.batch_id for b in store.batches("eng", limit=1000))
+        == first.batches + rest.batches + 1
+    )
+    store.close()
+
+
+def test_listener_sees_each_batch_in_order() -> None:
+    events: list[tuple[str, Any]] = []
+
+    class Listen(EngineListener):
+        def on_start(self, pipeline: str, runner: str, store_url: str) -> None:
+            events.append(("start", (pipeline, runner)))
+
+        def on_planned(self, plan: BatchPlan, replay: bool) -> None:
+            events.append(("planned", plan.batch_id))
+
+        def on_sinks_committed(self, batch_id: int) -> None:
+            events.append(("sinks", batch_id))
+
+        def on_batch(self, stats: BatchStats) -> None:
+            events.append(("batch", stats.batch_id))
+
+        def on_stop(self, summary: RunSummary) -> None:
+            events.append(("stop", summary.reason))
+
+    summary = run(pipeline(churn_stream(writes=5), Collect()), listener=Listen())
+    assert events[0] == ("start", ("eng", "memory")) and events[-1] == ("stop", "end reached")
+    middle = events[1:-1]
+    assert middle == [
+        (stage, n) for n in range(1, summary.batches + 1) for stage in ("planned", "sinks", "batch")
+    ]
