@@ -1,0 +1,107 @@
+"""A pipeline that kills its own process (SIGKILL) at a chosen point; run by test_crash.py.
+
+    python crash_pipeline.py STATE_DIR [STAGE:BATCH]
+
+STAGE is ``planned`` (plan durable, no task ran), ``sinks`` (sinks committed, store not),
+``batch`` (store committed) or ``task`` (inside a task, at the BATCH-th record this process
+reads). Progress lives in STATE_DIR/state.db, output in STATE_DIR/out. Without a kill
+point the run goes to its end and prints the number of records it read.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+from typing import Any
+
+import cdcflow as cf
+from cdcflow.metadata import open_store
+from cdcflow.model import BatchPlan
+from cdcflow.runners.base import BatchStats, EngineListener
+from cdcflow.runners.engine import Engine, RunOptions
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms import DetectPartitions, Map, ReadPartition, WriteFiles
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+END = T0 + 30 * S
+
+
+def stream() -> ScriptedChangeStream:
+    rng = random.Random(11)
+    s = ScriptedChangeStream("S", partitions=2, buckets=32, origin=T0)
+    s.split("p0", at=T0 + 3 * S, into=["a", "b"])
+    s.merge(["b", "p1"], at=T0 + 7 * S, into="m")
+    s.split("m", at=T0 + 11 * S, into=["m1", "m2", "m3"])
+    s.merge(["a", "m1"], at=T0 + 15 * S + 5, into="n")
+    for i in range(400):
+        with s.transaction(at=T0 + rng.randrange(0, 29 * S)) as tx:
+            for _ in range(rng.choice([1, 2])):
+                tx.write("T", rng.randrange(20), "UPDATE", {"i": i})
+    return s
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAt(EngineListener):
+    def __init__(self, stage: str, batch: int) -> None:
+        self.stage, self.batch = stage, batch
+
+    def on_planned(self, plan: BatchPlan, replay: bool) -> None:
+        self._maybe("planned", plan.batch_id)
+
+    def on_sinks_committed(self, batch_id: int) -> None:
+        self._maybe("sinks", batch_id)
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self._maybe("batch", stats.batch_id)
+
+    def _maybe(self, stage: str, batch_id: int) -> None:
+        if (stage, batch_id) == (self.stage, self.batch):
+            _die()
+
+
+_SEEN = [0]  # records seen by this process, across tasks
+
+
+class KillOnRecord:
+    """A Map function that kills the process at the n-th record it sees in this process."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, record: Any) -> Any:
+        # Every task unpickles its own copy of this function (and of the globals it pulls
+        # in), so count in the live module instead.
+        seen = sys.modules["__main__"]._SEEN
+        seen[0] += 1
+        if seen[0] == self.n:
+            _die()
+        return record
+
+
+def main() -> None:
+    state = sys.argv[1]
+    stage, _, batch = sys.argv[2].partition(":") if len(sys.argv) > 2 else ("", "", "0")
+    p = cf.Pipeline("crash")
+    (p
+     | DetectPartitions(stream="S", start_at=T0, end_at=END - 1, client=stream())
+     | ReadPartition(heartbeat="500ms")
+     | Map(KillOnRecord(int(batch) if stage == "task" else 0))
+     | WriteFiles(os.path.join(state, "out")))
+    store = open_store(f"sqlite:///{os.path.join(state, 'state.db')}")
+    listener = KillAt(stage, int(batch)) if stage != "task" else None
+    options = RunOptions(max_batch_span=2.0, batch_interval=0.0, base_dir=state)
+    summary = Engine(p, store, InMemoryRunner(workers=2), options, listener).run()
+    store.close()
+    print(summary.reason, summary.records)
+
+
+if __name__ == "__main__":
+    main()
