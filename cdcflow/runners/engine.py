@@ -137,12 +137,14 @@ class Engine:
         """Run until the end is reached, a limit passes, or a stop is requested."""
         pipeline, opts = self.pipeline, self.options
         pipeline.validate()
-        program = TaskProgram.from_pipeline(pipeline)
-        program_bytes: bytes = cloudpickle.dumps(program)
-        sinks = self._sinks(program)
         name = pipeline.name
+        sinks = self._sinks(TaskProgram.from_pipeline(pipeline))
         for label, sink in sinks.items():
             sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir))
+        # Built (and its chain pickled) after setup: tasks need what setup resolved, such as
+        # WriteFiles' directory.
+        program = TaskProgram.from_pipeline(pipeline)
+        program_bytes: bytes = cloudpickle.dumps(program)
         try:
             program.source.make_client().describe_stream(program.source.stream)
             if opts.reset:

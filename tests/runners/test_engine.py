@@ -384,3 +384,10 @@ def test_listener_sees_each_batch_in_order() -> None:
     assert middle == [
         (stage, n) for n in range(1, summary.batches + 1) for stage in ("planned", "sinks", "batch")
     ]
+
+
+def test_relative_sink_paths_resolve_against_base_dir(tmp_path: Path) -> None:
+    s = churn_stream(writes=20)
+    summary = run(pipeline(s, WriteFiles("out/rel")), base_dir=str(tmp_path))
+    assert summary.reason == "end reached"
+    assert len(read_jsonl(tmp_path / "out" / "rel")) == len(s.expected_records(T0, END))
