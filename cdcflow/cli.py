@@ -332,12 +332,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cdcflow.metadata import open_store
     from cdcflow.plugins import load_plugin
     from cdcflow.progress import make_progress
-    from cdcflow.runners.engine import Engine, RunOptions
 
     pipeline = load_pipeline(args.file)
     pipeline.validate()
     path, _ = split_target(args.file)
     runner_cls = load_plugin("cdcflow.runners", args.runner)
+    from cdcflow.runners.engine import Engine, RunOptions  # after the cheap checks
     options, runner_kwargs = _build_options(
         args, RunOptions, runner_cls, args.runner, path.resolve().parent
     )
@@ -410,11 +410,12 @@ def _cmd_metadata_init(args: argparse.Namespace) -> int:
     except UserInputError as e:
         raise StoreURLError(str(e)) from None
     init = getattr(sys.modules.get(getattr(store_cls, "__module__", "")), "init_store", None)
+    said = None
     if callable(init):
-        init(args.url)
+        said = init(args.url)
     else:
         open_store(args.url).close()
-    print(f"initialized {args.url}")
+    print(said if isinstance(said, str) and said else f"initialized {args.url}")
     return EXIT_OK
 
 

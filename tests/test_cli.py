@@ -1,0 +1,245 @@
+"""The cdcflow command, run as users run it: ``python -m cdcflow ...`` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+T0 = 1_700_000_000 * 10**9
+S = 10**9
+
+SCRIPTED = f"""
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+T0 = {T0}
+stream = ScriptedChangeStream("Orders", partitions=2, origin=T0)
+for i in range(20):
+    stream.write("Orders", {{"id": i}}, "INSERT", {{"total": i}}, at=T0 + (i + 1) * 100_000_000)
+stream.split("p0", at=T0 + 700_000_000, into=["p0a", "p0b"])
+stream.merge(["p0b", "p1"], at=T0 + 1_400_000_000, into="m")
+
+
+def to_row(record):
+    return {{"id": record.mods[0].keys["id"], "op": record.mod_type,
+            "at": record.commit_timestamp.ns}}
+
+
+pipeline = cf.Pipeline("scripted")
+(pipeline
+ | cf.DetectPartitions(stream="Orders", start_at=T0, end_at=T0 + 3 * 10**9, client=stream)
+ | cf.ReadPartition(heartbeat="100ms")
+ | "rows" >> cf.Map(to_row)
+ | cf.WriteFiles("out", format="jsonl"))
+"""
+
+VALID = """
+import cdcflow as cf
+pipeline = cf.Pipeline("orders")
+(pipeline
+ | cf.DetectPartitions(database="projects/p/instances/i/databases/d", stream="Orders")
+ | cf.ReadPartition()
+ | "no deletes" >> cf.Filter(lambda r: r.mod_type != "DELETE")
+ | cf.Print())
+"""
+
+
+def cdcflow(
+    *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NO_COLOR": "1"}
+    env.pop("CDCFLOW_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "cdcflow", *args], capture_output=True, text=True,
+        timeout=timeout, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+    )
+
+
+def write(tmp_path: Path, body: str, name: str = "pipe.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def assert_usage_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    """Exit 2, one line `cdcflow: error: ...` on stderr, no traceback."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("cdcflow: error: ")
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+# -- bad input: exit 2, one line ----------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert_usage_error(cdcflow("run", str(tmp_path / "nope.py")), "not found")
+
+
+def test_syntax_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "import cdcflow as cf\np = cf.Pipeline('x'\n")
+    assert_usage_error(cdcflow("run", str(path)), "syntax error", f"{path}:2")
+
+
+def test_import_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "import not_installed_anywhere_xyz\n")
+    assert_usage_error(cdcflow("graph", str(path)), "not_installed_anywhere_xyz", "install")
+
+
+def test_no_pipeline(tmp_path: Path) -> None:
+    path = write(tmp_path, "x = 1\n")
+    assert_usage_error(cdcflow("run", str(path)), "defines no Pipeline")
+
+
+def test_duplicate_label(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        import cdcflow as cf
+        p = cf.Pipeline("dup")
+        reads = p | cf.DetectPartitions(database="projects/p/instances/i/databases/d",
+                                        stream="S") | cf.ReadPartition()
+        reads | "out" >> cf.Print()
+        reads | "out" >> cf.Print()
+    """)
+    assert_usage_error(cdcflow("run", str(path)), "duplicate label 'out'")
+
+
+def test_invalid_pipeline(tmp_path: Path) -> None:
+    path = write(tmp_path, "import cdcflow as cf\np = cf.Pipeline('empty')\n")
+    assert_usage_error(cdcflow("graph", str(path)), "is empty")
+
+
+def test_malformed_store_url(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+    assert_usage_error(cdcflow("run", str(path), "--metadata", "state.db"),
+                       "not a metadata store URL")
+    assert_usage_error(cdcflow("status", "--metadata", "nosuch://x"), "nosuch")
+
+
+def test_unknown_runner(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+    assert_usage_error(cdcflow("run", str(path), "--runner", "flink"), "'flink'", "memory")
+
+
+def test_bad_duration(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+    assert_usage_error(cdcflow("run", str(path), "--for", "10 parsecs"), "not a duration")
+
+
+def test_unknown_set_key_lists_valid_ones(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+    assert_usage_error(cdcflow("run", str(path), "--set", "speed=11"),
+                       "--set speed", "max_batch_span", "workers")
+
+
+def test_bad_set_value(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+    assert_usage_error(cdcflow("run", str(path), "--set", "max_batch_span=soon"),
+                       "max_batch_span takes a duration")
+
+
+def test_spark_flags_need_spark(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+    assert_usage_error(cdcflow("run", str(path), "--master", "local[2]"), "--runner spark")
+
+
+def test_missing_argument() -> None:
+    assert_usage_error(cdcflow("run"), "FILE")
+
+
+# -- graph, plugins -----------------------------------------------------------------------
+
+
+def test_graph_text(tmp_path: Path) -> None:
+    result = cdcflow("graph", str(write(tmp_path, VALID)))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "pipeline 'orders'"
+    assert [line.split("  (")[0].lstrip(" │├└─") for line in lines[1:]] == [
+        "DetectPartitions", "ReadPartition", "no deletes", "Print"]
+
+
+def test_graph_dot(tmp_path: Path) -> None:
+    result = cdcflow("graph", str(write(tmp_path, VALID)), "--format", "dot")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith('digraph "orders" {')
+    assert result.stdout.count("->") == 3
+
+
+def test_plugins_lists_builtins() -> None:
+    result = cdcflow("plugins")
+    assert result.returncode == 0, result.stderr
+    sections: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():
+        if not line.startswith(" "):
+            current = sections.setdefault(line, [])
+        else:
+            current.append(line.split()[0])
+    assert {"memory", "spark"} <= set(sections["cdcflow.runners"])
+    assert {"memory", "sqlite", "spanner"} <= set(sections["cdcflow.metadata"])
+
+
+# -- run and status over a scripted change stream ------------------------------------------
+
+
+@pytest.fixture
+def scripted_run(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    path = write(tmp_path, SCRIPTED)
+    return path, cdcflow("run", str(path), "--set", "max_batch_span=500ms",
+                         "--batch-interval", "0s")
+
+
+def test_run_reaches_end_and_writes_output(
+    scripted_run: tuple[Path, subprocess.CompletedProcess[str]]
+) -> None:
+    path, result = scripted_run
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "stopped (end reached)" in result.stderr
+    rows = [json.loads(line) for f in sorted((path.parent / "out").glob("*.jsonl"))
+            for line in f.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == list(range(20))
+    assert (path.parent / ".cdcflow" / "state.db").is_file()
+
+
+def test_second_run_resumes_and_reads_nothing_again(
+    scripted_run: tuple[Path, subprocess.CompletedProcess[str]]
+) -> None:
+    path, first = scripted_run
+    assert first.returncode == 0, first.stderr
+    files = sorted(p.name for p in (path.parent / "out").glob("*.jsonl"))
+    again = cdcflow("run", str(path))
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in (path.parent / "out").glob("*.jsonl")) == files
+
+
+def test_status_shows_partitions(
+    scripted_run: tuple[Path, subprocess.CompletedProcess[str]]
+) -> None:
+    path, result = scripted_run
+    assert result.returncode == 0, result.stderr
+    url = f"sqlite:///{path.parent / '.cdcflow' / 'state.db'}"
+    status = cdcflow("status", "--metadata", url)
+    assert status.returncode == 0, status.stderr
+    out = status.stdout
+    assert "pipeline scripted" in out
+    assert "finished" in out  # every partition finished at end_at
+    assert "recent batches:" in out
+    by_file = cdcflow("status", str(path), "--pipeline", "scripted")
+    assert by_file.returncode == 0, by_file.stderr
+    assert "pipeline scripted" in by_file.stdout
+    assert_usage_error(cdcflow("status", "--metadata", url, "--pipeline", "other"),
+                       "no pipeline named 'other'", "scripted")
+
+
+def test_status_of_missing_sqlite_file(tmp_path: Path) -> None:
+    assert_usage_error(cdcflow("status", "--metadata", f"sqlite:///{tmp_path}/none.db"),
+                       "no state at")
