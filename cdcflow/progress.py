@@ -64,8 +64,14 @@ def format_partitions(partitions: Mapping[str, int]) -> str:
     return ", ".join(f"{partitions[n]} {n.lower()}" for n in names) or "none"
 
 
-def _lag(low_watermark: int, now_ns: int) -> str:
-    if low_watermark >= MAX_NS:
+def _all_finished(partitions: Mapping[str, int]) -> bool:
+    return bool(partitions) and all(
+        n == PartitionState.FINISHED.value for n, count in partitions.items() if count
+    )
+
+
+def _lag(low_watermark: int, now_ns: int, partitions: Mapping[str, int] | None = None) -> str:
+    if low_watermark >= MAX_NS or (partitions is not None and _all_finished(partitions)):
         return "none (all partitions finished)"
     return format_duration(max(0, now_ns - low_watermark) / 1e9)
 
@@ -142,6 +148,9 @@ def format_summary(
         records += f" ({tally.overall_rate():,.0f}/s)"
     if summary.low_watermark >= MAX_NS:
         watermark = "all partitions finished"
+    elif _all_finished(summary.partitions):
+        stamp = Timestamp.from_ns(summary.low_watermark).rfc3339()
+        watermark = f"{stamp} (all partitions finished there)"
     else:
         stamp = Timestamp.from_ns(summary.low_watermark).rfc3339()
         watermark = f"{stamp} (lag {_lag(summary.low_watermark, now)})"
@@ -161,7 +170,7 @@ def _status_line(tally: ProgressTally, now_ns: int) -> str:
     parts.append(f"batch {last.batch_id if last else '-'} ({tally.batches:,} done)")
     parts.append(f"{tally.records:,} records ({tally.rate():,.0f}/s)")
     if last is not None:
-        parts.append(f"lag {_lag(last.low_watermark, now_ns)}")
+        parts.append(f"lag {_lag(last.low_watermark, now_ns, last.partitions)}")
         parts.append(f"partitions {format_partitions(last.partitions)}")
     parts.append(f"splits {tally.splits} merges {tally.merges}")
     if tally.planned is not None:
@@ -271,7 +280,8 @@ class LogProgress(EngineListener):
         self.log.info(
             "batch %d: %d slices, %d records in %s; lag %s; partitions %s; splits %d merges %d",
             stats.batch_id, stats.slices, stats.records, format_duration(stats.seconds),
-            _lag(stats.low_watermark, self._now_ns()), format_partitions(stats.partitions),
+            _lag(stats.low_watermark, self._now_ns(), stats.partitions),
+            format_partitions(stats.partitions),
             self.tally.splits, self.tally.merges,
         )
 

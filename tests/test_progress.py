@@ -169,6 +169,11 @@ def test_summary_when_every_partition_finished() -> None:
     assert "partitions 5 finished" in text
 
 
+def test_summary_when_the_run_reached_its_end() -> None:
+    text = format_summary(summary(partitions={"FINISHED": 5}), None, NOW)
+    assert "watermark  2023-11-14T22:14:58.000000000Z (all partitions finished there)" in text
+
+
 def test_summary_shows_watermark_and_lag() -> None:
     text = format_summary(summary(), None, NOW)
     assert "watermark  2023-11-14T22:14:58.000000000Z (lag 2.0s)" in text
