@@ -165,16 +165,18 @@ def format_summary(
 
 
 def _status_line(tally: ProgressTally, now_ns: int) -> str:
-    last = tally.last
-    parts = [f"{tally.pipeline} {format_duration(tally.elapsed())}"]
-    parts.append(f"batch {last.batch_id if last else '-'} ({tally.batches:,} done)")
+    # Most useful first: a narrow terminal cuts the end of the line.
+    last, planned = tally.last, tally.planned
+    if planned is not None:
+        parts = [f"batch {planned.batch_id} ({len(planned.slices)} slices)…"]
+    else:
+        parts = [f"batch {last.batch_id}" if last is not None else "starting"]
     parts.append(f"{tally.records:,} records ({tally.rate():,.0f}/s)")
     if last is not None:
         parts.append(f"lag {_lag(last.low_watermark, now_ns, last.partitions)}")
-        parts.append(f"partitions {format_partitions(last.partitions)}")
+        parts.append(format_partitions(last.partitions))
     parts.append(f"splits {tally.splits} merges {tally.merges}")
-    if tally.planned is not None:
-        parts.append(f"running batch {tally.planned.batch_id} ({len(tally.planned.slices)} slices)")
+    parts.append(format_duration(tally.elapsed()))
     return " | ".join(parts)
 
 
