@@ -275,7 +275,11 @@ class Engine:
     ) -> BatchStats:
         name = self.pipeline.name
         tasks = [pickle.dumps(Task(name, plan.batch_id, s)) for s in plan.slices]
-        results = self._run_tasks(plan, program_bytes, tasks)
+        try:
+            results = self._run_tasks(plan, program_bytes, tasks, sinks)
+        except BaseException:
+            _abort(plan.batch_id, sinks)
+            raise
         for label, sink in sinks.items():
             messages = [
                 r.sink_messages[label] for r in results if r.sink_messages.get(label) is not None
@@ -330,7 +334,8 @@ class Engine:
         )
 
     def _run_tasks(
-        self, plan: BatchPlan, program_bytes: bytes, tasks: Sequence[bytes]
+        self, plan: BatchPlan, program_bytes: bytes, tasks: Sequence[bytes],
+        sinks: dict[str, Sink],
     ) -> list[TaskResult]:
         opts = self.options
         attempt = 0
@@ -353,6 +358,7 @@ class Engine:
                     "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
                     type(exc).__name__, exc, attempt, opts.batch_retries, delay,
                 )
+                _abort(plan.batch_id, sinks)
                 time.sleep(delay)
         if len(raw) != len(tasks):
             msg = (
@@ -390,6 +396,15 @@ class Engine:
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
+
+
+def _abort(batch_id: int, sinks: dict[str, Sink]) -> None:
+    """Let every sink discard what failed tasks of the batch left behind (best effort)."""
+    for label, sink in sinks.items():
+        try:
+            sink.abort(batch_id, [])
+        except Exception:
+            _log.exception("sink %r failed to abort batch %d", label, batch_id)
 
 
 def _is_transient(exc: BaseException) -> bool:

@@ -4,8 +4,12 @@
 
 STAGE is ``planned`` (plan durable, no task ran), ``sinks`` (sinks committed, store not),
 ``batch`` (store committed) or ``task`` (inside a task, at the BATCH-th record this process
-reads). Progress lives in STATE_DIR/state.db, output in STATE_DIR/out. Without a kill
-point the run goes to its end and prints the number of records it read.
+reads). Progress lives in STATE_DIR/state.db, output in STATE_DIR/out. Without a kill point
+the run goes to its end and prints the number of records it read.
+
+    python crash_pipeline.py STATE_DIR live
+
+reads a stream without end, printing each committed batch, until SIGTERM.
 """
 
 from __future__ import annotations
@@ -86,8 +90,31 @@ class KillOnRecord:
         return record
 
 
+class Announce(EngineListener):
+    def on_batch(self, stats: BatchStats) -> None:
+        print("batch", stats.batch_id, flush=True)
+
+
+def live(state: str) -> None:
+    """Read a stream that never ends; stop on SIGTERM after the current batch."""
+    import time
+
+    s = ScriptedChangeStream("S", origin=time.time_ns() - 60 * S)
+    p = cf.Pipeline("live")
+    p | DetectPartitions(stream="S", start_at="-5s", client=s) | ReadPartition() | WriteFiles(
+        os.path.join(state, "out"))
+    store = open_store(f"sqlite:///{os.path.join(state, 'state.db')}")
+    options = RunOptions(batch_interval=0.05, base_dir=state)
+    summary = Engine(p, store, InMemoryRunner(workers=2), options, Announce()).run()
+    store.close()
+    print(summary.reason, summary.batches, flush=True)
+
+
 def main() -> None:
     state = sys.argv[1]
+    if sys.argv[2:] == ["live"]:
+        live(state)
+        return
     stage, _, batch = sys.argv[2].partition(":") if len(sys.argv) > 2 else ("", "", "0")
     p = cf.Pipeline("crash")
     (p

@@ -69,3 +69,30 @@ def test_killed_runs_resume_without_loss_or_duplicates(
     )
     assert got == want  # nothing lost, nothing repeated
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+
+
+def test_sigterm_stops_after_the_current_batch(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(tmp_path), "live"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("batch "), proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("interrupted "), out
+    from cdcflow.metadata import open_store
+
+    store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    try:
+        assert store.pending_plan("live") is None  # the batch in progress was committed
+        assert store.last_batch_id("live") == int(last.split()[1])
+    finally:
+        store.close()
