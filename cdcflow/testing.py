@@ -45,6 +45,8 @@ program (every runner does) counts in its own copy.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -451,10 +453,10 @@ class ScriptedChangeStream:
         hb = max(1, query.heartbeat_millis) * 1_000_000
         stop = min(query.end, p.end)
         last = query.start
-        for rec in self._records().get(token, ()):
+        recs = self._records().get(token, [])
+        first = bisect.bisect_left(recs, query.start, key=lambda r: r.commit_timestamp.ns)
+        for rec in itertools.islice(recs, first, None):
             ts = rec.commit_timestamp.ns
-            if ts < query.start:
-                continue
             if ts >= stop:
                 break
             while ts - last > hb:
