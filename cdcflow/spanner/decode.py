@@ -57,6 +57,8 @@ RowDecoder = Callable[[Any], list[ChangeRecord]]
 
 _CACHE_LIMIT = 4096
 _ts_cache: dict[str, Timestamp] = {}
+_second_cache: dict[str, tuple[int, int, int, int, int, int]] = {}
+_datetime_new = datetime.__new__
 _column_cache: dict[bytes, tuple[ColumnType, ...]] = {}
 _loads = orjson.loads
 
@@ -65,26 +67,50 @@ class DecodeError(ValueError):
     """A change-stream row that does not have a shape cdcflow knows."""
 
 
+def _parse_fast(text: str) -> Timestamp | None:
+    """RFC 3339 in UTC (``Z`` or ``+00:00``) with 0..9 fractional digits, else None."""
+    n = len(text)
+    if text[-1] == "Z":
+        end = n - 1
+    elif text.endswith("+00:00"):
+        end = n - 6
+    else:
+        return None
+    if end == 19:
+        frac = "000000000"
+    elif end > 20 and text[19] == "." and end - 20 <= 9:
+        frac = text[20:end]
+        if len(frac) < 9:
+            frac = (frac + "000000000")[:9]
+    else:
+        return None
+    head = _second_cache.get(text[:19])
+    if head is None:
+        if n < 20 or text[4] != "-" or text[10] not in "Tt ":
+            return None
+        head = (
+            int(text[0:4]), int(text[5:7]), int(text[8:10]),
+            int(text[11:13]), int(text[14:16]), int(text[17:19]),
+        )
+        if len(_second_cache) >= _CACHE_LIMIT:
+            _second_cache.clear()
+        _second_cache[text[:19]] = head
+    # Timestamp's constructor validates keyword arguments in Python; this is the same
+    # object built directly (a datetime plus the nanoseconds below the microsecond).
+    ts: Timestamp = _datetime_new(Timestamp, *head, int(frac[:6]), UTC)
+    ts._nanosecond = int(frac[6:])
+    return ts
+
+
 def parse_timestamp(text: str) -> Timestamp:
     """RFC 3339 text (any number of fractional digits, ``Z`` or an offset) to a Timestamp.
 
-    Many records share a commit timestamp, so recent values are cached.
+    Many records share a commit timestamp (and a second), so recent values are cached.
     """
     ts = _ts_cache.get(text)
     if ts is not None:
         return ts
-    n = len(text)
-    if n >= 20 and text[19] in ".Z+" and (text[-1] == "Z" or text.endswith("+00:00")):
-        end = n - 1 if text[-1] == "Z" else n - 6
-        frac = text[20:end] if text[19] == "." else ""
-        digits = (frac + "000000000")[:9]
-        ts = Timestamp(
-            int(text[0:4]), int(text[5:7]), int(text[8:10]),
-            int(text[11:13]), int(text[14:16]), int(text[17:19]), int(digits[:6]),
-            tzinfo=UTC, nanosecond=int(digits[6:]),
-        )
-    else:
-        ts = Timestamp.parse(text)
+    ts = (_parse_fast(text) if len(text) >= 20 else None) or Timestamp.parse(text)
     if len(_ts_cache) >= _CACHE_LIMIT:
         _ts_cache.clear()
     _ts_cache[text] = ts
@@ -107,47 +133,78 @@ def _element_struct(array_type: Any) -> Any:
 # --- GoogleSQL STRUCT rows ------------------------------------------------------------------
 
 
+_DATA_LAYOUT = (
+    "commit_timestamp", "record_sequence", "server_transaction_id",
+    "is_last_record_in_transaction_in_partition", "table_name", "column_types", "mods",
+    "mod_type", "value_capture_type", "number_of_records_in_transaction",
+    "number_of_partitions_in_transaction", "transaction_tag", "is_system_transaction",
+)
+_TOP_LAYOUT = ("data_change_record", "heartbeat_record", "child_partitions_record")
+_MOD_LAYOUT = ("keys", "new_values", "old_values")
+
+
+def _names(struct_type: Any) -> tuple[str, ...]:
+    return tuple(f.name for f in struct_type.fields)
+
+
 class _StructDecoder:
-    """Decodes the GoogleSQL ChangeRecord column for one result set's metadata."""
+    """Decodes the GoogleSQL ChangeRecord column for one result set's metadata.
+
+    Reading a protobuf field builds a Python wrapper object, which dominates the cost,
+    so when the metadata has the documented field order the fields are unpacked in one
+    step; any other order (fields added by a newer server) goes through name lookups.
+    """
 
     def __init__(self, column_type: Any) -> None:
         outer = _element_struct(column_type)
         top = _field_index(outer)
-        self._top = top
         types = {f.name: f.type_ for f in outer.fields}
         self._data_i = top.get("data_change_record", -1)
         self._hb_i = top.get("heartbeat_record", -1)
         self._cp_i = top.get("child_partitions_record", -1)
-        d = _field_index(_element_struct(types["data_change_record"])) if self._data_i >= 0 else {}
-        self._d = d
-        if d:
-            dtype = {f.name: f.type_ for f in _element_struct(types["data_change_record"]).fields}
-            m = _field_index(_element_struct(dtype["mods"]))
+        self._fast_top = _names(outer) == _TOP_LAYOUT
+        self._fast_data = False
+        self._fast_mods = False
+        self._d: dict[str, int] = {}
+        if self._data_i >= 0:
+            data_struct = _element_struct(types["data_change_record"])
+            self._d = _field_index(data_struct)
+            dtype = {f.name: f.type_ for f in data_struct.fields}
+            mod_struct = _element_struct(dtype["mods"])
+            m = _field_index(mod_struct)
             self._mod_keys = m["keys"]
             self._mod_new = m.get("new_values", -1)
             self._mod_old = m.get("old_values", -1)
             c = _field_index(_element_struct(dtype["column_types"]))
             self._col = (c["name"], c["type"], c["is_primary_key"], c["ordinal_position"])
+            self._fast_data = _names(data_struct) == _DATA_LAYOUT
+            self._fast_mods = _names(mod_struct) == _MOD_LAYOUT
         if self._cp_i >= 0:
-            cp = _field_index(_element_struct(types["child_partitions_record"]))
-            self._cp = cp
             cp_struct = _element_struct(types["child_partitions_record"])
+            self._cp = _field_index(cp_struct)
             inner = {f.name: f.type_ for f in cp_struct.fields}
             self._child = _field_index(_element_struct(inner["child_partitions"]))
 
     def __call__(self, value: Any, token: str) -> list[ChangeRecord]:
         out: list[ChangeRecord] = []
+        data_i, hb_i, cp_i = self._data_i, self._hb_i, self._cp_i
         for change_record in value.list_value.values:
-            fields = change_record.list_value.values
-            if self._data_i >= 0:
-                for rec in fields[self._data_i].list_value.values:
+            if self._fast_top:
+                data, heartbeats, children = change_record.list_value.values
+            else:
+                fields = change_record.list_value.values
+                data = fields[data_i] if data_i >= 0 else None
+                heartbeats = fields[hb_i] if hb_i >= 0 else None
+                children = fields[cp_i] if cp_i >= 0 else None
+            if data is not None:
+                for rec in data.list_value.values:
                     out.append(self._data(rec.list_value.values, token))
-            if self._hb_i >= 0:
-                for rec in fields[self._hb_i].list_value.values:
+            if heartbeats is not None:
+                for rec in heartbeats.list_value.values:
                     ts = parse_timestamp(rec.list_value.values[0].string_value)
                     out.append(HeartbeatRecord(token, ts))
-            if self._cp_i >= 0:
-                for rec in fields[self._cp_i].list_value.values:
+            if children is not None:
+                for rec in children.list_value.values:
                     out.append(self._child_partitions(rec.list_value.values, token))
         return out
 
@@ -169,17 +226,40 @@ class _StructDecoder:
             _column_cache[key] = cols
         return cols
 
-    def _data(self, f: Any, token: str) -> DataChangeRecord:
-        d = self._d
-        ki, ni, oi = self._mod_keys, self._mod_new, self._mod_old
+    def _mods(self, value: Any) -> list[Mod]:
+        loads = _loads
         mods = []
-        for mod in f[d["mods"]].list_value.values:
+        if self._fast_mods:
+            for mod in value.list_value.values:
+                k, n, o = mod.list_value.values
+                # NULL JSON arrives as string_value "" (an empty map for the model).
+                mods.append(Mod(
+                    loads(k.string_value or "{}"), loads(n.string_value or "{}"),
+                    loads(o.string_value or "{}"),
+                ))
+            return mods
+        ki, ni, oi = self._mod_keys, self._mod_new, self._mod_old
+        for mod in value.list_value.values:
             m = mod.list_value.values
             mods.append(Mod(
                 _json_obj(m[ki].string_value),
                 _json_obj(m[ni].string_value) if ni >= 0 else {},
                 _json_obj(m[oi].string_value) if oi >= 0 else {},
             ))
+        return mods
+
+    def _data(self, f: Any, token: str) -> DataChangeRecord:
+        if self._fast_data:
+            (ts, seq, txn, last, table, cols, mods, mod_type, vct, n_rec, n_part, tag,
+             system) = f
+            return DataChangeRecord(
+                token, parse_timestamp(ts.string_value), seq.string_value, txn.string_value,
+                last.bool_value, table.string_value, self._columns(cols), self._mods(mods),
+                mod_type.string_value, vct.string_value,
+                int(n_rec.string_value), int(n_part.string_value), tag.string_value,
+                system.bool_value,
+            )
+        d = self._d
         tag_i = d.get("transaction_tag", -1)
         sys_i = d.get("is_system_transaction", -1)
         return DataChangeRecord(
@@ -192,7 +272,7 @@ class _StructDecoder:
             ].bool_value,
             table_name=f[d["table_name"]].string_value,
             column_types=self._columns(f[d["column_types"]]),
-            mods=mods,
+            mods=self._mods(f[d["mods"]]),
             mod_type=f[d["mod_type"]].string_value,
             value_capture_type=f[d["value_capture_type"]].string_value,
             number_of_records_in_transaction=int(

@@ -1,0 +1,376 @@
+"""How fast change records come out of a Spanner stream: stock client vs cdcflow vs raw gRPC.
+
+A local gRPC server (127.0.0.1, free port, a separate process by default) implements just
+enough of ``google.spanner.v1.Spanner`` to serve ``ExecuteStreamingSql``: it replays
+pre-serialized PartialResultSets holding N three-mod data change records. The same stream
+is read three ways, side by side:
+
+* ``stock``: ``snapshot.execute_sql`` iterated with default decoding (the rows only), and
+  ``stock+model``: the same rows turned into cdcflow records;
+* ``cdcflow``: :class:`cdcflow.spanner.client.SpannerChangeStreamClient` reading the
+  stream (its transport and decoder, producing model records);
+* ``raw grpc``: receiving and parsing the PartialResultSets, nothing else (the ceiling).
+
+``python -m bench.bench_decode [--records N] [--rows-per-message K] [--rounds R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from typing import Any
+
+import attrs
+
+from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
+
+__all__ = ["FakeSpanner", "Result", "main", "make_records", "run"]
+
+STREAM = "BenchStream"
+DATABASE = "projects/bench/instances/bench/databases/bench"
+_SERVICE = "google.spanner.v1.Spanner"
+_START_NS = Timestamp.parse("2024-05-01T12:00:00Z").ns
+
+_COLUMNS = (
+    ColumnType("OrderId", {"code": "INT64"}, True, 1),
+    ColumnType("Customer", {"code": "STRING"}, False, 2),
+    ColumnType("Amount", {"code": "NUMERIC"}, False, 3),
+    ColumnType("Status", {"code": "STRING"}, False, 4),
+    ColumnType("UpdatedAt", {"code": "TIMESTAMP"}, False, 5),
+    ColumnType("Attributes", {"code": "JSON"}, False, 6),
+)
+
+
+def make_records(n: int, token: str = "bench-token") -> list[DataChangeRecord]:
+    """N UPDATE records of three mods each, commit timestamps 1 µs apart (plus 7 ns)."""
+    out = []
+    for i in range(n):
+        ts = Timestamp.from_ns(_START_NS + i * 1000 + 7)
+        mods = [
+            Mod(
+                {"OrderId": str(i * 3 + j)},
+                {"Customer": f"customer-{i % 97}", "Amount": f"{i}.{j}5", "Status": "SHIPPED",
+                 "UpdatedAt": ts.rfc3339(), "Attributes": '{"gift":true,"notes":"leave at door"}'},
+                {"Customer": f"customer-{i % 97}", "Amount": f"{i}.{j}0", "Status": "PAID",
+                 "UpdatedAt": None, "Attributes": None},
+            )
+            for j in range(3)
+        ]
+        out.append(DataChangeRecord(
+            token, ts, "00000000", f"txn-{i}", True, "Orders", _COLUMNS, mods, "UPDATE",
+            "OLD_AND_NEW_VALUES", 1, 1, "", False,
+        ))
+    return out
+
+
+def encoded_messages(n: int, rows_per_message: int) -> list[bytes]:
+    """The serialized PartialResultSets of the change stream query's answer."""
+    from cdcflow.spanner import wire
+
+    values = [wire.encode_googlesql([r]) for r in make_records(n)]
+    prs = wire.partial_result_sets(
+        wire.row_type(wire.googlesql_column_type()), values, rows_per_message=rows_per_message
+    )
+    return [p.SerializeToString() for p in prs]
+
+
+def _metadata_answer(sql: str) -> list[bytes]:
+    """Answers to the client's information_schema queries."""
+    from cdcflow.spanner import wire
+
+    if "database_options" in sql:
+        prs = wire.string_rows(["option_value"], [["GOOGLE_STANDARD_SQL"]])
+    elif "change_stream_options" in sql:
+        prs = wire.string_rows(["option_name", "option_value"], [])
+    else:
+        prs = wire.string_rows(["change_stream_name"], [[STREAM]])
+    return [p.SerializeToString() for p in prs]
+
+
+class FakeSpanner:
+    """An in-process gRPC server that serves ``messages`` to every change stream query."""
+
+    def __init__(self, messages: Sequence[bytes], port: int | None = None) -> None:
+        from cdcflow.spanner.emulator import free_port
+
+        self.messages = list(messages)
+        self.port = port or free_port()
+        self._server: Any = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> FakeSpanner:
+        import grpc
+        from google.cloud.spanner_v1.types import (
+            BatchCreateSessionsResponse,
+            ExecuteSqlRequest,
+            Session,
+        )
+
+        session_pb = Session.pb()
+        sql_pb = ExecuteSqlRequest.pb()
+        counter = iter(range(1, 1 << 30))
+
+        def session(database: str) -> Any:
+            return session_pb(name=f"{database}/sessions/s{next(counter)}")
+
+        def create_session(raw: bytes, ctx: Any) -> bytes:
+            from google.cloud.spanner_v1.types import CreateSessionRequest
+
+            request = CreateSessionRequest.pb().FromString(raw)
+            return bytes(session(request.database).SerializeToString())
+
+        def batch_create(raw: bytes, ctx: Any) -> bytes:
+            from google.cloud.spanner_v1.types import BatchCreateSessionsRequest
+
+            request = BatchCreateSessionsRequest.pb().FromString(raw)
+            resp = BatchCreateSessionsResponse.pb()()
+            for _ in range(request.session_count):
+                resp.session.append(session(request.database))
+            return bytes(resp.SerializeToString())
+
+        def get_session(raw: bytes, ctx: Any) -> bytes:
+            return raw  # GetSessionRequest.name is field 1, like Session.name
+
+        def delete_session(raw: bytes, ctx: Any) -> bytes:
+            return b""
+
+        def execute(raw: bytes, ctx: Any) -> Iterator[bytes]:
+            sql = sql_pb.FromString(raw).sql
+            if "READ_" in sql:
+                yield from self.messages
+            else:
+                yield from _metadata_answer(sql)
+
+        def unary(fn: Callable[[bytes, Any], bytes]) -> Any:
+            return grpc.unary_unary_rpc_method_handler(fn)
+
+        handler = grpc.method_handlers_generic_handler(_SERVICE, {
+            "CreateSession": unary(create_session),
+            "BatchCreateSessions": unary(batch_create),
+            "GetSession": unary(get_session),
+            "DeleteSession": unary(delete_session),
+            "ExecuteStreamingSql": grpc.unary_stream_rpc_method_handler(execute),
+        })
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4),
+            options=[("grpc.max_send_message_length", 64 << 20)],
+        )
+        self._server.add_generic_rpc_handlers((handler,))
+        self._server.add_insecure_port(self.host)
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(None)
+            self._server = None
+
+
+# --- the three readers ----------------------------------------------------------------------
+
+
+def _stock_database(host: str) -> Any:
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import spanner
+
+    client = spanner.Client(
+        project="bench",
+        credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]
+        client_options={"api_endpoint": host},
+        disable_builtin_metrics=True,
+    )
+    return client, client.instance("bench").database("bench")  # type: ignore[no-untyped-call]
+
+
+def _stock_params() -> tuple[str, dict[str, Any], dict[str, Any]]:
+    from google.cloud.spanner_v1 import param_types
+
+    sql = f"SELECT ChangeRecord FROM READ_{STREAM}(@s, @e, @t, 1000)"
+    start = Timestamp.from_ns(_START_NS)
+    params = {"s": start, "e": None, "t": "bench-token"}
+    types = {"s": param_types.TIMESTAMP, "e": param_types.TIMESTAMP, "t": param_types.STRING}
+    return sql, params, types
+
+
+def read_stock(database: Any, to_model: bool) -> list[Any]:
+    from cdcflow.spanner.decode import records_from_stock_row
+
+    sql, params, types = _stock_params()
+    out: list[Any] = []
+    with database.snapshot() as snapshot:
+        for row in snapshot.execute_sql(sql, params=params, param_types=types):
+            if to_model:
+                out.extend(records_from_stock_row(row, "bench-token"))
+            else:
+                out.append(row)
+    return out
+
+
+def read_cdcflow(client: Any) -> list[Any]:
+    from cdcflow.model import MAX_NS
+    from cdcflow.spanner.base import ChangeStreamQuery
+
+    return list(client.read(ChangeStreamQuery(STREAM, "bench-token", _START_NS, MAX_NS)))
+
+
+def read_raw(host: str) -> int:
+    import grpc
+    from google.cloud.spanner_v1.types import ExecuteSqlRequest, PartialResultSet
+
+    request = ExecuteSqlRequest.pb()(session="x", sql=f"SELECT ChangeRecord FROM READ_{STREAM}")
+    with grpc.insecure_channel(host) as channel:
+        call = channel.unary_stream(
+            f"/{_SERVICE}/ExecuteStreamingSql",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=PartialResultSet.pb().FromString,
+        )
+        return sum(len(prs.values) for prs in call(request))
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Result:
+    name: str
+    records: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.records / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _best(fn: Callable[[], Any], rounds: int) -> tuple[Any, float]:
+    """The output of the last round and the fastest round's seconds."""
+    best = float("inf")
+    out: Any = None
+    for _ in range(rounds):
+        out = None  # let the previous round's records go before timing the next
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def _start_server(
+    n: int, rows_per_message: int, in_process: bool
+) -> tuple[str, Callable[[], None]]:
+    if in_process:
+        server = FakeSpanner(encoded_messages(n, rows_per_message)).start()
+        return server.host, server.stop
+    from cdcflow.spanner.emulator import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.bench_decode", "--serve", str(port),
+         "--records", str(n), "--rows-per-message", str(rows_per_message)],
+        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("READY"):
+        proc.kill()
+        msg = f"the benchmark server did not start (said {line!r})"
+        raise RuntimeError(msg)
+
+    def stop() -> None:
+        proc.terminate()
+        proc.wait(10)
+
+    return f"127.0.0.1:{port}", stop
+
+
+def run(
+    n: int, *, rows_per_message: int = 1, rounds: int = 3, in_process: bool = False,
+    check: bool = True,
+) -> list[Result]:
+    """Read N records each way; with ``check``, prove all ways give the same records."""
+    from cdcflow.spanner.client import SpannerChangeStreamClient
+
+    host, stop = _start_server(n, rows_per_message, in_process)
+    old_env = os.environ.get("SPANNER_EMULATOR_HOST")
+    os.environ["SPANNER_EMULATOR_HOST"] = host
+    stock_client, database = _stock_database(host)
+    client = SpannerChangeStreamClient(DATABASE)
+    try:
+        results = []
+        count, secs = _best(lambda: read_raw(host), rounds)
+        results.append(Result("raw grpc (PartialResultSets)", count, secs))
+        rows, secs = _best(lambda: read_stock(database, to_model=False), rounds)
+        results.append(Result("stock execute_sql (rows)", len(rows), secs))
+        del rows
+        stock, secs = _best(lambda: read_stock(database, to_model=True), rounds)
+        results.append(Result("stock execute_sql + model", len(stock), secs))
+        fast, secs = _best(lambda: read_cdcflow(client), rounds)
+        results.append(Result("cdcflow client (model)", len(fast), secs))
+        if check:
+            expected = make_records(n)
+            if stock != expected or fast != expected:
+                msg = "the readers disagree with the served records; the benchmark is invalid"
+                raise AssertionError(msg)
+        return results
+    finally:
+        client.close()
+        stock_client.close()
+        if old_env is None:
+            os.environ.pop("SPANNER_EMULATOR_HOST", None)
+        else:
+            os.environ["SPANNER_EMULATOR_HOST"] = old_env
+        stop()
+
+
+def table(results: Sequence[Result], title: str) -> str:
+    by_name = {r.name: r for r in results}
+    lines = [title, f"{'reader':34} {'records':>9} {'seconds':>8} {'records/s':>11}"]
+    for r in results:
+        lines.append(f"{r.name:34} {r.records:9d} {r.seconds:8.3f} {r.rate:11,.0f}")
+    fast = by_name["cdcflow client (model)"].rate
+    lines.append(
+        f"cdcflow / stock rows: {fast / by_name['stock execute_sql (rows)'].rate:.1f}x   "
+        f"cdcflow / stock + model: {fast / by_name['stock execute_sql + model'].rate:.1f}x   "
+        f"cdcflow / raw grpc: {fast / by_name['raw grpc (PartialResultSets)'].rate:.2f}"
+    )
+    return "\n".join(lines)
+
+
+def _serve(port: int, n: int, rows_per_message: int) -> None:
+    server = FakeSpanner(encoded_messages(n, rows_per_message), port=port).start()
+    print("READY", flush=True)
+    try:
+        while True:  # until the benchmark terminates this process
+            time.sleep(3600)
+    finally:
+        server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_decode", description=__doc__)
+    parser.add_argument("--records", type=int, default=10_000)
+    parser.add_argument("--rows-per-message", type=int, default=0,
+                        help="records per PartialResultSet (0: run 1 and 50)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--in-process", action="store_true", help="serve from this process")
+    parser.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        _serve(args.serve, args.records, max(1, args.rows_per_message))
+        return
+    for rpm in [args.rows_per_message] if args.rows_per_message else [1, 50]:
+        results = run(args.records, rows_per_message=rpm, rounds=args.rounds,
+                      in_process=args.in_process)
+        print(table(results, f"decode: {args.records} three-mod data change records, "
+                             f"{rpm} per PartialResultSet"))
+        print()
+
+
+if __name__ == "__main__":
+    main()

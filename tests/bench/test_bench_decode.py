@@ -1,0 +1,32 @@
+"""The decode benchmark's harness works and its three readers agree (no timing asserts)."""
+
+from __future__ import annotations
+
+from bench import bench_decode
+
+
+def test_in_process_run_agrees_and_reports() -> None:
+    results = bench_decode.run(40, rows_per_message=7, rounds=1, in_process=True, check=True)
+    assert [r.name for r in results] == [
+        "raw grpc (PartialResultSets)", "stock execute_sql (rows)",
+        "stock execute_sql + model", "cdcflow client (model)",
+    ]
+    assert all(r.records == 40 for r in results)
+    text = bench_decode.table(results, "decode")
+    assert "cdcflow / stock rows:" in text and text.count("\n") == 6
+
+
+def test_served_messages_decode_to_the_records() -> None:
+    from google.cloud.spanner_v1.types import PartialResultSet
+
+    from cdcflow.spanner.decode import row_decoder
+    from cdcflow.spanner.transport import assemble_rows
+
+    messages = [PartialResultSet.pb().FromString(m)
+                for m in bench_decode.encoded_messages(5, rows_per_message=2)]
+    assert len(messages) == 3
+    rows = list(assemble_rows(iter(messages)))
+    decode = row_decoder(rows[0][0].fields[0].type_)
+    got = [r for _, row in rows for r in decode(row[0], "bench-token")]
+    assert got == bench_decode.make_records(5)
+    assert all(len(getattr(r, "mods", ())) == 3 for r in got)

@@ -1,0 +1,259 @@
+"""The fast decoders against the stock client's decoding of the same wire messages."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import attrs
+import orjson
+import pytest
+from google.cloud.spanner_v1.streamed import StreamedResultSet
+from google.cloud.spanner_v1.types import ChangeStreamRecord, PartialResultSet
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cdcflow.model import (
+    ChangeRecord,
+    ChildPartition,
+    ChildPartitionsRecord,
+    ColumnType,
+    DataChangeRecord,
+    HeartbeatRecord,
+    Mod,
+    MoveInEvent,
+    MoveOutEvent,
+    PartitionEndRecord,
+    PartitionEventRecord,
+    PartitionStartRecord,
+    Timestamp,
+)
+from cdcflow.spanner import wire
+from cdcflow.spanner.decode import (
+    decode_json_record,
+    decode_proto_record,
+    parse_timestamp,
+    records_from_stock_row,
+    row_decoder,
+)
+from cdcflow.spanner.transport import assemble_rows
+
+TOKEN = "partition-7"
+TS = Timestamp.parse("2024-05-01T12:00:00.123456789Z")
+
+COLUMNS = (
+    ColumnType("Id", {"code": "INT64"}, True, 1),
+    ColumnType("Name", {"code": "STRING"}, False, 2),
+    ColumnType("Tags", {"code": "ARRAY", "array_element_type": {"code": "STRING"}}, False, 3),
+    ColumnType("Doc", {"code": "JSON"}, False, 4),
+)
+
+
+def _data(i: int, ts: Timestamp = TS, **changes: Any) -> DataChangeRecord:
+    fields: dict[str, Any] = dict(
+        partition_token=TOKEN, commit_timestamp=ts, record_sequence=f"{i:08d}",
+        server_transaction_id=f"txn-{i}", is_last_record_in_transaction_in_partition=i % 2 == 0,
+        table_name="Orders", column_types=COLUMNS,
+        mods=[
+            Mod({"Id": str(i)}, {"Name": "Zoë ✓", "Tags": ["a", None], "Doc": '{"k":[1,2]}'},
+                {"Name": None}),
+            Mod({"Id": str(i + 1)}, {}, {}),
+            Mod({"Id": str(i + 2)}, {"Name": ""}, {"Name": "x", "Tags": []}),
+        ],
+        mod_type="UPDATE", value_capture_type="OLD_AND_NEW_VALUES",
+        number_of_records_in_transaction=3, number_of_partitions_in_transaction=2,
+        transaction_tag="app=shop", is_system_transaction=False,
+    )
+    fields.update(changes)
+    return DataChangeRecord(**fields)
+
+
+RECORDS: list[ChangeRecord] = [
+    _data(0),
+    _data(1, Timestamp.parse("2024-05-01T12:00:00Z"), mod_type="INSERT", transaction_tag=""),
+    _data(2, Timestamp.parse("2024-05-01T12:00:01.000000001Z"), mod_type="DELETE",
+          is_system_transaction=True),
+    HeartbeatRecord(TOKEN, Timestamp.parse("2024-05-01T12:00:02.999999999Z")),
+    ChildPartitionsRecord(TOKEN, TS, "00000009", [
+        ChildPartition("child-a", (TOKEN,)), ChildPartition("child-b", (TOKEN, "other")),
+    ]),
+]
+
+
+def _fast(messages: list[Any]) -> list[ChangeRecord]:
+    out: list[ChangeRecord] = []
+    decode = None
+    for row_type, row in assemble_rows(iter(messages)):
+        if decode is None:
+            decode = row_decoder(row_type.fields[0].type_)
+        out.extend(decode(row[0], TOKEN))
+    return out
+
+
+def _stock(messages: list[Any]) -> list[ChangeRecord]:
+    rows = StreamedResultSet(iter([PartialResultSet.wrap(m) for m in messages]))
+    return [r for row in rows for r in records_from_stock_row(row, TOKEN)]
+
+
+def _assert_same(got: list[ChangeRecord], want: list[ChangeRecord]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert type(g) is type(w)
+        for field in attrs.fields(type(w)):
+            assert getattr(g, field.name) == getattr(w, field.name), field.name
+        if isinstance(g, DataChangeRecord):
+            assert g.commit_timestamp.ns == w.commit_timestamp.ns  # type: ignore[union-attr]
+            for mod in g.mods:
+                for part in (mod.keys, mod.new_values, mod.old_values):
+                    assert type(part) is dict  # plain Python, never the client's JsonObject
+            for col in g.column_types:
+                assert type(col.type) is dict
+
+
+@pytest.mark.parametrize("chunk", [False, True], ids=["whole", "chunked"])
+@pytest.mark.parametrize("per_message", [1, 3])
+def test_googlesql_rows_match_stock_decoding(chunk: bool, per_message: int) -> None:
+    values = [wire.encode_googlesql([r]) for r in RECORDS]
+    messages = wire.partial_result_sets(
+        wire.row_type(wire.googlesql_column_type()), values,
+        rows_per_message=per_message, chunk=chunk,
+    )
+    if chunk:
+        assert any(m.chunked_value for m in messages)
+    _assert_same(_stock(messages), RECORDS)
+    _assert_same(_fast(messages), RECORDS)
+
+
+def test_one_row_may_hold_several_records() -> None:
+    value = wire.encode_googlesql(RECORDS)
+    messages = wire.partial_result_sets(wire.row_type(wire.googlesql_column_type()), [value])
+    _assert_same(_fast(messages), RECORDS)
+    _assert_same(_stock(messages), RECORDS)
+
+
+def test_struct_fields_are_found_by_name_in_any_order() -> None:
+    """A server that orders or extends the STRUCT differently still decodes."""
+    column = wire.googlesql_column_type()
+    data_type = column.array_element_type.struct_type.fields[0].type_
+    fields = data_type.array_element_type.struct_type.fields
+    reordered = list(reversed(list(fields)))
+    del fields[:]
+    fields.extend(reordered)
+    value = wire.encode_googlesql([RECORDS[0]])
+    data = value.list_value.values[0].list_value.values[0].list_value.values[0]
+    items = list(data.list_value.values)
+    del data.list_value.values[:]
+    data.list_value.values.extend(reversed(items))
+    messages = wire.partial_result_sets(wire.row_type(column), [value])
+    _assert_same(_fast(messages), [RECORDS[0]])
+
+
+def test_null_json_mods_become_empty_maps() -> None:
+    value = wire.encode_googlesql([RECORDS[0]])
+    data = value.list_value.values[0].list_value.values[0].list_value.values[0]
+    old_values = data.list_value.values[6].list_value.values[0].list_value.values[2]
+    old_values.null_value = 0
+    messages = wire.partial_result_sets(wire.row_type(wire.googlesql_column_type()), [value])
+    (got,) = _fast(messages)
+    assert isinstance(got, DataChangeRecord)
+    assert got.mods[0].old_values == {}
+    assert _stock(messages) == [got]
+
+
+PG_RECORDS: list[ChangeRecord] = [
+    *RECORDS,
+    PartitionStartRecord(TOKEN, TS, "00000001", ("p1", "p2")),
+    PartitionEndRecord(TOKEN, TS, "00000002"),
+    PartitionEventRecord(TOKEN, TS, "00000003", [MoveInEvent("src")], [MoveOutEvent("dst")]),
+]
+
+
+def test_postgresql_jsonb_rows_match_stock_decoding() -> None:
+    values = [wire.encode_postgresql(r) for r in PG_RECORDS]
+    messages = wire.partial_result_sets(
+        wire.row_type(wire.postgresql_column_type(), "read_json_orders"), values, chunk=True
+    )
+    _assert_same(_fast(messages), PG_RECORDS)
+    _assert_same(_stock(messages), PG_RECORDS)
+
+
+def test_postgresql_timestamps_with_offsets() -> None:
+    obj = {"heartbeat_record": {"timestamp": "2026-11-21T21:43:57.714077+00:00"}}
+    (hb,) = decode_json_record(obj, TOKEN)
+    assert hb == HeartbeatRecord(TOKEN, Timestamp.parse("2026-11-21T21:43:57.714077Z"))
+
+
+PROTO_RECORDS: list[ChangeRecord] = [
+    _data(4, mods=[Mod({"Id": "4"}, {"Name": "n", "Tags": ["x", None], "Doc": None}, {})]),
+    HeartbeatRecord(TOKEN, TS),
+    PartitionStartRecord(TOKEN, TS, "00000001", ("p1", "p2")),
+    PartitionEndRecord(TOKEN, Timestamp.parse("2024-05-01T12:00:05.000000007Z"), "00000002"),
+    PartitionEventRecord(TOKEN, TS, "00000003", [MoveInEvent("a"), MoveInEvent("b")],
+                         [MoveOutEvent("c")]),
+    PartitionEventRecord(TOKEN, TS, "00000004"),
+]
+
+
+@pytest.mark.parametrize("record", PROTO_RECORDS, ids=lambda r: type(r).__name__)
+def test_mutable_key_range_protos(record: ChangeRecord) -> None:
+    pb = wire.encode_proto(record)
+    _assert_same([decode_proto_record(pb, TOKEN)], [record])
+    # proto-plus messages (what the GAPIC layer hands out) decode the same way
+    _assert_same([decode_proto_record(ChangeStreamRecord.wrap(pb), TOKEN)], [record])
+
+
+def test_mutable_key_range_proto_column() -> None:
+    """A PROTO column carries the serialized ChangeStreamRecord, base64 on the wire."""
+    values = [wire.proto_value(r) for r in PROTO_RECORDS]
+    messages = wire.partial_result_sets(wire.row_type(wire.proto_column_type()), values)
+    _assert_same(_fast(messages), PROTO_RECORDS)
+    raw = base64.b64decode(values[0].string_value)
+    assert ChangeStreamRecord.deserialize(raw).data_change_record.table == "Orders"
+
+
+def test_proto_data_record_values_and_types() -> None:
+    record = PROTO_RECORDS[0]
+    got = decode_proto_record(wire.encode_proto(record), TOKEN)
+    assert isinstance(got, DataChangeRecord)
+    assert got.column_types[2].type == {"code": "ARRAY", "array_element_type": {"code": "STRING"}}
+    assert got.mods[0].new_values == {"Name": "n", "Tags": ["x", None], "Doc": None}
+    assert got.mod_type == "UPDATE"
+    assert got.value_capture_type == "OLD_AND_NEW_VALUES"
+
+
+@pytest.mark.parametrize("text", [
+    "2024-05-01T12:00:00Z", "2024-05-01T12:00:00.1Z", "2024-05-01T12:00:00.123456Z",
+    "2024-05-01T12:00:00.123456789Z", "2024-05-01T12:00:00.123456789+00:00",
+    "2024-05-01T14:00:00.5+02:00", "1970-01-01T00:00:00.000000001Z", "2024-05-01t12:00:00z",
+])
+def test_parse_timestamp_matches_model(text: str) -> None:
+    got = parse_timestamp(text)
+    assert type(got) is Timestamp
+    assert got.ns == Timestamp.parse(text).ns
+    assert got.utcoffset() is not None and got.utcoffset().total_seconds() == 0  # type: ignore[union-attr]
+
+
+def test_parse_timestamp_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="RFC 3339"):
+        parse_timestamp("2024-05-01T12:00:00.1234567891Z")
+    with pytest.raises(ValueError, match="RFC 3339"):
+        parse_timestamp("yesterday at noon, roughly")
+
+
+@given(st.integers(min_value=0, max_value=(1 << 62)))
+def test_parse_timestamp_round_trips_nanoseconds(ns: int) -> None:
+    ts = Timestamp.from_ns(ns)
+    parsed = parse_timestamp(ts.rfc3339())
+    assert parsed.ns == ns
+    assert parsed == ts
+    assert hash(parsed) == hash(ts)
+
+
+def test_column_types_are_shared_between_records() -> None:
+    values = [wire.encode_googlesql([_data(i)]) for i in range(3)]
+    messages = wire.partial_result_sets(wire.row_type(wire.googlesql_column_type()), values)
+    got = _fast(messages)
+    assert all(isinstance(r, DataChangeRecord) for r in got)
+    first = got[0].column_types  # type: ignore[union-attr]
+    assert all(r.column_types is first for r in got)  # type: ignore[union-attr]
+    assert orjson.loads(orjson.dumps([c.type for c in first])) == [c.type for c in COLUMNS]

@@ -1,0 +1,76 @@
+"""The emulator launcher: free ports, start/stop, and a clear error when it is missing."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from cdcflow.spanner.emulator import (
+    Emulator,
+    EmulatorNotFoundError,
+    find_emulator_binary,
+    free_port,
+)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.emulator
+def test_start_serve_and_stop() -> None:
+    with Emulator() as emu:
+        assert emu.host == f"127.0.0.1:{emu.port}"
+        assert _listening(emu.port)
+        db = emu.create_database("probe", ["CREATE TABLE T (Id INT64) PRIMARY KEY (Id)"])
+        with db.snapshot() as snap:
+            assert list(snap.execute_sql("SELECT 1")) == [[1]]
+        port = emu.port
+    assert not _listening(port)
+
+
+@pytest.mark.emulator
+def test_two_emulators_get_different_ports(spanner_emulator: Emulator) -> None:
+    other = Emulator().start()
+    try:
+        assert other.port != spanner_emulator.port
+        assert _listening(other.port) and _listening(spanner_emulator.port)
+    finally:
+        other.stop()
+    assert _listening(spanner_emulator.port)
+
+
+def test_missing_binary_names_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CDCFLOW_SPANNER_EMULATOR", str(tmp_path / "nowhere" / "emulator_main"))
+    hint = "apt-get install google-cloud-cli-spanner-emulator"
+    with pytest.raises(EmulatorNotFoundError, match=hint):
+        find_emulator_binary()
+    with pytest.raises(EmulatorNotFoundError, match=r"CDCFLOW_SPANNER_EMULATOR=.*nowhere"):
+        Emulator()
+
+
+def test_directory_without_binary(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CDCFLOW_SPANNER_EMULATOR", str(tmp_path))
+    with pytest.raises(EmulatorNotFoundError, match="not an executable emulator_main"):
+        find_emulator_binary()
+
+
+def test_binary_that_exits_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "emulator_main"
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CDCFLOW_SPANNER_EMULATOR", str(fake))
+    emu = Emulator()
+    with pytest.raises(Exception, match="exited with code 3"):
+        emu.start(timeout=10)
+    emu.stop()
