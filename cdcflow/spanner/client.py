@@ -3,7 +3,8 @@
 Each :class:`~cdcflow.spanner.base.ChangeStreamQuery` is one change stream query with
 ``start_timestamp = start`` and ``end_timestamp = end - 1 ns`` (the function's bounds are
 inclusive, slices are half-open). The dialect (GoogleSQL or PostgreSQL) and the partition
-mode are read from the database once per stream.
+mode are read from the database once per stream. MUTABLE_KEY_RANGE streams accept at most
+30 minutes per query, so their slices are read in consecutive windows of that size.
 
 Retries. Transient errors (see :func:`cdcflow.spanner.retry.is_transient`) are retried
 with capped exponential backoff and full jitter, at most ``RetryPolicy.attempts`` calls
@@ -26,6 +27,8 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
+import attrs
+
 from cdcflow.errors import ChangeStreamError, StreamNotFoundError, TransientError
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
@@ -33,6 +36,7 @@ from cdcflow.model import (
     ChangeRecord,
     DataChangeRecord,
     HeartbeatRecord,
+    PartitionEndRecord,
     Timestamp,
     record_position,
 )
@@ -50,6 +54,8 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT_NS = {"s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86_400 * 10**9}
 _DEFAULT_RETENTION_NS = 86_400 * 10**9
 _READER_ROLE = "roles/spanner.databaseReader"
+#: MUTABLE_KEY_RANGE change stream queries accept at most 30 minutes between start and end.
+_MUTABLE_WINDOW_NS = 30 * 60 * 10**9
 
 Dialect = Literal["GOOGLE_STANDARD_SQL", "POSTGRESQL"]
 
@@ -149,7 +155,10 @@ class SpannerChangeStreamClient:
             except Exception as exc:
                 failures += 1
                 if not self._should_retry(exc, failures):
-                    raise self._translate(exc, None) from exc
+                    translated = self._translate(exc, None)
+                    if translated is exc:
+                        raise
+                    raise translated from exc
 
     def _should_retry(self, exc: BaseException, failures: int) -> bool:
         if isinstance(exc, ChangeStreamError | StreamNotFoundError | TransientError):
@@ -235,7 +244,11 @@ class SpannerChangeStreamClient:
         # end >= MAX_NS means "no end": the function reads on while the partition lives.
         end_value = None if end >= MAX_NS else _rfc3339(end - 1)
         if info.dialect == "POSTGRESQL":
-            sql = f"SELECT * FROM spanner.read_json_{info.name}($1, $2, $3, $4, null)"
+            # MUTABLE_KEY_RANGE streams answer in ChangeStreamRecord protos (BYTES) instead
+            function = "read_proto_bytes_" if info.partition_mode == "MUTABLE_KEY_RANGE" else (
+                "read_json_"
+            )
+            sql = f"SELECT * FROM spanner.{function}{info.name}($1, $2, $3, $4, null)"
             return sql, {
                 "p1": ("TIMESTAMP", _rfc3339(start)),
                 "p2": ("TIMESTAMP", end_value),
@@ -276,7 +289,21 @@ class SpannerChangeStreamClient:
         if query.end <= query.start:
             return iter(())
         info = self.describe_stream(query.stream)
+        if info.partition_mode == "MUTABLE_KEY_RANGE":
+            return self._read_windows(query, info)
         return self._read(query, info)
+
+    def _read_windows(self, query: ChangeStreamQuery, info: StreamInfo) -> Iterator[ChangeRecord]:
+        """MUTABLE_KEY_RANGE queries need an end at most 30 minutes after the start: read
+        the slice in consecutive windows, and stop at the partition's end record."""
+        start = query.start
+        while start < query.end:
+            end = min(query.end, start + _MUTABLE_WINDOW_NS)
+            for record in self._read(attrs.evolve(query, start=start, end=end), info):
+                yield record
+                if isinstance(record, PartitionEndRecord):
+                    return
+            start = end
 
     def _read(self, query: ChangeStreamQuery, info: StreamInfo) -> Iterator[ChangeRecord]:
         start = query.start
@@ -313,15 +340,18 @@ class SpannerChangeStreamClient:
                     failures = 0
                 failures += 1
                 if not self._should_retry(exc, failures):
-                    raise self._translate(exc, query) from exc
+                    translated = self._translate(exc, query)
+                    if translated is exc:
+                        raise
+                    raise translated from exc
                 if last is not None:
                     start = resume = last
 
-    def _translate(self, exc: BaseException, query: ChangeStreamQuery | None) -> Exception:
+    def _translate(self, exc: Exception, query: ChangeStreamQuery | None) -> Exception:
         """A cdcflow error naming the fix for a permanent Spanner error."""
-        if isinstance(exc, ChangeStreamError | StreamNotFoundError | TransientError):
-            return exc
         status = status_name(exc)
+        if status is None:
+            return exc  # not an RPC error (cdcflow's own, or a bug): keep it as it is
         text = _text(exc)
         stream = query.stream if query is not None else "?"
         if status == "PERMISSION_DENIED":

@@ -64,7 +64,10 @@ class GrpcTransport:
             if self._client is None:
                 from google.cloud import spanner
 
-                self._client = spanner.Client(project=parts[1], disable_builtin_metrics=True)
+                try:
+                    self._client = spanner.Client(project=parts[1], disable_builtin_metrics=True)
+                except TypeError:  # client versions without built-in metrics
+                    self._client = spanner.Client(project=parts[1])
             db = self._client.instance(parts[3]).database(parts[5])
             self._api = db.spanner_api
         return self._api

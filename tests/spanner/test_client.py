@@ -371,6 +371,19 @@ def test_permission_denied_names_the_role(
     assert sleeps == []  # permanent errors are not retried
 
 
+def test_errors_that_are_not_rpc_errors_propagate_unchanged(
+    gsql: tuple[Any, str], client_factory: Callable[..., SpannerChangeStreamClient]
+) -> None:
+    sleeps: list[float] = []
+    client = client_factory(gsql[1], retry=RetryPolicy(sleep=sleeps.append))
+    client.describe_stream("OrdersStream")
+    client.transport = _Failing(client.transport, [KeyError("a bug")])
+    now = Timestamp.now().ns
+    with pytest.raises(KeyError, match="a bug"):
+        list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**9, now)))
+    assert sleeps == []
+
+
 # --- retries --------------------------------------------------------------------------------
 
 
@@ -514,6 +527,89 @@ def test_resume_skips_exactly_what_was_consumed_at_a_shared_timestamp() -> None:
     got = list(client.read(ChangeStreamQuery("S", "tok", t, t + 100)))
     assert got == records
     assert scripted.starts == [t, t + 5, t + 5]
+
+
+class _MutableScripted:
+    """A MUTABLE_KEY_RANGE stream: ChangeStreamRecord protos, filtered by [s, e]."""
+
+    def __init__(self, dialect: str, records: list[ChangeRecord]) -> None:
+        self.dialect = dialect
+        self.records = records
+        self.queries: list[tuple[str, int, int]] = []
+
+    def execute_streaming_sql(
+        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
+    ) -> Iterator[Any]:
+        from google.cloud.spanner_v1.types import Type, TypeCode
+
+        if "database_options" in sql:
+            yield from wire.string_rows(["option_value"], [[self.dialect]])
+            return
+        if "change_stream_options" in sql:
+            yield from wire.string_rows(["option_name", "option_value"], [
+                ["partition_mode", "MUTABLE_KEY_RANGE"], ["retention_period", "7d"],
+            ])
+            return
+        if "change_streams" in sql:
+            yield from wire.string_rows(["change_stream_name"], [["s"]])
+            return
+        values = list(params.values())
+        lo = Timestamp.parse(str(values[0][1])).ns
+        hi = Timestamp.parse(str(values[1][1])).ns
+        self.queries.append((sql, lo, hi))
+        column = (wire.proto_column_type() if self.dialect == "GOOGLE_STANDARD_SQL"
+                  else Type.pb(Type(code=TypeCode.BYTES)))
+        rows = [wire.proto_value(r) for r in self.records if lo <= record_position(r) <= hi]
+        yield from wire.partial_result_sets(wire.row_type(column), rows)
+
+    def reset_session(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("dialect", ["GOOGLE_STANDARD_SQL", "POSTGRESQL"])
+def test_mutable_key_range_reads_30_minute_windows_until_the_partition_ends(
+    dialect: str,
+) -> None:
+    from cdcflow.model import (
+        ColumnType,
+        Mod,
+        MoveInEvent,
+        PartitionEndRecord,
+        PartitionEventRecord,
+        PartitionStartRecord,
+    )
+
+    minute = 60 * 10**9
+    t0 = Timestamp.parse("2024-05-01T12:00:00.000000001Z").ns
+
+    def at(minutes: int) -> Timestamp:
+        return Timestamp.from_ns(t0 + minutes * minute)
+
+    records: list[ChangeRecord] = [
+        PartitionStartRecord("tok", at(0), "00000000", ("p1",)),
+        DataChangeRecord("tok", at(10), "00000001", "txn", True, "T",
+                         [ColumnType("Id", {"code": "INT64"}, True, 1),
+                          ColumnType("A", {"code": "STRING"}, False, 2)],
+                         [Mod({"Id": "1"}, {"A": "x"})], "INSERT", "NEW_VALUES", 1, 1),
+        PartitionEventRecord("tok", at(40), "00000002", [MoveInEvent("src")]),
+        HeartbeatRecord("tok", at(50)),
+        PartitionEndRecord("tok", at(61), "00000003"),
+        HeartbeatRecord("tok", at(95)),  # past the end: never read
+    ]
+    client = SpannerChangeStreamClient("projects/p/instances/i/databases/d")
+    scripted = _MutableScripted(dialect, records)
+    client.transport = scripted
+    assert client.describe_stream("S").partition_mode == "MUTABLE_KEY_RANGE"
+    got = list(client.read(ChangeStreamQuery("S", "tok", t0, t0 + 100 * minute)))
+    assert got == records[:-1]
+    windows = [(lo - t0, hi - t0) for _, lo, hi in scripted.queries]
+    assert windows == [(0, 30 * minute - 1), (30 * minute, 60 * minute - 1),
+                       (60 * minute, 90 * minute - 1)]
+    function = "READ_s(" if dialect == "GOOGLE_STANDARD_SQL" else "spanner.read_proto_bytes_s("
+    assert all(function in sql for sql, _, _ in scripted.queries)
 
 
 # --- caching and pickling -------------------------------------------------------------------
