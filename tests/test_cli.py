@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -243,3 +244,46 @@ def test_status_shows_partitions(
 def test_status_of_missing_sqlite_file(tmp_path: Path) -> None:
     assert_usage_error(cdcflow("status", "--metadata", f"sqlite:///{tmp_path}/none.db"),
                        "no state at")
+
+
+# -- emulator start ------------------------------------------------------------------------
+
+
+@pytest.mark.emulator
+def test_emulator_start_creates_database_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    from cdcflow.spanner.emulator import emulator_client
+
+    ddl = tmp_path / "shop.sql"
+    ddl.write_text("CREATE TABLE T (Id INT64 NOT NULL) PRIMARY KEY (Id);\n"
+                   "CREATE CHANGE STREAM TStream FOR T;\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdcflow", "emulator", "start", "--partition-alive-seconds",
+         "2", "--database", "shop", "--ddl-file", str(ddl)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        export = proc.stdout.readline().strip()
+        assert export.startswith("export SPANNER_EMULATOR_HOST=127.0.0.1:"), export
+        created = proc.stdout.readline().strip()
+        assert created == "# database projects/test-project/instances/test-instance/databases/shop"
+        host = export.partition("=")[2]
+        client = emulator_client(host)
+        try:
+            db = client.instance("test-instance").database("shop")
+            with db.snapshot() as snap:
+                rows = list(snap.execute_sql(
+                    "SELECT change_stream_name FROM information_schema.change_streams"))
+        finally:
+            client.close()
+        assert rows == [["TStream"]]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+def test_emulator_ddl_file_needs_database(tmp_path: Path) -> None:
+    assert_usage_error(cdcflow("emulator", "start", "--ddl-file", str(tmp_path / "x.sql")),
+                       "--ddl-file needs --database")
