@@ -287,3 +287,43 @@ def test_emulator_start_creates_database_and_stops_on_ctrl_c(tmp_path: Path) -> 
 def test_emulator_ddl_file_needs_database(tmp_path: Path) -> None:
     assert_usage_error(cdcflow("emulator", "start", "--ddl-file", str(tmp_path / "x.sql")),
                        "--ddl-file needs --database")
+
+
+FOREVER = """
+import time
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+T0 = time.time_ns() - 5 * 10**9
+stream = ScriptedChangeStream("Orders", partitions=2, origin=T0)
+for i in range(20):
+    stream.write("Orders", {"id": i}, "INSERT", {"total": i}, at=T0 + i * 100_000_000)
+
+pipeline = cf.Pipeline("forever")
+(pipeline
+ | cf.DetectPartitions(stream="Orders", start_at=T0, client=stream)
+ | cf.ReadPartition(heartbeat="100ms")
+ | cf.WriteFiles("out"))
+"""
+
+
+def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path) -> None:
+    path = write(tmp_path, FOREVER)
+    env = {**os.environ, "NO_COLOR": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--batch-interval", "100ms"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # wait until batches commit, then press Ctrl-C
+        seen.append(line)
+        if " batch 3:" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=60)
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err
+    assert "stopping after the current batch" in err
+    assert "stopped (interrupted)" in err
+    assert "Traceback" not in err
