@@ -280,10 +280,10 @@ def test_query_parameters(
     recorder = _Recording(client.transport)
     client.transport = recorder
     now = Timestamp.now().ns
-    list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**9, now, 250)))
+    list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**6, now, 250)))
     sql, params, priority, timeout = recorder.calls[-1]
     assert "READ_OrdersStream(start_timestamp => @s, end_timestamp => @e" in sql
-    assert params["s"] == ("TIMESTAMP", Timestamp.from_ns(now - 10**9).rfc3339())
+    assert params["s"] == ("TIMESTAMP", Timestamp.from_ns(now - 10**6).rfc3339())
     assert params["e"] == ("TIMESTAMP", Timestamp.from_ns(now - 1).rfc3339())
     assert params["t"] == ("STRING", None)
     assert params["h"] == ("INT64", "250")
@@ -315,7 +315,7 @@ def test_unknown_stream(
         client.describe_stream("NoSuchStream")
     now = Timestamp.now().ns
     with pytest.raises(StreamNotFoundError, match="OrdersStream"):
-        list(client.read(ChangeStreamQuery("NoSuchStream", None, now - 10**9, now)))
+        list(client.read(ChangeStreamQuery("NoSuchStream", None, now - 10**6, now)))
 
 
 def test_unknown_database(
@@ -355,7 +355,7 @@ def test_foreign_partition_token(
     client = client_factory(gsql[1])
     now = Timestamp.now().ns
     with pytest.raises(ChangeStreamError, match=r"does not belong.*reset the pipeline"):
-        list(client.read(ChangeStreamQuery("OrdersStream", "bogus", now - 10**9, now)))
+        list(client.read(ChangeStreamQuery("OrdersStream", "bogus", now - 10**6, now)))
 
 
 def test_permission_denied_names_the_role(
@@ -367,7 +367,7 @@ def test_permission_denied_names_the_role(
     client.transport = _Failing(client.transport, [gexc.PermissionDenied("caller lacks select")])
     now = Timestamp.now().ns
     with pytest.raises(ChangeStreamError, match=r"roles/spanner.databaseReader"):
-        list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**9, now)))
+        list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**6, now)))
     assert sleeps == []  # permanent errors are not retried
 
 
@@ -380,7 +380,7 @@ def test_errors_that_are_not_rpc_errors_propagate_unchanged(
     client.transport = _Failing(client.transport, [KeyError("a bug")])
     now = Timestamp.now().ns
     with pytest.raises(KeyError, match="a bug"):
-        list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**9, now)))
+        list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**6, now)))
     assert sleeps == []
 
 
@@ -445,7 +445,7 @@ def test_retries_are_bounded(
     client.transport = _Failing(client.transport, [gexc.ServiceUnavailable("down")] * 10)
     now = Timestamp.now().ns
     with pytest.raises(TransientError, match=r"after 3 attempts.*UNAVAILABLE"):
-        list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**9, now)))
+        list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**6, now)))
     assert len(sleeps) == 2
 
 
@@ -457,7 +457,7 @@ def test_session_not_found_gets_a_new_session(
     failing = _Failing(client.transport, [gexc.NotFound("Session not found: s1")])
     client.transport = failing
     now = Timestamp.now().ns
-    got = list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**9, now)))
+    got = list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**6, now)))
     assert got and all(isinstance(r, ChildPartitionsRecord) for r in got)
     assert failing.resets == 1
 
