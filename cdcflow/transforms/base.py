@@ -12,7 +12,6 @@ A composite transform overrides :meth:`PTransform.expand` and applies other tran
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -51,7 +50,10 @@ class PTransform:
         if not isinstance(label, str) or not label.strip():
             msg = f"a label must be a non-empty string, got {label!r}"
             raise TypeError(msg)
-        clone = copy.copy(self)
+        # A plain shallow copy that shares state with the original (not copy.copy, which
+        # goes through pickling hooks): `out = Collect(); ... | "x" >> out` must fill `out`.
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
         clone.label = label
         return clone
 
