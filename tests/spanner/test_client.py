@@ -280,7 +280,8 @@ def test_query_parameters(
     recorder = _Recording(client.transport)
     client.transport = recorder
     now = Timestamp.now().ns
-    list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**6, now, 250)))
+    roots = list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**6, now, 250)))
+    assert roots and {r.partition_token for r in roots} == {INITIAL_PARTITION_TOKEN}
     sql, params, priority, timeout = recorder.calls[-1]
     assert "READ_OrdersStream(start_timestamp => @s, end_timestamp => @e" in sql
     assert params["s"] == ("TIMESTAMP", Timestamp.from_ns(now - 10**6).rfc3339())
