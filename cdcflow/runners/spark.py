@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import os
 import pickle
@@ -73,11 +74,15 @@ _SPARK_TASK = re.compile(r"Task (\d+) in stage \S+ failed (\d+) times")
 _CDCFLOW_TASK = re.compile(r"cdcflow task (\d+) failed")
 
 _QUIET_LOG4J2 = """\
-rootLogger.level = error
+# The root level stays WARN, the shell's default, so Spark does not announce a level change;
+# the console shows errors only.
+rootLogger.level = warn
 rootLogger.appenderRef.stderr.ref = console
 appender.console.type = Console
 appender.console.name = console
 appender.console.target = SYSTEM_ERR
+appender.console.filter.threshold.type = ThresholdFilter
+appender.console.filter.threshold.level = error
 appender.console.layout.type = PatternLayout
 appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
 """
@@ -124,6 +129,11 @@ def _run_partition(program: Any, items: Iterable[tuple[int, bytes]]) -> Iterator
             msg = f"cdcflow task {index} failed: {type(exc).__name__}: {exc}"
             raise _TaskFailed(msg) from exc
         yield index, True, result
+    # A reused PySpark worker runs a full gc.collect() after every task; with the cached
+    # program and client in the heap that costs up to a second per task. Collecting the
+    # task's garbage now and freezing what survives keeps those collections small.
+    gc.collect()
+    gc.freeze()
 
 
 def _pickle_error(exc: BaseException) -> bytes:

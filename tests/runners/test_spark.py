@@ -1,0 +1,326 @@
+"""SparkRunner: same output as the in-memory runner, Spark retries, clusters, driver crashes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+import cdcflow as cf
+from cdcflow.errors import PipelineStopped
+from cdcflow.metadata import open_store
+from cdcflow.policy import ErrorPolicy
+from cdcflow.runners.base import Runner
+from cdcflow.runners.engine import Engine, RunOptions
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.runners.spark import SparkRunner, SparkTaskError, local_master
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms import Collect, DetectPartitions, Map, ReadPartition, WriteFiles
+
+pytestmark = pytest.mark.spark
+
+# The DoFns and functions below run in Spark's Python workers, which cannot import this
+# test module by name: they travel by value, as a pipeline file's functions do.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+END = T0 + 30 * S
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    """One local[2] session for the module; runners opened in tests use it and leave it."""
+    runner = SparkRunner("local[2]")
+    runner.open("cdcflow-test-spark")
+    try:
+        yield runner.session
+    finally:
+        runner.close()
+
+
+def churn_stream() -> ScriptedChangeStream:
+    """Three partitions that split and merge while keys keep changing."""
+    s = ScriptedChangeStream("S", partitions=3, buckets=32, origin=T0)
+    s.split("p0", at=T0 + 6 * S, into=["a", "b"])
+    s.merge(["b", "p1"], at=T0 + 12 * S, into="m")
+    s.split("m", at=T0 + 20 * S, into=["m1", "m2"])
+    for i in range(240):
+        with s.transaction(at=T0 + 1 + i * (29 * S // 240)) as tx:
+            tx.write("T", i % 17, "INSERT" if i < 17 else "UPDATE", {"i": i})
+            if i % 5 == 0:
+                tx.write("T", 100 + i % 7, "UPDATE", {"i": -i})
+    return s
+
+
+def to_row(record: cf.DataChangeRecord) -> dict[str, Any]:
+    return {
+        "ts": record.commit_timestamp.ns,
+        "txn": record.server_transaction_id,
+        "token": record.partition_token,
+        "mods": [[m.keys, m.new_values] for m in record.mods],
+    }
+
+
+def build(stream: ScriptedChangeStream, out: Path, *steps: Any) -> tuple[cf.Pipeline, Collect]:
+    pipeline = cf.Pipeline("spark-test", error_policy=ErrorPolicy(retries=0))
+    rows = (
+        pipeline
+        | DetectPartitions(stream="S", start_at=T0, end_at=END - 1, client=stream)
+        | ReadPartition(heartbeat="500ms")
+    )
+    for step in steps:
+        rows = rows | step
+    rows = rows | "row" >> Map(to_row)
+    rows | "files" >> WriteFiles(out)
+    collect = Collect()
+    rows | "collect" >> collect
+    return pipeline, collect
+
+
+def run(pipeline: cf.Pipeline, runner: Runner) -> None:
+    store = open_store("memory://")
+    try:
+        Engine(pipeline, store, runner, RunOptions(batch_interval=0, max_batch_span=4.0)).run()
+    finally:
+        store.close()
+
+
+def committed_files(out: Path) -> dict[str, list[str]]:
+    """Committed output: file name -> lines (hidden and underscore files are not output)."""
+    return {
+        p.name: p.read_text().splitlines()
+        for p in sorted(out.iterdir())
+        if not p.name.startswith((".", "_"))
+    }
+
+
+def expected_rows(stream: ScriptedChangeStream) -> list[tuple[int, str, str]]:
+    return sorted(
+        (r.commit_timestamp.ns, r.server_transaction_id, r.partition_token)
+        for r in stream.expected_records(T0, END)
+    )
+
+
+def row_keys(rows: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
+    return sorted((r["ts"], r["txn"], r["token"]) for r in rows)
+
+
+def test_same_output_as_in_memory_record_for_record(spark: Any, tmp_path: Path) -> None:
+    stream = churn_stream()
+    mem_pipeline, mem_collect = build(stream, tmp_path / "memory")
+    run(mem_pipeline, InMemoryRunner(workers=2))
+    spark_pipeline, spark_collect = build(stream, tmp_path / "spark")
+    run(spark_pipeline, SparkRunner("local[2]"))
+
+    assert spark_collect.items == mem_collect.items
+    assert row_keys(spark_collect.items) == expected_rows(stream)
+    spark_files = committed_files(tmp_path / "spark")
+    assert spark_files == committed_files(tmp_path / "memory")
+    assert len(spark_files) > 10  # many batches and partitions, splits and merges among them
+    # the session belongs to the fixture: the runner used it and left it running
+    assert not spark.sparkContext._jsc.sc().isStopped()
+
+
+class CrashOnce(cf.DoFn):
+    """Kills its Python worker on key 5 the first time (a marker file remembers)."""
+
+    def __init__(self, marker: str, always: bool = False) -> None:
+        self.marker = marker
+        self.always = always
+
+    def process(self, element: cf.DataChangeRecord) -> Iterator[cf.DataChangeRecord]:
+        if element.mods[0].keys.get("id") == 5 and (
+            self.always or not os.path.exists(self.marker)
+        ):
+            Path(self.marker).touch()
+            os._exit(17)  # as if the worker died: no exception, no cleanup
+        yield element
+
+
+def test_a_task_whose_worker_dies_is_retried_without_duplicates(
+    spark: Any, tmp_path: Path
+) -> None:
+    stream = churn_stream()
+    marker = tmp_path / "crashed"
+    pipeline, collect = build(stream, tmp_path / "out", "crash" >> cf.ParDo(CrashOnce(str(marker))))
+    run(pipeline, SparkRunner())
+
+    assert marker.exists()  # the first attempt did die
+    assert row_keys(collect.items) == expected_rows(stream)
+    rows = [line for lines in committed_files(tmp_path / "out").values() for line in lines]
+    assert len(rows) == len(set(rows)) == len(expected_rows(stream))
+
+
+def test_a_task_failing_on_every_attempt_is_named(spark: Any, tmp_path: Path) -> None:
+    stream = churn_stream()
+    crash = CrashOnce(str(tmp_path / "crashed"), always=True)
+    pipeline, _ = build(stream, tmp_path / "out", "crash" >> cf.ParDo(crash))
+    with pytest.raises(SparkTaskError) as info:
+        run(pipeline, SparkRunner())
+    text = str(info.value)
+    assert "after 4 attempts" in text
+    assert "partition " in text and "slice [" in text and "batch " in text
+    assert "run again to replay it" in text
+
+
+class Refuse(cf.DoFn):
+    def process(self, element: Any) -> Iterator[Any]:
+        if element.mods[0].keys.get("id") == 5:
+            raise ValueError("key 5 is not welcome")
+        yield element
+
+
+@pytest.mark.parametrize("runner", ["memory", "spark"])
+def test_a_stopping_error_policy_raises_as_on_the_in_memory_runner(
+    spark: Any, tmp_path: Path, runner: str
+) -> None:
+    pipeline, _ = build(churn_stream(), tmp_path / "out", "refuse" >> cf.ParDo(Refuse()))
+    chosen: Runner = InMemoryRunner() if runner == "memory" else SparkRunner()
+    with pytest.raises(PipelineStopped, match="key 5 is not welcome"):
+        run(pipeline, chosen)
+
+
+class EnvProbe(cf.DoFn):
+    def process(self, element: Any) -> Iterator[Any]:
+        yield {"host": os.environ.get("SPANNER_EMULATOR_HOST"), "pid": os.getpid()}
+
+
+def test_workers_see_the_drivers_emulator_host(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPANNER_EMULATOR_HOST", "127.0.0.1:1")
+    settings = SparkRunner("local[2]")._settings("app")
+    assert settings["spark.executorEnv.SPANNER_EMULATOR_HOST"] == "127.0.0.1:1"
+    assert settings["spark.python.unix.domain.socket.enabled"] == "true"
+    assert settings["spark.python.worker.reuse"] == "true"
+    assert settings["spark.master"] == "local[2,4]"
+    assert settings["spark.app.name"] == "app"
+    # what the user sets wins
+    assert SparkRunner(conf={"spark.ui.enabled": "true"})._settings("a")["spark.ui.enabled"] == (
+        "true"
+    )
+
+
+def test_local_masters_get_task_retries() -> None:
+    assert local_master(None) == "local[*,4]"
+    assert local_master("local") == "local[1,4]"
+    assert local_master("local[3]") == "local[3,4]"
+    assert local_master("local[2,7]") == "local[2,7]"
+    assert local_master("local-cluster[2,1,1024]") == "local-cluster[2,1,1024]"
+    assert local_master("spark://h:7077") == "spark://h:7077"
+
+
+def test_no_tasks_run_no_job(spark: Any) -> None:
+    runner = SparkRunner()
+    runner.open("x")
+    assert runner.run_tasks(b"", []) == []
+    runner.close()
+
+
+# -- whole runs through the command line, in their own processes -------------------------------
+
+PIPELINE_FILE = '''
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms import DetectPartitions, Map, ReadPartition, WriteFiles
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+
+
+def make_stream():
+    s = ScriptedChangeStream("S", partitions=4, buckets=32, origin=T0)
+    s.split("p0", at=T0 + 9 * S, into=["a", "b"])
+    s.merge(["b", "p1"], at=T0 + 21 * S, into="m")
+    for i in range(600):
+        s.write("T", i % 23, "UPDATE", {{"i": i}}, at=T0 + 1 + i * (39 * S // 600))
+    return s
+
+
+def to_row(r):
+    return {{"ts": r.commit_timestamp.ns, "token": r.partition_token,
+            "mods": [[m.keys, m.new_values] for m in r.mods]}}
+
+
+pipeline = cf.Pipeline("spark-cli")
+(pipeline
+ | DetectPartitions(stream="S", start_at=T0, end_at=T0 + 40 * S - 1, client=make_stream())
+ | ReadPartition(heartbeat="500ms")
+ | Map(to_row)
+ | WriteFiles({out!r}))
+'''
+
+
+def write_pipeline(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    path = directory / "pipeline.py"
+    path.write_text(textwrap.dedent(PIPELINE_FILE.format(out=str(directory / "out"))))
+    return path
+
+
+def cli(path: Path, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "cdcflow", "run", str(path),
+        "--metadata", f"sqlite:///{path.parent / 'state.db'}",
+        "--set", "max_batch_span=2s", "--batch-interval", "0s", *args,
+    ]  # fmt: skip
+
+
+def reference_output(tmp_path: Path) -> dict[str, list[str]]:
+    path = write_pipeline(tmp_path / "memory")
+    subprocess.run(cli(path), check=True, capture_output=True, timeout=120)
+    return committed_files(path.parent / "out")
+
+
+def test_local_cluster_run_gives_the_same_files(tmp_path: Path) -> None:
+    """Executors in their own JVMs with their own Python workers (local-cluster mode)."""
+    expected = reference_output(tmp_path)
+    path = write_pipeline(tmp_path / "cluster")
+    done = subprocess.run(
+        cli(path, "--runner", "spark", "--master", "local-cluster[2,1,1024]"),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert committed_files(path.parent / "out") == expected
+    assert len(expected) > 20
+
+
+def test_driver_killed_mid_run_then_restarted_gives_exactly_once_output(tmp_path: Path) -> None:
+    expected = reference_output(tmp_path)
+    path = write_pipeline(tmp_path / "spark")
+    out = path.parent / "out"
+    command = cli(path, "--runner", "spark", "--master", "local[2]")
+    # its own session (process group): the kill takes the driver, its JVM and Python workers
+    first = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and first.poll() is None:
+            if out.exists() and len(committed_files(out)) >= 12:
+                break
+            time.sleep(0.05)
+        assert first.poll() is None, "the first run ended before it could be killed"
+        time.sleep(0.15)  # somewhere inside a later batch
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait(timeout=30)
+    partial = committed_files(out)
+    assert 0 < len(partial) < len(expected)
+
+    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert committed_files(out) == expected

@@ -1,0 +1,167 @@
+"""WriteSpark: rows staged by writers, committed with Spark, overwritten on replay."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cdcflow.errors import PipelineDefinitionError, SinkError
+from cdcflow.model import Timestamp
+from cdcflow.runners.spark import SparkRunner
+from cdcflow.transforms.base import SinkContext, WriterContext
+from cdcflow.transforms.spark_sinks import StagedFile, WriteSpark
+
+pytestmark = pytest.mark.spark
+
+SCHEMA = "id BIGINT, name STRING, ts TIMESTAMP"
+TS = Timestamp.from_ns(1_700_000_000_123_456_789)
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    runner = SparkRunner("local[2]")
+    runner.open("test-spark-sinks")
+    try:
+        yield runner.session
+    finally:
+        runner.close()
+
+
+def _run_batch(
+    sink: WriteSpark, batch_id: int, attempt: str, tokens: tuple[str, ...] = ("a", "b")
+) -> list[Any]:
+    """What a batch's tasks do: one writer per partition token, three rows each."""
+    messages = []
+    for token in tokens:
+        ctx = WriterContext("pipe", "out", batch_id, token, 0, 10, attempt)
+        writer = sink.open_writer(ctx)
+        for i in range(3):
+            writer.write({"id": batch_id * 100 + i, "name": token, "ts": TS})
+        messages.append(writer.close())
+    return messages
+
+
+def _rows(spark: Any, fmt: str, path: Path) -> list[tuple[Any, ...]]:
+    reader = spark.read.format(fmt)
+    if fmt == "json":
+        reader = reader.schema(SCHEMA + ", _batch_id BIGINT")
+    df = reader.load(str(path))
+    return sorted(tuple(r) for r in df.select("_batch_id", "id", "name").collect())
+
+
+def _expected(*batches: int) -> list[tuple[Any, ...]]:
+    return sorted((b, b * 100 + i, t) for b in batches for t in ("a", "b") for i in range(3))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json"])
+def test_replayed_batch_overwrites_its_partition(spark: Any, tmp_path: Path, fmt: str) -> None:
+    sink = WriteSpark(fmt, path="out", schema=SCHEMA)
+    sink.setup(SinkContext("pipe", "out", str(tmp_path)))
+
+    sink.commit(1, _run_batch(sink, 1, "first"))
+    sink.commit(2, _run_batch(sink, 2, "first"))
+    # a crash after the sink commit: the batch is replayed by new task attempts
+    sink.commit(1, _run_batch(sink, 1, "replay"))
+    # and the same messages committed twice (a crash between sink and store commit)
+    messages = _run_batch(sink, 3, "first")
+    sink.commit(3, messages)
+
+    assert _rows(spark, fmt, tmp_path / "out") == _expected(1, 2, 3)
+    partitions = sorted(p for p in os.listdir(tmp_path / "out") if p.startswith("_batch_id="))
+    assert partitions == ["_batch_id=1", "_batch_id=2", "_batch_id=3"]
+    # the staged files of committed batches are gone
+    staged = [f for _, _, files in os.walk(tmp_path / "out" / "_cdcflow_staging") for f in files]
+    assert staged == []
+
+
+def test_declared_schema_types_the_columns(spark: Any, tmp_path: Path) -> None:
+    sink = WriteSpark("parquet", path=tmp_path / "typed", schema=SCHEMA)
+    sink.setup(SinkContext("pipe", "out", str(tmp_path)))
+    sink.commit(7, _run_batch(sink, 7, "x", tokens=("a",)))
+    df = spark.read.parquet(str(tmp_path / "typed"))
+    types = dict(df.dtypes)
+    assert types == {"id": "bigint", "name": "string", "ts": "timestamp", "_batch_id": "int"}
+    first = df.orderBy("id").first()
+    assert first is not None
+    assert first["ts"].replace(tzinfo=None) == spark.createDataFrame(
+        [(TS.rfc3339(),)], "t STRING"
+    ).selectExpr("CAST(t AS TIMESTAMP) AS t").first()["t"]
+
+
+def test_failed_attempts_are_not_committed(spark: Any, tmp_path: Path) -> None:
+    sink = WriteSpark("parquet", path="out", schema=SCHEMA)
+    sink.setup(SinkContext("pipe", "out", str(tmp_path)))
+    # a task attempt that died after writing: its file is named by no message
+    lost = sink.open_writer(WriterContext("pipe", "out", 1, "a", 0, 10, "lost"))
+    lost.write({"id": 999, "name": "a", "ts": TS})
+    lost.close()
+    sink.commit(1, _run_batch(sink, 1, "retry"))
+    assert _rows(spark, "parquet", tmp_path / "out") == _expected(1)
+
+
+def test_empty_batch_writes_nothing(spark: Any, tmp_path: Path) -> None:
+    sink = WriteSpark("parquet", path="out")
+    sink.setup(SinkContext("pipe", "out", str(tmp_path)))
+    writer = sink.open_writer(WriterContext("pipe", "out", 1, "a", 0, 10, "x"))
+    assert writer.close() is None
+    sink.commit(1, [None, None])
+    assert not (tmp_path / "out").exists() or not any(
+        p.startswith("_batch_id=") for p in os.listdir(tmp_path / "out")
+    )
+
+
+def test_table_target_overwrites_the_batch_partition(spark: Any, tmp_path: Path) -> None:
+    table = "cdcflow_test_orders"
+    spark.sql(f"DROP TABLE IF EXISTS {table}")
+    sink = WriteSpark(
+        "parquet",
+        table=table,
+        schema=SCHEMA,
+        staging=tmp_path / "staging",
+        options={"path": str(tmp_path / "tbl")},
+    )
+    sink.setup(SinkContext("pipe", "out", str(tmp_path)))
+    try:
+        sink.commit(1, _run_batch(sink, 1, "first"))
+        sink.commit(2, _run_batch(sink, 2, "first"))
+        sink.commit(1, _run_batch(sink, 1, "replay"))
+        rows = spark.table(table).select("_batch_id", "id", "name").collect()
+        assert sorted(tuple(r) for r in rows) == _expected(1, 2)
+    finally:
+        spark.sql(f"DROP TABLE IF EXISTS {table}")
+
+
+def test_writer_messages_are_staged_files(tmp_path: Path) -> None:
+    sink = WriteSpark("json", path=tmp_path / "out")
+    sink.setup(SinkContext("pipe", "out", str(tmp_path)))
+    writer = sink.open_writer(WriterContext("pipe", "out", 4, "tok", 0, 10, "att"))
+    writer.write({"id": 1})
+    writer.write({"id": 2})
+    message = writer.close()
+    assert isinstance(message, StagedFile)
+    assert message.rows == 2
+    assert Path(message.path).read_text().splitlines() == ['{"id":1}', '{"id":2}']
+    assert str(tmp_path / "out" / "_cdcflow_staging") in message.path
+    sink.abort(4, [message])
+    assert not Path(message.path).exists()
+
+
+def test_configuration_errors_name_the_fix() -> None:
+    with pytest.raises(PipelineDefinitionError, match="not both"):
+        WriteSpark("parquet", path="a", table="t")
+    with pytest.raises(PipelineDefinitionError, match="staging="):
+        WriteSpark("parquet", table="t")
+    with pytest.raises(PipelineDefinitionError, match="staging="):
+        WriteSpark("jdbc", options={"url": "jdbc:x"})
+    with pytest.raises(PipelineDefinitionError, match="format"):
+        WriteSpark("", path="a")
+
+
+def test_commit_without_setup_says_so() -> None:
+    sink = WriteSpark("parquet", path="/tmp/x")
+    with pytest.raises(SinkError, match="setup"):
+        sink.open_writer(WriterContext("pipe", "out", 1, "a", 0, 10, "x"))
