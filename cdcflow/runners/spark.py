@@ -22,6 +22,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import logging
 import os
 import pickle
 import re
@@ -39,6 +40,8 @@ from cdcflow.errors import (
 )
 
 __all__ = ["DEFAULT_LOCAL_CONF", "SparkRunner", "SparkTaskError", "local_master"]
+
+_log = logging.getLogger("cdcflow.spark")
 
 #: Attempts per task in local mode (Spark's own default for clusters is 4 as well).
 _LOCAL_TASK_ATTEMPTS = 4
@@ -221,19 +224,19 @@ class SparkRunner:
             self._session.sparkContext.setLogLevel("ERROR")
 
     def _settings(self, app_name: str) -> dict[str, str]:
-        """Spark settings for a session this runner builds."""
+        """Spark settings for a session this runner builds.
+
+        Under spark-submit, what spark-submit was given wins over the defaults here (the
+        driver JVM is already running), and the runner's own ``master``/``conf`` win over both.
+        """
+        submitted = _submitted_conf()
         settings: dict[str, str] = {"spark.app.name": app_name, **_ALWAYS_CONF}
-        # Under spark-submit the launcher already set spark.master (and the JVM is running);
-        # an explicit master still wins.
-        submitted = "PYSPARK_GATEWAY_PORT" in os.environ
-        master = self.master or self.conf.get("spark.master")
-        if master is not None or not submitted:
-            settings["spark.master"] = local_master(master)
-        master = settings.get("spark.master", "")
+        master = self.master or self.conf.get("spark.master") or submitted.get("spark.master")
+        settings["spark.master"] = local_master(master)
         host = os.environ.get("SPANNER_EMULATOR_HOST")
         if host:
             settings["spark.executorEnv.SPANNER_EMULATOR_HOST"] = host
-        if _is_local(master):
+        if _is_local(settings["spark.master"]):
             settings.update(DEFAULT_LOCAL_CONF)
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
             # Same machine: user modules the driver imports from extra paths (the pipeline
@@ -241,12 +244,18 @@ class SparkRunner:
             paths = _extra_python_paths()
             if paths:
                 settings["spark.executorEnv.PYTHONPATH"] = os.pathsep.join(paths)
-            if not submitted:
+            if not submitted:  # the driver JVM starts with this session: quiet it
                 log_file = self._quiet_log_config()
                 option = f"-Dlog4j2.configurationFile=file:{log_file}"
                 settings["spark.driver.extraJavaOptions"] = option
                 settings["spark.executor.extraJavaOptions"] = option
+        for key in submitted:
+            if key != "spark.master":
+                settings.pop(key, None)
         settings.update(self.conf)
+        if self.master:
+            settings["spark.master"] = local_master(self.master)
+        _log.debug("Spark settings: %s", settings)
         return settings
 
     def _quiet_log_config(self) -> str:
@@ -333,13 +342,24 @@ class SparkRunner:
             self._log_dir = None
 
 
+def _submitted_conf() -> dict[str, str]:
+    """The settings spark-submit gave this driver; empty when not run by spark-submit."""
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return {}
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # connects to the JVM spark-submit started
+    return dict(SparkConf().getAll())
+
+
 def _extra_python_paths() -> list[str]:
     """Directories on the driver's ``sys.path`` beyond the interpreter's own."""
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     extra: list[str] = []
     for entry in sys.path:
         path = os.path.realpath(entry or os.getcwd())
-        if not os.path.isdir(path) or path in extra:
+        # a package's own directory (a script's, under spark-submit) would shadow modules
+        if not os.path.isdir(path) or path in extra or os.path.exists(f"{path}/__init__.py"):
             continue
         if any(path == p or path.startswith(p + os.sep) for p in prefixes):
             continue

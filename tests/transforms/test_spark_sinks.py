@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pytest
 
+import cdcflow as cf
 from cdcflow.errors import PipelineDefinitionError, SinkError
+from cdcflow.metadata import open_store
 from cdcflow.model import Timestamp
+from cdcflow.runners.engine import Engine, RunOptions
 from cdcflow.runners.spark import SparkRunner
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms import DetectPartitions, Map, ReadPartition
 from cdcflow.transforms.base import SinkContext, WriterContext
 from cdcflow.transforms.spark_sinks import StagedFile, WriteSpark
 
 pytestmark = pytest.mark.spark
+
+# _order_row runs in Spark's Python workers, which cannot import this module by name
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 SCHEMA = "id BIGINT, name STRING, ts TIMESTAMP"
 TS = Timestamp.from_ns(1_700_000_000_123_456_789)
@@ -165,3 +175,34 @@ def test_commit_without_setup_says_so() -> None:
     sink = WriteSpark("parquet", path="/tmp/x")
     with pytest.raises(SinkError, match="setup"):
         sink.open_writer(WriterContext("pipe", "out", 1, "a", 0, 10, "x"))
+
+
+def _order_row(record: Any) -> dict[str, Any]:
+    mod = record.mods[0]
+    return {"id": mod.keys["id"], "name": record.partition_token, "ts": record.commit_timestamp}
+
+
+def test_a_pipeline_on_spark_writes_every_change_once(spark: Any, tmp_path: Path) -> None:
+    s = 1_000_000_000
+    t0 = 1_700_000_000 * s
+    stream = ScriptedChangeStream("S", partitions=3, origin=t0)
+    stream.split("p0", at=t0 + 4 * s, into=["a", "b"])
+    for i in range(60):
+        stream.write("T", i, "INSERT", {"v": i}, at=t0 + 1 + i * (9 * s // 60))
+    pipeline = cf.Pipeline("write-spark")
+    (
+        pipeline
+        | DetectPartitions(stream="S", start_at=t0, end_at=t0 + 10 * s - 1, client=stream)
+        | ReadPartition(heartbeat="500ms")
+        | Map(_order_row)
+        | WriteSpark("parquet", path="orders", schema=SCHEMA)
+    )
+    store = open_store("memory://")
+    options = RunOptions(batch_interval=0, max_batch_span=3.0, base_dir=str(tmp_path))
+    Engine(pipeline, store, SparkRunner(), options).run()
+
+    df = spark.read.parquet(str(tmp_path / "orders"))
+    got = sorted((r["id"], r["name"]) for r in df.select("id", "name").collect())
+    want = sorted((r.mods[0].keys["id"], r.partition_token) for r in stream.expected_records())
+    assert got == want
+    assert df.select("_batch_id").distinct().count() > 2
