@@ -327,3 +327,15 @@ def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path) -> None:
     assert "stopping after the current batch" in err
     assert "stopped (interrupted)" in err
     assert "Traceback" not in err
+
+
+def test_metadata_init_sqlite(tmp_path: Path) -> None:
+    db = tmp_path / "meta.db"
+    result = cdcflow("metadata", "init", f"sqlite:///{db}")
+    assert result.returncode == 0, result.stderr
+    assert db.is_file()
+    status = cdcflow("status", "--metadata", f"sqlite:///{db}")
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.startswith("no pipelines in sqlite:///")
+    assert_usage_error(cdcflow("metadata", "init", "db.sqlite"), "not a metadata store URL")
+    assert_usage_error(cdcflow("metadata", "init", "kafka://x"), "'kafka'")
