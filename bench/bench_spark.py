@@ -207,6 +207,10 @@ def main(argv: list[str] | None = None) -> None:
         "memory idle", lambda: idle_batches(InMemoryRunner(), "memory", args.idle_batches)
     )
     stream = _data_stream(args.records, args.partitions, span_s)
+    tp_mem = _timed(
+        "memory throughput",
+        lambda: throughput(InMemoryRunner(workers=1), "memory", stream, span_s, batch_span),
+    )
 
     def spark_two() -> tuple[IdleResult, ThroughputResult]:
         # One session for both runs: a runner uses the active session and leaves it open.
@@ -238,8 +242,12 @@ def main(argv: list[str] | None = None) -> None:
         f"throughput ({args.partitions} partitions, {args.records} records, steady state)"
         "   records/s   records   seconds"
     )
-    for t in (tp1, tp2):
-        print(f"  Spark {t.runner:<40} {t.per_second:9.0f} {t.records:9d} {t.seconds:9.2f}")
+    for name, t in (
+        ("in-memory runner, 1 thread (reference)", tp_mem),
+        ("Spark local[1] (1 executor slot)", tp1),
+        ("Spark local[2] (2 executor slots)", tp2),
+    ):
+        print(f"  {name:<46} {t.per_second:9.0f} {t.records:9d} {t.seconds:9.2f}")
     ratio = tp2.per_second / tp1.per_second if tp1.per_second else 0.0
     print(
         f"  2 slots / 1 slot: {ratio:.2f}x; target >= 1.7x: {'met' if ratio >= 1.7 else 'MISSED'}"
