@@ -38,6 +38,7 @@ from cdcflow.errors import (
     TrackerError,
     UserInputError,
 )
+from cdcflow.model import Timestamp
 
 __all__ = ["DEFAULT_LOCAL_CONF", "SparkRunner", "SparkTaskError", "local_master"]
 
@@ -154,9 +155,10 @@ def _describe_task(task: bytes, index: int) -> str:
     try:
         decoded = pickle.loads(task)
         sl = decoded.slice
+        start, end = Timestamp.from_ns(sl.start), Timestamp.from_ns(sl.end)
         return (
             f"task {index} (batch {decoded.batch_id}, partition {sl.token}, "
-            f"slice [{sl.start}, {sl.end}))"
+            f"slice [{start}, {end}))"
         )
     except Exception:
         return f"task {index}"
@@ -166,8 +168,9 @@ def _cause_text(exc: BaseException) -> str:
     """The most telling line of a Spark job failure: the Python error when there is one."""
     text = str(exc)
     for line in text.splitlines():
-        if _CDCFLOW_TASK.search(line):
-            return line.strip().removeprefix("cdcflow.runners.spark._TaskFailed: ")
+        match = _CDCFLOW_TASK.search(line)
+        if match:
+            return line[match.end() :].strip().removeprefix(":").strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
     return (errors[-1] if errors else lines[0] if lines else type(exc).__name__)[:500]
@@ -212,6 +215,7 @@ class SparkRunner:
 
         active = SparkSession.getActiveSession()
         if active is not None:
+            _log.debug("using the active SparkSession (master %s)", active.sparkContext.master)
             self._session, self._owns_session = active, False
             return
         settings = self._settings(app_name)
@@ -316,7 +320,11 @@ class SparkRunner:
         text = str(exc)
         match = _SPARK_TASK.search(text) or _CDCFLOW_TASK.search(text)
         index = int(match.group(1)) if match else None
-        attempts = f" after {match.group(2)} attempts" if match and match.lastindex == 2 else ""
+        attempts = (
+            f" after {match.group(2)} attempts"
+            if match and match.lastindex == 2
+            else " on every attempt Spark allowed"
+        )
         which = (
             _describe_task(tasks[index], index)
             if index is not None and 0 <= index < len(tasks)
