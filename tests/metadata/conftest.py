@@ -36,9 +36,17 @@ def _sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> MetadataStore:
     return open_store(sqlite_url(tmp_path / "state" / "metadata.db"))
 
 
+def _spanner(request: pytest.FixtureRequest, tmp_path: Path) -> MetadataStore:
+    # A fresh emulator database per test isolates the tests; the store creates its tables.
+    emulator = request.getfixturevalue("spanner_emulator")
+    database = emulator.database_path(f"meta-{uuid.uuid4().hex[:20]}")
+    return open_store(f"spanner://{database}")
+
+
 STORE_FACTORIES: dict[str, StoreCase] = {
     "memory": StoreCase(_memory),
     "sqlite": StoreCase(_sqlite),
+    "spanner": StoreCase(_spanner, (pytest.mark.emulator,)),
 }
 
 
