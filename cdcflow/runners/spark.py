@@ -5,8 +5,9 @@
 calls :func:`cdcflow.runners.task.execute_task` where it runs (an executor's Python worker),
 sinks write from there, and only the small result bytes come back to the driver.
 
-This is the only module that imports pyspark, and it does so inside methods, so
-``import cdcflow`` stays light.
+This is the only module that imports pyspark, and it does so inside functions, so
+``import cdcflow`` stays light; driver-side code that needs the session (the WriteSpark
+sink's commit) gets it from :func:`active_session`.
 
 Failures. A task that raises an ordinary exception, or whose Python worker dies, is retried
 by Spark (``local[N,F]`` gives local mode F attempts; clusters use
@@ -40,7 +41,13 @@ from cdcflow.errors import (
 )
 from cdcflow.model import Timestamp
 
-__all__ = ["DEFAULT_LOCAL_CONF", "SparkRunner", "SparkTaskError", "local_master"]
+__all__ = [
+    "DEFAULT_LOCAL_CONF",
+    "SparkRunner",
+    "SparkTaskError",
+    "active_session",
+    "local_master",
+]
 
 _log = logging.getLogger("cdcflow.spark")
 
@@ -105,6 +112,13 @@ def local_master(master: str | None) -> str:
     if match is None:
         return master
     return f"local[{match.group(1) or '1'},{_LOCAL_TASK_ATTEMPTS}]"
+
+
+def active_session() -> Any:
+    """The active SparkSession of this driver (a ``pyspark.sql.SparkSession``), or None."""
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession()
 
 
 def _is_local(master: str) -> bool:

@@ -54,6 +54,10 @@ class StagedFile:
     rows: int
 
 
+def _quote(column: str) -> str:
+    return "`" + column.replace("`", "``") + "`"
+
+
 def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
@@ -254,9 +258,9 @@ class WriteSpark(Sink):
         _remove_tree(self._batch_dir(batch_id))
 
     def _session(self) -> Any:
-        from pyspark.sql import SparkSession
+        from cdcflow.runners.spark import active_session  # the module that imports pyspark
 
-        session = SparkSession.getActiveSession()
+        session = active_session()
         if session is None:
             msg = (
                 "WriteSpark commits with Spark on the driver and found no SparkSession: run "
@@ -266,14 +270,12 @@ class WriteSpark(Sink):
         return session
 
     def _write(self, batch_id: int, paths: list[str]) -> None:
-        from pyspark.sql import functions as F
-
         spark = self._session()
         reader = spark.read
         if self.schema is not None:
             reader = reader.schema(self.schema)
         df = reader.json([_for_spark(p) for p in paths])
-        df = df.withColumn(self.batch_column, F.lit(batch_id).cast("long"))
+        df = df.selectExpr("*", f"CAST({int(batch_id)} AS BIGINT) AS {_quote(self.batch_column)}")
         if self.table is not None:
             self._write_table(spark, df)
             return
@@ -305,14 +307,12 @@ class WriteSpark(Sink):
                 "lacks; declare schema= so every batch has the table's columns"
             )
             raise SinkError(msg)
-        from pyspark.sql import functions as F
-
         # insertInto is positional: line the batch's columns up with the table's
-        aligned = df.select(
+        aligned = df.selectExpr(
             *[
-                F.col(f.name)
+                _quote(f.name)
                 if f.name in df.columns
-                else F.lit(None).cast(f.dataType).alias(f.name)
+                else f"CAST(NULL AS {f.dataType.simpleString()}) AS {_quote(f.name)}"
                 for f in fields
             ]
         )
