@@ -190,13 +190,8 @@ def test_a_stopping_error_policy_raises_as_on_the_in_memory_runner(
         run(pipeline, chosen)
 
 
-class EnvProbe(cf.DoFn):
-    def process(self, element: Any) -> Iterator[Any]:
-        yield {"host": os.environ.get("SPANNER_EMULATOR_HOST"), "pid": os.getpid()}
-
-
-def test_workers_see_the_drivers_emulator_host(
-    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_session_settings_pass_the_emulator_host_to_executors(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SPANNER_EMULATOR_HOST", "127.0.0.1:1")
     settings = SparkRunner("local[2]")._settings("app")
