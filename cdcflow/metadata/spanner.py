@@ -20,6 +20,7 @@ finished, committed) are Spanner commit timestamps. google-cloud-spanner is impo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -150,30 +151,47 @@ class SpannerStore:
         return db
 
     def _create_on_emulator(self) -> Any:
+        from google.api_core.exceptions import AlreadyExists
+
         config = f"{self._client.project_name}/instanceConfigs/emulator-config"
         instance = self._client.instance(
             self._instance_id, configuration_name=config, display_name=self._instance_id,
             node_count=1,
         )
         if not instance.exists():
-            instance.create().result(120)
+            with contextlib.suppress(AlreadyExists):
+                instance.create().result(120)
         db = instance.database(self._database_id)
-        db.create().result(120)
+        with contextlib.suppress(AlreadyExists):  # created meanwhile by another store
+            db.create().result(120)
         return db
 
     def ensure_schema(self) -> list[str]:
         """Create the tables and indexes that are missing; return the names created."""
         db = self._database()
-        from google.api_core.exceptions import GoogleAPICallError
+        from google.api_core.exceptions import Aborted, FailedPrecondition, GoogleAPICallError
 
-        try:
-            created = schema.ensure_schema(db, self.database_path, self.table)
-        except GoogleAPICallError as e:
-            msg = (
-                f"cannot create the metadata tables of {self.url}: {e.message}; the store needs "
-                "a GoogleSQL-dialect database and permission to change its schema"
-            )
-            raise StoreError(msg) from e
+        delay = _FIRST_DELAY
+        for attempt in range(1, _MAX_ATTEMPTS + 1):
+            try:
+                created = schema.ensure_schema(db, self.database_path, self.table)
+                break
+            except (Aborted, FailedPrecondition) as e:
+                # Another store is changing the schema right now (the emulator refuses a
+                # second concurrent schema change); every statement is IF NOT EXISTS, so
+                # trying again after it finished is safe.
+                busy = isinstance(e, Aborted) or "in progress" in str(e.message)
+                if not busy or attempt == _MAX_ATTEMPTS:
+                    msg = f"cannot create the metadata tables of {self.url}: {e.message}"
+                    raise StoreError(msg) from e
+                time.sleep(random.uniform(0, delay))
+                delay = min(delay * 2, _MAX_DELAY)
+            except GoogleAPICallError as e:
+                msg = (
+                    f"cannot create the metadata tables of {self.url}: {e.message}; the store "
+                    "needs a GoogleSQL-dialect database and permission to change its schema"
+                )
+                raise StoreError(msg) from e
         self._schema_ready = True
         return created
 

@@ -1,0 +1,308 @@
+"""SpannerStore specifics on the emulator: URLs, schema, init, concurrency, nanoseconds.
+
+The MetadataStore contract itself runs against this store in test_contract.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from cdcflow.errors import PlanConflictError, StoreError, StoreURLError
+from cdcflow.metadata import open_store
+from cdcflow.metadata.spanner import DEFAULT_TABLE, SpannerStore, init_store, parse_spanner_url
+from cdcflow.model import MAX_NS, BatchPlan, PartitionMetadata, PartitionUpdate, Slice
+from cdcflow.spanner.emulator import Emulator, emulator_client
+
+PATH = "projects/p-1/instances/inst-1/databases/db_1"
+
+
+def part(token: str, start: int, **kw: Any) -> PartitionMetadata:
+    return PartitionMetadata(token=token, parent_tokens=(), start=start, end=MAX_NS,
+                             watermark=start, state="CREATED", **kw)
+
+
+# --- URLs (no emulator) ---------------------------------------------------------------
+
+
+def test_a_url_names_the_database_and_optionally_the_table() -> None:
+    assert parse_spanner_url(f"spanner://{PATH}") == (PATH, DEFAULT_TABLE)
+    assert parse_spanner_url(f"spanner://{PATH}?table=Meta_2") == (PATH, "Meta_2")
+    store = SpannerStore.from_url(f"spanner://{PATH}?table=Meta_2")
+    assert store.url == f"spanner://{PATH}?table=Meta_2"
+    assert store.batch_table == "Meta_2_Batches"
+    assert SpannerStore.from_url(f"spanner://{PATH}").url == f"spanner://{PATH}"
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("spanner://projects/p/instances/i", "projects/PROJECT/instances/INSTANCE/databases"),
+        ("spanner://projects/p-1/instances/inst-1/databases/db_1/extra", "databases/DATABASE"),
+        ("spanner://projects/P/instances/inst-1/databases/db_1", "lower-case ids"),
+        (f"spanner://{PATH}?table=1abc", "not a Spanner identifier"),
+        (f"spanner://{PATH}?table=a-b", "not a Spanner identifier"),
+        (f"spanner://{PATH}?table=", "not a Spanner identifier"),
+        (f"spanner://{PATH}?tabel=X", "unknown option 'tabel=X'"),
+        (f"spanner://{PATH}?table", "unknown option 'table'"),
+    ],
+)
+def test_a_malformed_url_raises_with_the_valid_form(url: str, why: str) -> None:
+    with pytest.raises(StoreURLError, match=why) as info:
+        open_store(url)
+    assert "spanner://projects/P/instances/I/databases/D[?table=NAME]" in str(info.value)
+
+
+# --- on the emulator ------------------------------------------------------------------
+
+@pytest.fixture
+def database(spanner_emulator: Emulator) -> str:
+    """The path of a database that does not exist yet (the store creates it)."""
+    return spanner_emulator.database_path(f"meta-{uuid.uuid4().hex[:20]}")
+
+
+@pytest.fixture
+def stores() -> Iterator[Callable[[str], SpannerStore]]:
+    opened: list[SpannerStore] = []
+
+    def _open(url: str) -> SpannerStore:
+        opened.append(SpannerStore.from_url(url))
+        return opened[-1]
+
+    yield _open
+    for s in opened:
+        s.close()
+
+
+def _sql(store: SpannerStore, sql: str) -> list[list[Any]]:
+    with store._database().snapshot() as snap:
+        return [list(row) for row in snap.execute_sql(sql)]
+
+
+@pytest.mark.emulator
+def test_init_creates_beam_compatible_tables_and_is_idempotent(
+    database: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    url = f"spanner://{database}?table=Meta"
+    assert init_store(url) == (
+        f"created Meta, Meta_ByStateWatermark, Meta_ByCreatedAtStart, Meta_Batches in {database}"
+    )
+    assert init_store(url) == f"Meta and Meta_Batches already exist in {database}"
+
+    store = stores(url)
+    columns = _sql(store, "SELECT column_name, spanner_type, is_nullable FROM "
+                          "information_schema.columns WHERE table_name = 'Meta' "
+                          "ORDER BY ordinal_position")
+    assert columns == [
+        ["PipelineName", "STRING(MAX)", "NO"],
+        ["PartitionToken", "STRING(MAX)", "NO"],
+        ["ParentTokens", "ARRAY<STRING(MAX)>", "NO"],
+        ["StartTimestamp", "TIMESTAMP", "NO"],
+        ["EndTimestamp", "TIMESTAMP", "NO"],
+        ["HeartbeatMillis", "INT64", "NO"],
+        ["State", "STRING(MAX)", "NO"],
+        ["Watermark", "TIMESTAMP", "NO"],
+        ["CreatedAt", "TIMESTAMP", "NO"],
+        ["ScheduledAt", "TIMESTAMP", "YES"],
+        ["RunningAt", "TIMESTAMP", "YES"],
+        ["FinishedAt", "TIMESTAMP", "YES"],
+    ]
+    commit_ts = _sql(store, "SELECT table_name, column_name FROM information_schema."
+                            "column_options WHERE option_name = 'allow_commit_timestamp' AND "
+                            "option_value = 'TRUE' ORDER BY table_name, column_name")
+    assert commit_ts == [["Meta", "CreatedAt"], ["Meta", "FinishedAt"], ["Meta", "RunningAt"],
+                         ["Meta", "ScheduledAt"], ["Meta_Batches", "CommittedAt"]]
+    indexes = _sql(store, "SELECT index_name, column_name FROM information_schema."
+                          "index_columns WHERE table_name = 'Meta' "
+                          "ORDER BY index_name, ordinal_position")
+    assert indexes == [
+        ["Meta_ByCreatedAtStart", "CreatedAt"], ["Meta_ByCreatedAtStart", "StartTimestamp"],
+        ["Meta_ByStateWatermark", "State"], ["Meta_ByStateWatermark", "Watermark"],
+        ["PRIMARY_KEY", "PipelineName"], ["PRIMARY_KEY", "PartitionToken"],
+    ]
+    ttl = _sql(store, "SELECT table_name, row_deletion_policy_expression FROM "
+                      "information_schema.tables WHERE table_schema = '' ORDER BY table_name")
+    assert ttl == [["Meta", "OLDER_THAN(FinishedAt, INTERVAL 1 DAY)"], ["Meta_Batches", None]]
+
+
+@pytest.mark.emulator
+def test_tables_are_created_on_first_use_and_table_names_separate_stores(
+    database: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    first, second = stores(f"spanner://{database}"), stores(f"spanner://{database}?table=Other")
+    assert first.insert_partitions("p", [part("a", 5)]) == 1
+    assert second.partitions("p") == []
+    assert second.insert_partitions("p", [part("b", 5)]) == 1
+    assert [p.token for p in first.partitions("p")] == ["a"]
+    tables = _sql(first, "SELECT table_name FROM information_schema.tables "
+                         "WHERE table_schema = '' ORDER BY table_name")
+    assert tables == [[DEFAULT_TABLE], [f"{DEFAULT_TABLE}_Batches"], ["Other"],
+                      ["Other_Batches"]]
+
+
+@pytest.mark.emulator
+def test_a_foreign_table_of_the_same_name_is_refused(
+    spanner_emulator: Emulator, stores: Callable[[str], SpannerStore]
+) -> None:
+    name = f"meta-{uuid.uuid4().hex[:20]}"
+    spanner_emulator.create_database(
+        name, ["CREATE TABLE Orders (Id INT64 NOT NULL) PRIMARY KEY (Id)"]
+    )
+    store = stores(f"spanner://{spanner_emulator.database_path(name)}?table=Orders")
+    with pytest.raises(StoreError, match=r"not a cdcflow metadata table .*\?table=NAME"):
+        store.partitions("p")
+
+
+@pytest.mark.emulator
+def test_positions_keep_nanoseconds_and_max_ns_round_trips(
+    database: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    store = stores(f"spanner://{database}")
+    start = 1_714_564_800_123_456_789
+    store.insert_partitions("p", [part("a", start), part("b", start + 1)])
+    store.write_plan("p", BatchPlan(1, MAX_NS, (Slice("a", start, MAX_NS),), planned_at=1), {})
+    assert store.pending_plan("p") == BatchPlan(1, MAX_NS, (Slice("a", start, MAX_NS),), 1)
+    assert store.commit_batch("p", 1, [PartitionUpdate("a", MAX_NS - 1)], [])
+    rows = {p.token: p for p in store.partitions("p")}
+    assert rows["a"].watermark == MAX_NS - 1 and rows["a"].end == MAX_NS
+    assert rows["b"].start == start + 1 and rows["a"].start == start
+    assert store.batches("p")[0].end == MAX_NS
+    text = "FORMAT_TIMESTAMP('%FT%H:%M:%E9SZ', {}, 'UTC')"
+    raw = _sql(store, f"SELECT {text.format('StartTimestamp')}, {text.format('EndTimestamp')} "
+                      f"FROM {DEFAULT_TABLE} WHERE PartitionToken = 'a'")
+    assert raw == [["2024-05-01T12:00:00.123456789Z", "2262-04-11T23:47:16.854775807Z"]]
+
+
+@pytest.mark.emulator
+def test_caller_times_ahead_of_spanner_are_lowered_to_its_clock(
+    database: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    store = stores(f"spanner://{database}")
+    future = time.time_ns() + 3600 * 10**9
+    store.insert_partitions("p", [part("a", 5, created_at=future, scheduled_at=future)])
+    (row,) = store.partitions("p")
+    assert row.scheduled_at is not None
+    assert row.created_at <= time.time_ns() and row.scheduled_at <= time.time_ns()
+
+
+@pytest.mark.emulator
+def test_concurrent_commits_of_one_batch_apply_it_once(
+    database: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    url = f"spanner://{database}"
+    stores(url).insert_partitions("p", [part("a", 10)])
+    stores(url).write_plan("p", BatchPlan(1, 100, (Slice("a", 10, 100),), planned_at=1), {})
+    # One store object per thread, like two processes, plus two threads sharing one.
+    shared = stores(url)
+    writers = [stores(url), stores(url), shared, shared]
+    results: list[bool | BaseException] = []
+
+    def commit(store: SpannerStore, i: int) -> None:
+        try:
+            results.append(store.commit_batch(
+                "p", 1, [PartitionUpdate("a", 100)], [part(f"child{i}", 100)], records=i))
+        except BaseException as e:  # the assertion below shows what went wrong
+            results.append(e)
+
+    threads = [threading.Thread(target=commit, args=(s, i)) for i, s in enumerate(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results, key=str) == [False, False, False, True]
+    reader = stores(url)
+    (log,) = reader.batches("p")
+    assert log.committed_at is not None
+    children = [p.token for p in reader.partitions("p") if p.token != "a"]
+    assert children == [f"child{log.records}"]  # exactly the winner's progress
+
+
+@pytest.mark.emulator
+def test_concurrent_plans_conflict_cleanly(
+    database: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    url = f"spanner://{database}"
+    stores(url).insert_partitions("p", [part("a", 10)])
+    errors: list[BaseException] = []
+    done: list[int] = []
+
+    def plan(batch_id: int) -> None:
+        try:
+            stores(url).write_plan("p", BatchPlan(batch_id, 100, (), planned_at=1), {})
+            done.append(batch_id)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=plan, args=(i,)) for i in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(done) == 1 and all(isinstance(e, PlanConflictError) for e in errors)
+    assert len(errors) == 2
+    pending = stores(url).pending_plan("p")
+    assert pending is not None and pending.batch_id == done[0]
+
+
+@pytest.mark.emulator
+def test_pipelines_progress_concurrently_in_one_store(
+    database: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    url = f"spanner://{database}"
+    store = stores(url)
+    errors: list[BaseException] = []
+
+    def run(pipeline: str) -> None:
+        try:
+            own = stores(url)
+            own.insert_partitions(pipeline, [part("a", 0)])
+            for batch_id in range(1, 6):
+                own.write_plan(pipeline, BatchPlan(batch_id, batch_id * 10, (), 1), {})
+                assert own.commit_batch(pipeline, batch_id,
+                                        [PartitionUpdate("a", batch_id * 10)], [])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(f"p{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert store.pipelines() == ["p0", "p1", "p2"]
+    for name in ("p0", "p1", "p2"):
+        assert store.last_batch_id(name) == 5
+        assert store.partitions(name)[0].watermark == 50
+
+
+@pytest.mark.emulator
+def test_the_batch_log_keeps_the_newest_entries(database: str) -> None:
+    store = SpannerStore(database, batch_log_size=3)
+    try:
+        for batch_id in range(1, 7):
+            store.write_plan("p", BatchPlan(batch_id, batch_id, (), 1), {})
+            if batch_id < 6:
+                store.commit_batch("p", batch_id, [], [])
+        assert [b.batch_id for b in store.batches("p")] == [6, 5, 4]
+        assert store.pending_plan("p") == BatchPlan(6, 6, (), 1)
+    finally:
+        store.close()
+
+
+@pytest.mark.emulator
+def test_a_missing_database_outside_the_emulator_names_the_fix(
+    spanner_emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without SPANNER_EMULATOR_HOST the store does not create databases; the client still
+    # reaches the emulator through its explicit endpoint.
+    monkeypatch.delenv("SPANNER_EMULATOR_HOST")
+    spanner_emulator.create_instance()
+    path = spanner_emulator.database_path("never-created")
+    store = SpannerStore(path, client=emulator_client(spanner_emulator.host))
+    with pytest.raises(StoreError, match="does not exist; create it"):
+        store.partitions("p")
