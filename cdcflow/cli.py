@@ -25,7 +25,10 @@ from cdcflow import __version__
 from cdcflow.durations import parse_duration
 from cdcflow.errors import CdcflowError, PipelineStopped, StoreURLError, UserInputError
 
-__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = [
+    "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser",
+    "default_store_url", "main", "read_ddl",
+]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -452,13 +455,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
 # -- emulator ------------------------------------------------------------------------------
 
 
-def _read_ddl(path: Path) -> list[str]:
+def read_ddl(path: Path) -> list[str]:
+    """The statements of a DDL file (``;``-separated, ``--`` comment lines ignored)."""
     try:
         text = path.read_text()
     except OSError as e:
         msg = f"cannot read --ddl-file {path}: {e.strerror}; check the path"
         raise UserInputError(msg) from None
-    return [s.strip() for s in text.split(";") if s.strip()]
+    # Whole-line "--" comments are dropped; statements are separated by ";".
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("--")]
+    return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
 
 
 def _cmd_emulator_start(args: argparse.Namespace) -> int:
@@ -469,7 +475,7 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
     if args.ddl_file is not None and not args.database:
         msg = "--ddl-file needs --database NAME (the database to create with it)"
         raise UserInputError(msg)
-    ddl = _read_ddl(args.ddl_file) if args.ddl_file is not None else []
+    ddl = read_ddl(args.ddl_file) if args.ddl_file is not None else []
     try:
         emu = Emulator(port=args.port, partition_alive_seconds=args.partition_alive_seconds)
     except EmulatorNotFoundError as e:
