@@ -480,6 +480,14 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
         emu = Emulator(port=args.port, partition_alive_seconds=args.partition_alive_seconds)
     except EmulatorNotFoundError as e:
         raise UserInputError(str(e)) from None
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    # Explicit handlers: a shell may start us with SIGINT ignored (a background job), and
+    # SIGTERM must not leave the emulator (its own session) running without us.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
     emu.start()
     try:
         print(f"export SPANNER_EMULATOR_HOST={emu.host}", flush=True)

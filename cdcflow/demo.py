@@ -19,6 +19,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,8 +27,10 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+from cdcflow.cli import EXIT_INTERRUPTED
 from cdcflow.model import INITIAL_PARTITION_TOKEN, Timestamp
 from cdcflow.workload import Workload, create_shop_database
 
@@ -137,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     work.mkdir(parents=True)
     store_url = f"sqlite:///{state}"
 
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt  # unwinds through the finally below: nothing left running
+
+    signal.signal(signal.SIGTERM, terminate)
     _say(f"starting the Cloud Spanner emulator (partitions split and merge every "
          f"{args.partition_alive_seconds}-{2 * args.partition_alive_seconds} s)")
     emulator = Emulator(partition_alive_seconds=args.partition_alive_seconds).start()
@@ -159,14 +166,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         env.pop("CDCFLOW_END_AT", None)
         began = time.monotonic()
-        run = subprocess.run(
-            [sys.executable, "-m", "cdcflow", "run", str(pipeline_file), "--runner",
-             args.runner, "--metadata", store_url, "--for", f"{args.seconds}s", "--reset"],
-            env=env, check=False,
-        )
+        # Ctrl-C reaches the run too (same process group): it stops after its current
+        # batch, and the demo goes on to check what was read. The no-op handler (not
+        # SIG_IGN, which the child would inherit) keeps the demo alive meanwhile.
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+        try:
+            run = subprocess.run(
+                [sys.executable, "-m", "cdcflow", "run", str(pipeline_file), "--runner",
+                 args.runner, "--metadata", store_url, "--for", f"{args.seconds}s", "--reset"],
+                env=env, check=False,
+            )
+        finally:
+            signal.signal(signal.SIGINT, previous)
         run_seconds = time.monotonic() - began
         workload.stop()
-        if run.returncode != 0:
+        if run.returncode not in (0, EXIT_INTERRUPTED):
             _say(f"cdcflow run exited with {run.returncode}; the demo failed")
             return 1
 
