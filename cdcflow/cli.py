@@ -513,7 +513,9 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
+    notes = [str(n) for n in getattr(error, "__notes__", ())]  # e.g. "batch 7 was not committed"
+    text = " ".join(str(error).split()) or type(error).__name__
+    return "; ".join([text, *(" ".join(n.split()) for n in notes)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -339,3 +339,18 @@ def test_metadata_init_sqlite(tmp_path: Path) -> None:
     assert status.stdout.startswith("no pipelines in sqlite:///")
     assert_usage_error(cdcflow("metadata", "init", "db.sqlite"), "not a metadata store URL")
     assert_usage_error(cdcflow("metadata", "init", "kafka://x"), "'kafka'")
+
+
+def test_pipeline_stopped_exits_1_with_one_line(tmp_path: Path) -> None:
+    body = SCRIPTED.replace(
+        'pipeline = cf.Pipeline("scripted")',
+        'pipeline = cf.Pipeline("scripted", error_policy=cf.ErrorPolicy(retries=0))',
+    ).replace('"rows" >> cf.Map(to_row)', '"rows" >> cf.Map(lambda r: 1 / 0)')
+    path = write(tmp_path, body)
+    result = cdcflow("run", str(path))
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("cdcflow: error:")]
+    assert len(errors) == 1
+    assert "ZeroDivisionError" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert not list((tmp_path / "out").glob("*.jsonl"))
