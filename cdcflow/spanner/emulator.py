@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -79,6 +81,16 @@ def find_emulator_binary() -> Path:
         return root / _RELATIVE
     msg = f"the Cloud Spanner emulator (emulator_main) was not found; {INSTALL_HINT}"
     raise EmulatorNotFoundError(msg)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the parent dies, so a killed
+    test session or demo never leaves an emulator behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -155,7 +167,7 @@ class Emulator:
         )
         self._proc = subprocess.Popen(
             args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_die_with_parent,
         )
         self._wait_ready(timeout)
         return self
