@@ -7,16 +7,16 @@ Two measurements, printed side by side in one run:
   Spark ``local[2]``: the fixed cost Spark adds to every batch (a job, task shipping,
   Python workers, results back). Median and p90 over the measured batches.
 * **throughput**: the same pipeline with data (8+ partitions, a JSON-building Map and a
-  JSONL WriteFiles sink) on Spark with one task slot and with two: ``local[1]`` vs
-  ``local[2]``. Local mode is used rather than ``local-cluster[N,1,1024]`` because the work
-  is in the Python workers, and each task slot gets its own Python worker process in both
-  modes; local mode spares starting one 1 GB executor JVM per executor (about 15 s each),
-  which keeps the bench within its time budget on a 2-core machine. Steady state: the
-  first data batch (where every Python worker unpickles the program and the scripted
-  stream compiles its records) is not counted.
+  JSONL WriteFiles sink) on Spark with one task slot and with two (``local[1]`` vs
+  ``local[2]``), and with one and two separate executors (``local-cluster[1,1,1024]`` vs
+  ``local-cluster[2,1,1024]``: executor JVMs of their own, each with its own Python
+  workers, as on a cluster; each such run starts its JVMs first, about 15 s, which is not
+  counted). Steady state: the first data batch (where every Python worker unpickles the
+  program and the scripted stream compiles its records) is not counted.
 
 ``python -m bench.bench_spark [--idle-batches N] [--records N] [--partitions N]``.
-Targets: idle batch <= 150 ms median; two slots >= 1.7x one.
+Targets: idle batch <= 150 ms median; two executors >= 1.7x one.
+``--no-cluster`` skips the local-cluster runs.
 """
 
 from __future__ import annotations
@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--records", type=int, default=128_000)
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--batches", type=int, default=4, help="data batches per run")
+    parser.add_argument("--no-cluster", dest="cluster", action="store_false",
+                        help="skip the local-cluster runs (separate executor JVMs)")
     args = parser.parse_args(argv)
     span_s = 60
     batch_span = span_s / args.batches
@@ -229,6 +231,18 @@ def main(argv: list[str] | None = None) -> None:
         lambda: throughput(_spark("local[1]"), "local[1]", stream, span_s, batch_span),
     )
 
+    clusters: list[tuple[str, ThroughputResult]] = []
+    if args.cluster:
+        # Separate executor JVMs, each with its own Python workers: executors, not slots.
+        for n in (1, 2):
+            master = f"local-cluster[{n},1,1024]"
+
+            def cluster_run(master: str = master, n: int = n) -> ThroughputResult:
+                return throughput(_spark(master), f"cluster-{n}", stream, span_s, batch_span)
+
+            name = f"Spark {master} ({n} executor{'s' if n > 1 else ''})"
+            clusters.append((name, _timed(master, cluster_run)))
+
     print()
     print("idle batch (4 partitions, no data)   median      p90   batches")
     for r in (idle_mem, idle_spark):
@@ -246,12 +260,20 @@ def main(argv: list[str] | None = None) -> None:
         ("in-memory runner, 1 thread (reference)", tp_mem),
         ("Spark local[1] (1 executor slot)", tp1),
         ("Spark local[2] (2 executor slots)", tp2),
+        *clusters,
     ):
         print(f"  {name:<46} {t.per_second:9.0f} {t.records:9d} {t.seconds:9.2f}")
     ratio = tp2.per_second / tp1.per_second if tp1.per_second else 0.0
     print(
         f"  2 slots / 1 slot: {ratio:.2f}x; target >= 1.7x: {'met' if ratio >= 1.7 else 'MISSED'}"
     )
+    if clusters:
+        one, two = clusters[0][1].per_second, clusters[1][1].per_second
+        ratio = two / one if one else 0.0
+        print(
+            f"  2 executors / 1 executor: {ratio:.2f}x; target >= 1.7x: "
+            f"{'met' if ratio >= 1.7 else 'MISSED'}"
+        )
     print(f"\nbench_spark took {time.monotonic() - began:.0f}s", flush=True)
 
 
