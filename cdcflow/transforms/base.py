@@ -90,7 +90,8 @@ class DoFn:
         return None
 
     def process(self, element: Any) -> Iterable[Any]:
-        raise NotImplementedError
+        msg = f"{type(self).__name__} must override process(element) and return its outputs"
+        raise NotImplementedError(msg)
 
     def teardown(self) -> None:
         return None
@@ -168,10 +169,15 @@ class Sink(PrimitiveTransform):
         return None
 
     def open_writer(self, ctx: WriterContext) -> SinkWriter:
-        raise NotImplementedError
+        msg = f"{type(self).__name__} must override open_writer(ctx) and return a SinkWriter"
+        raise NotImplementedError(msg)
 
     def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
-        raise NotImplementedError
+        msg = (
+            f"{type(self).__name__} must override commit(batch_id, messages); make it "
+            "idempotent per batch id"
+        )
+        raise NotImplementedError(msg)
 
     def abort(self, batch_id: int, messages: Sequence[Any]) -> None:
         """Discard the batch's uncommitted output (the batch will be replayed)."""
