@@ -412,7 +412,7 @@ def test_transient_errors_mid_stream_resume_without_gaps_or_duplicates(
     olds = ", ".join(f"({k}, 'old')" for k in keys if k % 2)
     _dml(db, "DELETE FROM Orders WHERE Id >= 300 AND Id < 400",
          f"INSERT INTO Orders (Id, Name) VALUES {olds}")
-    start = Timestamp.now().ns
+    start = _after_commits()  # past the setup transaction, which must not be in the window
     # One transaction, an INSERT, an UPDATE and a DELETE record at one commit timestamp in
     # every partition its rows fall in (many rows, so each partition gets all three kinds).
     news = ", ".join(f"({k}, 'r')" for k in keys if not k % 2)
