@@ -146,15 +146,19 @@ class Engine:
         program = TaskProgram.from_pipeline(pipeline)
         program_bytes: bytes = cloudpickle.dumps(program)
         try:
-            program.source.make_client().describe_stream(program.source.stream)
-            if opts.reset:
-                # Batch ids go on from before the reset, so sinks that key output by batch
-                # id (idempotent commits, file names) never mistake new batches for old.
-                self._batch_floor = self.store.last_batch_id(name)
-                self.store.reset(name)
-            self._first_run(program)
+            # The runner starts first: Spark forks its JVM launcher, and a fork after this
+            # process has opened gRPC clients (the store's, the stream check's) can kill the
+            # child before it execs.
             self.runner.open(name)
             try:
+                program.source.make_client().describe_stream(program.source.stream)
+                if opts.reset:
+                    # Batch ids go on from before the reset, so sinks that key output by
+                    # batch id (idempotent commits, file names) never mistake new batches
+                    # for old.
+                    self._batch_floor = self.store.last_batch_id(name)
+                    self.store.reset(name)
+                self._first_run(program)
                 self.listener.on_start(name, self.runner.name, self.store.url)
                 with self._signals():
                     summary = self._loop(program, program_bytes, sinks)
