@@ -228,8 +228,8 @@ class Engine:
             plan = self.store.pending_plan(name)
             replay = plan is not None
             now = self._clock()
+            parts = self.store.partitions(name)
             if plan is None:
-                parts = self.store.partitions(name)
                 if parts and all(p.state == PartitionState.FINISHED for p in parts):
                     reason = "end reached"
                     break
@@ -243,7 +243,7 @@ class Engine:
                 plan = attrs.evolve(plan, planned_at=now)
                 self.store.write_plan(name, plan, transitions)
             self.listener.on_planned(plan, replay)
-            stats = self._execute(plan, replay, program_bytes, sinks, batch_began)
+            stats = self._execute(plan, replay, parts, program_bytes, sinks, batch_began)
             batches += 1
             records += stats.records
             self.listener.on_batch(stats)
@@ -273,10 +273,13 @@ class Engine:
         self,
         plan: BatchPlan,
         replay: bool,
+        parts: Sequence[PartitionMetadata],
         program_bytes: bytes,
         sinks: dict[str, Sink],
         began: float,
     ) -> BatchStats:
+        """Run and commit ``plan``. ``parts`` are the partitions as stored before the batch
+        (their ends and tokens are all the commit needs; only the commit changes them)."""
         name = self.pipeline.name
         tasks = [pickle.dumps(Task(name, plan.batch_id, s)) for s in plan.slices]
         try:
@@ -292,7 +295,7 @@ class Engine:
         self.listener.on_sinks_committed(plan.batch_id)
 
         now = self._clock()
-        stored = {p.token: p for p in self.store.partitions(name)}
+        stored = {p.token: p for p in parts}
         updates: list[PartitionUpdate] = []
         children: dict[str, PartitionMetadata] = {}
         splits = merges = 0
