@@ -216,7 +216,7 @@ def read_stock(database: Any, to_model: bool) -> list[Any]:
 
 def read_cdcflow(client: Any) -> list[Any]:
     from cdcflow.model import MAX_NS
-    from cdcflow.spanner.base import ChangeStreamQuery
+    from cdcflow.stream import ChangeStreamQuery
 
     return list(client.read(ChangeStreamQuery(STREAM, "bench-token", _START_NS, MAX_NS)))
 

@@ -34,10 +34,10 @@ from typing import Any
 import attrs
 import orjson
 
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.runner import BatchStats, EngineListener, Runner
 from cdcflow.metadata import open_store
 from cdcflow.pipeline import Pipeline
-from cdcflow.runners.base import BatchStats, EngineListener, Runner
-from cdcflow.runners.engine import Engine, RunOptions
 from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.serialize import dumps_line
 from cdcflow.testing import ScriptedChangeStream
@@ -178,7 +178,7 @@ def throughput(
 
 
 def _spark(master: str) -> Runner:
-    from cdcflow.runners.spark import SparkRunner
+    from cdcflow.spark.runner import SparkRunner
 
     return SparkRunner(master)
 

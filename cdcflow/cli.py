@@ -340,7 +340,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     pipeline.validate()
     path, _ = split_target(args.file)
     runner_cls = load_plugin("cdcflow.runners", args.runner)
-    from cdcflow.runners.engine import Engine, RunOptions  # after the cheap checks
+    from cdcflow.engine.loop import Engine, RunOptions  # after the cheap checks
     options, runner_kwargs = _build_options(
         args, RunOptions, runner_cls, args.runner, path.resolve().parent
     )

@@ -1,7 +1,7 @@
 """``make demo`` (``python -m cdcflow.demo``): cdcflow end to end on the local emulator.
 
 1. Start the Cloud Spanner emulator with fast partition churn (partitions split and merge
-   every few seconds) and create the ``shop`` database (:mod:`cdcflow.workload`).
+   every few seconds) and create the ``shop`` database (:mod:`cdcflow.spanner.workload`).
 2. Commit random changes from a background thread, recording each committed change.
 3. Run ``cdcflow run examples/quickstart.py --for 30s`` as a subprocess (live progress).
 4. Compare: every change committed before the output's resolved watermark must be in the
@@ -32,7 +32,7 @@ from typing import Any
 
 from cdcflow.cli import EXIT_INTERRUPTED
 from cdcflow.model import INITIAL_PARTITION_TOKEN, Timestamp
-from cdcflow.workload import Workload, create_shop_database
+from cdcflow.spanner.workload import Workload, create_shop_database
 
 __all__ = ["ChangeKey", "check_exactly_once", "main", "read_output"]
 

@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
+from cdcflow.engine.runner import BatchStats, EngineListener, RunSummary
 from cdcflow.model import MAX_NS, BatchPlan, PartitionState, Timestamp
-from cdcflow.runners.base import BatchStats, EngineListener, RunSummary
 
 __all__ = [
     "LiveProgress",

@@ -46,7 +46,7 @@ def test_splits_and_merges_ignore_the_root() -> None:
 
 def test_shop_sql_matches_the_workload_schema() -> None:
     from cdcflow.cli import read_ddl
-    from cdcflow.workload import shop_ddl
+    from cdcflow.spanner.workload import shop_ddl
 
     path = Path(__file__).resolve().parents[1] / "examples" / "shop.sql"
     assert read_ddl(path) == shop_ddl()

@@ -26,7 +26,7 @@ import pytest
 from cdcflow.metadata import open_store
 from cdcflow.model import Timestamp
 from cdcflow.spanner.emulator import Emulator
-from cdcflow.workload import SHOP_KEY, SHOP_STREAM, Workload, create_shop_database
+from cdcflow.spanner.workload import SHOP_KEY, SHOP_STREAM, Workload, create_shop_database
 
 pytestmark = pytest.mark.emulator
 

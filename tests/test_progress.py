@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from cdcflow.engine.runner import BatchStats, RunSummary
 from cdcflow.model import MAX_NS, BatchPlan, Slice
 from cdcflow.progress import (
     LiveProgress,
@@ -17,7 +18,6 @@ from cdcflow.progress import (
     format_summary,
     make_progress,
 )
-from cdcflow.runners.base import BatchStats, RunSummary
 
 S = 1_000_000_000
 NOW = 1_700_000_100 * S

@@ -1,7 +1,7 @@
 """InMemoryRunner: runs a batch's tasks in this process on a thread pool.
 
 Every task and every result still travels as pickled bytes through
-:func:`cdcflow.runners.task.execute_task`, exactly as on Spark, so a pipeline whose
+:func:`cdcflow.engine.task.execute_task`, exactly as on Spark, so a pipeline whose
 functions or sink messages do not pickle fails here first, not on a cluster.
 """
 
@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from cdcflow.runners.task import execute_task
+from cdcflow.engine.task import execute_task
 
 __all__ = ["InMemoryRunner"]
 

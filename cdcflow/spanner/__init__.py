@@ -1,5 +1,3 @@
-"""Reading Google Cloud Spanner. Only this package imports google-cloud-spanner (lazily)."""
-
-from cdcflow.spanner.base import ChangeStreamClient, ChangeStreamQuery, StreamInfo
-
-__all__ = ["ChangeStreamClient", "ChangeStreamQuery", "StreamInfo"]
+"""Google Cloud Spanner: the change-stream reader and its decoder, the emulator launcher, the
+Spanner metadata store and the shop workload. The only package that imports
+google-cloud-spanner."""

@@ -1,6 +1,6 @@
 """ChangeStreamClient on google-cloud-spanner: bounded queries, bounded retries, fast decode.
 
-Each :class:`~cdcflow.spanner.base.ChangeStreamQuery` is one change stream query with
+Each :class:`~cdcflow.stream.ChangeStreamQuery` is one change stream query with
 ``start_timestamp = start`` and ``end_timestamp = end - 1 ns`` (the function's bounds are
 inclusive, slices are half-open). The dialect (GoogleSQL or PostgreSQL) and the partition
 mode are read from the database once per stream. MUTABLE_KEY_RANGE streams accept at most
@@ -40,10 +40,10 @@ from cdcflow.model import (
     Timestamp,
     record_position,
 )
-from cdcflow.spanner.base import ChangeStreamClient, ChangeStreamQuery, StreamInfo
 from cdcflow.spanner.decode import row_decoder
 from cdcflow.spanner.retry import RetryPolicy, is_transient, status_name
 from cdcflow.spanner.transport import GrpcTransport, Param, Transport, assemble_rows
+from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery, StreamInfo
 
 __all__ = ["SpannerChangeStreamClient", "cached_client"]
 

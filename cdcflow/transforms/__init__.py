@@ -7,8 +7,8 @@ from typing import Any
 from cdcflow.errors import PluginError
 from cdcflow.transforms.base import DoFn, ParDo, PTransform, Sink
 from cdcflow.transforms.core import Filter, FlatMap, Map
-from cdcflow.transforms.partitions import DetectPartitions, ReadPartition
 from cdcflow.transforms.sinks import Collect, Print, WriteFiles
+from cdcflow.transforms.source import DetectPartitions, ReadPartition
 
 __all__ = [
     "Collect",

@@ -10,13 +10,13 @@ import cloudpickle
 import pytest
 
 import cdcflow as cf
+from cdcflow.engine.runner import Runner, Task, TaskResult
+from cdcflow.engine.task import TaskProgram
 from cdcflow.errors import PipelineStopped
 from cdcflow.model import Slice
 from cdcflow.plugins import load_plugin
 from cdcflow.policy import ErrorPolicy
-from cdcflow.runners.base import Runner, Task, TaskResult
 from cdcflow.runners.in_memory import InMemoryRunner
-from cdcflow.runners.task import TaskProgram
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import Collect, DetectPartitions, Map, ReadPartition
 

@@ -22,12 +22,12 @@ from cdcflow.model import (
     record_position,
 )
 from cdcflow.spanner import wire
-from cdcflow.spanner.base import ChangeStreamClient, ChangeStreamQuery
 from cdcflow.spanner.client import SpannerChangeStreamClient, cached_client
 from cdcflow.spanner.decode import records_from_stock_row
 from cdcflow.spanner.emulator import Emulator
 from cdcflow.spanner.retry import RetryPolicy
 from cdcflow.spanner.transport import Param
+from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery
 
 pytestmark = pytest.mark.emulator
 

@@ -16,13 +16,13 @@ import cloudpickle
 import pytest
 
 import cdcflow as cf
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.runner import Runner
 from cdcflow.errors import PipelineStopped
 from cdcflow.metadata import open_store
 from cdcflow.policy import ErrorPolicy
-from cdcflow.runners.base import Runner
-from cdcflow.runners.engine import Engine, RunOptions
 from cdcflow.runners.in_memory import InMemoryRunner
-from cdcflow.runners.spark import SparkRunner, SparkTaskError, local_master
+from cdcflow.spark.runner import SparkRunner, SparkTaskError, local_master
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import Collect, DetectPartitions, Map, ReadPartition, WriteFiles
 

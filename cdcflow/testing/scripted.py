@@ -1,7 +1,7 @@
 """Test helpers: :class:`ScriptedChangeStream`, an in-memory change stream you script.
 
 Use it wherever a pipeline needs a Spanner change stream in a unit test: it implements
-:class:`cdcflow.spanner.base.ChangeStreamClient`, is deterministic and picklable (so it runs
+:class:`cdcflow.stream.ChangeStreamClient`, is deterministic and picklable (so it runs
 on every runner), and knows the ground truth to assert against::
 
     from cdcflow.testing import ScriptedChangeStream
@@ -71,7 +71,7 @@ from cdcflow.model import (
     ModType,
     Timestamp,
 )
-from cdcflow.spanner.base import ChangeStreamQuery, StreamInfo
+from cdcflow.stream import ChangeStreamQuery, StreamInfo
 
 __all__ = ["ScriptedChange", "ScriptedChangeStream", "ScriptedTransaction"]
 
@@ -170,7 +170,7 @@ class ScriptedTransaction:
 
 
 class ScriptedChangeStream:
-    """A deterministic in-memory :class:`~cdcflow.spanner.base.ChangeStreamClient`.
+    """A deterministic in-memory :class:`~cdcflow.stream.ChangeStreamClient`.
 
     ``partitions``: how many initial partitions (tokens ``p0``, ``p1``, ...) or their
     tokens; they exist from ``origin`` (ns) on. ``buckets``: key-hash buckets shared among

@@ -14,6 +14,8 @@ import cloudpickle
 import pytest
 
 import cdcflow as cf
+from cdcflow.engine.runner import Task, TaskResult
+from cdcflow.engine.task import FailedElement, TaskProgram, execute_task, run_task
 from cdcflow.errors import PipelineStopped
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
@@ -29,9 +31,7 @@ from cdcflow.model import (
     Slice,
 )
 from cdcflow.policy import ErrorPolicy
-from cdcflow.runners.base import Task, TaskResult
-from cdcflow.runners.task import FailedElement, TaskProgram, execute_task, run_task
-from cdcflow.spanner.base import ChangeStreamQuery, StreamInfo
+from cdcflow.stream import ChangeStreamQuery, StreamInfo
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import (
     Collect,
@@ -231,7 +231,7 @@ def test_execute_task_round_trips_bytes_and_caches_the_program() -> None:
     ]
     assert vals(items(out[0])) == vals(items(out[1])) == [0, 1, 2]
     assert items(out[0])[0].commit_timestamp.ns == T0 + S
-    from cdcflow.runners import task as task_module
+    from cdcflow.engine import task as task_module
 
     cached = [p for p in task_module._programs.values() if p.pipeline == "t"]
     assert cached  # the unpickled program is kept for the next task of the run

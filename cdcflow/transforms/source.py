@@ -12,7 +12,7 @@ from cdcflow.model import MAX_NS
 from cdcflow.transforms.base import PrimitiveTransform
 
 if TYPE_CHECKING:
-    from cdcflow.spanner.base import ChangeStreamClient
+    from cdcflow.stream import ChangeStreamClient
 
 __all__ = ["DetectPartitions", "ReadPartition"]
 

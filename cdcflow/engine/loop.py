@@ -6,7 +6,7 @@ Each batch:
    commit) is replayed as it is; otherwise ready partitions are scheduled, the batch end
    ``T`` is chosen (never ahead of the clock, at most ``max_batch_span`` after the low
    watermark) and the plan is written to the store before any task runs (write-ahead);
-2. execute: the runner runs one task per slice (:mod:`cdcflow.runners.task`);
+2. execute: the runner runs one task per slice (:mod:`cdcflow.engine.task`);
 3. commit: every sink commits the batch (idempotent per batch id), then the store commits
    all progress of the batch in one transaction (watermarks, finished partitions, child
    partitions), then every sink learns the new low watermark; finished partitions whose
@@ -34,6 +34,9 @@ from typing import Any
 import attrs
 import cloudpickle
 
+from cdcflow.engine.lifecycle import gc_candidates, low_watermark, plan_batch
+from cdcflow.engine.runner import BatchStats, EngineListener, Runner, RunSummary, Task, TaskResult
+from cdcflow.engine.task import TaskProgram
 from cdcflow.errors import PipelineDefinitionError, PipelineStopped, TransientError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import (
@@ -45,9 +48,6 @@ from cdcflow.model import (
     Timestamp,
 )
 from cdcflow.pipeline import Pipeline
-from cdcflow.runners.base import BatchStats, EngineListener, Runner, RunSummary, Task, TaskResult
-from cdcflow.runners.task import TaskProgram
-from cdcflow.scheduling import gc_candidates, low_watermark, plan_batch
 from cdcflow.transforms.base import Sink, SinkContext
 
 __all__ = ["Engine", "RunOptions"]

@@ -1,7 +1,7 @@
 """Scheduling decisions of the micro-batch engine, as pure functions (no I/O, no clock).
 
 Everything here takes the stored partitions of one pipeline and returns what to do; the
-engine (:mod:`cdcflow.runners.engine`) reads the store, calls these, and writes back.
+engine (:mod:`cdcflow.engine.loop`) reads the store, calls these, and writes back.
 
 Invariants these functions rely on and keep:
 

@@ -15,7 +15,7 @@ from cdcflow.model import (
     HeartbeatRecord,
     record_position,
 )
-from cdcflow.spanner.base import ChangeStreamQuery
+from cdcflow.stream import ChangeStreamQuery
 from cdcflow.testing import ScriptedChangeStream
 
 MS = 1_000_000

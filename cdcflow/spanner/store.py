@@ -31,8 +31,6 @@ import attrs
 
 from cdcflow.errors import StoreError
 from cdcflow.metadata import _rules
-from cdcflow.metadata import _spanner_schema as schema
-from cdcflow.metadata._spanner_schema import DEFAULT_TABLE, parse_spanner_url, to_ns, to_spanner
 from cdcflow.model import (
     BatchPlan,
     BatchRecord,
@@ -41,6 +39,8 @@ from cdcflow.model import (
     PartitionUpdate,
     Slice,
 )
+from cdcflow.spanner import _store_schema as schema
+from cdcflow.spanner._store_schema import DEFAULT_TABLE, parse_spanner_url, to_ns, to_spanner
 
 __all__ = ["DEFAULT_TABLE", "SpannerStore", "init_store", "parse_spanner_url"]
 

@@ -17,10 +17,9 @@ from cdcflow.model import (
     DataChangeRecord,
     Timestamp,
 )
-from cdcflow.spanner.base import ChangeStreamQuery
 from cdcflow.spanner.client import SpannerChangeStreamClient
 from cdcflow.spanner.emulator import Emulator
-from cdcflow.workload import (
+from cdcflow.spanner.workload import (
     SHOP_COLUMNS,
     SHOP_KEY,
     SHOP_STREAM,
@@ -31,6 +30,7 @@ from cdcflow.workload import (
     create_shop_database,
     shop_ddl,
 )
+from cdcflow.stream import ChangeStreamQuery
 
 
 def test_shop_ddl_validates_its_parameters() -> None:

@@ -4,6 +4,7 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cdcflow.engine.lifecycle import gc_candidates, low_watermark, plan_batch, ready_partitions
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     MAX_NS,
@@ -13,8 +14,7 @@ from cdcflow.model import (
     PartitionState,
     Slice,
 )
-from cdcflow.scheduling import gc_candidates, low_watermark, plan_batch, ready_partitions
-from cdcflow.spanner.base import ChangeStreamQuery
+from cdcflow.stream import ChangeStreamQuery
 from cdcflow.testing import ScriptedChangeStream
 
 C, R, F = PartitionState.CREATED, PartitionState.RUNNING, PartitionState.FINISHED

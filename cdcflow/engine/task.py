@@ -16,7 +16,7 @@ A task:
    receive elements in record order (an InflightTracker releases the contiguous prefix);
 4. turns a ChildPartitionsRecord (or MUTABLE_KEY_RANGE's PartitionStart/EndRecord) into
    the partition's end and its children; heartbeats only advance progress;
-5. closes the writers and returns a small :class:`~cdcflow.runners.base.TaskResult`.
+5. closes the writers and returns a small :class:`~cdcflow.engine.runner.TaskResult`.
 
 On any failure every opened writer is aborted and the error propagates: nothing of the
 task is committed, and the engine replays the batch. User functions and sink writes run
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import cloudpickle
 
+from cdcflow.engine.runner import Task, TaskResult
 from cdcflow.errors import PipelineDefinitionError, PipelineStopped
 from cdcflow.inflight import Barrier, InflightTracker
 from cdcflow.model import (
@@ -57,10 +58,9 @@ from cdcflow.model import (
 )
 from cdcflow.policy import ErrorPolicy
 from cdcflow.restriction import TimestampRange, TimestampRangeTracker
-from cdcflow.runners.base import Task, TaskResult
-from cdcflow.spanner.base import ChangeStreamQuery
+from cdcflow.stream import ChangeStreamQuery
 from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
-from cdcflow.transforms.partitions import DetectPartitions, ReadPartition
+from cdcflow.transforms.source import DetectPartitions, ReadPartition
 
 if TYPE_CHECKING:
     from cdcflow.pipeline import Pipeline
@@ -187,7 +187,7 @@ def _load_program(program: bytes) -> TaskProgram:
 
 def execute_task(program: bytes, task: bytes) -> bytes:
     """Run one task: cloudpickled :class:`TaskProgram` and :class:`Task` in, pickled
-    :class:`~cdcflow.runners.base.TaskResult` out. Raises what the task raised."""
+    :class:`~cdcflow.engine.runner.TaskResult` out. Raises what the task raised."""
     prog = _load_program(program)
     decoded = pickle.loads(task)
     if not isinstance(decoded, Task):

@@ -1,9 +1,9 @@
 """The Runner protocol and what tasks return.
 
 A runner executes the tasks of a micro-batch and nothing else: planning and committing are
-the engine's (cdcflow.runners.engine), one engine for every runner. A task and its program
+the engine's (cdcflow.engine.loop), one engine for every runner. A task and its program
 travel as cloudpickle bytes, exactly as Spark ships them, and every runner calls
-``cdcflow.runners.task.execute_task(program, task) -> bytes`` where the task runs.
+``cdcflow.engine.task.execute_task(program, task) -> bytes`` where the task runs.
 """
 
 from __future__ import annotations

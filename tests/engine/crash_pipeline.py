@@ -21,10 +21,10 @@ import sys
 from typing import Any
 
 import cdcflow as cf
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.runner import BatchStats, EngineListener
 from cdcflow.metadata import open_store
 from cdcflow.model import BatchPlan
-from cdcflow.runners.base import BatchStats, EngineListener
-from cdcflow.runners.engine import Engine, RunOptions
 from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import DetectPartitions, Map, ReadPartition, WriteFiles

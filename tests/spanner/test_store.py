@@ -15,9 +15,9 @@ import pytest
 
 from cdcflow.errors import PlanConflictError, StoreError, StoreURLError
 from cdcflow.metadata import open_store
-from cdcflow.metadata.spanner import DEFAULT_TABLE, SpannerStore, init_store, parse_spanner_url
 from cdcflow.model import MAX_NS, BatchPlan, PartitionMetadata, PartitionUpdate, Slice
 from cdcflow.spanner.emulator import Emulator, emulator_client
+from cdcflow.spanner.store import DEFAULT_TABLE, SpannerStore, init_store, parse_spanner_url
 
 PATH = "projects/p-1/instances/inst-1/databases/db_1"
 

@@ -2,7 +2,7 @@
 
 ``run_tasks`` broadcasts the program once, then runs
 ``sc.parallelize(list(enumerate(tasks)), len(tasks)).mapPartitions(...)``: every Spark task
-calls :func:`cdcflow.runners.task.execute_task` where it runs (an executor's Python worker),
+calls :func:`cdcflow.engine.task.execute_task` where it runs (an executor's Python worker),
 sinks write from there, and only the small result bytes come back to the driver.
 
 This is the only module that imports pyspark, and it does so inside functions, so
@@ -134,7 +134,7 @@ def _run_partition(program: Any, items: Iterable[tuple[int, bytes]]) -> Iterator
 
     ``ok`` False means ``payload`` is a pickled error that retrying cannot fix.
     """
-    from cdcflow.runners.task import execute_task
+    from cdcflow.engine.task import execute_task
 
     code: bytes = program.value
     for index, task in items:

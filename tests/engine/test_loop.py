@@ -13,14 +13,14 @@ import orjson
 import pytest
 
 import cdcflow as cf
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.runner import BatchStats, EngineListener, RunSummary
+from cdcflow.engine.task import FailedElement
 from cdcflow.errors import PipelineStopped, StreamNotFoundError, TransientError
 from cdcflow.metadata import MemoryStore, SQLiteStore, open_store
 from cdcflow.model import INITIAL_PARTITION_TOKEN, BatchPlan, DataChangeRecord, PartitionState
 from cdcflow.policy import ErrorPolicy
-from cdcflow.runners.base import BatchStats, EngineListener, RunSummary
-from cdcflow.runners.engine import Engine, RunOptions
 from cdcflow.runners.in_memory import InMemoryRunner
-from cdcflow.runners.task import FailedElement
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import Collect, DetectPartitions, Map, ReadPartition, Sink, WriteFiles
 

@@ -12,15 +12,15 @@ import cloudpickle
 import pytest
 
 import cdcflow as cf
+from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.errors import PipelineDefinitionError, SinkError
 from cdcflow.metadata import open_store
 from cdcflow.model import Timestamp
-from cdcflow.runners.engine import Engine, RunOptions
-from cdcflow.runners.spark import SparkRunner
+from cdcflow.spark.runner import SparkRunner
+from cdcflow.spark.sinks import StagedFile, WriteSpark
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import DetectPartitions, Map, ReadPartition
 from cdcflow.transforms.base import SinkContext, WriterContext
-from cdcflow.transforms.spark_sinks import StagedFile, WriteSpark
 
 pytestmark = pytest.mark.spark
 

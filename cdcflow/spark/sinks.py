@@ -258,7 +258,7 @@ class WriteSpark(Sink):
         _remove_tree(self._batch_dir(batch_id))
 
     def _session(self) -> Any:
-        from cdcflow.runners.spark import active_session  # the module that imports pyspark
+        from cdcflow.spark.runner import active_session  # the module that imports pyspark
 
         session = active_session()
         if session is None:

@@ -1,0 +1,1 @@
+"""The micro-batch engine: one batch loop for every runner."""
