@@ -34,8 +34,9 @@ from typing import Any
 import attrs
 import orjson
 
+from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.engine.runner import BatchStats, EngineListener, Runner
+from cdcflow.engine.runner import Runner
 from cdcflow.metadata import open_store
 from cdcflow.pipeline import Pipeline
 from cdcflow.runners.in_memory import InMemoryRunner

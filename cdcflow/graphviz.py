@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from cdcflow.pipeline import Pipeline
-    from cdcflow.transforms.base import PrimitiveTransform
+import networkx as nx
+
+from cdcflow.transforms.base import PrimitiveTransform
 
 __all__ = ["FORMATS", "describe"]
+
+
+class _Dag(Protocol):
+    """What rendering reads of a pipeline (cdcflow.dag.Dag)."""
+
+    name: str
+    graph: nx.DiGraph
+
+    def nodes(self) -> Iterator[tuple[str, PrimitiveTransform[Any, Any]]]: ...
+
+    def transform(self, label: str) -> PrimitiveTransform[Any, Any]: ...
+
+    def upstream(self, label: str) -> str | None: ...
+
+    def downstream(self, label: str) -> list[str]: ...
 
 FORMATS = ("text", "dot")
 
 _SHAPES = {"Source": "cylinder", "Read": "ellipse", "ParDo": "box", "Sink": "box3d"}
 
 
-def describe(pipeline: Pipeline, format: str = "text") -> str:
+def describe(pipeline: _Dag, format: str = "text") -> str:
     """The DAG of ``pipeline``: ``"text"`` (an indented tree, one line per transform, in
     topological order, each branch indented under the step it reads from) or ``"dot"``
     (a Graphviz digraph; render with ``dot -Tsvg``). The output ends with a newline."""
@@ -27,12 +43,12 @@ def describe(pipeline: Pipeline, format: str = "text") -> str:
     raise ValueError(msg)
 
 
-def _summary(transform: PrimitiveTransform) -> str:
+def _summary(transform: PrimitiveTransform[Any, Any]) -> str:
     params = transform.describe_params()
     return f"{type(transform).__name__}: {params}" if params else type(transform).__name__
 
 
-def _text(pipeline: Pipeline) -> str:
+def _text(pipeline: _Dag) -> str:
     lines = [f"pipeline {pipeline.name!r}"]
     if pipeline.graph.number_of_nodes() == 0:
         return lines[0] + " (empty)\n"
@@ -58,7 +74,7 @@ def _quote(text: str) -> str:
     return '"' + escaped.replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\n") + '"'
 
 
-def _dot(pipeline: Pipeline) -> str:
+def _dot(pipeline: _Dag) -> str:
     ids: dict[str, int] = {}
     out = [f"digraph {_quote(pipeline.name)} {{", "  rankdir=TB;", "  node [fontname=Helvetica];"]
     for i, (label, transform) in enumerate(pipeline.nodes()):

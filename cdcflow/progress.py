@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
-from cdcflow.engine.runner import BatchStats, EngineListener, RunSummary
+from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.model import MAX_NS, BatchPlan, PartitionState, Timestamp
 
 __all__ = [

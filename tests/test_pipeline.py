@@ -9,8 +9,7 @@ import pytest
 
 import cdcflow as cf
 from cdcflow.errors import DuplicateLabelError, PipelineDefinitionError
-from cdcflow.pipeline import PCollection
-from cdcflow.transforms.base import PrimitiveTransform, SinkWriter, WriterContext
+from cdcflow.transforms.base import PCollection, PrimitiveTransform, SinkWriter, WriterContext
 
 DB = "projects/p/instances/i/databases/shop"
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from cdcflow.engine.runner import BatchStats, RunSummary
+from cdcflow.engine.listener import BatchStats, RunSummary
 from cdcflow.model import MAX_NS, BatchPlan, Slice
 from cdcflow.progress import (
     LiveProgress,

@@ -34,8 +34,10 @@ from typing import Any
 import attrs
 import cloudpickle
 
+from cdcflow.dag import Dag
 from cdcflow.engine.lifecycle import gc_candidates, low_watermark, plan_batch
-from cdcflow.engine.runner import BatchStats, EngineListener, Runner, RunSummary, Task, TaskResult
+from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
+from cdcflow.engine.runner import Runner, Task, TaskResult
 from cdcflow.engine.task import TaskProgram
 from cdcflow.errors import PipelineDefinitionError, PipelineStopped, TransientError
 from cdcflow.metadata.base import MetadataStore
@@ -47,7 +49,6 @@ from cdcflow.model import (
     PartitionUpdate,
     Timestamp,
 )
-from cdcflow.pipeline import Pipeline
 from cdcflow.transforms.base import Sink, SinkContext
 
 __all__ = ["Engine", "RunOptions"]
@@ -106,7 +107,7 @@ class Engine:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        pipeline: Dag,
         store: MetadataStore,
         runner: Runner,
         options: RunOptions | None = None,

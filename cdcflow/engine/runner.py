@@ -1,4 +1,4 @@
-"""The Runner protocol and what tasks return.
+"""The Runner protocol, and the task and result that travel between driver and workers.
 
 A runner executes the tasks of a micro-batch and nothing else: planning and committing are
 the engine's (cdcflow.engine.loop), one engine for every runner. A task and its program
@@ -13,16 +13,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from cdcflow.model import BatchPlan, PartitionMetadata, Slice
+from cdcflow.model import PartitionMetadata, Slice
 
-__all__ = [
-    "BatchStats",
-    "EngineListener",
-    "RunSummary",
-    "Runner",
-    "Task",
-    "TaskResult",
-]
+__all__ = ["Runner", "Task", "TaskResult"]
 
 
 @attrs.frozen
@@ -69,56 +62,3 @@ class Runner(Protocol):
     def run_tasks(self, program: bytes, tasks: Sequence[bytes]) -> list[bytes]: ...
 
     def close(self) -> None: ...
-
-
-@attrs.frozen
-class BatchStats:
-    """What one committed batch did; given to listeners after the store commit."""
-
-    batch_id: int
-    end: int  # the batch end T
-    slices: int
-    records: int  # data change records read
-    bytes: int
-    seconds: float  # wall time from plan to store commit
-    low_watermark: int  # the pipeline's low watermark after the commit
-    partitions: Mapping[str, int]  # state name -> count, after the commit
-    new_partitions: int = 0  # children inserted by this batch
-    splits: int = 0  # parents that reported two or more children
-    merges: int = 0  # children reported with two or more parents
-    replayed: bool = False  # the batch was planned by an earlier run and replayed
-
-
-@attrs.frozen
-class RunSummary:
-    pipeline: str
-    batches: int
-    records: int
-    reason: str  # "end reached", "duration", "max batches", "interrupted"
-    low_watermark: int
-    partitions: Mapping[str, int]
-    splits: int = 0
-    merges: int = 0
-
-
-class EngineListener:
-    """Observes a run; every method is a no-op here. The CLI's progress display is one.
-
-    Methods run on the driver, between the engine's steps, in this order per batch:
-    ``on_planned`` (plan durable) -> ``on_sinks_committed`` -> ``on_batch`` (store committed).
-    """
-
-    def on_start(self, pipeline: str, runner: str, store_url: str) -> None:
-        return None
-
-    def on_planned(self, plan: BatchPlan, replay: bool) -> None:
-        return None
-
-    def on_sinks_committed(self, batch_id: int) -> None:
-        return None
-
-    def on_batch(self, stats: BatchStats) -> None:
-        return None
-
-    def on_stop(self, summary: RunSummary) -> None:
-        return None

@@ -63,7 +63,7 @@ from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
 from cdcflow.transforms.source import DetectPartitions, ReadPartition
 
 if TYPE_CHECKING:
-    from cdcflow.pipeline import Pipeline
+    from cdcflow.dag import Dag
 
 __all__ = ["DEAD_LETTER_LABEL", "FailedElement", "TaskProgram", "execute_task", "run_task"]
 
@@ -112,7 +112,7 @@ class TaskProgram:
     dead_letter_label: str | None = None
 
     @classmethod
-    def from_pipeline(cls, pipeline: Pipeline) -> TaskProgram:
+    def from_pipeline(cls, pipeline: Dag) -> TaskProgram:
         """Build the program of a validated pipeline; raise PipelineDefinitionError on a
         transform kind the runners do not execute."""
         (source_label,) = pipeline.labels_of_kind("Source")

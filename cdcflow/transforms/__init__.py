@@ -29,7 +29,7 @@ __all__ = [
 _PLUGIN_GROUPS = ("cdcflow.transforms", "cdcflow.sinks")
 
 
-def plugin(name: str, *args: Any, **kwargs: Any) -> PTransform:
+def plugin(name: str, *args: Any, **kwargs: Any) -> PTransform[Any, Any]:
     """Build the transform or sink a third-party package registered as ``name``.
 
     Looks ``name`` up under the entry-point groups ``cdcflow.transforms`` and

@@ -13,15 +13,13 @@ A composite transform overrides :meth:`PTransform.expand` and applies other tran
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-if TYPE_CHECKING:
-    from cdcflow.pipeline import PCollection
-
 __all__ = [
     "DoFn",
+    "PCollection",
     "PTransform",
     "ParDo",
     "PrimitiveTransform",
@@ -32,11 +30,42 @@ __all__ = [
 ]
 
 
-class PTransform:
-    """A step of a pipeline. ``"label" >> transform`` names it; ``pcoll | transform`` applies it.
+InT = TypeVar("InT")
+OutT = TypeVar("OutT")
+T = TypeVar("T")
+U = TypeVar("U")
 
-    Subclasses that are composites override :meth:`expand` and apply other transforms to the
-    input PCollection, returning the output PCollection.
+
+class _Graph(Protocol):
+    """What a PCollection needs of the pipeline it belongs to (cdcflow.dag.Dag)."""
+
+    def apply(self, transform: PTransform[Any, U], pcoll: PCollection[Any]) -> PCollection[U]: ...
+
+    def add_primitive(
+        self, transform: PrimitiveTransform[Any, U], pcoll: PCollection[Any]
+    ) -> PCollection[U]: ...
+
+
+class PCollection(Generic[T]):
+    """The output of a transform, a stream of ``T``; apply more transforms to it with ``|``."""
+
+    def __init__(self, pipeline: _Graph, producer: str | None) -> None:
+        self.pipeline = pipeline
+        self.producer = producer  # full label of the producing node; None for the pipeline root
+
+    def __or__(self, transform: PTransform[T, U]) -> PCollection[U]:
+        return self.pipeline.apply(transform, self)
+
+    def __repr__(self) -> str:
+        return f"PCollection({self.producer or '<root>'})"
+
+
+class PTransform(Generic[InT, OutT]):
+    """A step of a pipeline, from ``PCollection[InT]`` to ``PCollection[OutT]``.
+
+    ``"label" >> transform`` names it; ``pcoll | transform`` applies it. Subclasses that are
+    composites override :meth:`expand` and apply other transforms to the input
+    PCollection, returning the output PCollection.
     """
 
     label: str | None = None
@@ -45,7 +74,7 @@ class PTransform:
         """The label used when none is given: the class name."""
         return type(self).__name__
 
-    def with_label(self, label: str) -> PTransform:
+    def with_label(self, label: str) -> PTransform[InT, OutT]:
         """A shallow copy of this transform carrying ``label``."""
         if not isinstance(label, str) or not label.strip():
             msg = f"a label must be a non-empty string, got {label!r}"
@@ -57,22 +86,22 @@ class PTransform:
         clone.label = label
         return clone
 
-    def __rrshift__(self, label: str) -> PTransform:
+    def __rrshift__(self, label: str) -> PTransform[InT, OutT]:
         return self.with_label(label)
 
-    def expand(self, pcoll: PCollection) -> PCollection:
+    def expand(self, pcoll: PCollection[InT]) -> PCollection[OutT]:
         """Apply this transform to ``pcoll``. Composites override this."""
         msg = f"{type(self).__name__} is neither a primitive nor a composite: override expand()"
         raise NotImplementedError(msg)
 
 
-class PrimitiveTransform(PTransform):
+class PrimitiveTransform(PTransform[InT, OutT]):
     """A transform that runners execute directly; ``kind`` is one of the primitive kinds."""
 
     kind: str = ""
 
-    def expand(self, pcoll: PCollection) -> PCollection:
-        return pcoll.pipeline._add_primitive(self, pcoll)
+    def expand(self, pcoll: PCollection[InT]) -> PCollection[OutT]:
+        return pcoll.pipeline.add_primitive(self, pcoll)
 
     def describe_params(self) -> str:
         """A short text of the parameters, shown by ``cdcflow graph``."""
@@ -97,7 +126,7 @@ class DoFn:
         return None
 
 
-class ParDo(PrimitiveTransform):
+class ParDo(PrimitiveTransform[Any, Any]):
     """Apply a :class:`DoFn` to every element."""
 
     kind = "ParDo"
@@ -149,7 +178,7 @@ class SinkWriter(Protocol):
         ...
 
 
-class Sink(PrimitiveTransform):
+class Sink(PrimitiveTransform[Any, None]):
     """A terminal transform. Two stages, as in a two-phase commit:
 
     1. ``open_writer`` in every task; the writer's ``close`` returns a commit message.

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from cdcflow.durations import parse_duration, parse_time
 from cdcflow.errors import PipelineDefinitionError
-from cdcflow.model import MAX_NS
+from cdcflow.model import MAX_NS, DataChangeRecord, PartitionMetadata
 from cdcflow.transforms.base import PrimitiveTransform
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ _PRIORITIES = ("LOW", "MEDIUM", "HIGH")
 TimeLike = str | datetime | int
 
 
-class DetectPartitions(PrimitiveTransform):
+class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
     """Where partitions come from: a change stream of a Spanner database.
 
     ``start_at``: ``"now"`` (resolved once, on the first run), ``"-10m"``, RFC 3339 text or
@@ -99,7 +99,7 @@ class DetectPartitions(PrimitiveTransform):
         return f"{where} stream={self.stream} start_at={self.start_at!s}{end}"
 
 
-class ReadPartition(PrimitiveTransform):
+class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
     """Read every scheduled partition; emit its DataChangeRecords.
 
     ``heartbeat``: how often an idle partition reports progress. ``max_inflight`` > 1 runs

@@ -21,8 +21,8 @@ import sys
 from typing import Any
 
 import cdcflow as cf
+from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.engine.runner import BatchStats, EngineListener
 from cdcflow.metadata import open_store
 from cdcflow.model import BatchPlan
 from cdcflow.runners.in_memory import InMemoryRunner

@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 import cdcflow as cf
+from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.engine.runner import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.task import FailedElement
 from cdcflow.errors import PipelineStopped, StreamNotFoundError, TransientError
 from cdcflow.metadata import MemoryStore, SQLiteStore, open_store

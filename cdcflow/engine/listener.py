@@ -1,0 +1,68 @@
+"""Observing a run: what the engine reports after each batch and at the end.
+
+:class:`EngineListener` is the typed seam the CLI's progress display (and any user code)
+implements; :class:`BatchStats` and :class:`RunSummary` are what it is told.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from cdcflow.model import BatchPlan
+
+__all__ = ["BatchStats", "EngineListener", "RunSummary"]
+
+
+@attrs.frozen
+class BatchStats:
+    """What one committed batch did; given to listeners after the store commit."""
+
+    batch_id: int
+    end: int  # the batch end T
+    slices: int
+    records: int  # data change records read
+    bytes: int
+    seconds: float  # wall time from plan to store commit
+    low_watermark: int  # the pipeline's low watermark after the commit
+    partitions: Mapping[str, int]  # state name -> count, after the commit
+    new_partitions: int = 0  # children inserted by this batch
+    splits: int = 0  # parents that reported two or more children
+    merges: int = 0  # children reported with two or more parents
+    replayed: bool = False  # the batch was planned by an earlier run and replayed
+
+
+@attrs.frozen
+class RunSummary:
+    pipeline: str
+    batches: int
+    records: int
+    reason: str  # "end reached", "duration", "max batches", "interrupted"
+    low_watermark: int
+    partitions: Mapping[str, int]
+    splits: int = 0
+    merges: int = 0
+
+
+class EngineListener:
+    """Observes a run; every method is a no-op here. The CLI's progress display is one.
+
+    Methods run on the driver, between the engine's steps, in this order per batch:
+    ``on_planned`` (plan durable) -> ``on_sinks_committed`` -> ``on_batch`` (store committed).
+    """
+
+    def on_start(self, pipeline: str, runner: str, store_url: str) -> None:
+        return None
+
+    def on_planned(self, plan: BatchPlan, replay: bool) -> None:
+        return None
+
+    def on_sinks_committed(self, batch_id: int) -> None:
+        return None
+
+    def on_batch(self, stats: BatchStats) -> None:
+        return None
+
+    def on_stop(self, summary: RunSummary) -> None:
+        return None
