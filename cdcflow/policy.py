@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import attrs
 
 from cdcflow.durations import parse_duration
+from cdcflow.model import Timestamp
+from cdcflow.transforms.base import Sink
 
-if TYPE_CHECKING:
-    from cdcflow.transforms.base import Sink
-
-__all__ = ["ErrorPolicy"]
+__all__ = ["ErrorPolicy", "FailedElement"]
 
 
 def _seconds(value: float | str) -> float:
@@ -43,3 +42,19 @@ class ErrorPolicy:
         if self.dead_letter is not None and self.then != "skip":
             msg = "ErrorPolicy.dead_letter needs then='skip' (stopped elements are not skipped)"
             raise ValueError(msg)
+
+
+@attrs.frozen
+class FailedElement:
+    """What a dead-letter sink receives for an element skipped by the error policy.
+
+    ``label`` is the failing transform or sink; ``error`` its last exception as text;
+    ``partition_token`` and ``commit_timestamp`` locate the change record the element
+    came from; ``element`` is the input that failed.
+    """
+
+    label: str
+    error: str
+    partition_token: str
+    commit_timestamp: Timestamp
+    element: Any

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
+from cdcflow.engine.lifecycle import all_finished, count_states, low_watermark
 from cdcflow.errors import UserInputError
 from cdcflow.metadata.base import MetadataStore
-from cdcflow.model import MAX_NS, PartitionMetadata, PartitionState, Timestamp
+from cdcflow.model import MAX_NS, PartitionState, Timestamp
 from cdcflow.progress import format_duration, format_partitions
 
-__all__ = ["low_watermark", "render_status"]
+__all__ = ["render_status"]
 
 _TOKEN_WIDTH = 28
 _MAX_ACTIVE_ROWS = 50
-
-
-def low_watermark(partitions: list[PartitionMetadata]) -> int:
-    """Minimum watermark over partitions that are not FINISHED (MAX_NS when none are)."""
-    active = [p.watermark for p in partitions if p.state != PartitionState.FINISHED]
-    return min(active, default=MAX_NS)
 
 
 def _stamp(ns: int | None) -> str:
@@ -45,13 +38,15 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "    ") -> li
 
 def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> list[str]:
     parts = store.partitions(name)
-    counts = Counter(p.state.value for p in parts)
+    counts = {state: n for state, n in count_states(parts).items() if n}
     low = low_watermark(parts)
     out = [f"pipeline {name}"]
     if not parts:
         out.append("  no partitions yet (the first batch has not been planned)")
-    elif low >= MAX_NS:
-        out.append("  low watermark  all partitions finished (the run reached its end)")
+    elif all_finished(parts):
+        out.append(
+            f"  low watermark  all partitions finished at {_stamp(low)} (the run reached its end)"
+        )
     else:
         out.append(f"  low watermark  {_stamp(low)} (lag {_ago(low, now_ns)})")
     out.append(f"  partitions     {format_partitions(counts)}")

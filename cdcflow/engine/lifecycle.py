@@ -1,7 +1,14 @@
-"""Scheduling decisions of the micro-batch engine, as pure functions (no I/O, no clock).
+"""The partition lifecycle, as pure functions (no I/O, no clock): the one place that decides.
 
-Everything here takes the stored partitions of one pipeline and returns what to do; the
-engine (:mod:`cdcflow.engine.loop`) reads the store, calls these, and writes back.
+Everything here takes the stored partitions of one pipeline (and, for :func:`fold`, what the
+tasks of a batch read) and returns what to do; the engine (:mod:`cdcflow.engine.loop`) reads
+the store, calls these, and writes back. ``cdcflow status`` and the property tests use the
+same functions, so there is one meaning of "ready", "finished", "low watermark" and "garbage".
+
+- :func:`plan_batch`: which partitions read which slice next (CREATED -> RUNNING).
+- :func:`fold`: the tasks' reports -> partition updates (RUNNING -> FINISHED) and new children.
+- :func:`low_watermark`: the resolved timestamp of the pipeline.
+- :func:`gc_candidates`: finished partitions that may be deleted.
 
 Invariants these functions rely on and keep:
 
@@ -16,12 +23,27 @@ Invariants these functions rely on and keep:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState, Slice
+import attrs
+
+from cdcflow.engine.runner import TaskResult
+from cdcflow.model import (
+    INITIAL_PARTITION_TOKEN,
+    BatchPlan,
+    PartitionMetadata,
+    PartitionState,
+    PartitionUpdate,
+    Slice,
+)
 
 __all__ = [
+    "BatchOutcome",
+    "all_finished",
     "children_of",
+    "count_states",
+    "fold",
     "gc_candidates",
     "low_watermark",
     "plan_batch",
@@ -142,3 +164,84 @@ def gc_candidates(
         if mine and all(c.state != _CREATED for c in mine):
             out.append(p.token)
     return sorted(out)
+
+
+@attrs.frozen
+class BatchOutcome:
+    """What a batch changes in the store, from its tasks' reports (see :func:`fold`).
+
+    ``updates``: every read partition's new watermark and whether it finished;
+    ``children``: partitions discovered by the batch, each once, ready to insert;
+    ``splits`` / ``merges``: parents that reported two or more children / children with two
+    or more parents; ``records``: data change records read.
+    """
+
+    updates: tuple[PartitionUpdate, ...]
+    children: tuple[PartitionMetadata, ...]
+    splits: int = 0
+    merges: int = 0
+    records: int = 0
+
+
+def fold(
+    stored: Mapping[str, PartitionMetadata],
+    results: Sequence[TaskResult],
+    now_ns: int,
+) -> BatchOutcome:
+    """Turn what the tasks of one batch read into the store's changes.
+
+    A partition finishes when its task read the record that ends it (a child partitions
+    record, or MUTABLE_KEY_RANGE's partition end record) or when it reached its own end.
+    Its watermark becomes the position it read to: the slice end, or the ending record's
+    position, where its children start. A child is reported once even when several parents
+    (a merge) or several tasks report it, and only if the store does not hold it yet; it
+    inherits the end of the parent that reported it, and one that starts at or after that
+    end has nothing to read and is born FINISHED. Children of the root partition are the
+    stream's first partitions, not a split.
+    """
+    updates: list[PartitionUpdate] = []
+    children: dict[str, PartitionMetadata] = {}
+    splits = merges = 0
+    for r in results:
+        parent = stored.get(r.token)
+        if parent is None:
+            msg = (
+                f"a task reported partition {r.token!r}, which the store does not hold; "
+                "results must come from the batch planned on these partitions"
+            )
+            raise ValueError(msg)
+        finished = r.ended or r.position >= parent.end
+        updates.append(PartitionUpdate(r.token, r.position, finished))
+        if len(r.children) >= 2 and r.token != INITIAL_PARTITION_TOKEN:
+            splits += 1
+        for seen in r.children:
+            if seen.token in stored or seen.token in children:
+                continue
+            child = PartitionMetadata(
+                token=seen.token, parent_tokens=seen.parent_tokens or (r.token,),
+                start=seen.start, end=parent.end, watermark=seen.start,
+                state=PartitionState.CREATED, heartbeat_millis=parent.heartbeat_millis,
+                created_at=now_ns,
+            )
+            if child.start >= child.end:
+                child = attrs.evolve(
+                    child, state=PartitionState.FINISHED, finished_at=now_ns
+                )
+            children[child.token] = child
+            if len(child.parent_tokens) >= 2:
+                merges += 1
+    return BatchOutcome(
+        updates=tuple(updates), children=tuple(children.values()), splits=splits,
+        merges=merges, records=sum(r.records for r in results),
+    )
+
+
+def all_finished(partitions: Sequence[PartitionMetadata]) -> bool:
+    """True when the pipeline has partitions and every one is FINISHED (its end reached)."""
+    return bool(partitions) and all(p.state == _FINISHED for p in partitions)
+
+
+def count_states(partitions: Iterable[PartitionMetadata]) -> dict[str, int]:
+    """State name -> number of partitions, for every state (zeros included)."""
+    counts = Counter(p.state.value for p in partitions)
+    return {state.value: counts.get(state.value, 0) for state in PartitionState}

@@ -1,16 +1,19 @@
 """The micro-batch engine: plan -> execute -> commit, the same for every runner.
 
-Each batch:
+Each batch follows the commit protocol of the design contract (§4), numbered the same way
+in the code below:
 
 1. plan: a pending plan in the store (a batch planned by an earlier run that did not
-   commit) is replayed as it is; otherwise ready partitions are scheduled, the batch end
-   ``T`` is chosen (never ahead of the clock, at most ``max_batch_span`` after the low
-   watermark) and the plan is written to the store before any task runs (write-ahead);
+   commit) is replayed as it is; otherwise :func:`~cdcflow.engine.lifecycle.plan_batch`
+   schedules ready partitions and chooses the batch end ``T`` (never ahead of the clock,
+   at most ``max_batch_span`` after the low watermark), and the plan is written to the
+   store before any task runs (write-ahead);
 2. execute: the runner runs one task per slice (:mod:`cdcflow.engine.task`);
-3. commit: every sink commits the batch (idempotent per batch id), then the store commits
-   all progress of the batch in one transaction (watermarks, finished partitions, child
-   partitions), then every sink learns the new low watermark; finished partitions whose
-   children have all started are garbage collected after ``gc_ttl``.
+3. commit: (a) every sink commits the batch (idempotent per batch id); (b) the store
+   commits all progress of the batch in one transaction — watermarks, finished
+   partitions, children, as :func:`~cdcflow.engine.lifecycle.fold` derives them from what
+   the tasks read; (c) every sink learns the new low watermark; (d) finished partitions
+   whose children have all started are garbage collected after ``gc_ttl``.
 
 A crash at any point leaves either a pending plan, which the next run replays with the
 same slices, or a committed batch: with deterministic reads and idempotent sink commits
@@ -25,7 +28,6 @@ import random
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
@@ -35,10 +37,17 @@ import attrs
 import cloudpickle
 
 from cdcflow.dag import Dag
-from cdcflow.engine.lifecycle import gc_candidates, low_watermark, plan_batch
+from cdcflow.engine.lifecycle import (
+    all_finished,
+    count_states,
+    fold,
+    gc_candidates,
+    low_watermark,
+    plan_batch,
+)
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.runner import Runner, Task, TaskResult
-from cdcflow.engine.task import TaskProgram
+from cdcflow.engine.task import TaskProgram, make_client
 from cdcflow.errors import PipelineDefinitionError, PipelineStopped, TransientError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import (
@@ -46,7 +55,6 @@ from cdcflow.model import (
     BatchPlan,
     PartitionMetadata,
     PartitionState,
-    PartitionUpdate,
     Timestamp,
 )
 from cdcflow.transforms.base import Sink, SinkContext
@@ -152,7 +160,7 @@ class Engine:
             # child before it execs.
             self.runner.open(name)
             try:
-                program.source.make_client().describe_stream(program.source.stream)
+                make_client(program.source).describe_stream(program.source.stream)
                 if opts.reset:
                     # Batch ids go on from before the reset, so sinks that key output by
                     # batch id (idempotent commits, file names) never mistake new batches
@@ -226,12 +234,14 @@ class Engine:
                 reason = "duration"
                 break
             batch_began = time.monotonic()
+            # 1. plan: replay a pending plan as it is, or plan the next batch and write it
+            #    to the store before any task runs (write-ahead).
             plan = self.store.pending_plan(name)
             replay = plan is not None
             now = self._clock()
             parts = self.store.partitions(name)
             if plan is None:
-                if parts and all(p.state == PartitionState.FINISHED for p in parts):
+                if all_finished(parts):
                     reason = "end reached"
                     break
                 batch_id = max(self.store.last_batch_id(name), self._batch_floor) + 1
@@ -254,7 +264,7 @@ class Engine:
         parts = self.store.partitions(name)
         return RunSummary(
             pipeline=name, batches=batches, records=records, reason=reason,
-            low_watermark=low_watermark(parts), partitions=_count_states(parts),
+            low_watermark=low_watermark(parts), partitions=count_states(parts),
             splits=self._splits, merges=self._merges,
         )
 
@@ -282,12 +292,14 @@ class Engine:
         """Run and commit ``plan``. ``parts`` are the partitions as stored before the batch
         (their ends and tokens are all the commit needs; only the commit changes them)."""
         name = self.pipeline.name
+        # 2. execute: one task per slice, on the runner.
         tasks = [pickle.dumps(Task(name, plan.batch_id, s)) for s in plan.slices]
         try:
             results = self._run_tasks(plan, program_bytes, tasks, sinks)
         except BaseException:
             _abort(plan.batch_id, sinks)
             raise
+        # 3a. commit the sinks (idempotent per batch id: a replay commits the same again).
         for label, sink in sinks.items():
             messages = [
                 r.sink_messages[label] for r in results if r.sink_messages.get(label) is not None
@@ -295,50 +307,32 @@ class Engine:
             sink.commit(plan.batch_id, messages)
         self.listener.on_sinks_committed(plan.batch_id)
 
+        # 3b. commit the store: the batch's progress, as the lifecycle reads the results.
         now = self._clock()
-        stored = {p.token: p for p in parts}
-        updates: list[PartitionUpdate] = []
-        children: dict[str, PartitionMetadata] = {}
-        splits = merges = 0
-        for r in results:
-            parent = stored.get(r.token)
-            end = parent.end if parent is not None else None
-            finished = r.finished or (end is not None and r.watermark >= end)
-            updates.append(PartitionUpdate(r.token, r.watermark, finished))
-            if len(r.children) >= 2 and r.token != INITIAL_PARTITION_TOKEN:
-                splits += 1  # the root's children are the stream's partitions, not a split
-            for child in r.children:
-                if child.token in stored or child.token in children:
-                    continue
-                child = attrs.evolve(child, created_at=now)
-                if end is not None:
-                    child = attrs.evolve(child, end=end)
-                if child.start >= child.end:  # nothing to read: born finished
-                    child = attrs.evolve(
-                        child, state=PartitionState.FINISHED, watermark=child.start,
-                        finished_at=now,
-                    )
-                children[child.token] = child
-                if len(child.parent_tokens) >= 2:
-                    merges += 1
-        count = sum(r.records for r in results)
-        self.store.commit_batch(name, plan.batch_id, updates, list(children.values()), count)
-        self._splits += splits
-        self._merges += merges
+        outcome = fold({p.token: p for p in parts}, results, now)
+        self.store.commit_batch(
+            name, plan.batch_id, list(outcome.updates), list(outcome.children), outcome.records
+        )
+        self._splits += outcome.splits
+        self._merges += outcome.merges
 
+        # 3c. tell every sink the new low watermark (a resolved timestamp).
         parts = self.store.partitions(name)
         low = low_watermark(parts)
         for sink in sinks.values():
             sink.on_watermark(low)
+        # 3d. garbage-collect finished partitions whose children have all started.
         expired = gc_candidates(parts, now, int(self.options.gc_ttl * _NS))
         if expired:
             self.store.delete_partitions(name, expired)
-            parts = [p for p in parts if p.token not in set(expired)]
+            gone = set(expired)
+            parts = [p for p in parts if p.token not in gone]
         return BatchStats(
-            batch_id=plan.batch_id, end=plan.end, slices=len(plan.slices), records=count,
-            bytes=sum(r.bytes for r in results), seconds=time.monotonic() - began,
-            low_watermark=low, partitions=_count_states(parts),
-            new_partitions=len(children), splits=splits, merges=merges, replayed=replay,
+            batch_id=plan.batch_id, end=plan.end, slices=len(plan.slices),
+            records=outcome.records, bytes=sum(r.bytes for r in results),
+            seconds=time.monotonic() - began, low_watermark=low,
+            partitions=count_states(parts), new_partitions=len(outcome.children),
+            splits=outcome.splits, merges=outcome.merges, replayed=replay,
         )
 
     def _run_tasks(
@@ -424,8 +418,3 @@ def _is_transient(exc: BaseException) -> bool:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return False
-
-
-def _count_states(parts: Sequence[PartitionMetadata]) -> dict[str, int]:
-    counts = Counter(str(p.state) for p in parts)
-    return {state.value: counts.get(state.value, 0) for state in PartitionState}

@@ -13,9 +13,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from cdcflow.model import PartitionMetadata, Slice
+from cdcflow.model import Slice
 
-__all__ = ["Runner", "Task", "TaskResult"]
+__all__ = ["ChildSeen", "Runner", "Task", "TaskResult"]
 
 
 @attrs.frozen
@@ -28,18 +28,31 @@ class Task:
 
 
 @attrs.frozen
-class TaskResult:
-    """The small result a task returns to the driver.
+class ChildSeen:
+    """A partition a task read about: from a child partitions record (``parent_tokens`` as
+    the record lists them) or a partition start record (no parents listed). ``start`` is
+    the position of that record, where the new partition starts reading."""
 
-    ``watermark`` is the position the partition reached: ``slice.end``, or the position at
-    which it finished (its child partitions start there) when ``finished``.
-    ``sink_messages`` maps a sink's label to its writer's commit message.
+    token: str
+    parent_tokens: tuple[str, ...]
+    start: int
+
+
+@attrs.frozen
+class TaskResult:
+    """The small result a task returns to the driver: what it read, not what it means.
+
+    ``position``: how far the slice was read — its end, or, when ``ended``, the position of
+    the record that ended the partition (a child partitions record or a partition end
+    record). ``children``: the partitions the slice announced. ``sink_messages`` maps a
+    sink's label to its writer's commit message. The engine's lifecycle
+    (:func:`cdcflow.engine.lifecycle.fold`) alone turns this into partition state.
     """
 
     token: str
-    watermark: int
-    finished: bool
-    children: tuple[PartitionMetadata, ...] = ()
+    position: int
+    ended: bool
+    children: tuple[ChildSeen, ...] = ()
     sink_messages: Mapping[str, Any] = attrs.field(factory=dict)
     records: int = 0
     bytes: int = 0

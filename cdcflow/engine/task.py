@@ -1,4 +1,5 @@
-"""Where a task runs: read one slice of one partition and push it through the fused chain.
+"""Where a task runs: read one slice of one partition and push it through the fused chain
+(:mod:`cdcflow.engine.chain`).
 
 Every runner ships a :class:`TaskProgram` (built once per run) and one :class:`Task` per
 slice as cloudpickle bytes and calls :func:`execute_task` where the task runs (a thread of
@@ -14,9 +15,12 @@ A task:
    sink's elements go to its writer (opened on first use); with ``max_inflight > 1`` on
    ReadPartition the ParDos of several records run concurrently while sink writers still
    receive elements in record order (an InflightTracker releases the contiguous prefix);
-4. turns a ChildPartitionsRecord (or MUTABLE_KEY_RANGE's PartitionStart/EndRecord) into
-   the partition's end and its children; heartbeats only advance progress;
-5. closes the writers and returns a small :class:`~cdcflow.engine.runner.TaskResult`.
+4. notes where a ChildPartitionsRecord (or MUTABLE_KEY_RANGE's PartitionEndRecord) ends
+   the partition and which partitions it (or a PartitionStartRecord) announces;
+   heartbeats only advance progress;
+5. closes the writers and returns a small :class:`~cdcflow.engine.runner.TaskResult`:
+   what it read, never partition state — the lifecycle (:mod:`cdcflow.engine.lifecycle`)
+   alone decides what that means for the store.
 
 On any failure every opened writer is aborted and the error propagates: nothing of the
 task is committed, and the engine replays the batch. User functions and sink writes run
@@ -25,68 +29,44 @@ under the pipeline's :class:`~cdcflow.policy.ErrorPolicy`.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import logging
 import pickle
-import random
 import threading
-import time
-import uuid
-from collections.abc import Callable, Mapping
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
 
 import attrs
 import cloudpickle
 
-from cdcflow.engine.runner import Task, TaskResult
-from cdcflow.errors import PipelineDefinitionError, PipelineStopped
-from cdcflow.inflight import Barrier, InflightTracker
+from cdcflow.dag import Dag
+from cdcflow.engine.chain import Chain, approx_size
+from cdcflow.engine.runner import ChildSeen, Task, TaskResult
+from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
-    MAX_NS,
     ChildPartitionsRecord,
     DataChangeRecord,
     HeartbeatRecord,
     PartitionEndRecord,
-    PartitionMetadata,
     PartitionStartRecord,
-    PartitionState,
-    Timestamp,
     record_position,
 )
-from cdcflow.policy import ErrorPolicy
+from cdcflow.policy import ErrorPolicy, FailedElement
 from cdcflow.restriction import TimestampRange, TimestampRangeTracker
-from cdcflow.stream import ChangeStreamQuery
-from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
+from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery
+from cdcflow.transforms.base import ParDo, Sink
 from cdcflow.transforms.source import DetectPartitions, ReadPartition
 
-if TYPE_CHECKING:
-    from cdcflow.dag import Dag
-
-__all__ = ["DEAD_LETTER_LABEL", "FailedElement", "TaskProgram", "execute_task", "run_task"]
-
-_log = logging.getLogger("cdcflow.task")
+__all__ = [
+    "DEAD_LETTER_LABEL",
+    "FailedElement",
+    "TaskProgram",
+    "execute_task",
+    "make_client",
+    "run_task",
+]
 
 #: Label of the error policy's dead-letter sink when it has none of its own.
 DEAD_LETTER_LABEL = "dead-letter"
-
-
-@attrs.frozen
-class FailedElement:
-    """What a dead-letter sink receives for an element skipped by the error policy.
-
-    ``label`` is the failing transform or sink; ``error`` its last exception as text;
-    ``partition_token`` and ``commit_timestamp`` locate the change record the element
-    came from; ``element`` is the input that failed.
-    """
-
-    label: str
-    error: str
-    partition_token: str
-    commit_timestamp: Timestamp
-    element: Any
 
 
 @attrs.frozen
@@ -197,6 +177,19 @@ def execute_task(program: bytes, task: bytes) -> bytes:
     return result
 
 
+def make_client(source: DetectPartitions) -> ChangeStreamClient:
+    """The client tasks read ``source`` with: its own client (tests pass a
+    ScriptedChangeStream), else the Spanner reader, cached per worker process."""
+    if source.client is not None:
+        return source.client
+    from cdcflow.spanner.client import cached_client  # only a Spanner source needs it
+
+    assert source.database is not None
+    return cached_client(
+        source.database, priority=source.priority, query_timeout=source.query_timeout
+    )
+
+
 def run_task(program: TaskProgram, task: Task) -> TaskResult:
     """Run ``task`` in this thread (see the module docstring); the unpickled form of
     :func:`execute_task`."""
@@ -210,54 +203,48 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
         heartbeat_millis=program.heartbeat_millis,
     )
     tracker = TimestampRangeTracker(TimestampRange(sl.start, sl.end))
-    chain = _Chain(program, task)
-    finished_at: int | None = None
-    children: dict[str, PartitionMetadata] = {}
+    chain = Chain(program, task)
+    ended_at: int | None = None
+    children: dict[str, ChildSeen] = {}
     records = size = 0
 
-    def add_children(position: int, tokens: list[tuple[str, tuple[str, ...]]]) -> None:
-        for token, parents in tokens:
-            children.setdefault(token, PartitionMetadata(
-                token=token, parent_tokens=parents or (sl.token,), start=position,
-                end=MAX_NS,  # the engine sets the parent's end
-                watermark=position, state=PartitionState.CREATED,
-                heartbeat_millis=program.heartbeat_millis,
-            ))
+    def announce(position: int, record: ChildPartitionsRecord | PartitionStartRecord) -> None:
+        if isinstance(record, ChildPartitionsRecord):
+            seen = [(c.token, c.parent_partition_tokens) for c in record.child_partitions]
+        else:
+            seen = [(t, ()) for t in record.partition_tokens]
+        for token, parents in seen:
+            children.setdefault(token, ChildSeen(token, tuple(parents), position))
 
     try:
-        client = program.source.make_client()
-        for record in client.read(query):
+        for record in make_client(program.source).read(query):
             position = record_position(record)
-            if finished_at is not None:
+            if ended_at is not None:
                 # Several child records may share the end position (the root query gives
                 # one per partition); anything else after the end is not ours.
-                if position != finished_at:
+                if position != ended_at:
                     break
-                if isinstance(record, ChildPartitionsRecord):
-                    add_children(position, [(c.token, c.parent_partition_tokens)
-                                            for c in record.child_partitions])
-                elif isinstance(record, PartitionStartRecord):
-                    add_children(position, [(t, ()) for t in record.partition_tokens])
+                if isinstance(record, ChildPartitionsRecord | PartitionStartRecord):
+                    announce(position, record)
                 continue
             if not tracker.try_claim(position):
                 break
             if isinstance(record, DataChangeRecord):
-                n = _approx_size(record)
+                n = approx_size(record)
                 records += 1
                 size += n
                 chain.push(record, position, n)
             elif isinstance(record, HeartbeatRecord):
                 chain.barrier(position)
             elif isinstance(record, ChildPartitionsRecord):
-                finished_at = position
-                add_children(position, [(c.token, c.parent_partition_tokens)
-                                        for c in record.child_partitions])
+                ended_at = position
+                announce(position, record)
             elif isinstance(record, PartitionStartRecord):
-                add_children(position, [(t, ()) for t in record.partition_tokens])
+                announce(position, record)
                 if root:
-                    finished_at = position
+                    ended_at = position
             elif isinstance(record, PartitionEndRecord):
-                finished_at = position
+                ended_at = position
             else:  # PartitionEventRecord: key ranges moved; nothing to emit downstream
                 chain.barrier(position)
         messages = chain.finish()
@@ -266,265 +253,11 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
         raise
     return TaskResult(
         token=sl.token,
-        watermark=sl.end if finished_at is None else finished_at,
-        finished=finished_at is not None,
+        position=sl.end if ended_at is None else ended_at,
+        ended=ended_at is not None,
         children=tuple(children.values()),
         sink_messages=messages,
         records=records,
         bytes=size,
         counters=chain.counters(),
     )
-
-
-# -- the fused chain --------------------------------------------------------------------------
-
-
-class _Skipped:
-    """An element the error policy skipped, with the last error as text."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-class _Failure:
-    """An exception raised in the pool, delivered in record order."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-Delivery = tuple[str, Any]  # (sink label, element)
-
-
-class _Chain:
-    """One task's copy of the transforms downstream of ReadPartition, and its writers."""
-
-    def __init__(self, program: TaskProgram, task: Task) -> None:
-        self._program = program
-        self._task = task
-        self._nodes: dict[str, ParDo | Sink] = pickle.loads(program.chain)
-        self._succ = program.successors
-        self._policy = program.policy
-        self._attempt = uuid.uuid4().hex  # unique per execution: retries write elsewhere
-        self._writers: dict[str, SinkWriter] = {}
-        self._set_up: list[ParDo] = []
-        self._started = False
-        self._skipped = 0
-        self._retries = 0
-        self._count_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._inflight: InflightTracker | None = None
-        self._released: list[tuple[int, Any]] = []
-        self._release_lock = threading.Lock()
-        if program.max_inflight > 1:
-            self._inflight = InflightTracker(program.max_inflight, program.max_inflight_bytes)
-
-    # -- feeding records ---------------------------------------------------------------------
-
-    def push(self, record: DataChangeRecord, position: int, size: int) -> None:
-        self._start()
-        if self._inflight is None:
-            self._deliver(record, self._evaluate(record))
-            return
-        assert self._pool is not None
-        seq = self._inflight.begin(position, size)
-        future = self._pool.submit(self._evaluate, record)
-        future.add_done_callback(lambda f: self._completed(seq, record, f))
-        self._flush()
-
-    def barrier(self, position: int) -> None:
-        if self._inflight is None:
-            return
-        with self._release_lock:
-            self._released.extend(self._inflight.barrier(position))
-        self._flush()
-
-    def _completed(
-        self, seq: int, record: DataChangeRecord, future: Future[list[Delivery]]
-    ) -> None:
-        error = CancelledError() if future.cancelled() else future.exception()
-        result: Any = _Failure(error) if error is not None else (record, future.result())
-        assert self._inflight is not None
-        # complete() and the append happen under one lock so released runs stay in order
-        with self._release_lock:
-            self._released.extend(self._inflight.complete(seq, result))
-
-    def _flush(self) -> None:
-        with self._release_lock:
-            released, self._released = self._released, []
-        for _, result in released:
-            if isinstance(result, Barrier):
-                continue
-            if isinstance(result, _Failure):
-                raise result.error
-            record, deliveries = result
-            self._deliver(record, deliveries)
-
-    def _start(self) -> None:
-        if self._started:
-            return
-        self._started = True
-        # DoFn.setup runs once per task, before the first element, on this thread.
-        for node in self._nodes.values():
-            if isinstance(node, ParDo):
-                node.fn.setup()
-                self._set_up.append(node)
-        if self._inflight is not None:
-            self._pool = ThreadPoolExecutor(
-                self._inflight.max_inflight, thread_name_prefix="cdcflow-inflight"
-            )
-
-    # -- running transforms -----------------------------------------------------------------
-
-    def _evaluate(self, record: DataChangeRecord) -> list[Delivery]:
-        """Run every ParDo on ``record``; return the sink deliveries in chain order."""
-        out: list[Delivery] = []
-
-        def visit(label: str, element: Any) -> None:
-            node = self._nodes[label]
-            if isinstance(node, Sink):
-                out.append((label, element))
-                return
-            call = functools.partial(_process, node, element)
-            outputs = self._guarded(label, record, element, call)
-            if isinstance(outputs, _Skipped):
-                if self._program.dead_letter_label is not None:
-                    out.append((self._program.dead_letter_label,
-                                self._failed(label, record, element, outputs)))
-                return
-            for value in outputs:
-                for nxt in self._succ[label]:
-                    visit(nxt, value)
-
-        for label in self._succ[self._program.read_label]:
-            visit(label, record)
-        return out
-
-    def _deliver(self, record: DataChangeRecord, deliveries: list[Delivery]) -> None:
-        dead = self._program.dead_letter_label
-        for label, element in deliveries:
-            writer = self._writer(label)
-            if label == dead:
-                writer.write(element)  # a failing dead-letter sink fails the task
-                continue
-            done = self._guarded(label, record, element, functools.partial(writer.write, element))
-            if isinstance(done, _Skipped) and dead is not None:
-                self._writer(dead).write(self._failed(label, record, element, done))
-
-    def _guarded(
-        self, label: str, record: DataChangeRecord, element: Any, call: Callable[[], Any]
-    ) -> Any:
-        """``call()`` under the error policy: its value, or _Skipped when skipped."""
-        policy = self._policy
-        attempt = 0
-        while True:
-            try:
-                return call()
-            except Exception as exc:
-                if attempt < policy.retries:
-                    delay = min(policy.max_backoff, policy.backoff * (2**attempt))
-                    time.sleep(delay * random.uniform(0.5, 1.0))
-                    attempt += 1
-                    with self._count_lock:
-                        self._retries += 1
-                    continue
-                where = (
-                    f"{label!r} failed on a change of partition {record.partition_token} "
-                    f"committed at {record.commit_timestamp} after {attempt + 1} attempt(s): "
-                    f"{type(exc).__name__}: {exc}"
-                )
-                if policy.then == "stop":
-                    msg = (
-                        f"{where}. Nothing past this record was committed; fix the cause and "
-                        "run again to resume, or skip such elements with "
-                        "ErrorPolicy(then='skip')"
-                    )
-                    raise PipelineStopped(msg) from exc
-                _log.warning("skipped an element: %s", where)
-                with self._count_lock:
-                    self._skipped += 1
-                return _Skipped(f"{type(exc).__name__}: {exc}")
-
-    def _failed(
-        self, label: str, record: DataChangeRecord, element: Any, skipped: _Skipped
-    ) -> FailedElement:
-        return FailedElement(
-            label=label,
-            error=skipped.error,
-            partition_token=record.partition_token,
-            commit_timestamp=record.commit_timestamp,
-            element=element,
-        )
-
-    def _writer(self, label: str) -> SinkWriter:
-        writer = self._writers.get(label)
-        if writer is None:
-            sink = self._nodes[label]
-            assert isinstance(sink, Sink)
-            sl = self._task.slice
-            writer = sink.open_writer(WriterContext(
-                pipeline=self._program.pipeline, sink_label=label, batch_id=self._task.batch_id,
-                partition_token=sl.token, slice_start=sl.start, slice_end=sl.end,
-                attempt=self._attempt,
-            ))
-            self._writers[label] = writer
-        return writer
-
-    # -- ending -----------------------------------------------------------------------------
-
-    def finish(self) -> dict[str, Any]:
-        """Drain in-flight work, tear down, close writers; the sink commit messages."""
-        if self._inflight is not None:
-            self._inflight.drain()
-            self._flush()
-        self._shutdown()
-        teardown, self._set_up = self._set_up, []
-        for node in teardown:
-            node.fn.teardown()
-        messages: dict[str, Any] = {}
-        for label in list(self._writers):
-            messages[label] = self._writers.pop(label).close()
-        return messages
-
-    def abort(self) -> None:
-        self._shutdown()
-        for node in self._set_up:
-            try:
-                node.fn.teardown()
-            except Exception:
-                _log.exception("teardown of a DoFn failed while aborting a task")
-        self._set_up = []
-        for writer in self._writers.values():
-            try:
-                writer.abort()
-            except Exception:
-                _log.exception("aborting a sink writer failed")
-        self._writers.clear()
-
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-    def counters(self) -> dict[str, int]:
-        return {"skipped": self._skipped, "retries": self._retries}
-
-
-def _process(node: ParDo | Sink, element: Any) -> list[Any]:
-    assert isinstance(node, ParDo)
-    produced = node.fn.process(element)
-    return [] if produced is None else list(produced)
-
-
-def _approx_size(record: DataChangeRecord) -> int:
-    """A cheap estimate of a record's memory in bytes (for the in-flight byte quota)."""
-    n = 256
-    for mod in record.mods:
-        for values in (mod.keys, mod.new_values, mod.old_values):
-            for key, value in values.items():
-                n += 48 + len(key) + (len(value) if isinstance(value, str | bytes) else 16)
-    return n

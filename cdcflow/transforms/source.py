@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from cdcflow.durations import parse_duration, parse_time
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import MAX_NS, DataChangeRecord, PartitionMetadata
+from cdcflow.stream import ChangeStreamClient
 from cdcflow.transforms.base import PrimitiveTransform
-
-if TYPE_CHECKING:
-    from cdcflow.stream import ChangeStreamClient
 
 __all__ = ["DetectPartitions", "ReadPartition"]
 
@@ -81,17 +78,6 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
     def end_ns(self, now_ns: int) -> int:
         """The exclusive end position (``end_at`` + 1 ns, since ``end_at`` is inclusive)."""
         return MAX_NS if self.end_at is None else parse_time(self.end_at, now_ns) + 1
-
-    def make_client(self) -> ChangeStreamClient:
-        """The client tasks read with (cached per worker process for Spanner)."""
-        if self.client is not None:
-            return self.client
-        from cdcflow.spanner.client import cached_client
-
-        assert self.database is not None
-        return cached_client(
-            self.database, priority=self.priority, query_timeout=self.query_timeout
-        )
 
     def describe_params(self) -> str:
         where = self.database or type(self.client).__name__

@@ -1,20 +1,31 @@
 from __future__ import annotations
 
-import attrs
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cdcflow.engine.lifecycle import gc_candidates, low_watermark, plan_batch, ready_partitions
+import cdcflow as cf
+from cdcflow.engine.lifecycle import (
+    all_finished,
+    count_states,
+    fold,
+    gc_candidates,
+    low_watermark,
+    plan_batch,
+    ready_partitions,
+)
+from cdcflow.engine.runner import ChildSeen, Task, TaskResult
+from cdcflow.engine.task import TaskProgram, run_task
+from cdcflow.metadata.memory import MemoryStore
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     MAX_NS,
-    ChildPartitionsRecord,
     DataChangeRecord,
     PartitionMetadata,
     PartitionState,
+    PartitionUpdate,
     Slice,
 )
-from cdcflow.stream import ChangeStreamQuery
 from cdcflow.testing import ScriptedChangeStream
 
 C, R, F = PartitionState.CREATED, PartitionState.RUNNING, PartitionState.FINISHED
@@ -131,61 +142,54 @@ def histories(draw: st.DrawFn) -> tuple[ScriptedChangeStream, int]:
 
 
 def _run(stream: ScriptedChangeStream, end: int, span: int, ttl: int | None) -> None:
-    """Drive the scheduling functions like the engine does, checking invariants."""
-    parts: dict[str, PartitionMetadata] = {
-        INITIAL_PARTITION_TOKEN: part(INITIAL_PARTITION_TOKEN, C, 0, end=end)
-    }
+    """Drive the real task, the lifecycle and the memory store the way the engine does,
+    checking the scheduling invariants after every batch."""
+    pipeline = cf.Pipeline("h")
+    (pipeline | cf.DetectPartitions(stream="S", start_at=0, client=stream)
+     | cf.ReadPartition() | cf.Collect())
+    program = TaskProgram.from_pipeline(pipeline)
+    store = MemoryStore()
+    root = part(INITIAL_PARTITION_TOKEN, C, 0, end=end)
+    store.insert_partitions("h", [root])
     reads: dict[str, int] = {}
     finished_at: dict[str, int] = {}
     delivered: list[DataChangeRecord] = []
-    last_low = low_watermark(parts.values())
+    last_low = low_watermark([root])
     for batch in range(1, 10_000):
-        if all(p.state == F for p in parts.values()):
+        parts = store.partitions("h")
+        if all_finished(parts):
             break
-        now = batch
-        plan, transitions = plan_batch(list(parts.values()), end + 100, span, batch)
+        plan, transitions = plan_batch(parts, end + 100, span, batch)
         assert plan.end <= end + 100
         assert plan.slices, "a plan must advance while partitions are not finished"
-        for token, state in transitions.items():
-            parts[token] = attrs.evolve(parts[token], state=state)
-        for s in plan.slices:
-            p = parts[s.token]
-            if s.start == p.start:
-                reads[s.token] = reads.get(s.token, 0) + 1
+        store.write_plan("h", plan, transitions)
+        stored = {p.token: p for p in parts}
+        results: list[TaskResult] = []
+        for sl in plan.slices:
+            p = stored[sl.token]
+            if sl.start == p.start:
+                reads[sl.token] = reads.get(sl.token, 0) + 1
                 for parent in p.parent_tokens:  # never before all parents finished
-                    assert parent not in parts or parts[parent].state == F
+                    assert parent not in stored or stored[parent].state == F
                     assert finished_at.get(parent, -1) < batch
-            query = ChangeStreamQuery(
-                "S", None if s.token == INITIAL_PARTITION_TOKEN else s.token, s.start, s.end
-            )
-            watermark, finished = s.end, s.end >= p.end
-            for rec in stream.read(query):
-                if isinstance(rec, ChildPartitionsRecord):
-                    watermark, finished = rec.start_timestamp.ns, True
-                    for child in rec.child_partitions:
-                        parents = child.parent_partition_tokens or (s.token,)
-                        if child.token not in parts:
-                            parts[child.token] = part(
-                                child.token, C, watermark, parents=parents, end=p.end
-                            )
-                elif isinstance(rec, DataChangeRecord):
-                    delivered.append(rec)
-            assert watermark >= p.watermark
-            parts[s.token] = attrs.evolve(
-                p,
-                watermark=watermark,
-                state=F if finished else p.state,
-                finished_at=now if finished else None,
-            )
-            if finished:
-                finished_at[s.token] = batch
-        low = low_watermark(parts.values())
+            result = run_task(program, Task("h", batch, sl))
+            delivered += result.sink_messages.get("Collect") or []
+            results.append(result)
+        outcome = fold(stored, results, now_ns=batch)
+        for u in outcome.updates:
+            assert u.watermark >= stored[u.token].watermark
+            if u.finished:
+                finished_at[u.token] = batch
+        store.commit_batch("h", batch, list(outcome.updates), list(outcome.children))
+        parts = store.partitions("h")
+        low = low_watermark(parts)
         assert low >= last_low, "the low watermark never moves backwards"
         last_low = low
         if ttl is not None:
-            for token in gc_candidates(list(parts.values()), now, ttl):
-                del parts[token]
-    assert all(p.state == F for p in parts.values())
+            expired = gc_candidates(parts, batch, ttl)
+            if expired:
+                store.delete_partitions("h", expired)
+    assert all_finished(store.partitions("h"))
     # every partition was read from its start exactly once (one reader per partition)
     assert all(n == 1 for n in reads.values())
     order = stream.expected_records(0, end)
@@ -199,3 +203,64 @@ def test_random_histories_read_each_partition_once_after_its_parents(
 ) -> None:
     stream, end = history
     _run(stream, end, span, ttl)
+
+
+# -- fold: what the tasks read becomes the store's changes -----------------------------------
+
+
+def _result(token: str, position: int, ended: bool = False, *children: ChildSeen,
+            records: int = 0) -> TaskResult:
+    return TaskResult(token, position, ended, children=children, records=records)
+
+
+def test_fold_advances_and_finishes_at_the_reported_positions() -> None:
+    stored = {"a": part("a", R, 0, 5, end=100), "b": part("b", R, 0, 5, end=20)}
+    out = fold(stored, [_result("a", 10, records=3), _result("b", 20, records=1)], now_ns=7)
+    # b reached its own end without an ending record: finished all the same
+    assert out.updates == (PartitionUpdate("a", 10, False), PartitionUpdate("b", 20, True))
+    assert out.children == () and out.records == 4 and (out.splits, out.merges) == (0, 0)
+
+
+def test_fold_makes_children_once_with_the_reporters_end() -> None:
+    stored = {
+        "p": part("p", R, 0, end=50), "q": part("q", R, 0, end=50),
+        "old": part("old", C, 9, parents=("p",)),
+    }
+    split = _result("p", 9, True, ChildSeen("a", ("p",), 9), ChildSeen("old", ("p",), 9))
+    merge_from_p = _result("q", 9, True, ChildSeen("m", ("p", "q"), 9))
+    merge_from_q = _result("p", 9, True, ChildSeen("m", ("p", "q"), 9))
+    out = fold(stored, [split, merge_from_p, merge_from_q], now_ns=11)
+    assert [c.token for c in out.children] == ["a", "m"]  # "old" is stored already
+    a, m = out.children
+    assert (a.parent_tokens, a.start, a.end, a.watermark, a.state, a.created_at) == (
+        ("p",), 9, 50, 9, C, 11
+    )
+    assert m.parent_tokens == ("p", "q")
+    assert (out.splits, out.merges) == (1, 1)
+
+
+def test_fold_children_without_parents_belong_to_the_reporter() -> None:
+    stored = {INITIAL_PARTITION_TOKEN: part(INITIAL_PARTITION_TOKEN, R, 0, end=MAX_NS)}
+    out = fold(stored, [_result(INITIAL_PARTITION_TOKEN, 0, True, ChildSeen("x", (), 0),
+                                ChildSeen("y", (), 0))], now_ns=1)
+    assert [c.parent_tokens for c in out.children] == [(INITIAL_PARTITION_TOKEN,)] * 2
+    assert out.splits == 0  # the root's children are the stream's partitions, not a split
+
+
+def test_fold_child_starting_at_the_end_is_born_finished() -> None:
+    stored = {"p": part("p", R, 0, end=10)}
+    out = fold(stored, [_result("p", 10, True, ChildSeen("c", ("p",), 10))], now_ns=3)
+    (c,) = out.children
+    assert c.state == F and c.finished_at == 3 and c.watermark == 10
+
+
+def test_fold_refuses_a_result_for_an_unknown_partition() -> None:
+    with pytest.raises(ValueError, match="does not hold"):
+        fold({}, [_result("ghost", 1)], now_ns=0)
+
+
+def test_count_states_and_all_finished() -> None:
+    parts = [part("a", F, finished_at=1), part("b", R)]
+    assert count_states(parts) == {"CREATED": 0, "SCHEDULED": 0, "RUNNING": 1, "FINISHED": 1}
+    assert not all_finished(parts) and not all_finished([])
+    assert all_finished([part("a", F, finished_at=1)])

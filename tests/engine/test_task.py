@@ -27,7 +27,6 @@ from cdcflow.model import (
     PartitionEndRecord,
     PartitionEventRecord,
     PartitionStartRecord,
-    PartitionState,
     Slice,
 )
 from cdcflow.policy import ErrorPolicy
@@ -94,7 +93,7 @@ def test_slice_reads_half_open_range_and_commits_its_end() -> None:
     prog = program(scripted(), Collect())
     result = run_task(prog, task("p0", T0 + 2 * S, T0 + 5 * S))
     assert vals(items(result)) == [1, 2, 3]  # commit times 2 s, 3 s, 4 s; 5 s is the next slice
-    assert result.watermark == T0 + 5 * S and not result.finished and result.children == ()
+    assert result.position == T0 + 5 * S and not result.ended and result.children == ()
     assert result.records == 3 and result.bytes > 0
     assert vals(items(run_task(prog, task("p0", T0 + 5 * S, T0 + 6 * S)))) == [4]
 
@@ -102,12 +101,12 @@ def test_slice_reads_half_open_range_and_commits_its_end() -> None:
 def test_root_partition_finishes_at_its_start_with_every_child() -> None:
     s = ScriptedChangeStream("S", partitions=3, origin=T0)
     result = run_task(program(s, Collect()), task(INITIAL_PARTITION_TOKEN, T0, T0 + 10 * S))
-    assert result.finished and result.watermark == T0
+    assert result.ended and result.position == T0
     assert [c.token for c in result.children] == ["p0", "p1", "p2"]
     for child in result.children:
-        assert child.parent_tokens == (INITIAL_PARTITION_TOKEN,)
-        assert child.start == child.watermark == T0
-        assert child.state == PartitionState.CREATED
+        # the root query's records list no parents: the lifecycle makes the root the parent
+        assert child.parent_tokens == ()
+        assert child.start == T0
     assert result.sink_messages == {}  # no writer opened without data
 
 
@@ -115,7 +114,7 @@ def test_split_finishes_the_partition_at_the_child_record() -> None:
     s = scripted().split("p0", at=T0 + 3 * S + 1, into=["a", "b"])
     result = run_task(program(s, Collect()), task("p0", T0, T0 + 100 * S))
     assert vals(items(result)) == [0, 1, 2]
-    assert result.finished and result.watermark == T0 + 3 * S + 1
+    assert result.ended and result.position == T0 + 3 * S + 1
     assert [(c.token, c.parent_tokens, c.start) for c in result.children] == [
         ("a", ("p0",), T0 + 3 * S + 1),
         ("b", ("p0",), T0 + 3 * S + 1),
@@ -164,21 +163,18 @@ def test_mutable_key_range_records() -> None:
     ])
     result = run_task(program(client, Collect()), task("k", T0, T0 + S))
     assert vals(items(result)) == [1, 2]  # the event record is not emitted downstream
-    assert result.finished and result.watermark == T0 + 5
+    assert result.ended and result.position == T0 + 5
     assert [(c.token, c.parent_tokens, c.start) for c in result.children] == [
-        ("k2", ("k",), T0 + 3),
-        ("k3", ("k",), T0 + 3),
+        ("k2", (), T0 + 3),
+        ("k3", (), T0 + 3),
     ]
 
 
 def test_mutable_key_range_root_finishes_at_its_start_record() -> None:
     client = _MutableClient([PartitionStartRecord(INITIAL_PARTITION_TOKEN, T0, "0", ("a", "b"))])
     result = run_task(program(client, Collect()), task(INITIAL_PARTITION_TOKEN, T0, T0 + S))
-    assert result.finished and result.watermark == T0
-    assert [(c.token, c.parent_tokens) for c in result.children] == [
-        ("a", (INITIAL_PARTITION_TOKEN,)),
-        ("b", (INITIAL_PARTITION_TOKEN,)),
-    ]
+    assert result.ended and result.position == T0
+    assert [(c.token, c.parent_tokens) for c in result.children] == [("a", ()), ("b", ())]
 
 
 def test_branching_chain_fans_out_and_each_sink_gets_its_elements() -> None:
@@ -370,7 +366,7 @@ def test_max_inflight_keeps_record_order(max_bytes: int) -> None:
     result = run_task(program(s, Map(_jitter), Collect(), read=read),
                       task("p0", T0, T0 + 100 * S))
     assert items(result) == list(range(60))
-    assert result.watermark == T0 + 100 * S
+    assert result.position == T0 + 100 * S
 
 
 def test_max_inflight_failure_is_raised_in_record_order() -> None:
@@ -392,6 +388,6 @@ def test_heartbeats_only_advance_progress() -> None:
     s = ScriptedChangeStream("S", origin=T0)
     prog = program(s, Collect(), read=ReadPartition(heartbeat="1s"))
     result = run_task(prog, task("p0", T0, T0 + 10 * S))
-    assert result.records == 0 and result.watermark == T0 + 10 * S and not result.finished
+    assert result.records == 0 and result.position == T0 + 10 * S and not result.ended
     assert all(not isinstance(x, HeartbeatRecord) for x in items(result))
 

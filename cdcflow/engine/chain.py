@@ -1,0 +1,289 @@
+"""The fused chain: one task's copy of the transforms after ReadPartition, and its writers.
+
+Nothing is shuffled: a task pushes each DataChangeRecord through every ParDo downstream of
+ReadPartition (linear or branching) and hands the results to sink writers, opened on first
+use. With ``max_inflight > 1`` on ReadPartition the ParDos of several records run
+concurrently on a pool while sink writers still receive elements in record order: an
+:class:`~cdcflow.inflight.InflightTracker` releases only the contiguously completed prefix.
+User functions and sink writes run under the pipeline's
+:class:`~cdcflow.policy.ErrorPolicy`; a skipped element goes to the dead-letter sink as a
+:class:`~cdcflow.policy.FailedElement`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pickle
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from cdcflow.engine.runner import Task
+from cdcflow.errors import PipelineStopped
+from cdcflow.inflight import Barrier, InflightTracker
+from cdcflow.model import DataChangeRecord
+from cdcflow.policy import FailedElement
+from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
+
+if TYPE_CHECKING:
+    from cdcflow.engine.task import TaskProgram
+
+__all__ = ["Chain", "approx_size"]
+
+_log = logging.getLogger("cdcflow.task")
+
+
+class _Skipped:
+    """An element the error policy skipped, with the last error as text."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class _Failure:
+    """An exception raised in the pool, delivered in record order."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+Delivery = tuple[str, Any]  # (sink label, element)
+
+
+class Chain:
+    """One task's copy of the transforms downstream of ReadPartition, and its writers."""
+
+    def __init__(self, program: TaskProgram, task: Task) -> None:
+        self._program = program
+        self._task = task
+        self._nodes: dict[str, ParDo | Sink] = pickle.loads(program.chain)
+        self._succ = program.successors
+        self._policy = program.policy
+        self._attempt = uuid.uuid4().hex  # unique per execution: retries write elsewhere
+        self._writers: dict[str, SinkWriter] = {}
+        self._set_up: list[ParDo] = []
+        self._started = False
+        self._skipped = 0
+        self._retries = 0
+        self._count_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: InflightTracker | None = None
+        self._released: list[tuple[int, Any]] = []
+        self._release_lock = threading.Lock()
+        if program.max_inflight > 1:
+            self._inflight = InflightTracker(program.max_inflight, program.max_inflight_bytes)
+
+    # -- feeding records ---------------------------------------------------------------------
+
+    def push(self, record: DataChangeRecord, position: int, size: int) -> None:
+        self._start()
+        if self._inflight is None:
+            self._deliver(record, self._evaluate(record))
+            return
+        assert self._pool is not None
+        seq = self._inflight.begin(position, size)
+        future = self._pool.submit(self._evaluate, record)
+        future.add_done_callback(lambda f: self._completed(seq, record, f))
+        self._flush()
+
+    def barrier(self, position: int) -> None:
+        if self._inflight is None:
+            return
+        with self._release_lock:
+            self._released.extend(self._inflight.barrier(position))
+        self._flush()
+
+    def _completed(
+        self, seq: int, record: DataChangeRecord, future: Future[list[Delivery]]
+    ) -> None:
+        error = CancelledError() if future.cancelled() else future.exception()
+        result: Any = _Failure(error) if error is not None else (record, future.result())
+        assert self._inflight is not None
+        # complete() and the append happen under one lock so released runs stay in order
+        with self._release_lock:
+            self._released.extend(self._inflight.complete(seq, result))
+
+    def _flush(self) -> None:
+        with self._release_lock:
+            released, self._released = self._released, []
+        for _, result in released:
+            if isinstance(result, Barrier):
+                continue
+            if isinstance(result, _Failure):
+                raise result.error
+            record, deliveries = result
+            self._deliver(record, deliveries)
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        # DoFn.setup runs once per task, before the first element, on this thread.
+        for node in self._nodes.values():
+            if isinstance(node, ParDo):
+                node.fn.setup()
+                self._set_up.append(node)
+        if self._inflight is not None:
+            self._pool = ThreadPoolExecutor(
+                self._inflight.max_inflight, thread_name_prefix="cdcflow-inflight"
+            )
+
+    # -- running transforms -----------------------------------------------------------------
+
+    def _evaluate(self, record: DataChangeRecord) -> list[Delivery]:
+        """Run every ParDo on ``record``; return the sink deliveries in chain order."""
+        out: list[Delivery] = []
+
+        def visit(label: str, element: Any) -> None:
+            node = self._nodes[label]
+            if isinstance(node, Sink):
+                out.append((label, element))
+                return
+            call = functools.partial(_process, node, element)
+            outputs = self._guarded(label, record, element, call)
+            if isinstance(outputs, _Skipped):
+                if self._program.dead_letter_label is not None:
+                    out.append((self._program.dead_letter_label,
+                                self._failed(label, record, element, outputs)))
+                return
+            for value in outputs:
+                for nxt in self._succ[label]:
+                    visit(nxt, value)
+
+        for label in self._succ[self._program.read_label]:
+            visit(label, record)
+        return out
+
+    def _deliver(self, record: DataChangeRecord, deliveries: list[Delivery]) -> None:
+        dead = self._program.dead_letter_label
+        for label, element in deliveries:
+            writer = self._writer(label)
+            if label == dead:
+                writer.write(element)  # a failing dead-letter sink fails the task
+                continue
+            done = self._guarded(label, record, element, functools.partial(writer.write, element))
+            if isinstance(done, _Skipped) and dead is not None:
+                self._writer(dead).write(self._failed(label, record, element, done))
+
+    def _guarded(
+        self, label: str, record: DataChangeRecord, element: Any, call: Callable[[], Any]
+    ) -> Any:
+        """``call()`` under the error policy: its value, or _Skipped when skipped."""
+        policy = self._policy
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except Exception as exc:
+                if attempt < policy.retries:
+                    delay = min(policy.max_backoff, policy.backoff * (2**attempt))
+                    time.sleep(delay * random.uniform(0.5, 1.0))
+                    attempt += 1
+                    with self._count_lock:
+                        self._retries += 1
+                    continue
+                where = (
+                    f"{label!r} failed on a change of partition {record.partition_token} "
+                    f"committed at {record.commit_timestamp} after {attempt + 1} attempt(s): "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                if policy.then == "stop":
+                    msg = (
+                        f"{where}. Nothing past this record was committed; fix the cause and "
+                        "run again to resume, or skip such elements with "
+                        "ErrorPolicy(then='skip')"
+                    )
+                    raise PipelineStopped(msg) from exc
+                _log.warning("skipped an element: %s", where)
+                with self._count_lock:
+                    self._skipped += 1
+                return _Skipped(f"{type(exc).__name__}: {exc}")
+
+    def _failed(
+        self, label: str, record: DataChangeRecord, element: Any, skipped: _Skipped
+    ) -> FailedElement:
+        return FailedElement(
+            label=label,
+            error=skipped.error,
+            partition_token=record.partition_token,
+            commit_timestamp=record.commit_timestamp,
+            element=element,
+        )
+
+    def _writer(self, label: str) -> SinkWriter:
+        writer = self._writers.get(label)
+        if writer is None:
+            sink = self._nodes[label]
+            assert isinstance(sink, Sink)
+            sl = self._task.slice
+            writer = sink.open_writer(WriterContext(
+                pipeline=self._program.pipeline, sink_label=label, batch_id=self._task.batch_id,
+                partition_token=sl.token, slice_start=sl.start, slice_end=sl.end,
+                attempt=self._attempt,
+            ))
+            self._writers[label] = writer
+        return writer
+
+    # -- ending -----------------------------------------------------------------------------
+
+    def finish(self) -> dict[str, Any]:
+        """Drain in-flight work, tear down, close writers; the sink commit messages."""
+        if self._inflight is not None:
+            self._inflight.drain()
+            self._flush()
+        self._shutdown()
+        teardown, self._set_up = self._set_up, []
+        for node in teardown:
+            node.fn.teardown()
+        messages: dict[str, Any] = {}
+        for label in list(self._writers):
+            messages[label] = self._writers.pop(label).close()
+        return messages
+
+    def abort(self) -> None:
+        self._shutdown()
+        for node in self._set_up:
+            try:
+                node.fn.teardown()
+            except Exception:
+                _log.exception("teardown of a DoFn failed while aborting a task")
+        self._set_up = []
+        for writer in self._writers.values():
+            try:
+                writer.abort()
+            except Exception:
+                _log.exception("aborting a sink writer failed")
+        self._writers.clear()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def counters(self) -> dict[str, int]:
+        return {"skipped": self._skipped, "retries": self._retries}
+
+
+def _process(node: ParDo | Sink, element: Any) -> list[Any]:
+    assert isinstance(node, ParDo)
+    produced = node.fn.process(element)
+    return [] if produced is None else list(produced)
+
+
+def approx_size(record: DataChangeRecord) -> int:
+    """A cheap estimate of a record's memory in bytes (for the in-flight byte quota)."""
+    n = 256
+    for mod in record.mods:
+        for values in (mod.keys, mod.new_values, mod.old_values):
+            for key, value in values.items():
+                n += 48 + len(key) + (len(value) if isinstance(value, str | bytes) else 16)
+    return n
