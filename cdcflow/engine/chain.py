@@ -21,17 +21,15 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from cdcflow.engine.program import TaskProgram
 from cdcflow.engine.runner import Task
 from cdcflow.errors import PipelineStopped
 from cdcflow.inflight import Barrier, InflightTracker
 from cdcflow.model import DataChangeRecord
 from cdcflow.policy import FailedElement
 from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
-
-if TYPE_CHECKING:
-    from cdcflow.engine.task import TaskProgram
 
 __all__ = ["Chain", "approx_size"]
 

@@ -32,15 +32,12 @@ from __future__ import annotations
 import hashlib
 import pickle
 import threading
-from collections.abc import Mapping
 
-import attrs
 import cloudpickle
 
-from cdcflow.dag import Dag
 from cdcflow.engine.chain import Chain, approx_size
+from cdcflow.engine.program import DEAD_LETTER_LABEL, TaskProgram
 from cdcflow.engine.runner import ChildSeen, Task, TaskResult
-from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     ChildPartitionsRecord,
@@ -50,11 +47,10 @@ from cdcflow.model import (
     PartitionStartRecord,
     record_position,
 )
-from cdcflow.policy import ErrorPolicy, FailedElement
+from cdcflow.policy import FailedElement
 from cdcflow.restriction import TimestampRange, TimestampRangeTracker
 from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery
-from cdcflow.transforms.base import ParDo, Sink
-from cdcflow.transforms.source import DetectPartitions, ReadPartition
+from cdcflow.transforms.source import DetectPartitions
 
 __all__ = [
     "DEAD_LETTER_LABEL",
@@ -64,82 +60,6 @@ __all__ = [
     "make_client",
     "run_task",
 ]
-
-#: Label of the error policy's dead-letter sink when it has none of its own.
-DEAD_LETTER_LABEL = "dead-letter"
-
-
-@attrs.frozen
-class TaskProgram:
-    """Everything a task needs besides its slice; built once per run on the driver.
-
-    ``chain`` holds the cloudpickled transforms downstream of ReadPartition (ParDos and
-    sinks, plus the dead-letter sink), keyed by label; every task unpickles its own copy,
-    so DoFns never share state across concurrent tasks. ``successors`` maps the read
-    label and every chain label to the labels it feeds.
-    """
-
-    pipeline: str
-    source: DetectPartitions
-    read_label: str
-    heartbeat_millis: int
-    max_inflight: int
-    max_inflight_bytes: int
-    chain: bytes
-    successors: Mapping[str, tuple[str, ...]]
-    policy: ErrorPolicy
-    sink_labels: tuple[str, ...]
-    dead_letter_label: str | None = None
-
-    @classmethod
-    def from_pipeline(cls, pipeline: Dag) -> TaskProgram:
-        """Build the program of a validated pipeline; raise PipelineDefinitionError on a
-        transform kind the runners do not execute."""
-        (source_label,) = pipeline.labels_of_kind("Source")
-        (read_label,) = pipeline.labels_of_kind("Read")
-        source = pipeline.transform(source_label)
-        read = pipeline.transform(read_label)
-        assert isinstance(source, DetectPartitions) and isinstance(read, ReadPartition)
-        nodes: dict[str, ParDo | Sink] = {}
-        for label, t in pipeline.nodes():
-            if label in (source_label, read_label):
-                continue
-            if not isinstance(t, ParDo | Sink):
-                msg = (
-                    f"{label!r} is a {type(t).__name__} of kind {t.kind!r}; tasks execute "
-                    "ParDo and Sink transforms after ReadPartition (subclass ParDo or Sink)"
-                )
-                raise PipelineDefinitionError(msg)
-            nodes[label] = t
-        successors = {label: tuple(pipeline.downstream(label)) for label in (read_label, *nodes)}
-        sink_labels = tuple(label for label, t in nodes.items() if isinstance(t, Sink))
-        policy = pipeline.error_policy
-        dead_label = None
-        if policy.dead_letter is not None:
-            dead_label = policy.dead_letter.label or DEAD_LETTER_LABEL
-            if dead_label in nodes or dead_label in (source_label, read_label):
-                msg = (
-                    f"the dead-letter sink's label {dead_label!r} is also a step of the "
-                    "pipeline; give it another label, e.g. ErrorPolicy(dead_letter="
-                    '"failed" >> WriteFiles(...))'
-                )
-                raise PipelineDefinitionError(msg)
-            nodes[dead_label] = policy.dead_letter
-            sink_labels = (*sink_labels, dead_label)
-        return cls(
-            pipeline=pipeline.name,
-            source=source,
-            read_label=read_label,
-            heartbeat_millis=read.heartbeat_millis,
-            max_inflight=read.max_inflight,
-            max_inflight_bytes=read.max_inflight_bytes,
-            chain=cloudpickle.dumps(nodes),
-            successors=successors,
-            policy=attrs.evolve(policy, dead_letter=None),  # the sink travels in ``chain``
-            sink_labels=sink_labels,
-            dead_letter_label=dead_label,
-        )
-
 
 # -- entry point ----------------------------------------------------------------------------
 
