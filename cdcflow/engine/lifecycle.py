@@ -149,19 +149,24 @@ def gc_candidates(
 ) -> list[str]:
     """Tokens of FINISHED partitions that can be deleted, sorted.
 
-    A partition qualifies when it finished more than ``ttl_ns`` before ``now_ns``, has at
-    least one stored child, and every child has started (is not CREATED). Partitions
-    without children (the last ones, finished at the pipeline's end) are kept: they are
-    the record that the pipeline reached its end, and a store never becomes empty again
-    (an empty store means "first run").
+    A partition qualifies when it finished more than ``ttl_ns`` before ``now_ns`` and
+    either every one of its stored children has started (is not CREATED), or it has no
+    children and another partition has read further (a MUTABLE_KEY_RANGE partition that
+    ended mid-stream). The partitions that read furthest and have no children are kept:
+    they are the record of how far the pipeline got (its end, once it is reached), so a
+    store never becomes empty again (an empty store means "first run").
     """
     kids = children_of(partitions) if children is None else children
+    furthest = max((p.watermark for p in partitions), default=0)
     out: list[str] = []
     for p in partitions:
         if p.state != _FINISHED or p.finished_at is None or now_ns - p.finished_at <= ttl_ns:
             continue
         mine = kids.get(p.token, [])
-        if mine and all(c.state != _CREATED for c in mine):
+        if mine:
+            if all(c.state != _CREATED for c in mine):
+                out.append(p.token)
+        elif p.watermark < furthest:
             out.append(p.token)
     return sorted(out)
 
@@ -195,9 +200,16 @@ def fold(
     Its watermark becomes the position it read to: the slice end, or the ending record's
     position, where its children start. A child is reported once even when several parents
     (a merge) or several tasks report it, and only if the store does not hold it yet; it
-    inherits the end of the parent that reported it, and one that starts at or after that
-    end has nothing to read and is born FINISHED. Children of the root partition are the
-    stream's first partitions, not a split.
+    inherits the end of the partition that reported it, and one that starts at or after
+    that end has nothing to read and is born FINISHED. Children of the root partition are
+    the stream's first partitions, not a split.
+
+    A partition *announced* by a MUTABLE_KEY_RANGE partition start record outside the root
+    has no parents: the announcing partition goes on reading, so waiting for it to finish
+    would stall both (its start caps the batch end). It is ready at once. Per-key order
+    across its key ranges' move-ins and move-outs holds because every batch reads every
+    partition up to the same batch end: a key's records before a move are delivered in the
+    same or an earlier batch than its records after it, never a later one.
     """
     updates: list[PartitionUpdate] = []
     children: dict[str, PartitionMetadata] = {}
@@ -212,13 +224,16 @@ def fold(
             raise ValueError(msg)
         finished = r.ended or r.position >= parent.end
         updates.append(PartitionUpdate(r.token, r.position, finished))
-        if len(r.children) >= 2 and r.token != INITIAL_PARTITION_TOKEN:
+        if sum(not c.announced for c in r.children) >= 2 and r.token != INITIAL_PARTITION_TOKEN:
             splits += 1
         for seen in r.children:
             if seen.token in stored or seen.token in children:
                 continue
+            parents = seen.parent_tokens or (r.token,)
+            if seen.announced and r.token != INITIAL_PARTITION_TOKEN:
+                parents = ()
             child = PartitionMetadata(
-                token=seen.token, parent_tokens=seen.parent_tokens or (r.token,),
+                token=seen.token, parent_tokens=parents,
                 start=seen.start, end=parent.end, watermark=seen.start,
                 state=PartitionState.CREATED, heartbeat_millis=parent.heartbeat_millis,
                 created_at=now_ns,

@@ -29,13 +29,19 @@ class Task:
 
 @attrs.frozen
 class ChildSeen:
-    """A partition a task read about: from a child partitions record (``parent_tokens`` as
-    the record lists them) or a partition start record (no parents listed). ``start`` is
-    the position of that record, where the new partition starts reading."""
+    """A partition a task read about. ``start`` is the position of the record that named it,
+    where the new partition starts reading.
+
+    ``announced=False``: a child partitions record named it, with ``parent_tokens`` as the
+    record lists them; it continues its parents' key ranges and waits for them to finish.
+    ``announced=True``: a MUTABLE_KEY_RANGE partition start record named it; it is read at
+    once, beside the partition that announced it (which goes on).
+    """
 
     token: str
     parent_tokens: tuple[str, ...]
     start: int
+    announced: bool = False
 
 
 @attrs.frozen

@@ -130,11 +130,13 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
 
     def announce(position: int, record: ChildPartitionsRecord | PartitionStartRecord) -> None:
         if isinstance(record, ChildPartitionsRecord):
-            seen = [(c.token, c.parent_partition_tokens) for c in record.child_partitions]
+            for c in record.child_partitions:
+                children.setdefault(
+                    c.token, ChildSeen(c.token, tuple(c.parent_partition_tokens), position)
+                )
         else:
-            seen = [(t, ()) for t in record.partition_tokens]
-        for token, parents in seen:
-            children.setdefault(token, ChildSeen(token, tuple(parents), position))
+            for token in record.partition_tokens:
+                children.setdefault(token, ChildSeen(token, (), position, announced=True))
 
     try:
         for record in make_client(program.source).read(query):

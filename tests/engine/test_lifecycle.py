@@ -264,3 +264,31 @@ def test_count_states_and_all_finished() -> None:
     assert count_states(parts) == {"CREATED": 0, "SCHEDULED": 0, "RUNNING": 1, "FINISHED": 1}
     assert not all_finished(parts) and not all_finished([])
     assert all_finished([part("a", F, finished_at=1)])
+
+
+def test_fold_announced_partitions_wait_for_nobody() -> None:
+    stored = {
+        INITIAL_PARTITION_TOKEN: part(INITIAL_PARTITION_TOKEN, R, 0, end=MAX_NS),
+        "a": part("a", R, 0, end=MAX_NS),
+    }
+    from_root = _result(INITIAL_PARTITION_TOKEN, 0, True, ChildSeen("a2", (), 0, announced=True))
+    from_a = _result("a", 10, False, ChildSeen("c", (), 5, announced=True),
+                     ChildSeen("d", (), 5, announced=True))
+    out = fold(stored, [from_root, from_a], now_ns=1)
+    kids = {c.token: c for c in out.children}
+    assert kids["a2"].parent_tokens == (INITIAL_PARTITION_TOKEN,)
+    assert kids["c"].parent_tokens == kids["d"].parent_tokens == ()  # "a" goes on reading
+    assert out.updates[1] == PartitionUpdate("a", 10, False)
+    assert out.splits == 0  # announcing partitions is not a split
+    ready = ready_partitions([*stored.values(), *out.children])
+    assert {"c", "d"} <= {p.token for p in ready}
+
+
+def test_gc_deletes_childless_partitions_that_others_read_past() -> None:
+    parts = [
+        part("ended", F, 0, 9, finished_at=100),  # ended mid-stream, no children
+        part("far", R, 0, 50),
+    ]
+    assert gc_candidates(parts, now_ns=200, ttl_ns=10) == ["ended"]
+    at_end = [part("x", F, 0, 50, finished_at=100), part("y", F, 0, 50, finished_at=100)]
+    assert gc_candidates(at_end, now_ns=200, ttl_ns=10) == []  # how far the pipeline got
