@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from cdcflow import __version__
 from cdcflow.durations import parse_duration
-from cdcflow.errors import CdcflowError, PipelineStopped, StoreURLError, UserInputError
+from cdcflow.errors import CdcflowError, PipelineStopped, StoreURLError, UsageError, UserInputError
 
 __all__ = [
     "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser",
@@ -38,16 +38,12 @@ EXIT_INTERRUPTED = 130
 log = logging.getLogger("cdcflow.cli")
 
 
-class _UsageError(UserInputError):
-    """A command line argparse rejected."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one ``cdcflow: error:`` line like every other."""
 
     def error(self, message: str) -> NoReturn:
         msg = f"{message}; see `{self.prog} --help`"
-        raise _UsageError(msg)
+        raise UsageError(msg)
 
 
 def _duration(text: str) -> float:

@@ -1,7 +1,12 @@
 """One exception hierarchy. Every message says what to do about it.
 
 ``UserInputError`` and its subclasses are mistakes in what the user gave cdcflow (a
-pipeline file, an option, a URL); the CLI prints them as one line and exits with code 2.
+pipeline file, an option, a URL) or gaps in the environment it runs in (a program that is
+not installed: ``ConfigurationError``); the CLI prints them as one line and exits with
+code 2. Every other ``CdcflowError`` exits with code 1.
+
+Every exception class of cdcflow is defined here (a test walks the package to keep it so);
+modules that raise them re-export the names they always had.
 """
 
 from __future__ import annotations
@@ -9,18 +14,24 @@ from __future__ import annotations
 __all__ = [
     "CdcflowError",
     "ChangeStreamError",
+    "ConfigurationError",
+    "DecodeError",
     "DuplicateLabelError",
+    "EmulatorNotFoundError",
     "PipelineDefinitionError",
     "PipelineFileError",
     "PipelineStopped",
     "PlanConflictError",
     "PluginError",
     "SinkError",
+    "SparkTaskError",
     "StoreError",
     "StoreURLError",
     "StreamNotFoundError",
+    "TaskAttemptError",
     "TrackerError",
     "TransientError",
+    "UsageError",
     "UserInputError",
     "WatermarkRegressionError",
 ]
@@ -32,6 +43,19 @@ class CdcflowError(Exception):
 
 class UserInputError(CdcflowError):
     """Bad input from the user: shown as one line, exit code 2."""
+
+
+class UsageError(UserInputError):
+    """A command line the ``cdcflow`` command rejected (unknown option, missing argument)."""
+
+
+class ConfigurationError(UserInputError):
+    """The environment lacks something cdcflow needs (a program, a variable); the message
+    says what to install or set."""
+
+
+class EmulatorNotFoundError(ConfigurationError):
+    """The Cloud Spanner emulator's ``emulator_main`` is not installed where cdcflow looks."""
 
 
 class PipelineFileError(UserInputError):
@@ -62,6 +86,13 @@ class ChangeStreamError(CdcflowError):
     """Reading the change stream failed for a reason that retrying will not fix."""
 
 
+class DecodeError(ChangeStreamError, ValueError):
+    """A change stream row that does not have a shape cdcflow knows (upgrade cdcflow).
+
+    Also a ValueError, which it was before it joined this hierarchy.
+    """
+
+
 class TransientError(CdcflowError):
     """A retryable failure that kept failing after every allowed attempt."""
 
@@ -84,6 +115,19 @@ class PlanConflictError(StoreError):
 
 class SinkError(CdcflowError):
     """A sink failed to write or commit; the batch is not committed and will be replayed."""
+
+
+class SparkTaskError(CdcflowError):
+    """A task of a batch failed on every attempt Spark allowed; nothing of the batch was
+    committed, and the next run replays it."""
+
+
+class TaskAttemptError(CdcflowError):
+    """One attempt of a task failed on an executor in a way another attempt may fix.
+
+    Raised inside a Spark Python worker so that Spark retries the task; its text names the
+    task. The driver sees :class:`SparkTaskError` once Spark gives up.
+    """
 
 
 class PipelineStopped(CdcflowError):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, date, datetime, timedelta
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import attrs
 
@@ -59,11 +59,31 @@ _RFC3339 = re.compile(
 )
 
 
+# datetime's comparisons, applied to a Timestamp's microsecond part. Typed for any right
+# operand: like datetime they give NotImplemented for a non-datetime and raise TypeError
+# for a naive one.
+_Compare: TypeAlias = Callable[[datetime, object], bool]
+_dt_lt = cast(_Compare, datetime.__lt__)
+_dt_le = cast(_Compare, datetime.__le__)
+_dt_gt = cast(_Compare, datetime.__gt__)
+_dt_ge = cast(_Compare, datetime.__ge__)
+
+
 class Timestamp(datetime):
     """A timezone-aware UTC datetime that keeps nanoseconds.
 
-    Equality, ordering and hashing use the full nanosecond value when both sides are
-    Timestamps; against a plain ``datetime`` the comparison is the datetime one.
+    Equality, ordering and hashing follow the instant to the nanosecond, consistently with
+    plain ``datetime`` values, which are instants to the microsecond:
+
+    - two Timestamps compare by :attr:`ns`;
+    - a Timestamp whose :attr:`nanosecond` is 0 equals, and hashes like, the datetime of
+      the same instant;
+    - a Timestamp whose :attr:`nanosecond` is not 0 equals no plain datetime, and orders
+      after the datetime of its microsecond (and before the next microsecond's).
+
+    So equality is transitive over any mix of Timestamps and datetimes, and equal values
+    hash equal (sets and dict keys may mix them). Comparing with a naive datetime raises
+    TypeError, as between datetimes.
     """
 
     _nanosecond: int
@@ -146,7 +166,10 @@ class Timestamp(datetime):
         return cls.from_datetime(datetime.now(UTC))
 
     def rfc3339(self) -> str:
-        """RFC 3339 text with nine fractional digits, e.g. ``2024-05-01T12:00:00.123456789Z``."""
+        """RFC 3339 text in UTC with nine fractional digits, e.g.
+        ``2024-05-01T12:00:00.123456789Z``."""
+        if self.tzinfo is not UTC and self.utcoffset():
+            return Timestamp.from_ns(self.ns).rfc3339()  # built with another zone: say it in Z
         return (
             f"{self.year:04d}-{self.month:02d}-{self.day:02d}T{self.hour:02d}:{self.minute:02d}:"
             f"{self.second:02d}.{self.microsecond:06d}{self._nanosecond:03d}Z"
@@ -158,36 +181,51 @@ class Timestamp(datetime):
     def __repr__(self) -> str:
         return f"Timestamp.parse({self.rfc3339()!r})"
 
-    def _key(self, other: object) -> tuple[int, int] | None:
-        if isinstance(other, Timestamp):
-            return self.ns, other.ns
-        return None
+    # Against a plain datetime only the microsecond instant can differ: with n >= 0
+    # nanoseconds past it, self < d iff its microsecond is < d, self >= d iff it is >= d,
+    # and <=, > depend on whether n is 0. datetime's own comparison of the microsecond part
+    # keeps its rules (aware vs naive raises, other types give NotImplemented).
 
     def __eq__(self, other: object) -> bool:
-        k = self._key(other)
-        return k[0] == k[1] if k else super().__eq__(other)
+        if isinstance(other, Timestamp):
+            return self.ns == other.ns
+        if isinstance(other, datetime) and self._nanosecond:
+            return False
+        return datetime.__eq__(self, other)
 
     def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
 
     def __lt__(self, other: date) -> bool:
-        k = self._key(other)
-        return k[0] < k[1] if k else super().__lt__(other)  # type: ignore[operator]
+        if isinstance(other, Timestamp):
+            return self.ns < other.ns
+        return _dt_lt(self, other)
 
     def __le__(self, other: date) -> bool:
-        k = self._key(other)
-        return k[0] <= k[1] if k else super().__le__(other)  # type: ignore[operator]
+        if isinstance(other, Timestamp):
+            return self.ns <= other.ns
+        if self._nanosecond:
+            return _dt_lt(self, other)
+        return _dt_le(self, other)
 
     def __gt__(self, other: date) -> bool:
-        k = self._key(other)
-        return k[0] > k[1] if k else super().__gt__(other)  # type: ignore[operator]
+        if isinstance(other, Timestamp):
+            return self.ns > other.ns
+        if self._nanosecond:
+            return _dt_ge(self, other)
+        return _dt_gt(self, other)
 
     def __ge__(self, other: date) -> bool:
-        k = self._key(other)
-        return k[0] >= k[1] if k else super().__ge__(other)  # type: ignore[operator]
+        if isinstance(other, Timestamp):
+            return self.ns >= other.ns
+        return _dt_ge(self, other)
 
     def __hash__(self) -> int:
-        return hash(self.ns)
+        # Equal to the equivalent datetime's hash when there is one (nanosecond 0); two
+        # equal Timestamps share the instant and the nanosecond, so their hashes agree.
+        base = datetime.__hash__(self)
+        return hash((base, self._nanosecond)) if self._nanosecond else base
 
 
 def _ts(value: Any) -> Timestamp:

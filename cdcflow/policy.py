@@ -30,7 +30,7 @@ class ErrorPolicy:
     backoff: float = attrs.field(default=0.1, converter=_seconds)
     max_backoff: float = attrs.field(default=10.0, converter=_seconds)
     then: Literal["stop", "skip"] = "stop"
-    dead_letter: Sink | None = None
+    dead_letter: Sink[Any, Any] | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.retries < 0:

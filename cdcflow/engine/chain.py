@@ -63,12 +63,12 @@ class Chain:
     def __init__(self, program: TaskProgram, task: Task) -> None:
         self._program = program
         self._task = task
-        self._nodes: dict[str, ParDo | Sink] = pickle.loads(program.chain)
+        self._nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = pickle.loads(program.chain)
         self._succ = program.successors
         self._policy = program.policy
         self._attempt = uuid.uuid4().hex  # unique per execution: retries write elsewhere
-        self._writers: dict[str, SinkWriter] = {}
-        self._set_up: list[ParDo] = []
+        self._writers: dict[str, SinkWriter[Any, Any]] = {}
+        self._set_up: list[ParDo[Any, Any]] = []
         self._started = False
         self._skipped = 0
         self._retries = 0
@@ -217,7 +217,7 @@ class Chain:
             element=element,
         )
 
-    def _writer(self, label: str) -> SinkWriter:
+    def _writer(self, label: str) -> SinkWriter[Any, Any]:
         writer = self._writers.get(label)
         if writer is None:
             sink = self._nodes[label]
@@ -271,7 +271,7 @@ class Chain:
         return {"skipped": self._skipped, "retries": self._retries}
 
 
-def _process(node: ParDo | Sink, element: Any) -> list[Any]:
+def _process(node: ParDo[Any, Any] | Sink[Any, Any], element: Any) -> list[Any]:
     assert isinstance(node, ParDo)
     produced = node.fn.process(element)
     return [] if produced is None else list(produced)

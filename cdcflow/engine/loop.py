@@ -182,9 +182,9 @@ class Engine:
         self.listener.on_stop(summary)
         return summary
 
-    def _sinks(self, program: TaskProgram) -> dict[str, Sink]:
+    def _sinks(self, program: TaskProgram) -> dict[str, Sink[Any, Any]]:
         # The driver's own sink objects (a Collect gathers its items on them).
-        sinks: dict[str, Sink] = {}
+        sinks: dict[str, Sink[Any, Any]] = {}
         for label in program.sink_labels:
             if label == program.dead_letter_label:
                 assert self.pipeline.error_policy.dead_letter is not None
@@ -216,7 +216,7 @@ class Engine:
         _log.info("pipeline %s starts reading at %s", name, Timestamp.from_ns(start))
 
     def _loop(
-        self, program: TaskProgram, program_bytes: bytes, sinks: dict[str, Sink]
+        self, program: TaskProgram, program_bytes: bytes, sinks: dict[str, Sink[Any, Any]]
     ) -> RunSummary:
         name, opts = self.pipeline.name, self.options
         began = time.monotonic()
@@ -286,7 +286,7 @@ class Engine:
         replay: bool,
         parts: Sequence[PartitionMetadata],
         program_bytes: bytes,
-        sinks: dict[str, Sink],
+        sinks: dict[str, Sink[Any, Any]],
         began: float,
     ) -> BatchStats:
         """Run and commit ``plan``. ``parts`` are the partitions as stored before the batch
@@ -337,7 +337,7 @@ class Engine:
 
     def _run_tasks(
         self, plan: BatchPlan, program_bytes: bytes, tasks: Sequence[bytes],
-        sinks: dict[str, Sink],
+        sinks: dict[str, Sink[Any, Any]],
     ) -> list[TaskResult]:
         opts = self.options
         attempt = 0
@@ -400,7 +400,7 @@ class Engine:
                 signal.signal(sig, old)
 
 
-def _abort(batch_id: int, sinks: dict[str, Sink]) -> None:
+def _abort(batch_id: int, sinks: dict[str, Sink[Any, Any]]) -> None:
     """Let every sink discard what failed tasks of the batch left behind (best effort)."""
     for label, sink in sinks.items():
         try:

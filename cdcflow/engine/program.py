@@ -7,6 +7,7 @@ the in-memory runner, a Python worker of a Spark executor) unpickles its own cop
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import cloudpickle
@@ -54,7 +55,7 @@ class TaskProgram:
         source = pipeline.transform(source_label)
         read = pipeline.transform(read_label)
         assert isinstance(source, DetectPartitions) and isinstance(read, ReadPartition)
-        nodes: dict[str, ParDo | Sink] = {}
+        nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = {}
         for label, t in pipeline.nodes():
             if label in (source_label, read_label):
                 continue

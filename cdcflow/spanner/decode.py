@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 
+from cdcflow.errors import DecodeError
 from cdcflow.model import (
     ChangeRecord,
     ChildPartition,
@@ -44,6 +45,7 @@ from cdcflow.model import (
 )
 
 __all__ = [
+    "DecodeError",
     "RowDecoder",
     "decode_json_record",
     "decode_proto_record",
@@ -61,10 +63,6 @@ _second_cache: dict[str, tuple[int, int, int, int, int, int]] = {}
 _datetime_new = datetime.__new__
 _column_cache: dict[bytes, tuple[ColumnType, ...]] = {}
 _loads = orjson.loads
-
-
-class DecodeError(ValueError):
-    """A change-stream row that does not have a shape cdcflow knows."""
 
 
 def _parse_fast(text: str) -> Timestamp | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from cdcflow.errors import CdcflowError
+from cdcflow.errors import CdcflowError, EmulatorNotFoundError
 
 __all__ = [
     "Emulator",
@@ -41,10 +41,6 @@ INSTALL_HINT = (
 
 _RELATIVE = Path("bin") / "cloud_spanner_emulator" / "emulator_main"
 _SDK_ROOTS = ("/usr/lib/google-cloud-sdk", "/usr/share/google-cloud-sdk", "/opt/google-cloud-sdk")
-
-
-class EmulatorNotFoundError(CdcflowError):
-    """emulator_main is not installed where cdcflow looks."""
 
 
 def _sdk_root_from_gcloud() -> Path | None:

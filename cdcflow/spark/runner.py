@@ -36,6 +36,8 @@ from cdcflow.errors import (
     CdcflowError,
     ChangeStreamError,
     PipelineStopped,
+    SparkTaskError,
+    TaskAttemptError,
     TrackerError,
     UserInputError,
 )
@@ -99,11 +101,6 @@ appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
 """
 
 
-class SparkTaskError(CdcflowError):
-    """A task of a batch failed on every attempt Spark allowed; nothing of the batch was
-    committed, and the next run replays it."""
-
-
 def local_master(master: str | None) -> str:
     """The master to use: ``local[*]`` by default, and a bare ``local``/``local[N]`` gets
     task retries (``local[N,4]``) since plain local mode never retries a failed task."""
@@ -125,10 +122,6 @@ def _is_local(master: str) -> bool:
     return master.startswith("local")
 
 
-class _TaskFailed(Exception):
-    """Raised in a Python worker so that Spark retries the task; the text names the task."""
-
-
 def _run_partition(program: Any, items: Iterable[tuple[int, bytes]]) -> Iterator[Any]:
     """Executor side: run the partition's task(s); yields ``(index, ok, payload)``.
 
@@ -145,7 +138,7 @@ def _run_partition(program: Any, items: Iterable[tuple[int, bytes]]) -> Iterator
             continue
         except Exception as exc:
             msg = f"cdcflow task {index} failed: {type(exc).__name__}: {exc}"
-            raise _TaskFailed(msg) from exc
+            raise TaskAttemptError(msg) from exc
         yield index, True, result
     # A reused PySpark worker runs a full gc.collect() after every task; with the cached
     # program and client in the heap that costs up to a second per task. Collecting the

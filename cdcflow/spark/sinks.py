@@ -134,7 +134,7 @@ class _StagingWriter:
         # the staged file stays unnamed by any message; commit/abort delete the batch's dir
 
 
-class WriteSpark(Sink):
+class WriteSpark(Sink[Any, StagedFile]):
     """Writes each batch with Spark's DataFrameWriter in any installed ``format``.
 
     Exactly one of ``path`` (a directory; relative paths resolve against the pipeline
@@ -228,21 +228,16 @@ class WriteSpark(Sink):
     def _batch_dir(self, batch_id: int) -> str:
         return f"{self._root()}/batch={batch_id:010d}"
 
-    def open_writer(self, ctx: WriterContext) -> SinkWriter:
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[Any, StagedFile]:
         name = f"{_digest(ctx.partition_token)}-{_digest(ctx.attempt)}.jsonl"
         return _StagingWriter(f"{self._batch_dir(ctx.batch_id)}/{name}")
 
-    def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
+    def commit(self, batch_id: int, messages: Sequence[StagedFile]) -> None:
         """Write the batch's staged rows; a second commit of ``batch_id`` overwrites the
         first (same rows, same partition), so replays do not duplicate output."""
-        staged = [m for m in messages if m is not None]
-        for m in staged:
-            if not isinstance(m, StagedFile):
-                msg = f"WriteSpark.commit got {m!r}, not a StagedFile from its writers"
-                raise SinkError(msg)
-        if staged:
+        if messages:
             try:
-                self._write(batch_id, [m.path for m in staged])
+                self._write(batch_id, [m.path for m in messages])
             except SinkError:
                 raise
             except Exception as exc:
@@ -254,7 +249,7 @@ class WriteSpark(Sink):
                 raise SinkError(msg) from exc
         _remove_tree(self._batch_dir(batch_id))
 
-    def abort(self, batch_id: int, messages: Sequence[Any]) -> None:
+    def abort(self, batch_id: int, messages: Sequence[StagedFile]) -> None:
         _remove_tree(self._batch_dir(batch_id))
 
     def _session(self) -> Any:

@@ -34,6 +34,10 @@ InT = TypeVar("InT")
 OutT = TypeVar("OutT")
 T = TypeVar("T")
 U = TypeVar("U")
+E = TypeVar("E")  # a sink's element type
+M = TypeVar("M")  # a sink's commit message type
+E_contra = TypeVar("E_contra", contravariant=True)
+M_co = TypeVar("M_co", covariant=True)
 
 
 class _Graph(Protocol):
@@ -108,17 +112,18 @@ class PrimitiveTransform(PTransform[InT, OutT]):
         return ""
 
 
-class DoFn:
-    """Element-wise user code. ``process`` returns (or yields) zero or more outputs.
+class DoFn(Generic[InT, OutT]):
+    """Element-wise user code from ``InT`` to zero or more ``OutT``.
 
-    ``setup`` runs once per task before the first element, ``teardown`` after the last.
+    ``process`` returns (or yields) the outputs of one element. ``setup`` runs once per
+    task before the first element, ``teardown`` after the last (also when the task fails).
     A DoFn is pickled into every task: keep clients and pools out of ``__init__``.
     """
 
     def setup(self) -> None:
         return None
 
-    def process(self, element: Any) -> Iterable[Any]:
+    def process(self, element: InT) -> Iterable[OutT]:
         msg = f"{type(self).__name__} must override process(element) and return its outputs"
         raise NotImplementedError(msg)
 
@@ -126,12 +131,12 @@ class DoFn:
         return None
 
 
-class ParDo(PrimitiveTransform[Any, Any]):
-    """Apply a :class:`DoFn` to every element."""
+class ParDo(PrimitiveTransform[InT, OutT]):
+    """Apply a :class:`DoFn` to every element: ``PCollection[InT]`` to ``PCollection[OutT]``."""
 
     kind = "ParDo"
 
-    def __init__(self, fn: DoFn) -> None:
+    def __init__(self, fn: DoFn[InT, OutT]) -> None:
         if not isinstance(fn, DoFn):
             msg = f"ParDo takes a DoFn instance, got {fn!r}; subclass cdcflow.DoFn"
             raise TypeError(msg)
@@ -164,13 +169,19 @@ class SinkContext:
 
 
 @runtime_checkable
-class SinkWriter(Protocol):
-    """Writes one task's elements. Runs where the task runs (an executor on Spark)."""
+class SinkWriter(Protocol[E_contra, M_co]):
+    """Writes one task's elements of type ``E``; ``close`` gives its commit message ``M``.
 
-    def write(self, element: Any) -> None: ...
+    Runs where the task runs (an executor on Spark). A writer is used by one task, from
+    one thread: ``write`` for every element, then exactly one of ``close`` (the task
+    succeeded) or ``abort`` (it failed).
+    """
 
-    def close(self) -> Any:
-        """Finish writing; return a small picklable commit message (None if nothing written)."""
+    def write(self, element: E_contra) -> None: ...
+
+    def close(self) -> M_co | None:
+        """Finish writing; return a small picklable commit message, or None when the
+        writer has nothing to commit (a None is not passed to :meth:`Sink.commit`)."""
         ...
 
     def abort(self) -> None:
@@ -178,8 +189,10 @@ class SinkWriter(Protocol):
         ...
 
 
-class Sink(PrimitiveTransform[Any, None]):
-    """A terminal transform. Two stages, as in a two-phase commit:
+class Sink(PrimitiveTransform[E, None], Generic[E, M]):
+    """A terminal transform taking elements ``E``, whose writers' commit messages are ``M``.
+
+    Two stages, as in a two-phase commit:
 
     1. ``open_writer`` in every task; the writer's ``close`` returns a commit message.
     2. ``commit`` on the driver with every message of the batch, before the store commits
@@ -197,19 +210,31 @@ class Sink(PrimitiveTransform[Any, None]):
         """Driver-side preparation before the first batch (resolve paths, create tables)."""
         return None
 
-    def open_writer(self, ctx: WriterContext) -> SinkWriter:
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[E, M]:
+        """A writer for one task (one slice of one batch); called where the task runs."""
         msg = f"{type(self).__name__} must override open_writer(ctx) and return a SinkWriter"
         raise NotImplementedError(msg)
 
-    def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
+    def commit(self, batch_id: int, messages: Sequence[M]) -> None:
+        """Make batch ``batch_id`` durable and visible.
+
+        ``messages`` are the non-None results of ``close`` of the batch's writers, in the
+        order of the batch's slices; a batch where no writer had output gives an empty
+        sequence. Called again with the same id when the batch is replayed: the second
+        call must not repeat output.
+        """
         msg = (
             f"{type(self).__name__} must override commit(batch_id, messages); make it "
             "idempotent per batch id"
         )
         raise NotImplementedError(msg)
 
-    def abort(self, batch_id: int, messages: Sequence[Any]) -> None:
-        """Discard the batch's uncommitted output (the batch will be replayed)."""
+    def abort(self, batch_id: int, messages: Sequence[M]) -> None:
+        """Discard the batch's uncommitted output (the batch will be replayed).
+
+        ``messages`` may be empty even when writers wrote (the engine aborts after failed
+        tasks, whose messages it never got): find what the batch left by its id.
+        """
         return None
 
     def on_watermark(self, watermark_ns: int) -> None:

@@ -6,6 +6,12 @@ arguments are passed to ``fn`` after the element: ``Map(fn, 1, k=2)`` calls ``fn
 
 Default labels are stable and readable, because labels key stored state:
 ``Map(to_row)`` for a named function, ``Filter(<lambda> at pipeline.py:12)`` for a lambda.
+
+Typing: ``pcoll | Map(f)`` with ``pcoll: PCollection[A]`` and ``f: Callable[[A, ...], B]``
+is a ``PCollection[B]`` (FlatMap: ``f`` returns ``Iterable[B]``; Filter keeps ``A``), and
+the extra arguments are checked against ``f``'s. A lambda's parameter takes its type from
+the PCollection it is applied to; behind a label (``"x" >> Map(lambda r: ...)``) a type
+checker sees no PCollection, so the lambda's parameter and the output are ``Any``.
 """
 
 from __future__ import annotations
@@ -13,13 +19,18 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast
 
 from cdcflow.transforms.base import DoFn, ParDo
 
 __all__ = ["Filter", "FlatMap", "Map", "callable_name"]
 
 _MAX_REPR = 40
+
+InT = TypeVar("InT")
+OutT = TypeVar("OutT")
+R = TypeVar("R")
+P = ParamSpec("P")
 
 
 def callable_name(fn: Callable[..., Any]) -> str:
@@ -61,26 +72,29 @@ def _check_callable(transform: str, fn: Any) -> None:
         raise TypeError(msg)
 
 
-class _CallableDoFn(DoFn):
-    """A DoFn calling ``fn(element, *args, **kwargs)``; subclasses decide what to emit."""
+class _CallableDoFn(DoFn[InT, OutT], Generic[InT, OutT, R]):
+    """A DoFn calling ``fn(element, *args, **kwargs) -> R``; subclasses decide what to emit."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def __init__(self, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]):
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
+
+    def _call(self, element: InT) -> R:
+        return self.fn(element, *self.args, **self.kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({callable_name(self.fn)})"
 
 
-class _MapFn(_CallableDoFn):
-    def process(self, element: Any) -> Iterable[Any]:
-        return (self.fn(element, *self.args, **self.kwargs),)
+class _MapFn(_CallableDoFn[InT, OutT, OutT]):
+    def process(self, element: InT) -> Iterable[OutT]:
+        return (self._call(element),)
 
 
-class _FlatMapFn(_CallableDoFn):
-    def process(self, element: Any) -> Iterable[Any]:
-        out = self.fn(element, *self.args, **self.kwargs)
+class _FlatMapFn(_CallableDoFn[InT, OutT, Iterable[OutT]]):
+    def process(self, element: InT) -> Iterable[OutT]:
+        out: object = self._call(element)
         # A str, bytes or dict is iterable, but returning one is nearly always a Map by mistake.
         if isinstance(out, str | bytes | Mapping) or not isinstance(out, Iterable):
             msg = (
@@ -89,23 +103,21 @@ class _FlatMapFn(_CallableDoFn):
                 "exactly one output per element"
             )
             raise TypeError(msg)
-        return out
+        return cast("Iterable[OutT]", out)
 
 
-class _FilterFn(_CallableDoFn):
-    def process(self, element: Any) -> Iterable[Any]:
-        return (element,) if self.fn(element, *self.args, **self.kwargs) else ()
+class _FilterFn(_CallableDoFn[InT, InT, object]):
+    def process(self, element: InT) -> Iterable[InT]:
+        return (element,) if self._call(element) else ()
 
 
-class _CallableParDo(ParDo):
+class _CallableParDo(ParDo[InT, OutT]):
     """A ParDo built from a plain function; the label is ``Kind(function name)``."""
 
-    _dofn: type[_CallableDoFn] = _CallableDoFn
-    fn: _CallableDoFn
+    fn: _CallableDoFn[InT, OutT, Any]
 
-    def __init__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        _check_callable(type(self).__name__, fn)
-        super().__init__(self._dofn(fn, args, kwargs))
+    def __init__(self, fn: _CallableDoFn[InT, OutT, Any]) -> None:
+        super().__init__(fn)
 
     def default_label(self) -> str:
         return f"{type(self).__name__}({callable_name(self.fn.fn)})"
@@ -117,22 +129,44 @@ class _CallableParDo(ParDo):
         return " ".join(parts)
 
 
-class Map(_CallableParDo):
-    """Emit ``fn(element, *args, **kwargs)`` for every element: one output per input."""
+class Map(_CallableParDo[InT, OutT]):
+    """Emit ``fn(element, *args, **kwargs)`` for every element: one output per input.
 
-    _dofn = _MapFn
+    ``Map(f)`` with ``f: Callable[[A], B]`` is a ``PTransform[A, B]``.
+    """
+
+    def __init__(
+        self, fn: Callable[Concatenate[InT, P], OutT], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
+        _check_callable(type(self).__name__, fn)
+        super().__init__(_MapFn(fn, args, kwargs))
 
 
-class FlatMap(_CallableParDo):
+class FlatMap(_CallableParDo[InT, OutT]):
     """Emit every item of the iterable ``fn(element, *args, **kwargs)`` returns (zero or more).
 
+    ``FlatMap(f)`` with ``f: Callable[[A], Iterable[B]]`` is a ``PTransform[A, B]``.
     Returning a str, bytes or dict raises TypeError (use Map for a single output).
     """
 
-    _dofn = _FlatMapFn
+    def __init__(
+        self,
+        fn: Callable[Concatenate[InT, P], Iterable[OutT]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> None:
+        _check_callable(type(self).__name__, fn)
+        super().__init__(_FlatMapFn(fn, args, kwargs))
 
 
-class Filter(_CallableParDo):
-    """Keep the elements for which ``fn(element, *args, **kwargs)`` is truthy."""
+class Filter(_CallableParDo[InT, InT]):
+    """Keep the elements for which ``fn(element, *args, **kwargs)`` is truthy.
 
-    _dofn = _FilterFn
+    ``Filter(f)`` with ``f: Callable[[A], object]`` is a ``PTransform[A, A]``.
+    """
+
+    def __init__(
+        self, fn: Callable[Concatenate[InT, P], object], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
+        _check_callable(type(self).__name__, fn)
+        super().__init__(_FilterFn(fn, args, kwargs))

@@ -12,8 +12,8 @@ import hashlib
 import os
 import sys
 import threading
-from collections.abc import Sequence
-from typing import IO, Any, Literal
+from collections.abc import Callable, Sequence
+from typing import IO, Any, Generic, Literal, TypeVar
 
 import attrs
 import orjson
@@ -25,18 +25,21 @@ from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
 __all__ = ["Collect", "Print", "WriteFiles", "WrittenFile"]
 
+E = TypeVar("E")
+V = TypeVar("V")
 
-class _BufferWriter:
-    """Keeps a task's elements (or lines) in memory; ``close`` returns them."""
 
-    def __init__(self, convert: Any = None) -> None:
-        self._items: list[Any] = []
+class _BufferWriter(Generic[E, V]):
+    """Keeps a task's elements, each converted to ``V``, in memory; ``close`` returns them."""
+
+    def __init__(self, convert: Callable[[E], V]) -> None:
+        self._items: list[V] = []
         self._convert = convert
 
-    def write(self, element: Any) -> None:
-        self._items.append(element if self._convert is None else self._convert(element))
+    def write(self, element: E) -> None:
+        self._items.append(self._convert(element))
 
-    def close(self) -> list[Any]:
+    def close(self) -> list[V]:
         items, self._items = self._items, []
         return items
 
@@ -60,7 +63,11 @@ class _OncePerBatch:
             return True
 
 
-class Collect(Sink):
+def _same(element: E) -> E:
+    return element
+
+
+class Collect(Sink[E, list[E]]):
     """Gathers every committed element into ``self.items`` on the driver (for tests).
 
     Writers buffer the elements of their task; ``commit`` appends them to :attr:`items` in
@@ -70,7 +77,7 @@ class Collect(Sink):
     """
 
     def __init__(self) -> None:
-        self.items: list[Any] = []
+        self.items: list[E] = []
         self._batches = _OncePerBatch()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -84,22 +91,21 @@ class Collect(Sink):
         self.__dict__.update(state)
         self._batches = _OncePerBatch()
 
-    def open_writer(self, ctx: WriterContext) -> SinkWriter:
-        return _BufferWriter()
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[E, list[E]]:
+        return _BufferWriter(_same)
 
-    def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
+    def commit(self, batch_id: int, messages: Sequence[list[E]]) -> None:
         if not self._batches.claim(batch_id):
             return
         for message in messages:
-            if message:
-                self.items.extend(message)
+            self.items.extend(message)
 
 
 def _json_text(element: Any) -> str:
     return orjson.dumps(to_json_value(element)).decode()
 
 
-class Print(Sink):
+class Print(Sink[Any, list[str]]):
     """Prints committed elements on the driver: once, in order, only for committed batches.
 
     ``format="json"`` prints one JSON document per element (see :mod:`cdcflow.serialize`);
@@ -125,15 +131,15 @@ class Print(Sink):
     def describe_params(self) -> str:
         return f"format={self.format}"
 
-    def open_writer(self, ctx: WriterContext) -> SinkWriter:
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[Any, list[str]]:
         return _BufferWriter(_json_text if self.format == "json" else repr)
 
-    def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
+    def commit(self, batch_id: int, messages: Sequence[list[str]]) -> None:
         if not self._batches.claim(batch_id):
             return
         out: IO[str] = sys.stdout  # looked up now, so redirected output is honoured
         for message in messages:
-            for line in message or ():
+            for line in message:
                 print(line, file=out)
         out.flush()
 
@@ -163,7 +169,7 @@ def _fsync_dir(directory: str) -> None:
             os.close(fd)
 
 
-class WriteFiles(Sink):
+class WriteFiles(Sink[Any, WrittenFile]):
     """Writes each batch to files under ``path``, exactly once per batch.
 
     Every task writes one file per (batch id, partition token), named
@@ -246,7 +252,7 @@ class WriteFiles(Sink):
         name = f".{self.prefix}-{batch_id:010d}-"
         return os.path.join(glob.escape(self._dir()), glob.escape(name) + "*.tmp")
 
-    def open_writer(self, ctx: WriterContext) -> SinkWriter:
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[Any, WrittenFile]:
         directory = self._dir()
         final = self.final_name(ctx.batch_id, ctx.partition_token)
         stem = final.rsplit(".", 1)[0]
@@ -256,7 +262,7 @@ class WriteFiles(Sink):
             return _ParquetWriter(temp, final_path, self.fsync)
         return _JsonlWriter(temp, final_path, self.fsync)
 
-    def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
+    def commit(self, batch_id: int, messages: Sequence[WrittenFile]) -> None:
         """Rename every temporary file to its final name; idempotent for ``batch_id``.
 
         A message whose temporary file is gone while the final file exists was committed
@@ -264,11 +270,6 @@ class WriteFiles(Sink):
         """
         directory = self._dir()
         for message in messages:
-            if message is None:
-                continue
-            if not isinstance(message, WrittenFile):
-                msg = f"WriteFiles.commit got {message!r}, not a WrittenFile from its writers"
-                raise SinkError(msg)
             try:
                 os.replace(message.temp, message.final)
             except FileNotFoundError:
@@ -285,9 +286,9 @@ class WriteFiles(Sink):
         if self.fsync:
             _fsync_dir(directory)
 
-    def abort(self, batch_id: int, messages: Sequence[Any]) -> None:
+    def abort(self, batch_id: int, messages: Sequence[WrittenFile]) -> None:
         """Delete the batch's temporary files; committed files are left alone."""
-        temps = {m.temp for m in messages if isinstance(m, WrittenFile)}
+        temps = {m.temp for m in messages}
         temps.update(glob.glob(self._temp_pattern(batch_id)))
         for temp in temps:
             with contextlib.suppress(FileNotFoundError):

@@ -43,15 +43,18 @@ def spark() -> Iterator[Any]:
 
 def _run_batch(
     sink: WriteSpark, batch_id: int, attempt: str, tokens: tuple[str, ...] = ("a", "b")
-) -> list[Any]:
-    """What a batch's tasks do: one writer per partition token, three rows each."""
+) -> list[StagedFile]:
+    """What a batch's tasks do: one writer per partition token, three rows each; the
+    messages as the engine hands them to commit (no None)."""
     messages = []
     for token in tokens:
         ctx = WriterContext("pipe", "out", batch_id, token, 0, 10, attempt)
         writer = sink.open_writer(ctx)
         for i in range(3):
             writer.write({"id": batch_id * 100 + i, "name": token, "ts": TS})
-        messages.append(writer.close())
+        message = writer.close()
+        if message is not None:
+            messages.append(message)
     return messages
 
 
@@ -118,7 +121,7 @@ def test_empty_batch_writes_nothing(spark: Any, tmp_path: Path) -> None:
     sink.setup(SinkContext("pipe", "out", str(tmp_path)))
     writer = sink.open_writer(WriterContext("pipe", "out", 1, "a", 0, 10, "x"))
     assert writer.close() is None
-    sink.commit(1, [None, None])
+    sink.commit(1, [])  # the engine's messages of a batch whose writers wrote nothing
     assert not (tmp_path / "out").exists() or not any(
         p.startswith("_batch_id=") for p in os.listdir(tmp_path / "out")
     )

@@ -15,7 +15,7 @@ from cdcflow.transforms import DoFn, Filter, FlatMap, Map, ParDo
 from cdcflow.transforms.core import callable_name
 
 
-def run(transform: ParDo, elements: list[Any]) -> list[Any]:
+def run(transform: ParDo[Any, Any], elements: list[Any]) -> list[Any]:
     fn = transform.fn
     fn.setup()
     out = [y for x in elements for y in fn.process(x)]
@@ -100,19 +100,19 @@ def test_label_of_a_lambda_names_file_and_line() -> None:
 def test_describe_params_shows_function_and_arguments() -> None:
     assert Map(scale, 10, offset=1).describe_params() == "fn=scale 10 offset=1"
     assert Filter(bool).describe_params() == "fn=bool"
-    long = Map(scale, "x" * 100).describe_params()
+    long = Map(scale, "x" * 100).describe_params()  # type: ignore[arg-type]
     assert long.endswith("...") and len(long) < 60
 
 
 @pytest.mark.parametrize("cls", [Map, FlatMap, Filter])
 @pytest.mark.parametrize("bad", ["to_row", 3, None])
-def test_non_callable_is_a_type_error_naming_the_fix(cls: type[ParDo], bad: Any) -> None:
+def test_non_callable_is_a_type_error_naming_the_fix(cls: type[ParDo[Any, Any]], bad: Any) -> None:
     with pytest.raises(TypeError, match=rf"{cls.__name__} takes a function.*pass the function"):
         cls(bad)
 
 
 def test_a_dofn_given_to_map_points_to_pardo() -> None:
-    class Fn(DoFn):
+    class Fn(DoFn[int, int]):
         pass
 
     with pytest.raises(TypeError, match=r"use ParDo\("):
@@ -120,14 +120,14 @@ def test_a_dofn_given_to_map_points_to_pardo() -> None:
 
 
 def test_pardo_of_a_dofn_uses_setup_and_teardown() -> None:
-    class Prefix(DoFn):
+    class Prefix(DoFn[str, str]):
         def __init__(self) -> None:
             self.prefix = ""
 
         def setup(self) -> None:
             self.prefix = "p-"
 
-        def process(self, element: Any) -> Iterator[str]:
+        def process(self, element: str) -> Iterator[str]:
             yield self.prefix + element
 
     t = ParDo(Prefix())

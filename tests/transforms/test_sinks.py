@@ -29,7 +29,9 @@ def _wctx(batch_id: int, token: str, attempt: str = "a1") -> WriterContext:
     )
 
 
-def _run_task(sink: Sink, batch_id: int, token: str, elements: list[Any], attempt: str) -> Any:
+def _run_task(
+    sink: Sink[Any, Any], batch_id: int, token: str, elements: list[Any], attempt: str
+) -> Any:
     """What a task does: pickle the sink over, open a writer, write, close."""
     remote = pickle.loads(pickle.dumps(sink))
     writer = remote.open_writer(_wctx(batch_id, token, attempt))
@@ -43,14 +45,14 @@ def _listing(directory: Path) -> list[str]:
 
 
 def test_collect_commits_once_per_batch_in_message_order() -> None:
-    sink = Collect()
+    sink: Collect[int] = Collect()
     m1 = _run_task(sink, 1, "a", [1, 2], "x")
     m2 = _run_task(sink, 1, "b", [3], "x")
     sink.commit(1, [m1, m2])
     assert sink.items == [1, 2, 3]
     sink.commit(1, [m1, m2])  # replayed batch id
     assert sink.items == [1, 2, 3]
-    sink.commit(2, [_run_task(sink, 2, "a", [4], "y"), None])
+    sink.commit(2, [_run_task(sink, 2, "a", [4], "y")])
     assert sink.items == [1, 2, 3, 4]
     assert pickle.loads(pickle.dumps(sink)).items == []  # tasks do not carry the items
 
@@ -94,17 +96,17 @@ def test_jsonl_commit_renames_and_is_idempotent(files: tuple[WriteFiles, Path]) 
     m_a = _run_task(sink, 42, "tok-a", [{"id": 1}, {"id": 2}], "att1")
     m_b = _run_task(sink, 42, "tok-b", [HeartbeatRecord("tok-b", Timestamp.from_ns(9))], "att1")
     m_empty = _run_task(sink, 42, "tok-c", [], "att1")
-    assert m_empty is None
+    assert m_empty is None  # the engine passes no None to commit
     assert isinstance(m_a, WrittenFile) and m_a.count == 2
     assert all(name.startswith(".") for name in _listing(out))  # nothing visible yet
-    sink.commit(42, [m_a, m_b, m_empty])
+    sink.commit(42, [m_a, m_b])
     final_a = sink.final_name(42, "tok-a")
     assert final_a.startswith("part-0000000042-") and final_a.endswith(".jsonl")
     assert _listing(out) == sorted([final_a, sink.final_name(42, "tok-b")])
     lines = (out / final_a).read_bytes().splitlines()
     assert [orjson.loads(x) for x in lines] == [{"id": 1}, {"id": 2}]
     before = {n: (out / n).read_bytes() for n in _listing(out)}
-    sink.commit(42, [m_a, m_b, m_empty])  # a second commit of the same batch
+    sink.commit(42, [m_a, m_b])  # a second commit of the same batch
     assert {n: (out / n).read_bytes() for n in _listing(out)} == before
 
 
