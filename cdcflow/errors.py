@@ -23,6 +23,7 @@ __all__ = [
     "PipelineStopped",
     "PlanConflictError",
     "PluginError",
+    "RunnerContractError",
     "SinkError",
     "SparkTaskError",
     "StoreError",
@@ -135,3 +136,9 @@ class PipelineStopped(CdcflowError):
 
     Nothing past the failed record was committed; fix the cause and run again to resume.
     """
+
+
+class RunnerContractError(CdcflowError):
+    """A runner returned results that break the Runner contract (one result per task, in
+    task order, from the batch that was planned): a bug in the runner, reported before
+    anything of the batch is committed."""

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from cdcflow.engine.runner import TaskResult
+from cdcflow.errors import RunnerContractError
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     BatchPlan,
@@ -221,7 +222,7 @@ def fold(
                 f"a task reported partition {r.token!r}, which the store does not hold; "
                 "results must come from the batch planned on these partitions"
             )
-            raise ValueError(msg)
+            raise RunnerContractError(msg)
         finished = r.ended or r.position >= parent.end
         updates.append(PartitionUpdate(r.token, r.position, finished))
         if sum(not c.announced for c in r.children) >= 2 and r.token != INITIAL_PARTITION_TOKEN:

@@ -48,7 +48,12 @@ from cdcflow.engine.lifecycle import (
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.runner import Runner, Task, TaskResult
 from cdcflow.engine.task import TaskProgram, make_client
-from cdcflow.errors import PipelineDefinitionError, PipelineStopped, TransientError
+from cdcflow.errors import (
+    PipelineDefinitionError,
+    PipelineStopped,
+    RunnerContractError,
+    TransientError,
+)
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
@@ -367,12 +372,12 @@ class Engine:
                 f"runner {self.runner.name!r} returned {len(raw)} results for {len(tasks)} "
                 "tasks; a runner must return one result per task, in task order"
             )
-            raise RuntimeError(msg)
+            raise RunnerContractError(msg)
         results = [pickle.loads(b) for b in raw]
         for result, s in zip(results, plan.slices, strict=True):
             if not isinstance(result, TaskResult) or result.token != s.token:
                 msg = f"runner {self.runner.name!r} returned results out of task order"
-                raise RuntimeError(msg)
+                raise RunnerContractError(msg)
         return results
 
     # -- signals -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from cdcflow.engine.lifecycle import (
 )
 from cdcflow.engine.runner import ChildSeen, Task, TaskResult
 from cdcflow.engine.task import TaskProgram, run_task
+from cdcflow.errors import RunnerContractError
 from cdcflow.metadata.memory import MemoryStore
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
@@ -255,7 +256,7 @@ def test_fold_child_starting_at_the_end_is_born_finished() -> None:
 
 
 def test_fold_refuses_a_result_for_an_unknown_partition() -> None:
-    with pytest.raises(ValueError, match="does not hold"):
+    with pytest.raises(RunnerContractError, match="does not hold"):
         fold({}, [_result("ghost", 1)], now_ns=0)
 
 
