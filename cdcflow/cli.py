@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --master and --conf have flags of their own; --set does not take them.
-_FLAG_ONLY = frozenset({"master", "conf"})
+_FLAG_ONLY = ("master", "conf")
 _WORDS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
 
@@ -228,7 +228,7 @@ def _run_options(
     if args.reset:
         options["reset"] = True
     options.setdefault("base_dir", str(base))  # relative sink paths: next to the file
-    for flag in sorted(_FLAG_ONLY):
+    for flag in _FLAG_ONLY:
         value = getattr(args, flag)
         if not value:
             continue

@@ -7,7 +7,7 @@ keys and their kinds); ``pipeline.run()`` passes what the user wrote.
 
 Keyword options are split between :class:`~cdcflow.engine.loop.RunOptions` fields and the
 runner's constructor; anything else is a :class:`~cdcflow.errors.UserInputError` that lists
-the valid keys. Durations may be numbers of seconds or text such as ``"30s"``.
+the valid keys. Durations may be numbers of seconds, text such as ``"30s"``, or timedeltas.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import types
 import typing
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -155,7 +156,8 @@ def option_specs(factory: RunnerFactory | None) -> dict[str, OptionSpec]:
 
 
 def coerce_option(spec: OptionSpec, value: Any) -> Any:
-    """``value`` checked against ``spec``; duration text becomes seconds.
+    """``value`` checked against ``spec``; a duration given as text (``"30s"``) or a
+    ``timedelta`` becomes seconds.
 
     Raises UserInputError naming what the option takes.
     """
@@ -163,6 +165,8 @@ def coerce_option(spec: OptionSpec, value: Any) -> Any:
         return None
     kind = spec.kind
     ok = kind == "any"
+    if kind == "duration" and isinstance(value, timedelta):
+        return value.total_seconds()
     if kind == "duration" and isinstance(value, str):
         try:
             return parse_duration(value)

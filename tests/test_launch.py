@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import attrs
@@ -77,12 +78,11 @@ def test_options_split_between_the_engine_and_the_runner() -> None:
 def test_durations_as_text_or_numbers() -> None:
     run, _ = split_options(
         {"batch_interval": "250ms", "max_batch_span": 30, "duration": "1h30m",
-         "retry_backoff": 0.5},
+         "retry_backoff": 0.5, "gc_ttl": timedelta(minutes=2)},
         None, "memory",
     )
-    assert (run.batch_interval, run.max_batch_span, run.duration, run.retry_backoff) == (
-        0.25, 30.0, 5400.0, 0.5
-    )
+    assert (run.batch_interval, run.max_batch_span, run.duration, run.retry_backoff,
+            run.gc_ttl) == (0.25, 30.0, 5400.0, 0.5, 120.0)
     with pytest.raises(UserInputError, match=r"gc_ttl='soon': not a duration.*5m"):
         split_options({"gc_ttl": "soon"}, None, "memory")
 
