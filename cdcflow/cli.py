@@ -16,18 +16,28 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
 from cdcflow import __version__
 from cdcflow.durations import parse_duration
+from cdcflow.engine.listener import EngineListener
+from cdcflow.engine.loop import Engine
 from cdcflow.errors import CdcflowError, PipelineStopped, StoreURLError, UsageError, UserInputError
+from cdcflow.launch import (
+    OptionSpec,
+    default_store_url,
+    option_specs,
+    run_pipeline,
+    runner_factory,
+)
+from cdcflow.progress import LiveProgress
 
 __all__ = [
-    "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser",
-    "default_store_url", "main", "read_ddl",
+    "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main",
+    "read_ddl",
 ]
 
 EXIT_OK = 0
@@ -164,159 +174,113 @@ def build_parser() -> argparse.ArgumentParser:
 # -- run -----------------------------------------------------------------------------------
 
 
-def default_store_url(pipeline_file: Path) -> str:
-    """``sqlite:///<dir of the file>/.cdcflow/state.db`` (the directory is created)."""
-    state = pipeline_file.resolve().parent / ".cdcflow"
-    state.mkdir(exist_ok=True)
-    return f"sqlite:///{state / 'state.db'}"
+# --master and --conf have flags of their own; --set does not take them.
+_FLAG_ONLY = ("master", "conf")
+_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
 
 
-def _fields(cls: Any) -> dict[str, Any]:
-    """name -> (annotation text, default) of an attrs class or dataclass."""
-    import dataclasses
-
-    import attrs
-
-    if attrs.has(cls):
-        return {f.name: (str(f.type), f.default) for f in attrs.fields(cls)}
-    if dataclasses.is_dataclass(cls):
-        return {f.name: (str(f.type), f.default) for f in dataclasses.fields(cls)}
-    msg = f"{cls!r} is neither an attrs class nor a dataclass"
-    raise TypeError(msg)
-
-
-def _convert(key: str, text: str, annotation: str, default: Any) -> Any:
+def _convert(key: str, text: str, spec: OptionSpec) -> Any:
     """Turn ``--set`` text into the option's type (durations become seconds)."""
-    kind = annotation.replace(" ", "")
+    word = text.strip().lower()
+    if spec.optional and word in ("none", ""):
+        return None
     try:
-        if "bool" in kind or isinstance(default, bool):
-            lowered = text.strip().lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if "float" in kind or isinstance(default, float):
-            if text.strip().lower() in ("none", ""):
-                return None
+        if spec.kind == "bool":
+            return _WORDS[word]
+        if spec.kind == "duration":
             return parse_duration(text)
-        if "int" in kind or isinstance(default, int):
-            if text.strip().lower() in ("none", ""):
-                return None
+        if spec.kind == "float":
+            return float(text)
+        if spec.kind == "int":
             return int(text)
-    except ValueError:
-        want = "true or false" if "bool" in kind else (
-            "a duration such as 30s" if "float" in kind else "a whole number")
-        msg = f"--set {key}={text}: {key} takes {want}"
+    except (KeyError, ValueError):
+        msg = f"--set {key}={text}: {key} takes {spec.describe()}"
         raise UserInputError(msg) from None
     return text
 
 
-def _runner_params(runner_cls: Any) -> dict[str, Any]:
-    import inspect
-
-    try:
-        params = inspect.signature(runner_cls).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {
-        name: ("", p.default if p.default is not p.empty else None)
-        for name, p in params.items()
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    }
-
-
-def _build_options(
-    args: argparse.Namespace, option_cls: Any, runner_cls: Any, runner_name: str, base: Path
-) -> tuple[Any, dict[str, Any]]:
-    """(RunOptions, runner keyword arguments) from the flags and ``--set`` pairs."""
-    option_fields = _fields(option_cls)
-    runner_fields = {k: v for k, v in _runner_params(runner_cls).items()
-                     if k not in ("master", "conf")}
+def _run_options(
+    args: argparse.Namespace, specs: dict[str, OptionSpec], runner_name: str, base: Path
+) -> dict[str, Any]:
+    """The typed keyword options of a run, from the flags and ``--set`` pairs."""
+    settable = {k: s for k, s in specs.items() if k not in _FLAG_ONLY}
     options: dict[str, Any] = {}
-    runner_kwargs: dict[str, Any] = {}
     for key, text in args.settings:
         key = key.replace("-", "_")
-        if key in option_fields:
-            annotation, default = option_fields[key]
-            options[key] = _convert(key, text, annotation, default)
-        elif key in runner_fields:
-            annotation, default = runner_fields[key]
-            runner_kwargs[key] = _convert(key, text, "int" if key == "workers" else annotation,
-                                          default)
-        else:
-            valid = sorted(set(option_fields) - {"base_dir"} | set(runner_fields))
+        spec = settable.get(key)
+        if spec is None:
+            valid = sorted(set(settable) - {"base_dir"})
             msg = (
                 f"--set {key}: unknown option for the {runner_name} runner; valid keys: "
                 f"{', '.join(valid)}"
             )
             raise UserInputError(msg)
-    for flag, key in (("duration", "duration"), ("max_batches", "max_batches"),
-                      ("batch_interval", "batch_interval")):
+        options[key] = _convert(key, text, spec)
+    for flag in ("duration", "max_batches", "batch_interval"):
         value = getattr(args, flag)
         if value is not None:
-            options[key] = value
+            options[flag] = value
     if args.reset:
         options["reset"] = True
-    if "base_dir" in option_fields and "base_dir" not in options:
-        options["base_dir"] = str(base)
-    spark_params = _runner_params(runner_cls)
-    for flag in ("master", "conf"):
+    options.setdefault("base_dir", str(base))  # relative sink paths: next to the file
+    for flag in _FLAG_ONLY:
         value = getattr(args, flag)
         if not value:
             continue
-        if flag not in spark_params:
+        if flag not in specs:
             msg = f"--{flag} applies to the spark runner, not {runner_name}; drop it or use " \
                   "--runner spark"
             raise UserInputError(msg)
-        runner_kwargs[flag] = dict(value) if flag == "conf" else value
-    try:
-        return option_cls(**options), runner_kwargs
-    except (TypeError, ValueError) as e:
-        msg = f"bad run option: {e}"
-        raise UserInputError(msg) from None
+        options[flag] = dict(value) if flag == "conf" else value
+    return options
 
 
-@contextlib.contextmanager
-def _graceful_interrupt(engine: Any, progress: Any) -> Iterator[None]:
-    """First Ctrl-C: stop after the current batch. Second Ctrl-C: abort at once."""
-    stop: Callable[[], None] | None = getattr(engine, "request_stop", None) or getattr(
-        engine, "stop", None)
-    if stop is None or not callable(stop):
-        yield
-        return
-    calls = [0]
+class _GracefulInterrupt:
+    """First Ctrl-C: stop after the current batch. Second Ctrl-C: abort at once.
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        calls[0] += 1
-        if calls[0] > 1:
+    Installed before the run starts; until the engine is attached (runner being built,
+    store being opened) a Ctrl-C aborts at once, as it would without this handler.
+    """
+
+    def __init__(self, progress: EngineListener) -> None:
+        self._progress = progress
+        self._engine: Engine | None = None
+        self._calls = 0
+
+    def attach(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._calls += 1
+        if self._engine is None or self._calls > 1:
             raise KeyboardInterrupt
-        clear = getattr(progress, "clear", None)
-        if clear is not None:
-            clear()
+        if isinstance(self._progress, LiveProgress):
+            self._progress.clear()
         sys.stderr.write("cdcflow: stopping after the current batch (Ctrl-C again to abort)\n")
         sys.stderr.flush()
-        assert stop is not None
-        stop()
+        self._engine.request_stop()
 
-    try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: no signal handling there
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        try:
+            previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: no signal handling there
+            yield
+            return
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
-def _configure_logging(debug: bool, progress: Any) -> None:
+def _configure_logging(debug: bool, progress: EngineListener) -> None:
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    make_handler = getattr(progress, "logging_handler", None)
-    if make_handler is not None:
-        handler = make_handler(logging.DEBUG if debug else logging.WARNING)
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    handler: logging.Handler
+    if isinstance(progress, LiveProgress):
+        handler = progress.logging_handler(logging.DEBUG if debug else logging.WARNING)
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(
@@ -328,29 +292,22 @@ def _configure_logging(debug: bool, progress: Any) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from cdcflow.loader import load_pipeline, split_target
-    from cdcflow.metadata import open_store
-    from cdcflow.plugins import load_plugin
     from cdcflow.progress import make_progress
 
     pipeline = load_pipeline(args.file)
     pipeline.validate()
     path, _ = split_target(args.file)
-    runner_cls = load_plugin("cdcflow.runners", args.runner)
-    from cdcflow.engine.loop import Engine, RunOptions  # after the cheap checks
-    options, runner_kwargs = _build_options(
-        args, RunOptions, runner_cls, args.runner, path.resolve().parent
-    )
-    url = args.metadata or default_store_url(path)
+    base = path.resolve().parent
+    factory = runner_factory(args.runner)
+    options = _run_options(args, option_specs(factory), args.runner, base)
+    url = args.metadata or default_store_url(base)  # state next to the file, not the cwd
     progress = make_progress(sys.stderr)
     _configure_logging(args.debug, progress)
-    store = open_store(url)
-    try:
-        runner = runner_cls(**runner_kwargs)
-        engine = Engine(pipeline, store, runner, options, progress)
-        with _graceful_interrupt(engine, progress):
-            summary = engine.run()
-    finally:
-        store.close()
+    interrupt = _GracefulInterrupt(progress)
+    with interrupt.installed():
+        summary = run_pipeline(
+            pipeline, args.runner, url, listener=progress, on_engine=interrupt.attach, **options
+        )
     return EXIT_INTERRUPTED if summary.reason == "interrupted" else EXIT_OK
 
 

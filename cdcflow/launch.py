@@ -1,16 +1,25 @@
 """One way in to a run, for ``pipeline.run()`` and ``cdcflow run``: resolve the runner and
 the store, build the engine, run it, close the store it opened.
 
+Both callers end in :func:`run_pipeline`, so they cannot drift. The CLI turns its flags and
+``--set KEY=VALUE`` text into typed values first (with :func:`option_specs` telling it the
+keys and their kinds); ``pipeline.run()`` passes what the user wrote.
+
 Keyword options are split between :class:`~cdcflow.engine.loop.RunOptions` fields and the
 runner's constructor; anything else is a :class:`~cdcflow.errors.UserInputError` that lists
-the valid keys.
+the valid keys. Durations may be numbers of seconds, text such as ``"30s"``, or timedeltas.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -24,70 +33,214 @@ from cdcflow.metadata import open_store
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.plugins import load_plugin
 
-__all__ = ["default_store_url", "make_runner", "run_pipeline", "split_options"]
+__all__ = [
+    "OptionKind",
+    "OptionSpec",
+    "RunnerFactory",
+    "coerce_option",
+    "default_store_url",
+    "make_runner",
+    "option_specs",
+    "run_pipeline",
+    "runner_factory",
+    "split_options",
+]
 
-_DURATIONS = ("batch_interval", "max_batch_span", "duration", "gc_ttl", "retry_backoff")
+#: What builds a runner from keyword options: a runner class registered under
+#: ``cdcflow.runners`` (or any callable returning a Runner).
+RunnerFactory = Callable[..., Runner]
+
+#: The kind of value an option takes. ``duration``: seconds as a number, or text such as
+#: ``"30s"``; ``any``: passed through unchecked (e.g. the Spark runner's ``conf`` mapping).
+OptionKind = Literal["duration", "int", "float", "bool", "text", "any"]
+
+# Options that exist but are not worth listing in "valid keys": the CLI sets base_dir itself.
+_UNLISTED = frozenset({"base_dir"})
+
+
+@attrs.frozen
+class OptionSpec:
+    """One keyword option of a run: its name, kind, whether None is accepted, and whether
+    it is a RunOptions field (``"run"``) or a runner constructor argument (``"runner"``)."""
+
+    name: str
+    kind: OptionKind
+    optional: bool
+    target: Literal["run", "runner"]
+
+    def describe(self) -> str:
+        """What the option takes, for error messages: ``"a duration such as 30s"``."""
+        want = {
+            "duration": "a duration such as 30s", "int": "a whole number",
+            "float": "a number", "bool": "true or false", "text": "text", "any": "a value",
+        }[self.kind]
+        return f"{want} or none" if self.optional and self.kind != "any" else want
 
 
 def default_store_url(directory: str | Path = ".") -> str:
-    """``sqlite:///<directory>/.cdcflow/state.db`` (the folder is created)."""
+    """``sqlite:///<directory>/.cdcflow/state.db``, creating the ``.cdcflow`` folder.
+
+    Two defaults use it: ``pipeline.run()`` keeps state under the current directory
+    (``default_store_url()``), ``cdcflow run FILE`` next to the pipeline file
+    (``default_store_url(<dir of FILE>)``), so a file's state does not depend on where the
+    command was typed.
+    """
     state = Path(directory).resolve() / ".cdcflow"
     state.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{state / 'state.db'}"
 
 
-def runner_params(runner_cls: Any) -> set[str]:
-    """Keyword arguments a runner class takes."""
+def runner_factory(name: str) -> RunnerFactory:
+    """The runner class registered as ``name`` (PluginError listing the installed ones)."""
+    factory: RunnerFactory = load_plugin("cdcflow.runners", name)
+    return factory
+
+
+# -- options -----------------------------------------------------------------------------
+
+
+def _classify(hint: Any, default: Any, *, durations: bool) -> tuple[OptionKind, bool]:
+    """(kind, optional) of a type hint; falls back to the default's type without one."""
+    if hint is None:
+        if default is None or default is inspect.Parameter.empty:
+            return "any", default is None
+        hint = type(default)
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = set(typing.get_args(hint)) if union else {hint}
+    optional = type(None) in members
+    members.discard(type(None))
+    kind: OptionKind = "any"
+    if members == {bool}:
+        kind = "bool"
+    elif members == {int}:
+        kind = "int"
+    elif members and members <= {int, float}:
+        # RunOptions says "durations are seconds": its float fields are all durations.
+        kind = "duration" if durations else "float"
+    elif members == {str}:
+        kind = "text"
+    return kind, optional
+
+
+def _hints(obj: Any) -> dict[str, Any]:
     try:
-        params = inspect.signature(runner_cls).parameters
+        return typing.get_type_hints(obj)
+    except Exception:  # a plugin's annotation that does not resolve: use defaults instead
+        return {}
+
+
+def option_specs(factory: RunnerFactory | None) -> dict[str, OptionSpec]:
+    """Every option a run takes with runners built by ``factory``: the RunOptions fields,
+    then the keyword parameters of ``factory`` (none when ``factory`` is None, i.e. for a
+    runner object that is already built). A runner parameter that shares a RunOptions
+    field's name is not reachable and is left out."""
+    specs: dict[str, OptionSpec] = {}
+    hints = _hints(RunOptions)
+    for field in attrs.fields(RunOptions):
+        kind, optional = _classify(hints.get(field.name), field.default, durations=True)
+        specs[field.name] = OptionSpec(field.name, kind, optional, "run")
+    if factory is None:
+        return specs
+    try:
+        params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
-        return set()
-    return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        return specs
+    # A class's hints live on its __init__ (get_type_hints of a class gives its attributes).
+    hints = _hints(getattr(factory, "__init__", None) if isinstance(factory, type) else factory)
+    for name, p in params.items():
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or name in specs:
+            continue
+        kind, optional = _classify(hints.get(name), p.default, durations=False)
+        specs[name] = OptionSpec(name, kind, optional, "runner")
+    return specs
+
+
+def coerce_option(spec: OptionSpec, value: Any) -> Any:
+    """``value`` checked against ``spec``; a duration given as text (``"30s"``) or a
+    ``timedelta`` becomes seconds.
+
+    Raises UserInputError naming what the option takes.
+    """
+    if value is None and spec.optional:
+        return None
+    kind = spec.kind
+    ok = kind == "any"
+    if kind == "duration" and isinstance(value, timedelta):
+        return value.total_seconds()
+    if kind == "duration" and isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            msg = f"{spec.name}={value!r}: {e}"
+            raise UserInputError(msg) from None
+    if kind in ("duration", "float"):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "text":
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value  # base_dir=Path
+        ok = isinstance(value, str)
+    if not ok:
+        msg = f"{spec.name}={value!r}: {spec.name} takes {spec.describe()}"
+        raise UserInputError(msg)
+    return value
 
 
 def split_options(
-    options: dict[str, Any], runner_cls: Any, runner_name: str
+    options: Mapping[str, Any], factory: RunnerFactory | None, runner_name: str
 ) -> tuple[RunOptions, dict[str, Any]]:
-    """(RunOptions, runner keyword arguments) from one mapping; durations may be text."""
-    fields = {f.name for f in attrs.fields(RunOptions)}
-    accepted = runner_params(runner_cls) if runner_cls is not None else set()
+    """(RunOptions, runner keyword arguments) from one mapping of options.
+
+    Values are checked with :func:`coerce_option` (durations may be text). An unknown key
+    raises UserInputError listing the valid keys for ``runner_name``.
+    """
+    specs = option_specs(factory)
     run: dict[str, Any] = {}
     runner: dict[str, Any] = {}
     for key, value in options.items():
-        if key in fields:
-            if key in _DURATIONS and isinstance(value, str):
-                try:
-                    value = parse_duration(value)
-                except ValueError as e:
-                    raise UserInputError(f"{key}={value!r}: {e}") from None
-            run[key] = value
-        elif key in accepted:
-            runner[key] = value
-        else:
-            valid = sorted((fields | accepted) - {"base_dir"})
+        spec = specs.get(key)
+        if spec is None:
+            valid = sorted(set(specs) - _UNLISTED)
             msg = f"unknown option {key!r} for the {runner_name} runner; valid: {', '.join(valid)}"
             raise UserInputError(msg)
+        (run if spec.target == "run" else runner)[key] = coerce_option(spec, value)
     try:
         return RunOptions(**run), runner
     except (TypeError, ValueError) as e:
-        raise UserInputError(f"bad run option: {e}") from None
+        msg = f"bad run option: {e}"
+        raise UserInputError(msg) from None
 
 
-def make_runner(runner: str | Runner, options: dict[str, Any]) -> tuple[Runner, RunOptions]:
-    """The runner named (or given) and the run options, from one mapping of options."""
+def make_runner(
+    runner: str | Runner, options: Mapping[str, Any]
+) -> tuple[Runner, RunOptions]:
+    """The runner named (built with its share of ``options``) or given, and the run options.
+
+    A runner object is used as it is, so ``options`` may then hold only RunOptions fields.
+    """
     if isinstance(runner, str):
-        cls = load_plugin("cdcflow.runners", runner)
-        run_options, kwargs = split_options(options, cls, runner)
-        built: Runner = cls(**kwargs)
+        factory = runner_factory(runner)
+        run_options, kwargs = split_options(options, factory, runner)
+        try:
+            built = factory(**kwargs)
+        except ValueError as e:  # a runner checks its arguments' values (workers=0)
+            msg = f"the {runner} runner refused its options: {e}"
+            raise UserInputError(msg) from None
         return built, run_options
     if not isinstance(runner, Runner):
         msg = (
             f"runner={runner!r} is not a runner: pass 'memory', 'spark', an installed runner "
-            "plugin's name, or an object with open/run_tasks/close"
+            "plugin's name, or an object with name/open/run_tasks/close"
         )
         raise UserInputError(msg)
     run_options, _ = split_options(options, None, runner.name)
     return runner, run_options
+
+
+# -- the run -----------------------------------------------------------------------------
 
 
 def run_pipeline(
@@ -96,18 +249,39 @@ def run_pipeline(
     metadata: str | MetadataStore | None = None,
     *,
     listener: EngineListener | None = None,
+    on_engine: Callable[[Engine], None] | None = None,
     **options: Any,
 ) -> RunSummary:
-    """Run ``dag`` (see :meth:`cdcflow.pipeline.Pipeline.run`)."""
+    """Run ``dag`` until its end, a limit, or a stop request; return the summary.
+
+    Steps: validate the DAG; build the runner (``runner`` is a name, built with its share
+    of ``options``, or a Runner object used as it is); open the store (``metadata`` is a
+    URL, opened here and closed when the run ends, or a store object, which stays open: its
+    owner closes it; None means :func:`default_store_url` under the current directory);
+    build the :class:`~cdcflow.engine.loop.Engine`, hand it to ``on_engine`` (for example to
+    call ``request_stop`` from a signal handler or another thread), and run it.
+
+    Every mistake in what was given raises :class:`~cdcflow.errors.UserInputError` naming
+    the fix, before anything runs.
+    """
     dag.validate()
     built, run_options = make_runner(runner, options)
     if isinstance(metadata, str) or metadata is None:
         store = open_store(metadata or default_store_url())
         owned = True
-    else:
+    elif isinstance(metadata, MetadataStore):
         store, owned = metadata, False
+    else:
+        msg = (
+            f"metadata={metadata!r} is not a metadata store: pass a URL such as "
+            "sqlite:///state.db or memory://, or a store object"
+        )
+        raise UserInputError(msg)
     try:
-        return Engine(dag, store, built, run_options, listener).run()
+        engine = Engine(dag, store, built, run_options, listener)
+        if on_engine is not None:
+            on_engine(engine)
+        return engine.run()
     finally:
         if owned:
             store.close()

@@ -7,10 +7,12 @@ engine -> dag).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cdcflow.dag import PRIMITIVE_KINDS, Dag
 from cdcflow.engine.listener import EngineListener, RunSummary
+from cdcflow.engine.loop import Engine
 from cdcflow.engine.runner import Runner
 from cdcflow.launch import run_pipeline
 from cdcflow.metadata.base import MetadataStore
@@ -28,17 +30,25 @@ class Pipeline(Dag):
         metadata: str | MetadataStore | None = None,
         *,
         listener: EngineListener | None = None,
+        on_engine: Callable[[Engine], None] | None = None,
         **options: Any,
     ) -> RunSummary:
         """Run this pipeline until its end, a limit, or a stop request; return the summary.
 
         ``runner``: ``"memory"``, ``"spark"``, any installed runner plugin's name, or a
         :class:`~cdcflow.engine.runner.Runner` instance. ``metadata``: a store URL
-        (``sqlite:///state.db``, ``spanner://...``) or a store object; the default keeps
-        state in ``.cdcflow/state.db`` under the current directory. ``options`` are
-        :class:`~cdcflow.engine.loop.RunOptions` fields (``max_batches=3``,
-        ``duration="30s"``, ``reset=True``, ...) or the runner's own keyword arguments
-        (``workers=4``, ``master="local[2]"``). Errors in what was given raise
-        :class:`~cdcflow.errors.UserInputError` naming the fix.
+        (``sqlite:///state.db``, ``spanner://...``), opened and closed by this call, or a
+        store object, left open for its owner. The default keeps state in
+        ``.cdcflow/state.db`` under the current directory (``cdcflow run FILE`` keeps it
+        next to FILE instead). ``options`` are :class:`~cdcflow.engine.loop.RunOptions`
+        fields (``max_batches=3``, ``duration="30s"`` or ``30``, ``reset=True``, ...) or the
+        runner's own keyword arguments (``workers=4``, ``master="local[2]"``).
+        ``listener`` observes the run; ``on_engine`` gets the engine before it runs (call
+        its ``request_stop()`` from another thread to end the run after the current
+        batch). Errors in what was given raise :class:`~cdcflow.errors.UserInputError`
+        naming the fix, before anything runs. Same path as ``cdcflow run``
+        (:func:`cdcflow.launch.run_pipeline`).
         """
-        return run_pipeline(self, runner, metadata, listener=listener, **options)
+        return run_pipeline(
+            self, runner, metadata, listener=listener, on_engine=on_engine, **options
+        )

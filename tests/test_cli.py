@@ -147,6 +147,18 @@ def test_bad_set_value(tmp_path: Path) -> None:
                        "max_batch_span takes a duration")
 
 
+def test_values_are_checked_where_pipeline_run_checks_them(tmp_path: Path) -> None:
+    # The CLI and pipeline.run() share cdcflow.launch: its checks give the same one line.
+    path = write(tmp_path, VALID)
+    assert_usage_error(cdcflow("run", str(path), "--set", "gc_ttl=-1"),
+                       "bad run option", "gc_ttl must be 0 or more")
+    assert_usage_error(cdcflow("run", str(path), "--set", "workers=0"),
+                       "memory runner refused its options", "use 1 or more")
+    assert_usage_error(cdcflow("run", str(path), "--set", "master=local"), "--set master",
+                       "valid keys:")
+    assert not (tmp_path / ".cdcflow" / "state.db").exists()  # nothing ran
+
+
 def test_spark_flags_need_spark(tmp_path: Path) -> None:
     path = write(tmp_path, VALID)
     assert_usage_error(cdcflow("run", str(path), "--master", "local[2]"), "--runner spark")

@@ -9,7 +9,7 @@ GoogleSQL ``ChangeRecord`` STRUCT rows, PostgreSQL JSONB rows, MUTABLE_KEY_RANGE
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import orjson
@@ -35,6 +35,7 @@ __all__ = [
     "proto_column_type",
     "proto_value",
     "row_type",
+    "service_unavailable",
     "string_rows",
 ]
 
@@ -428,3 +429,12 @@ def string_rows(columns: Sequence[str], rows: Sequence[Sequence[str | None]]) ->
         field.type_.CopyFrom(string)
     values = [_v(v) for row in rows for v in row]
     return partial_result_sets(struct, values, rows_per_message=max(1, len(values)))
+
+
+def service_unavailable(message: str = "connection reset") -> BaseException:
+    """The client library's UNAVAILABLE error (what a reset connection raises), which the
+    reader retries: for test transports that inject faults."""
+    from google.api_core import exceptions
+
+    unavailable: Callable[[str], BaseException] = exceptions.ServiceUnavailable
+    return unavailable(message)

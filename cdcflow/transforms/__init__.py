@@ -8,7 +8,7 @@ from cdcflow.errors import PluginError
 from cdcflow.transforms.base import DoFn, ParDo, PTransform, Sink
 from cdcflow.transforms.core import Filter, FlatMap, Map
 from cdcflow.transforms.sinks import Collect, Print, WriteFiles
-from cdcflow.transforms.source import DetectPartitions, ReadPartition
+from cdcflow.transforms.source import DetectPartitions, ReadChangeStream, ReadPartition
 
 __all__ = [
     "Collect",
@@ -20,6 +20,7 @@ __all__ = [
     "PTransform",
     "ParDo",
     "Print",
+    "ReadChangeStream",
     "ReadPartition",
     "Sink",
     "WriteFiles",

@@ -1,4 +1,5 @@
-"""DetectPartitions and ReadPartition: the change-stream source of a pipeline."""
+"""The change-stream source of a pipeline: DetectPartitions and ReadPartition (the two
+primitives runners execute), and ReadChangeStream, the composite of both."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from cdcflow.durations import parse_duration, parse_time
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import MAX_NS, DataChangeRecord, PartitionMetadata
 from cdcflow.stream import ChangeStreamClient
-from cdcflow.transforms.base import PrimitiveTransform
+from cdcflow.transforms.base import PCollection, PrimitiveTransform, PTransform
 
-__all__ = ["DetectPartitions", "ReadPartition"]
+__all__ = ["DetectPartitions", "ReadChangeStream", "ReadPartition"]
 
 _DATABASE = re.compile(r"^projects/[^/]+/instances/[^/]+/databases/[^/]+$")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -120,3 +121,41 @@ class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
 
     def describe_params(self) -> str:
         return f"heartbeat={self.heartbeat_millis}ms max_inflight={self.max_inflight}"
+
+
+class ReadChangeStream(PTransform[None, DataChangeRecord]):
+    """Read a change stream: :class:`DetectPartitions` then :class:`ReadPartition`, in one
+    step applied to the pipeline itself::
+
+        pipeline | ReadChangeStream(database, "OrdersStream", start_at="now") | ...
+
+    The arguments are those of the two primitives (see them), checked when the composite
+    is built. Their labels nest under the composite's (``ReadChangeStream/DetectPartitions``
+    and ``ReadChangeStream/ReadPartition`` by default), and labels key stored progress: a
+    pipeline that switches between this and the two primitives starts over.
+    """
+
+    def __init__(
+        self,
+        database: str | None = None,
+        stream: str = "",
+        start_at: TimeLike = "now",
+        end_at: TimeLike | None = None,
+        *,
+        heartbeat: str | float = "1s",
+        max_inflight: int = 1,
+        max_inflight_bytes: int = 64 << 20,
+        client: ChangeStreamClient | None = None,
+        priority: str = "MEDIUM",
+        query_timeout: str | float = "10m",
+    ) -> None:
+        self.detect = DetectPartitions(
+            database, stream, start_at, end_at,
+            client=client, priority=priority, query_timeout=query_timeout,
+        )
+        self.read = ReadPartition(
+            heartbeat, max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes
+        )
+
+    def expand(self, pcoll: PCollection[None]) -> PCollection[DataChangeRecord]:
+        return pcoll | self.detect | self.read

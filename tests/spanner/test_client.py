@@ -21,13 +21,13 @@ from cdcflow.model import (
     Timestamp,
     record_position,
 )
-from cdcflow.spanner import wire
 from cdcflow.spanner.client import SpannerChangeStreamClient, cached_client
 from cdcflow.spanner.decode import records_from_stock_row
 from cdcflow.spanner.emulator import Emulator
 from cdcflow.spanner.retry import RetryPolicy
 from cdcflow.spanner.transport import Param
 from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery
+from cdcflow.testing import ScriptedTransport
 
 pytestmark = pytest.mark.emulator
 
@@ -475,48 +475,7 @@ def test_session_not_found_gets_a_new_session(
     assert failing.resets == 1
 
 
-# --- dedupe across retries, exactly (scripted stream) ---------------------------------------
-
-
-def _metadata(sql: str) -> list[Any]:
-    if "database_options" in sql:
-        return wire.string_rows(["option_value"], [["GOOGLE_STANDARD_SQL"]])
-    if "change_stream_options" in sql:
-        return wire.string_rows(["option_name", "option_value"], [])
-    return wire.string_rows(["change_stream_name"], [["S"]])
-
-
-class _Scripted:
-    """A transport serving fixed records, filtered by the query's start parameter."""
-
-    def __init__(self, records: list[ChangeRecord], fail_after: list[int]) -> None:
-        self.records = records
-        self.fail_after = list(fail_after)
-        self.starts: list[int] = []
-
-    def execute_streaming_sql(
-        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
-    ) -> Iterator[Any]:
-        if "READ_" not in sql:
-            yield from _metadata(sql)
-            return
-        start = Timestamp.parse(str(params["s"][1])).ns
-        self.starts.append(start)
-        served = [r for r in self.records if record_position(r) >= start]
-        values = [wire.encode_googlesql([r]) for r in served]
-        limit = self.fail_after.pop(0) if self.fail_after else None
-        for i, prs in enumerate(wire.partial_result_sets(
-            wire.row_type(wire.googlesql_column_type()), values
-        )):
-            if limit is not None and i == limit:
-                raise gexc.ServiceUnavailable("connection reset")
-            yield prs
-
-    def reset_session(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+# --- dedupe across retries, exactly (scripted transport) ------------------------------------
 
 
 def test_resume_skips_exactly_what_was_consumed_at_a_shared_timestamp() -> None:
@@ -535,51 +494,11 @@ def test_resume_skips_exactly_what_was_consumed_at_a_shared_timestamp() -> None:
         "projects/p/instances/i/databases/d", retry=RetryPolicy(sleep=lambda s: None)
     )
     # fail after 3 rows (inside the shared timestamp), then after 1 row of the re-read
-    scripted = _Scripted(records, fail_after=[3, 1])
+    scripted = ScriptedTransport(records, fail_after=[3, 1])
     client.transport = scripted
     got = list(client.read(ChangeStreamQuery("S", "tok", t, t + 100)))
     assert got == records
-    assert scripted.starts == [t, t + 5, t + 5]
-
-
-class _MutableScripted:
-    """A MUTABLE_KEY_RANGE stream: ChangeStreamRecord protos, filtered by [s, e]."""
-
-    def __init__(self, dialect: str, records: list[ChangeRecord]) -> None:
-        self.dialect = dialect
-        self.records = records
-        self.queries: list[tuple[str, int, int]] = []
-
-    def execute_streaming_sql(
-        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
-    ) -> Iterator[Any]:
-        from google.cloud.spanner_v1.types import Type, TypeCode
-
-        if "database_options" in sql:
-            yield from wire.string_rows(["option_value"], [[self.dialect]])
-            return
-        if "change_stream_options" in sql:
-            yield from wire.string_rows(["option_name", "option_value"], [
-                ["partition_mode", "MUTABLE_KEY_RANGE"], ["retention_period", "7d"],
-            ])
-            return
-        if "change_streams" in sql:
-            yield from wire.string_rows(["change_stream_name"], [["s"]])
-            return
-        values = list(params.values())
-        lo = Timestamp.parse(str(values[0][1])).ns
-        hi = Timestamp.parse(str(values[1][1])).ns
-        self.queries.append((sql, lo, hi))
-        column = (wire.proto_column_type() if self.dialect == "GOOGLE_STANDARD_SQL"
-                  else Type.pb(Type(code=TypeCode.BYTES)))
-        rows = [wire.proto_value(r) for r in self.records if lo <= record_position(r) <= hi]
-        yield from wire.partial_result_sets(wire.row_type(column), rows)
-
-    def reset_session(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    assert [q.start for q in scripted.queries] == [t, t + 5, t + 5]
 
 
 @pytest.mark.parametrize("dialect", ["GOOGLE_STANDARD_SQL", "POSTGRESQL"])
@@ -613,16 +532,19 @@ def test_mutable_key_range_reads_30_minute_windows_until_the_partition_ends(
         HeartbeatRecord("tok", at(95)),  # past the end: never read
     ]
     client = SpannerChangeStreamClient("projects/p/instances/i/databases/d")
-    scripted = _MutableScripted(dialect, records)
+    scripted = ScriptedTransport(
+        records, stream="s", dialect=dialect,  # type: ignore[arg-type]
+        partition_mode="MUTABLE_KEY_RANGE", retention="7d",
+    )
     client.transport = scripted
     assert client.describe_stream("S").partition_mode == "MUTABLE_KEY_RANGE"
     got = list(client.read(ChangeStreamQuery("S", "tok", t0, t0 + 100 * minute)))
     assert got == records[:-1]
-    windows = [(lo - t0, hi - t0) for _, lo, hi in scripted.queries]
+    windows = [(q.start - t0, (q.end or 0) - t0) for q in scripted.queries]
     assert windows == [(0, 30 * minute - 1), (30 * minute, 60 * minute - 1),
                        (60 * minute, 90 * minute - 1)]
     function = "READ_s(" if dialect == "GOOGLE_STANDARD_SQL" else "spanner.read_proto_bytes_s("
-    assert all(function in sql for sql, _, _ in scripted.queries)
+    assert all(function in q.sql for q in scripted.queries)
 
 
 # --- caching and pickling -------------------------------------------------------------------
