@@ -57,6 +57,16 @@ class _Failure:
 Delivery = tuple[str, Any]  # (sink label, element)
 
 
+class _Evaluated:
+    """One record's trip through the ParDos: what reaches sinks, and per-step counts."""
+
+    __slots__ = ("counts", "deliveries")
+
+    def __init__(self, deliveries: list[Delivery], counts: dict[str, int]) -> None:
+        self.deliveries = deliveries
+        self.counts = counts
+
+
 class Chain:
     """One task's copy of the transforms downstream of ReadPartition, and its writers."""
 
@@ -72,6 +82,7 @@ class Chain:
         self._started = False
         self._skipped = 0
         self._retries = 0
+        self._counts: dict[str, int] = {}  # touched on the reader thread only
         self._count_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: InflightTracker | None = None
@@ -101,7 +112,7 @@ class Chain:
         self._flush()
 
     def _completed(
-        self, seq: int, record: DataChangeRecord, future: Future[list[Delivery]]
+        self, seq: int, record: DataChangeRecord, future: Future[_Evaluated]
     ) -> None:
         error = CancelledError() if future.cancelled() else future.exception()
         result: Any = _Failure(error) if error is not None else (record, future.result())
@@ -118,8 +129,8 @@ class Chain:
                 continue
             if isinstance(result, _Failure):
                 raise result.error
-            record, deliveries = result
-            self._deliver(record, deliveries)
+            record, evaluated = result
+            self._deliver(record, evaluated)
 
     def _start(self) -> None:
         if self._started:
@@ -137,15 +148,19 @@ class Chain:
 
     # -- running transforms -----------------------------------------------------------------
 
-    def _evaluate(self, record: DataChangeRecord) -> list[Delivery]:
-        """Run every ParDo on ``record``; return the sink deliveries in chain order."""
+    def _evaluate(self, record: DataChangeRecord) -> _Evaluated:
+        """Run every ParDo on ``record``; the sink deliveries in chain order, and how many
+        elements each ParDo took and gave (counted here, merged on the reader thread)."""
         out: list[Delivery] = []
+        counts: dict[str, int] = {}
 
         def visit(label: str, element: Any) -> None:
             node = self._nodes[label]
             if isinstance(node, Sink):
                 out.append((label, element))
                 return
+            key_in = f"elements_in/{label}"
+            counts[key_in] = counts.get(key_in, 0) + 1
             call = functools.partial(_process, node, element)
             outputs = self._guarded(label, record, element, call)
             if isinstance(outputs, _Skipped):
@@ -153,24 +168,33 @@ class Chain:
                     out.append((self._program.dead_letter_label,
                                 self._failed(label, record, element, outputs)))
                 return
+            key_out = f"elements_out/{label}"
+            counts[key_out] = counts.get(key_out, 0) + len(outputs)
             for value in outputs:
                 for nxt in self._succ[label]:
                     visit(nxt, value)
 
         for label in self._succ[self._program.read_label]:
             visit(label, record)
-        return out
+        return _Evaluated(out, counts)
 
-    def _deliver(self, record: DataChangeRecord, deliveries: list[Delivery]) -> None:
+    def _deliver(self, record: DataChangeRecord, evaluated: _Evaluated) -> None:
         dead = self._program.dead_letter_label
-        for label, element in deliveries:
+        counts = self._counts
+        for key, n in evaluated.counts.items():
+            counts[key] = counts.get(key, 0) + n
+        for label, element in evaluated.deliveries:
             writer = self._writer(label)
+            key = f"sink_writes/{label}"
+            counts[key] = counts.get(key, 0) + 1
             if label == dead:
                 writer.write(element)  # a failing dead-letter sink fails the task
+                counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
                 continue
             done = self._guarded(label, record, element, functools.partial(writer.write, element))
             if isinstance(done, _Skipped) and dead is not None:
                 self._writer(dead).write(self._failed(label, record, element, done))
+                counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
 
     def _guarded(
         self, label: str, record: DataChangeRecord, element: Any, call: Callable[[], Any]
@@ -268,7 +292,9 @@ class Chain:
             self._pool = None
 
     def counters(self) -> dict[str, int]:
-        return {"skipped": self._skipped, "retries": self._retries}
+        """What this task did: ``skipped``, ``retries``, ``dead_lettered`` elements, and per
+        step ``elements_in/<label>``, ``elements_out/<label>``, ``sink_writes/<label>``."""
+        return {**self._counts, "skipped": self._skipped, "retries": self._retries}
 
 
 def _process(node: ParDo[Any, Any] | Sink[Any, Any], element: Any) -> list[Any]:

@@ -31,6 +31,14 @@ class BatchStats:
     splits: int = 0  # parents that reported two or more children
     merges: int = 0  # children reported with two or more parents
     replayed: bool = False  # the batch was planned by an earlier run and replayed
+    #: seconds per phase: "plan", "execute", "sink_commit", "store_commit", "gc"
+    phases: Mapping[str, float] = attrs.field(factory=dict)
+    #: the tasks' counters summed (see cdcflow.engine.chain.Chain.counters)
+    counters: Mapping[str, int] = attrs.field(factory=dict)
+    #: a sample of the batch's records' commit timestamps (ns), and when the sinks had
+    #: committed them (ns): their differences are commit-to-sink latencies
+    commit_times: tuple[int, ...] = ()
+    sinks_committed_at: int = 0
 
 
 @attrs.frozen
@@ -43,6 +51,9 @@ class RunSummary:
     partitions: Mapping[str, int]
     splits: int = 0
     merges: int = 0
+    skipped: int = 0  # elements the error policy skipped (dead-lettered ones included)
+    retried: int = 0  # element retries under the error policy
+    dead_lettered: int = 0  # skipped elements written to the dead-letter sink
 
 
 class EngineListener:

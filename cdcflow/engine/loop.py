@@ -28,6 +28,7 @@ import random
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
@@ -227,6 +228,7 @@ class Engine:
         began = time.monotonic()
         deadline = None if opts.duration is None else began + opts.duration
         batches = records = 0
+        totals = Counter[str]()
         reason = ""
         while True:
             if self._stop.is_set():
@@ -262,6 +264,8 @@ class Engine:
             stats = self._execute(plan, replay, parts, program_bytes, sinks, batch_began)
             batches += 1
             records += stats.records
+            for key in ("skipped", "retries", "dead_lettered"):
+                totals[key] += stats.counters.get(key, 0)
             self.listener.on_batch(stats)
             if not replay and plan.end >= now:
                 # Caught up with the clock: pace batches instead of spinning on tiny ones.
@@ -270,7 +274,8 @@ class Engine:
         return RunSummary(
             pipeline=name, batches=batches, records=records, reason=reason,
             low_watermark=low_watermark(parts), partitions=count_states(parts),
-            splits=self._splits, merges=self._merges,
+            splits=self._splits, merges=self._merges, skipped=totals["skipped"],
+            retried=totals["retries"], dead_lettered=totals["dead_lettered"],
         )
 
     def _wait(self, seconds: float, deadline: float | None) -> None:
@@ -297,6 +302,15 @@ class Engine:
         """Run and commit ``plan``. ``parts`` are the partitions as stored before the batch
         (their ends and tokens are all the commit needs; only the commit changes them)."""
         name = self.pipeline.name
+        phases = {"plan": time.monotonic() - began}
+        mark = time.monotonic()
+
+        def lap(phase: str) -> None:
+            nonlocal mark
+            now_s = time.monotonic()
+            phases[phase] = now_s - mark
+            mark = now_s
+
         # 2. execute: one task per slice, on the runner.
         tasks = [pickle.dumps(Task(name, plan.batch_id, s)) for s in plan.slices]
         try:
@@ -304,12 +318,15 @@ class Engine:
         except BaseException:
             _abort(plan.batch_id, sinks)
             raise
+        lap("execute")
         # 3a. commit the sinks (idempotent per batch id: a replay commits the same again).
         for label, sink in sinks.items():
             messages = [
                 r.sink_messages[label] for r in results if r.sink_messages.get(label) is not None
             ]
             sink.commit(plan.batch_id, messages)
+        sinks_committed_at = self._clock()
+        lap("sink_commit")
         self.listener.on_sinks_committed(plan.batch_id)
 
         # 3b. commit the store: the batch's progress, as the lifecycle reads the results.
@@ -320,6 +337,7 @@ class Engine:
         )
         self._splits += outcome.splits
         self._merges += outcome.merges
+        lap("store_commit")
 
         # 3c. tell every sink the new low watermark (a resolved timestamp).
         parts = self.store.partitions(name)
@@ -332,12 +350,19 @@ class Engine:
             self.store.delete_partitions(name, expired)
             gone = set(expired)
             parts = [p for p in parts if p.token not in gone]
+        lap("gc")
+        counters: Counter[str] = Counter()
+        for r in results:
+            counters.update(r.counters)
         return BatchStats(
             batch_id=plan.batch_id, end=plan.end, slices=len(plan.slices),
             records=outcome.records, bytes=sum(r.bytes for r in results),
             seconds=time.monotonic() - began, low_watermark=low,
             partitions=count_states(parts), new_partitions=len(outcome.children),
-            splits=outcome.splits, merges=outcome.merges, replayed=replay,
+            splits=outcome.splits, merges=outcome.merges, replayed=replay, phases=phases,
+            counters=dict(counters),
+            commit_times=tuple(t for r in results for t in r.commit_times),
+            sinks_committed_at=sinks_committed_at,
         )
 
     def _run_tasks(

@@ -15,7 +15,9 @@ import attrs
 
 from cdcflow.model import Slice
 
-__all__ = ["ChildSeen", "Runner", "Task", "TaskResult"]
+__all__ = [
+    "COMMIT_TIME_SAMPLE", "ChildSeen", "CommitTimeSample", "Runner", "Task", "TaskResult",
+]
 
 
 @attrs.frozen
@@ -63,6 +65,34 @@ class TaskResult:
     records: int = 0
     bytes: int = 0
     counters: Mapping[str, int] = attrs.field(factory=dict)
+    commit_times: tuple[int, ...] = ()
+
+
+#: Most commit timestamps a task samples for the commit-to-sink latency.
+COMMIT_TIME_SAMPLE = 64
+
+
+class CommitTimeSample:
+    """An even, deterministic sample of a stream of values: every ``stride``-th value, the
+    stride doubling (and every other kept value dropped) each time the sample is full."""
+
+    __slots__ = ("_n", "_stride", "values")
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self._stride = 1
+        self._n = 0
+
+    def add(self, value: int) -> None:
+        if self._n % self._stride == 0:
+            self.values.append(value)
+            if len(self.values) >= 2 * COMMIT_TIME_SAMPLE:
+                self.values = self.values[::2]
+                self._stride *= 2
+        self._n += 1
+
+    def sample(self) -> tuple[int, ...]:
+        return tuple(self.values[:: max(1, len(self.values) // COMMIT_TIME_SAMPLE)])
 
 
 @runtime_checkable

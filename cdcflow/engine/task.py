@@ -37,7 +37,7 @@ import cloudpickle
 
 from cdcflow.engine.chain import Chain, approx_size
 from cdcflow.engine.program import DEAD_LETTER_LABEL, TaskProgram
-from cdcflow.engine.runner import ChildSeen, Task, TaskResult
+from cdcflow.engine.runner import ChildSeen, CommitTimeSample, Task, TaskResult
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     ChildPartitionsRecord,
@@ -127,6 +127,7 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
     ended_at: int | None = None
     children: dict[str, ChildSeen] = {}
     records = size = 0
+    commit_times = CommitTimeSample()
 
     def announce(position: int, record: ChildPartitionsRecord | PartitionStartRecord) -> None:
         if isinstance(record, ChildPartitionsRecord):
@@ -155,6 +156,7 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
                 n = approx_size(record)
                 records += 1
                 size += n
+                commit_times.add(position)
                 chain.push(record, position, n)
             elif isinstance(record, HeartbeatRecord):
                 chain.barrier(position)
@@ -182,4 +184,5 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
         records=records,
         bytes=size,
         counters=chain.counters(),
+        commit_times=commit_times.sample(),
     )
