@@ -6,11 +6,11 @@ implements; :class:`BatchStats` and :class:`RunSummary` are what it is told.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
-from cdcflow.model import BatchPlan
+from cdcflow.model import BatchPlan, PartitionMetadata
 
 __all__ = ["BatchStats", "EngineListener", "RunSummary"]
 
@@ -60,7 +60,8 @@ class EngineListener:
     """Observes a run; every method is a no-op here. The CLI's progress display is one.
 
     Methods run on the driver, between the engine's steps, in this order per batch:
-    ``on_planned`` (plan durable) -> ``on_sinks_committed`` -> ``on_batch`` (store committed).
+    ``on_planned`` (plan durable) -> ``on_sinks_committed`` -> ``on_partitions`` ->
+    ``on_batch`` (store committed).
     """
 
     def on_start(self, pipeline: str, runner: str, store_url: str) -> None:
@@ -73,6 +74,12 @@ class EngineListener:
         return None
 
     def on_batch(self, stats: BatchStats) -> None:
+        return None
+
+    def on_partitions(self, partitions: Sequence[PartitionMetadata], now_ns: int) -> None:
+        """The stored partitions after a batch committed (before garbage collection), and
+        the engine's clock: for per-partition lag and stuck-partition detection. Called
+        just before ``on_batch``; the sequence must not be kept or modified."""
         return None
 
     def on_stop(self, summary: RunSummary) -> None:

@@ -344,6 +344,7 @@ class Engine:
         low = low_watermark(parts)
         for sink in sinks.values():
             sink.on_watermark(low)
+        self.listener.on_partitions(parts, now)
         # 3d. garbage-collect finished partitions whose children have all started.
         expired = gc_candidates(parts, now, int(self.options.gc_ttl * _NS))
         if expired:
