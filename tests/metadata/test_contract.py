@@ -176,6 +176,38 @@ def test_write_plan_refuses_a_second_pending_plan(store: MetadataStore) -> None:
     assert by_token(store)["a"].state == CREATED  # the refused plan's transitions not applied
 
 
+def test_writing_the_pending_plan_again_succeeds_and_changes_nothing(
+    store: MetadataStore,
+) -> None:
+    # What a store's retry does after a write_plan whose answer was lost: the plan is
+    # already pending, and the second write must neither fail nor apply anything again.
+    store.insert_partitions(P, [part("a"), part("b")])
+    p1 = plan(1, tokens=("a", "b"))
+    store.write_plan(P, p1, {"a": RUNNING})
+    rows, log = by_token(store), store.batches(P)
+    store.write_plan(P, p1, {"a": RUNNING})
+    store.write_plan(P, p1, {"b": FINISHED})  # even with other transitions: none applies
+    assert by_token(store) == rows
+    assert store.batches(P) == log
+    assert store.pending_plan(P) == p1
+    # Any other plan still conflicts, a plan equal but for planned_at too: that is a second
+    # planner, not a retry.
+    others = [
+        plan(1, tokens=("a",)), plan(1, end=999, tokens=("a", "b")), plan(2, tokens=("a", "b")),
+        BatchPlan(1, p1.end, p1.slices, planned_at=p1.planned_at + 1),
+        BatchPlan(1, p1.end, p1.slices),  # no planned_at: the store would stamp one
+    ]
+    for other in others:
+        with pytest.raises(PlanConflictError):
+            store.write_plan(P, other, {})
+    assert by_token(store) == rows and store.batches(P) == log
+    # Once the batch is committed, the same plan is a stale id.
+    assert store.commit_batch(P, 1, [], [])
+    with pytest.raises(PlanConflictError):
+        store.write_plan(P, p1, {})
+    assert store.pending_plan(P) is None
+
+
 @pytest.mark.parametrize("batch_id", [0, 1, 2])
 def test_write_plan_refuses_a_batch_id_not_above_the_last(
     store: MetadataStore, batch_id: int
