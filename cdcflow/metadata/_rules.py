@@ -16,6 +16,7 @@ __all__ = [
     "URL_FORMS",
     "check_log_size",
     "check_new_plan",
+    "is_pending",
     "not_planned",
     "regression",
     "transition",
@@ -97,6 +98,15 @@ def check_new_plan(pipeline: str, plan: BatchPlan, last_id: int, pending_id: int
             f"logged batch id {last_id}; plan batch {last_id + 1} next"
         )
         raise PlanConflictError(msg)
+
+
+def is_pending(plan: BatchPlan, pending: BatchPlan | None) -> bool:
+    """True if ``plan`` is the pending plan already: ``write_plan`` was called again after
+    an answer that got lost (the first call did commit). The store must then succeed and
+    change nothing. Plans compare whole, ``planned_at`` included, so a plan without one
+    (which the store stamps) never matches and a second planner still gets
+    PlanConflictError."""
+    return pending is not None and plan.planned_at != 0 and plan == pending
 
 
 def not_planned(pipeline: str, batch_id: int) -> StoreError:

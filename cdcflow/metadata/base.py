@@ -27,10 +27,12 @@ class MetadataStore(Protocol):
       the state transitions (setting ``scheduled_at`` / ``running_at``). It raises
       :class:`~cdcflow.errors.PlanConflictError` if another batch is pending (planned and not
       committed) or if ``plan.batch_id`` is not greater than every logged batch id (ids start
-      at 1). A plan with ``planned_at == 0`` is logged with the store's clock. States only
-      move forward; a transition stamps the timestamps of the states it reaches (a jump from
-      CREATED to RUNNING sets both); an unknown token or a backward transition raises
-      :class:`~cdcflow.errors.StoreError` and nothing changes.
+      at 1), except that writing the plan that is pending already (equal in every field,
+      ``planned_at`` included) succeeds and changes nothing: a retry after an answer was lost
+      stays correct. A plan with ``planned_at == 0`` is logged with the store's clock.
+      States only move forward; a transition stamps the timestamps of the states it reaches
+      (a jump from CREATED to RUNNING sets both); an unknown token or a backward transition
+      raises :class:`~cdcflow.errors.StoreError` and nothing changes.
     - ``commit_batch`` applies a batch's progress in one transaction: watermarks (a smaller
       watermark than stored raises :class:`~cdcflow.errors.WatermarkRegressionError` and
       changes nothing), FINISHED states with ``finished_at``, insert-if-absent children, and

@@ -130,6 +130,8 @@ class MemoryStore:
         with self._lock:
             state = self._pipelines.get(pipeline) or _Pipeline()
             pending = state.pending()
+            if _rules.is_pending(plan, pending.plan if pending else None):
+                return
             last = state.last()
             _rules.check_new_plan(
                 pipeline, plan, last.plan.batch_id if last else 0,

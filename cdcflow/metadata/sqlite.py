@@ -252,11 +252,15 @@ class SQLiteStore:
 
     def pending_plan(self, pipeline: str) -> BatchPlan | None:
         with self._read() as c:
-            row = c.execute(
-                "SELECT batch_id, end_ns, slices, planned_at FROM batches "
-                "WHERE pipeline = ? AND committed_at IS NULL ORDER BY batch_id DESC LIMIT 1",
-                (pipeline,),
-            ).fetchone()
+            return self._pending_plan(c, pipeline)
+
+    @staticmethod
+    def _pending_plan(c: sqlite3.Connection, pipeline: str) -> BatchPlan | None:
+        row = c.execute(
+            "SELECT batch_id, end_ns, slices, planned_at FROM batches "
+            "WHERE pipeline = ? AND committed_at IS NULL ORDER BY batch_id DESC LIMIT 1",
+            (pipeline,),
+        ).fetchone()
         if row is None:
             return None
         slices = tuple(Slice(t, s, e) for t, s, e in json.loads(row[2]))
@@ -295,11 +299,13 @@ class SQLiteStore:
         transitions: Mapping[str, PartitionState],
     ) -> None:
         with self._write() as c:
-            pending = c.execute(
-                "SELECT MAX(batch_id) FROM batches WHERE pipeline = ? AND committed_at IS NULL",
-                (pipeline,),
-            ).fetchone()[0]
-            _rules.check_new_plan(pipeline, plan, self._last_batch_id(c, pipeline), pending)
+            pending = self._pending_plan(c, pipeline)
+            if _rules.is_pending(plan, pending):
+                return
+            _rules.check_new_plan(
+                pipeline, plan, self._last_batch_id(c, pipeline),
+                pending.batch_id if pending else None,
+            )
             now = self._clock()
             for token, state in transitions.items():
                 current = self._get(c, pipeline, token)

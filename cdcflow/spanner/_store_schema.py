@@ -1,20 +1,29 @@
-"""Tables, URL and value conversions of the Spanner metadata store.
+"""Tables, URL, value conversions and bounded RPCs of the Spanner metadata store.
 
 The partition table has Beam's PartitionMetadata columns (so Beam's tooling and queries
 read it) plus ``PipelineName`` leading the key, because one store serves many pipelines.
 Positions are TIMESTAMP values that keep their nanoseconds. google-cloud-spanner is imported
 lazily.
+
+Bounded RPCs. The stock client retries on its own: UNAVAILABLE commits for up to an hour,
+most other calls for 30 s, and streaming reads restart after UNAVAILABLE without bound or
+delay. The store retries with its one policy instead, so every RPC it makes here goes out
+with ``retry=None`` and a deadline (:func:`bound_rpcs`, :func:`database_exists`,
+:func:`ensure_schema`).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from cdcflow.errors import StoreError
 from cdcflow.metadata import _rules
-from cdcflow.model import PartitionMetadata, PartitionState, Timestamp
+from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState, Slice, Timestamp
+from cdcflow.spanner.retry import is_transient
 
 __all__ = [
     "BATCH_COLUMNS",
@@ -23,15 +32,21 @@ __all__ = [
     "PARTITION_COLUMNS",
     "TABLE_NAME",
     "TTL",
+    "BrokenCall",
     "batch_table",
+    "bound_rpcs",
+    "database_exists",
     "ensure_schema",
     "index_names",
     "opt_ns",
     "parse_spanner_url",
     "row_to_partition",
+    "row_to_plan",
     "schema_ddl",
     "to_ns",
     "to_spanner",
+    "transient",
+    "use_session_pool_on_emulator",
 ]
 
 #: Table name used when the URL has no ``?table=``.
@@ -164,10 +179,14 @@ def _check_columns(db: Any, database: str, table: str, columns: Iterable[str]) -
         raise StoreError(msg)
 
 
-def ensure_schema(db: Any, database: str, table: str) -> list[str]:
+def ensure_schema(
+    db: Any, admin_api: Any, database: str, table: str, timeout: float
+) -> list[str]:
     """Create the tables and indexes that are missing; return the names created.
 
-    Tables that exist must have the store's columns. Safe to run concurrently: every
+    ``admin_api`` is the client's ``database_admin_api``; ``timeout`` bounds the schema
+    change request (waiting for the change to finish takes up to 300 s more). Tables that
+    exist must have the store's columns. Safe to run concurrently and to retry: every
     statement is ``IF NOT EXISTS``.
     """
     wanted = [table, *index_names(table), batch_table(table)]
@@ -179,8 +198,144 @@ def ensure_schema(db: Any, database: str, table: str) -> list[str]:
     if missing:
         # The emulator and Cloud Spanner both accept ROW DELETION POLICY on GoogleSQL
         # databases, so the TTL is always part of the table.
-        db.update_ddl(schema_ddl(table)).result(300)
+        operation = admin_api.update_database_ddl(
+            request={"database": database, "statements": schema_ddl(table)},
+            metadata=_routing(database), retry=None, timeout=timeout,
+        )
+        operation.result(300)
     return missing
+
+
+# --- bounded RPCs -----------------------------------------------------------------------
+
+#: The RPCs of google.cloud.spanner_v1's SpannerClient; those in _STREAMING return streams.
+_RPCS = frozenset({
+    "batch_create_sessions", "batch_write", "begin_transaction", "commit", "create_session",
+    "delete_session", "execute_batch_dml", "execute_sql", "execute_streaming_sql",
+    "get_session", "list_sessions", "partition_query", "partition_read", "read", "rollback",
+    "streaming_read",
+})
+_STREAMING = frozenset({"batch_write", "execute_streaming_sql", "streaming_read"})
+
+
+class BrokenCall(Exception):
+    """An RPC failed the way the stock client retries on its own without a bound
+    (UNAVAILABLE, or INTERNAL from a reset HTTP/2 stream). Raised in place of that error,
+    kept in ``error`` (the stock client may overwrite ``__cause__``), so that the stock
+    loops let it through and only the store's retry policy retries it. Always transient."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {getattr(error, 'message', error)}")
+        self.error = error
+
+
+def transient(exc: BaseException) -> bool:
+    """The store's retry predicate: :func:`~cdcflow.spanner.retry.is_transient`, or a
+    :class:`BrokenCall`."""
+    return isinstance(exc, BrokenCall) or is_transient(exc)
+
+
+def _routing(database: str) -> list[tuple[str, str]]:
+    return [("google-cloud-resource-prefix", database)]
+
+
+def _break(exc: Exception) -> Exception:
+    """The BrokenCall to raise from ``exc``, or ``exc`` itself to re-raise as it is."""
+    from google.api_core.exceptions import InternalServerError, ServiceUnavailable
+
+    if isinstance(exc, ServiceUnavailable) or (
+        isinstance(exc, InternalServerError) and is_transient(exc)
+    ):
+        return BrokenCall(exc)
+    return exc
+
+
+class _Stream:
+    """A response stream whose broken-stream errors arrive as BrokenCall."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._items: Iterator[Any] = iter(stream)
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._items)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            broken = _break(exc)
+            if broken is exc:
+                raise
+            raise broken from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _BoundedApi:
+    """A SpannerClient whose RPCs carry ``retry=None`` and a ``timeout`` deadline."""
+
+    def __init__(self, api: Any, timeout: float) -> None:
+        self._api = api
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._api, name)
+        if name not in _RPCS:
+            return attr
+        return functools.partial(self._call, attr, name in _STREAMING)
+
+    def _call(self, rpc: Callable[..., Any], streaming: bool, *args: Any, **kwargs: Any) -> Any:
+        kwargs["retry"] = None
+        kwargs["timeout"] = self._timeout
+        try:
+            result = rpc(*args, **kwargs)
+        except Exception as exc:
+            broken = _break(exc)
+            if broken is exc:
+                raise
+            raise broken from exc
+        return _Stream(result) if streaming else result
+
+
+def bound_rpcs(db: Any, timeout: float) -> None:
+    """Make every data RPC of ``db`` (a ``google.cloud.spanner`` Database) go out without
+    the stock retry and with a deadline of ``timeout`` seconds.
+
+    Sessions, snapshots and transactions all reach the server through the database's
+    ``spanner_api``, which the Database builds once and keeps in ``_spanner_api``; that
+    attribute is the one place to bound them all (the client has no setting for it).
+    """
+    api = db.spanner_api
+    if not isinstance(api, _BoundedApi):
+        db._spanner_api = _BoundedApi(api, timeout)
+
+
+def use_session_pool_on_emulator() -> None:
+    """Against the emulator, run read-write transactions on pooled sessions (call it before
+    the client makes its first session); an explicit setting wins."""
+    # The emulator runs one read-write transaction at a time per session. On a multiplexed
+    # session (the client's default), overlapping transactions fail with NotFound or
+    # FailedPrecondition instead of a retryable ABORTED; with pooled sessions the emulator
+    # answers ABORTED, which the store retries.
+    if os.environ.get("SPANNER_EMULATOR_HOST"):
+        os.environ.setdefault("GOOGLE_CLOUD_SPANNER_MULTIPLEXED_SESSIONS_FOR_RW", "false")
+
+
+def database_exists(admin_api: Any, database: str, timeout: float) -> bool:
+    """Whether ``database`` exists: ``Database.exists()`` without its hour of retries."""
+    from google.api_core.exceptions import NotFound
+
+    try:
+        admin_api.get_database_ddl(
+            database=database, metadata=_routing(database), retry=None, timeout=timeout
+        )
+    except NotFound:
+        return False
+    return True
 
 
 def to_spanner(ns: int) -> Any:
@@ -197,6 +352,17 @@ def to_ns(value: Any) -> int:
 
 def opt_ns(value: Any) -> int | None:
     return None if value is None else to_ns(value)
+
+
+def row_to_plan(
+    batch_id: Any, end: Any, tokens: Sequence[str], starts: Sequence[Any],
+    ends: Sequence[Any], planned: Any,
+) -> BatchPlan:
+    """A batch log row (BatchId, EndTimestamp, SliceTokens, SliceStarts, SliceEnds,
+    PlannedAt) as the plan it logged."""
+    triples = zip(tokens, starts, ends, strict=True)
+    slices = [Slice(t, to_ns(s), to_ns(e)) for t, s, e in triples]
+    return BatchPlan(int(batch_id), to_ns(end), slices, to_ns(planned))
 
 
 def row_to_partition(row: Sequence[Any]) -> PartitionMetadata:

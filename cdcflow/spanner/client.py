@@ -7,12 +7,14 @@ mode are read from the database once per stream. MUTABLE_KEY_RANGE streams accep
 30 minutes per query, so their slices are read in consecutive windows of that size.
 
 Retries. Transient errors (see :func:`cdcflow.spanner.retry.is_transient`) are retried
-with capped exponential backoff and full jitter, at most ``RetryPolicy.attempts`` calls
-in a row without progress. A retry re-issues the query from the timestamp ``T`` of the
-last record the caller consumed and drops what the caller already has: records before
-``T``, heartbeats at ``T``, and records at ``T`` whose identity (kind, record sequence,
-server transaction id) was already yielded. The identity test does not depend on the
-server returning records at one timestamp in the same order twice.
+with the delays of a :class:`~cdcflow.backoff.RetryPolicy` (capped exponential backoff,
+full jitter): at most ``attempts`` calls in a row without progress and, if the policy has
+a ``deadline``, none starting later than that after the first failing one. A retry
+re-issues the query from the timestamp ``T`` of the last record the caller consumed and
+drops what the caller already has: records before ``T``, heartbeats at ``T``, and records
+at ``T`` whose identity (kind, record sequence, server transaction id) was already
+yielded. The identity test does not depend on the server returning records at one
+timestamp in the same order twice.
 
 Clients hold gRPC channels, so tasks get theirs from :func:`cached_client` (one per
 process and arguments). Pickling a client pickles only its arguments; unpickling
@@ -29,6 +31,7 @@ from typing import Any, Literal
 
 import attrs
 
+from cdcflow.backoff import RetryPolicy
 from cdcflow.errors import ChangeStreamError, StreamNotFoundError, TransientError
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
@@ -41,7 +44,7 @@ from cdcflow.model import (
     record_position,
 )
 from cdcflow.spanner.decode import row_decoder
-from cdcflow.spanner.retry import RetryPolicy, is_transient, status_name
+from cdcflow.spanner.retry import is_transient, status_name
 from cdcflow.spanner.transport import GrpcTransport, Param, Transport, assemble_rows
 from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery, StreamInfo
 
@@ -145,37 +148,63 @@ class SpannerChangeStreamClient:
 
     def _rows(self, sql: str, params: Mapping[str, Param]) -> list[list[Any]]:
         """A small metadata query, retried like change stream queries."""
-        failures = 0
-        while True:
-            try:
-                responses = self.transport.execute_streaming_sql(
-                    sql, params, priority=self.priority, timeout=min(self.query_timeout, 60.0)
-                )
-                return [row for _, row in assemble_rows(responses)]
-            except Exception as exc:
-                failures += 1
-                if not self._should_retry(exc, failures):
-                    translated = self._translate(exc, None)
-                    if translated is exc:
-                        raise
-                    raise translated from exc
+        failed = 1
 
-    def _should_retry(self, exc: BaseException, failures: int) -> bool:
+        def once() -> list[list[Any]]:
+            responses = self.transport.execute_streaming_sql(
+                sql, params, priority=self.priority, timeout=min(self.query_timeout, 60.0)
+            )
+            return [row for _, row in assemble_rows(responses)]
+
+        def count(retry: int, exc: BaseException, delay: float) -> None:
+            nonlocal failed
+            failed = retry + 1
+
+        try:
+            return self.retry.call(once, retry_if=self._retry_if, on_retry=count)
+        except Exception as exc:
+            failure = self._failure(exc, None, failed)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    @staticmethod
+    def _worth_retrying(exc: BaseException) -> bool:
         if isinstance(exc, ChangeStreamError | StreamNotFoundError | TransientError):
             return False
-        session_gone = status_name(exc) == "NOT_FOUND" and "Session not found" in str(exc)
-        if session_gone:
-            self.transport.reset_session()
-        if not (session_gone or is_transient(exc)):
+        return _session_gone(exc) or is_transient(exc)
+
+    def _retry_if(self, exc: BaseException) -> bool:
+        """The policy's predicate: transient errors and a lost session (renewed here)."""
+        if not self._worth_retrying(exc):
             return False
-        if failures >= self.retry.attempts:
+        if _session_gone(exc):
+            self.transport.reset_session()
+        return True
+
+    def _retry_after(self, exc: Exception, failed: int, streak_began: float) -> bool:
+        """After ``failed`` failures in a row, the first of them begun at ``streak_began``
+        (on the policy's clock): sleep and return True to retry, or return False when the
+        error is not retryable (the caller translates it). Raises TransientError when the
+        policy's attempts or deadline are spent."""
+        if not self._retry_if(exc):
+            return False
+        delay = self.retry.delay(failed)
+        if not self.retry.allows(failed, self.retry.clock() - streak_began, delay):
+            raise self._failure(exc, None, failed) from exc
+        self.retry.sleep(delay)
+        return True
+
+    def _failure(self, exc: Exception, query: ChangeStreamQuery | None, failed: int
+                 ) -> Exception:
+        """What to raise for ``exc`` once retrying stopped after ``failed`` attempts."""
+        if self._worth_retrying(exc):
             msg = (
-                f"Spanner kept failing after {failures} attempts ({status_name(exc)}: "
+                f"Spanner kept failing after {failed} attempts ({status_name(exc)}: "
                 f"{_text(exc)}); check the database's health and quota, then run again"
             )
-            raise TransientError(msg) from exc
-        self.retry.backoff(failures)
-        return True
+            return TransientError(msg)
+        return self._translate(exc, query)
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -310,9 +339,11 @@ class SpannerChangeStreamClient:
         last: int | None = None  # position of the last record yielded
         seen: set[tuple[str, str, str]] = set()  # identities yielded at ``last``
         resume: int | None = None  # while re-reading: drop what is at or before this
-        failures = 0
+        failed = 0  # failures in a row without progress
+        streak_began = 0.0  # when the first of them began, on the policy's clock
         while True:
             progressed = False
+            began = self.retry.clock()
             try:
                 for record in self._query(
                     info, query.partition_token, start, query.end, query.heartbeat_millis
@@ -336,10 +367,12 @@ class SpannerChangeStreamClient:
                     yield record
                 return
             except Exception as exc:
-                if progressed:
-                    failures = 0
-                failures += 1
-                if not self._should_retry(exc, failures):
+                if progressed or failed == 0:
+                    # A stream that made progress failed just now, not when it began.
+                    streak_began = self.retry.clock() if progressed else began
+                    failed = 0
+                failed += 1
+                if not self._retry_after(exc, failed, streak_began):
                     translated = self._translate(exc, query)
                     if translated is exc:
                         raise
@@ -394,6 +427,10 @@ class SpannerChangeStreamClient:
             return ChangeStreamError(msg)
         msg = f"change stream query on {self.database} failed ({status}: {text})"
         return ChangeStreamError(msg)
+
+
+def _session_gone(exc: BaseException) -> bool:
+    return status_name(exc) == "NOT_FOUND" and "Session not found" in str(exc)
 
 
 def _text(exc: BaseException) -> str:

@@ -1,20 +1,17 @@
-"""Which Spanner errors are transient, and how long to wait before trying again.
+"""Which Spanner errors are transient: the predicate for cdcflow's one retry policy.
 
-Backoff is capped exponential with full jitter: before retry ``n`` (1-based) the reader
-sleeps a uniform random time in ``[0, min(maximum, initial * multiplier ** (n - 1))]``.
-Attempts are bounded; the stock client's own retry loops are never relied on (its
-``ServiceUnavailable`` restart loop has neither a bound nor a delay).
+How long to wait and how often to try is :class:`cdcflow.backoff.RetryPolicy` (capped
+exponential backoff, full jitter, bounded attempts), re-exported here for older imports.
+cdcflow never relies on the stock client's own retry loops (its ``ServiceUnavailable``
+restart loop has neither a bound nor a delay); callers pass :func:`is_transient` as
+``retry_if``.
 """
 
 from __future__ import annotations
 
-import random
-import time
-from collections.abc import Callable
+from cdcflow.backoff import RetryPolicy
 
-import attrs
-
-__all__ = ["RetryPolicy", "is_transient", "status_name"]
+__all__ = ["TRANSIENT_CODES", "RetryPolicy", "is_transient", "status_name"]
 
 #: gRPC status codes worth retrying: the server may well answer next time.
 TRANSIENT_CODES = frozenset({"UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
@@ -26,38 +23,6 @@ _RESUMABLE_INTERNAL = (
     "stream terminated by RST_STREAM",
     "Received RST_STREAM",
 )
-
-
-@attrs.frozen
-class RetryPolicy:
-    """Bounded, jittered exponential backoff.
-
-    ``attempts`` counts calls, so ``attempts=6`` means at most five retries in a row
-    without progress. ``sleep`` and ``rng`` are seams for tests.
-    """
-
-    attempts: int = 6
-    initial: float = 0.1
-    maximum: float = 8.0
-    multiplier: float = 2.0
-    sleep: Callable[[float], None] = attrs.field(default=time.sleep, eq=False, repr=False)
-    rng: random.Random = attrs.field(factory=random.Random, eq=False, repr=False)
-
-    def __attrs_post_init__(self) -> None:
-        if self.attempts < 1:
-            msg = f"RetryPolicy(attempts={self.attempts}): use 1 or more"
-            raise ValueError(msg)
-        if self.initial < 0 or self.maximum < 0 or self.multiplier < 1:
-            msg = "RetryPolicy: initial and maximum must be >= 0 and multiplier >= 1"
-            raise ValueError(msg)
-
-    def delay(self, retry: int) -> float:
-        """Seconds to wait before retry number ``retry`` (1-based): full jitter."""
-        cap = min(self.maximum, self.initial * self.multiplier ** (retry - 1))
-        return self.rng.uniform(0.0, cap)
-
-    def backoff(self, retry: int) -> None:
-        self.sleep(self.delay(retry))
 
 
 def status_name(exc: BaseException) -> str | None:

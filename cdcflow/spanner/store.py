@@ -11,24 +11,37 @@ init URL``):
   ``(State, Watermark)`` and ``(CreatedAt, StartTimestamp)``.
 - ``NAME_Batches``: the batch log keyed by ``(PipelineName, BatchId)``.
 
-Every write is one read-write transaction. Aborted transactions (Spanner aborts one of two
-that conflict; the emulator aborts any that overlap) are retried with capped exponential
-backoff and full jitter a bounded number of times, then raise
-:class:`~cdcflow.errors.StoreError`. The times the store stamps itself (scheduled, running,
-finished, committed) are Spanner commit timestamps. google-cloud-spanner is imported lazily.
+Every write is one read-write transaction. Retries: every operation (opening, schema,
+reads, transactions) goes through one :class:`~cdcflow.backoff.RetryPolicy` whose predicate
+is :func:`~cdcflow.spanner.retry.is_transient` (ABORTED: Spanner aborts one of two
+transactions that conflict and the emulator any that overlap; UNAVAILABLE,
+DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED), and every RPC has a deadline of ``call_timeout``
+seconds and none of the stock client's own retries (only the emulator's instance and
+database creation keep them). When the policy gives up, or on a permanent error, the
+operation raises :class:`~cdcflow.errors.StoreError`.
+
+A retried write may follow an attempt whose outcome is unknown (it committed, but the
+answer was lost), so every write is safe to repeat: ``write_plan`` of the plan that is
+pending already succeeds without changes, ``commit_batch`` of a committed batch returns
+False (also when the lost attempt was the one that committed it), inserts skip present
+tokens and deletes skip absent rows (their counts then miss the rows the lost attempt
+changed), ``reset`` and the schema statements are idempotent.
+
+The times the store stamps itself (scheduled, running, finished, committed) are Spanner
+commit timestamps. google-cloud-spanner is imported lazily.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
 
+from cdcflow.backoff import RetryPolicy
 from cdcflow.errors import StoreError
 from cdcflow.metadata import _rules
 from cdcflow.model import (
@@ -37,32 +50,31 @@ from cdcflow.model import (
     PartitionMetadata,
     PartitionState,
     PartitionUpdate,
-    Slice,
 )
 from cdcflow.spanner import _store_schema as schema
 from cdcflow.spanner._store_schema import DEFAULT_TABLE, parse_spanner_url, to_ns, to_spanner
+from cdcflow.spanner.retry import status_name
 
-__all__ = ["DEFAULT_TABLE", "SpannerStore", "init_store", "parse_spanner_url"]
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT",
+    "DEFAULT_RETRY",
+    "DEFAULT_TABLE",
+    "SpannerStore",
+    "init_store",
+    "parse_spanner_url",
+]
 
-# Retry bounds for aborted read-write transactions.
-_MAX_ATTEMPTS = 40
-_FIRST_DELAY = 0.01
-_MAX_DELAY = 1.0
+#: Retries of every store operation. Many short first waits, because the emulator aborts
+#: any overlapping transactions; at most 40 attempts, none starting after 120 s.
+DEFAULT_RETRY = RetryPolicy(attempts=40, initial=0.01, maximum=1.0, deadline=120.0)
+#: Deadline of each RPC in seconds; a call that exceeds it fails with DEADLINE_EXCEEDED and
+#: is retried like any transient error.
+DEFAULT_CALL_TIMEOUT = 30.0
 
 # Stands for "the commit timestamp" among the integer times _rules.transition assigns.
 _COMMIT_NOW = -(1 << 62) - 7
 
 _T = TypeVar("_T")
-
-
-def _use_session_pool_on_emulator() -> None:
-    # The emulator runs one read-write transaction at a time per session. On a multiplexed
-    # session (the client's default), overlapping transactions fail with NotFound or
-    # FailedPrecondition instead of a retryable ABORTED; with pooled sessions the emulator
-    # answers ABORTED, which _transact retries. Only against the emulator; an explicit
-    # setting wins.
-    if os.environ.get("SPANNER_EMULATOR_HOST"):
-        os.environ.setdefault("GOOGLE_CLOUD_SPANNER_MULTIPLEXED_SESSIONS_FOR_RW", "false")
 
 
 def _at(ns: int | None, commit_ts: Any, ceiling: int | None = None) -> Any:
@@ -81,8 +93,9 @@ class SpannerStore:
     ``database`` is ``projects/P/instances/I/databases/D``. ``client`` replaces the
     ``google.cloud.spanner.Client`` built for the project (which honours
     ``SPANNER_EMULATOR_HOST``). The batch log keeps the newest ``batch_log_size`` entries
-    per pipeline. ``aborted_attempts`` counts transaction attempts that Spanner aborted and
-    this store retried.
+    per pipeline. ``retry`` is the policy of every operation and ``call_timeout`` the
+    deadline of every RPC (see the module docstring). ``aborted_attempts`` counts
+    transaction attempts that Spanner aborted and this store retried.
     """
 
     def __init__(
@@ -92,7 +105,12 @@ class SpannerStore:
         table: str = DEFAULT_TABLE,
         client: Any = None,
         batch_log_size: int = _rules.DEFAULT_BATCH_LOG_SIZE,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
     ) -> None:
+        if not call_timeout > 0:
+            msg = f"SpannerStore(call_timeout={call_timeout}): use a positive number of seconds"
+            raise ValueError(msg)
         m = schema.DATABASE_PATH.match(database)
         if m is None or schema.TABLE_NAME.match(table) is None:
             raise _rules.url_error(
@@ -104,6 +122,8 @@ class SpannerStore:
         self.database_path = database
         self.table = table
         self.batch_table = schema.batch_table(table)
+        self.retry = retry
+        self.call_timeout = float(call_timeout)
         self.aborted_attempts = 0
         self._batch_log_size = _rules.check_log_size(batch_log_size)
         self._client = client
@@ -121,36 +141,81 @@ class SpannerStore:
         query = "" if self.table == DEFAULT_TABLE else f"?table={self.table}"
         return f"spanner://{self.database_path}{query}"
 
+    # -- retries -----------------------------------------------------------------------
+
+    def _retrying(
+        self,
+        what: str,
+        fn: Callable[[], _T],
+        *,
+        retry_if: Callable[[BaseException], bool] = schema.transient,
+        fix: str = "",
+    ) -> _T:
+        """``fn()`` under the store's retry policy; an RPC error it gives up on becomes a
+        StoreError saying ``what`` failed (and ``fix``, for permanent errors). StoreErrors
+        (the contract's refusals) pass through at once; so do errors that are not RPC
+        errors (bugs)."""
+        from google.api_core.exceptions import GoogleAPICallError
+
+        failed = 1
+
+        def retried(retry: int, exc: BaseException, delay: float) -> None:
+            nonlocal failed
+            failed = retry + 1
+            if status_name(exc) == "ABORTED":
+                self.aborted_attempts += 1
+
+        try:
+            return self.retry.call(fn, retry_if=retry_if, on_retry=retried)
+        except (GoogleAPICallError, schema.BrokenCall) as e:
+            cause = e.error if isinstance(e, schema.BrokenCall) else e
+            text = str(getattr(cause, "message", None) or cause)
+            where = f"the Spanner store {self.url}: {what}"
+            if not retry_if(e):
+                msg = f"{where} failed: {text}"
+                raise StoreError(f"{msg}; {fix}" if fix else msg) from e
+            if status_name(e) == "ABORTED":
+                msg = (
+                    f"{where} was aborted {failed} times in a row by concurrent transactions; "
+                    "make sure one run drives each pipeline, then retry"
+                )
+            else:
+                msg = (
+                    f"{where} kept failing after {failed} attempts "
+                    f"({status_name(cause) or type(cause).__name__}: {text}); check that "
+                    "Spanner is reachable and within its quota, then retry"
+                )
+            raise StoreError(msg) from e
+
     # -- connection and schema ---------------------------------------------------------
 
     def _database(self) -> Any:
-        if self._db is not None:
-            return self._db
-        _use_session_pool_on_emulator()
-        from google.api_core.exceptions import GoogleAPICallError
+        if self._db is None:
+            self._db = self._retrying("connecting", self._open, fix="check the URL and access")
+        return self._db
 
-        try:
-            if self._client is None:
-                from google.cloud import spanner
+    def _open(self) -> Any:
+        schema.use_session_pool_on_emulator()
+        if self._client is None:
+            from google.cloud import spanner
 
-                self._client = spanner.Client(project=self._project, disable_builtin_metrics=True)
-            db = self._client.instance(self._instance_id).database(self._database_id)
-            if not db.exists():
-                if not os.environ.get("SPANNER_EMULATOR_HOST"):
-                    msg = (
-                        f"the Spanner database {self.database_path} does not exist; create it "
-                        f"(gcloud spanner databases create {self._database_id} "
-                        f"--instance={self._instance_id}) or fix the store URL"
-                    )
-                    raise StoreError(msg)
-                db = self._create_on_emulator()
-        except GoogleAPICallError as e:
-            msg = f"cannot open the Spanner store {self.url}: {e.message}; check the URL and access"
-            raise StoreError(msg) from e
-        self._db = db
+            self._client = spanner.Client(project=self._project, disable_builtin_metrics=True)
+        db = self._client.instance(self._instance_id).database(self._database_id)
+        admin = self._client.database_admin_api
+        if not schema.database_exists(admin, self.database_path, self.call_timeout):
+            if not os.environ.get("SPANNER_EMULATOR_HOST"):
+                msg = (
+                    f"the Spanner database {self.database_path} does not exist; create it "
+                    f"(gcloud spanner databases create {self._database_id} "
+                    f"--instance={self._instance_id}) or fix the store URL"
+                )
+                raise StoreError(msg)
+            db = self._create_on_emulator()
+        schema.bound_rpcs(db, self.call_timeout)
         return db
 
     def _create_on_emulator(self) -> Any:
+        # Emulator only (tests, the demo): the stock calls and their own retries suffice.
         from google.api_core.exceptions import AlreadyExists
 
         config = f"{self._client.project_name}/instanceConfigs/emulator-config"
@@ -169,29 +234,25 @@ class SpannerStore:
     def ensure_schema(self) -> list[str]:
         """Create the tables and indexes that are missing; return the names created."""
         db = self._database()
-        from google.api_core.exceptions import Aborted, FailedPrecondition, GoogleAPICallError
+        admin = self._client.database_admin_api
 
-        delay = _FIRST_DELAY
-        for attempt in range(1, _MAX_ATTEMPTS + 1):
-            try:
-                created = schema.ensure_schema(db, self.database_path, self.table)
-                break
-            except (Aborted, FailedPrecondition) as e:
-                # Another store is changing the schema right now (the emulator refuses a
-                # second concurrent schema change); every statement is IF NOT EXISTS, so
-                # trying again after it finished is safe.
-                busy = isinstance(e, Aborted) or "in progress" in str(e.message)
-                if not busy or attempt == _MAX_ATTEMPTS:
-                    msg = f"cannot create the metadata tables of {self.url}: {e.message}"
-                    raise StoreError(msg) from e
-                time.sleep(random.uniform(0, delay))
-                delay = min(delay * 2, _MAX_DELAY)
-            except GoogleAPICallError as e:
-                msg = (
-                    f"cannot create the metadata tables of {self.url}: {e.message}; the store "
-                    "needs a GoogleSQL-dialect database and permission to change its schema"
-                )
-                raise StoreError(msg) from e
+        def busy(e: BaseException) -> bool:
+            # Another store is changing the schema right now (the emulator refuses a second
+            # concurrent schema change with FAILED_PRECONDITION); every statement is IF NOT
+            # EXISTS, so trying again after it finished is safe.
+            return schema.transient(e) or (
+                status_name(e) == "FAILED_PRECONDITION" and "in progress" in str(e)
+            )
+
+        created = self._retrying(
+            "creating the metadata tables",
+            lambda: schema.ensure_schema(
+                db, admin, self.database_path, self.table, self.call_timeout
+            ),
+            retry_if=busy,
+            fix="the store needs a GoogleSQL-dialect database and permission to change its "
+                "schema",
+        )
         self._schema_ready = True
         return created
 
@@ -204,38 +265,26 @@ class SpannerStore:
     # -- transactions and queries ------------------------------------------------------
 
     def _transact(self, what: str, func: Callable[..., _T], *args: Any) -> _T:
-        """``func(transaction, *args)`` in one read-write transaction, retrying aborts.
+        """``func(transaction, *args)`` in one read-write transaction, under the policy.
 
-        The client's own retry loop is switched off (``timeout_secs=0``) so that retries are
-        bounded here. Metadata writes are excluded from change streams that allow it.
+        ``func`` may run several times (a retry after ABORTED, or after an unknown
+        outcome), so it must read what it depends on within the transaction. The client's
+        own abort loop is switched off (``timeout_secs=0``). Metadata writes are excluded
+        from change streams that allow it.
         """
         db = self._ready()
-        from google.api_core.exceptions import Aborted, GoogleAPICallError
 
-        delay = _FIRST_DELAY
-        for _ in range(_MAX_ATTEMPTS):
-            try:
-                result: _T = db.run_in_transaction(
-                    func, *args, timeout_secs=0, exclude_txn_from_change_streams=True
-                )
-                return result
-            except Aborted:
-                self.aborted_attempts += 1
-                time.sleep(random.uniform(0, delay))
-                delay = min(delay * 2, _MAX_DELAY)
-            except GoogleAPICallError as e:
-                msg = f"{what} failed in the Spanner store {self.url}: {e.message}"
-                raise StoreError(msg) from e
-        msg = (
-            f"{what} in the Spanner store {self.url} was aborted {_MAX_ATTEMPTS} times in a row "
-            "by concurrent transactions; make sure one run drives each pipeline, then retry"
-        )
-        raise StoreError(msg)
+        def once() -> _T:
+            result: _T = db.run_in_transaction(
+                func, *args, timeout_secs=0, exclude_txn_from_change_streams=True
+            )
+            return result
 
-    def _query(self, sql: str, pipeline: str | None = None, limit: int | None = None
-               ) -> list[Any]:
+        return self._retrying(what, once)
+
+    def _query(self, what: str, sql: str, pipeline: str | None = None,
+               limit: int | None = None) -> list[Any]:
         db = self._ready()
-        from google.api_core.exceptions import GoogleAPICallError
         from google.cloud.spanner import param_types
 
         params: dict[str, Any] = {}
@@ -244,12 +293,12 @@ class SpannerStore:
             params["p"], types["p"] = pipeline, param_types.STRING
         if limit is not None:
             params["n"], types["n"] = limit, param_types.INT64
-        try:
+
+        def once() -> list[Any]:
             with db.snapshot() as snap:
                 return list(snap.execute_sql(sql, params=params, param_types=types))
-        except GoogleAPICallError as e:
-            msg = f"reading the Spanner store {self.url} failed: {e.message}"
-            raise StoreError(msg) from e
+
+        return self._retrying(what, once)
 
     @staticmethod
     def _keys(pipeline: str, tokens: Iterable[str]) -> Any:
@@ -288,7 +337,8 @@ class SpannerStore:
             f"SELECT {', '.join(schema.PARTITION_COLUMNS[1:])} FROM {self.table} "
             "WHERE PipelineName = @p ORDER BY StartTimestamp, PartitionToken"
         )
-        return [schema.row_to_partition(row) for row in self._query(sql, pipeline)]
+        rows = self._query("reading the partitions", sql, pipeline)
+        return [schema.row_to_partition(row) for row in rows]
 
     def pending_plan(self, pipeline: str) -> BatchPlan | None:
         sql = (
@@ -296,17 +346,12 @@ class SpannerStore:
             f"FROM {self.batch_table} WHERE PipelineName = @p AND CommittedAt IS NULL "
             "ORDER BY BatchId DESC LIMIT 1"
         )
-        rows = self._query(sql, pipeline)
-        if not rows:
-            return None
-        batch_id, end, tokens, starts, ends, planned = rows[0]
-        triples = zip(tokens, starts, ends, strict=True)
-        slices = [Slice(t, to_ns(s), to_ns(e)) for t, s, e in triples]
-        return BatchPlan(int(batch_id), to_ns(end), slices, to_ns(planned))
+        rows = self._query("reading the pending plan", sql, pipeline)
+        return schema.row_to_plan(*rows[0]) if rows else None
 
     def last_batch_id(self, pipeline: str) -> int:
         sql = f"SELECT MAX(BatchId) FROM {self.batch_table} WHERE PipelineName = @p"
-        rows = self._query(sql, pipeline)
+        rows = self._query("reading the last batch id", sql, pipeline)
         return int(rows[0][0]) if rows and rows[0][0] is not None else 0
 
     def batches(self, pipeline: str, limit: int = 20) -> list[BatchRecord]:
@@ -318,7 +363,9 @@ class SpannerStore:
         return [
             BatchRecord(int(b), to_ns(end), to_ns(planned), schema.opt_ns(committed), int(n),
                         int(r))
-            for b, end, planned, committed, n, r in self._query(sql, pipeline, max(0, limit))
+            for b, end, planned, committed, n, r in self._query(
+                "reading the batch log", sql, pipeline, max(0, limit)
+            )
         ]
 
     def pipelines(self) -> list[str]:
@@ -326,7 +373,7 @@ class SpannerStore:
             f"SELECT PipelineName FROM {self.table} UNION DISTINCT "
             f"SELECT PipelineName FROM {self.batch_table}"
         )
-        return sorted(row[0] for row in self._query(sql))
+        return sorted(row[0] for row in self._query("listing the pipelines", sql))
 
     # -- writes --------------------------------------------------------------------------
 
@@ -379,8 +426,10 @@ class SpannerStore:
         """Log the plan and apply the state transitions in one transaction (write-ahead).
 
         PlanConflictError if a batch is pending or ``plan.batch_id`` is not above every
-        logged id; StoreError for an unknown partition or a backward transition. A plan
-        without ``planned_at`` is stamped with this host's clock.
+        logged id, unless the pending plan equals ``plan`` (then nothing changes: a retry
+        after a lost answer); StoreError for an unknown partition or a backward transition.
+        A plan without ``planned_at`` is stamped with this host's clock, once, before any
+        attempt, so that retries write the same plan.
         """
         if not plan.planned_at:
             plan = attrs.evolve(plan, planned_at=time.time_ns())
@@ -403,6 +452,8 @@ class SpannerStore:
             sql, params={"p": pipeline, "k": self._batch_log_size - 1},
             param_types={"p": param_types.STRING, "k": param_types.INT64},
         ))
+        if pending is not None and _rules.is_pending(plan, self._logged(txn, pipeline, pending)):
+            return
         _rules.check_new_plan(pipeline, plan, int(last or 0), pending)
         stored = self._read_partitions(txn, pipeline, transitions)
         changed = []
@@ -424,6 +475,16 @@ class SpannerStore:
             to_spanner(plan.planned_at), None, 0,
         )])
 
+    def _logged(self, txn: Any, pipeline: str, batch_id: int) -> BatchPlan | None:
+        """The plan logged as batch ``batch_id``, if any."""
+        from google.cloud.spanner import KeySet
+
+        key = KeySet(keys=[[pipeline, batch_id]])  # type: ignore[no-untyped-call]
+        columns = ["BatchId", "EndTimestamp", "SliceTokens", "SliceStarts", "SliceEnds",
+                   "PlannedAt"]
+        rows = list(txn.read(self.batch_table, columns, key))
+        return schema.row_to_plan(*rows[0]) if rows else None
+
     def commit_batch(
         self,
         pipeline: str,
@@ -432,7 +493,8 @@ class SpannerStore:
         children: Sequence[PartitionMetadata],
         records: int = 0,
     ) -> bool:
-        """Apply a batch's progress in one transaction; False if it was already committed."""
+        """Apply a batch's progress in one transaction; False if it was already committed
+        (also when an attempt whose answer was lost committed it: it is applied once)."""
         return self._transact(
             "committing the batch", self._commit_batch, pipeline, batch_id, updates, children,
             records,

@@ -29,6 +29,7 @@ from typing import Any, Literal, get_args
 
 import attrs
 
+from cdcflow.backoff import RetryPolicy
 from cdcflow.errors import CdcflowError
 from cdcflow.model import ModType, Timestamp, ValueCaptureType
 
@@ -56,9 +57,8 @@ SHOP_COLUMNS = ("Customer", "Status", "Quantity", "Price", "Details")
 _CUSTOMERS = ("ada", "grace", "alan", "edsger", "barbara", "donald", "frances", "ken")
 _STATUSES = ("NEW", "PAID", "SHIPPED", "DELIVERED", "CANCELLED")
 
-# Retry bounds for a commit that Spanner aborted (the emulator aborts overlapping ones).
-_MAX_ATTEMPTS = 20
-_MAX_DELAY = 1.0
+#: Retries of a commit that Spanner aborted (the emulator aborts overlapping ones).
+_ABORTED_RETRY = RetryPolicy(attempts=20, initial=0.01, maximum=1.0)
 
 
 def shop_ddl(
@@ -170,8 +170,9 @@ class Workload:
     ``max_rows`` distinct rows, each an INSERT of a new key, or an UPDATE or DELETE of a
     live key (the workload assumes it is the only writer; it loads the live keys when it
     starts). ``rate`` None commits as fast as possible. ``seed`` makes the sequence of
-    choices repeatable. Aborted commits are retried a bounded number of times. Safe to
-    read :attr:`committed` and :attr:`changes` from another thread while it runs.
+    choices repeatable. Aborted commits are retried as ``retry`` says (by default up to
+    20 attempts, waiting at most 1 s). Safe to read :attr:`committed` and :attr:`changes`
+    from another thread while it runs.
     """
 
     def __init__(
@@ -183,6 +184,7 @@ class Workload:
         multi_row_share: float = 0.3,
         seed: int | None = None,
         key_space: int = 1 << 31,
+        retry: RetryPolicy = _ABORTED_RETRY,
     ) -> None:
         if rate is not None and rate <= 0:
             msg = f"Workload(rate={rate}): use a positive number of transactions per second"
@@ -195,6 +197,7 @@ class Workload:
         self.max_rows = max_rows
         self.multi_row_share = multi_row_share
         self.key_space = key_space
+        self.retry = retry
         self.aborted_attempts = 0
         self.error: BaseException | None = None
         self._rng = random.Random(seed)
@@ -360,19 +363,28 @@ class Workload:
     def _commit(self, planned: list[tuple[ModType, int, dict[str, Any]]]) -> int:
         from google.api_core.exceptions import Aborted
 
-        delay = 0.01
-        for _ in range(_MAX_ATTEMPTS):
-            try:
-                with self.database.batch() as batch:
-                    for mod_type, key, values in planned:
-                        self._mutate(batch, mod_type, key, values)
-                return Timestamp.from_datetime(batch.committed).ns
-            except Aborted:
-                self.aborted_attempts += 1
-                time.sleep(random.uniform(0, delay))
-                delay = min(delay * 2, _MAX_DELAY)
-        msg = f"the workload's commit was aborted {_MAX_ATTEMPTS} times in a row; retry later"
-        raise CdcflowError(msg)
+        def once() -> int:
+            with self.database.batch() as batch:
+                for mod_type, key, values in planned:
+                    self._mutate(batch, mod_type, key, values)
+            return Timestamp.from_datetime(batch.committed).ns
+
+        def aborted(retry: int, exc: BaseException, delay: float) -> None:
+            self.aborted_attempts += 1
+
+        # Only ABORTED: it guarantees that nothing was applied. After UNAVAILABLE or a
+        # timeout the commit may have landed, and a second one would add changes that the
+        # recorded ground truth does not have.
+        before = self.aborted_attempts
+        try:
+            return self.retry.call(
+                once, retry_if=lambda e: isinstance(e, Aborted), on_retry=aborted
+            )
+        except Aborted as e:
+            self.aborted_attempts += 1
+            times = self.aborted_attempts - before
+            msg = f"the workload's commit was aborted {times} times in a row; retry later"
+            raise CdcflowError(msg) from e
 
     @staticmethod
     def _mutate(batch: Any, mod_type: ModType, key: int, values: Mapping[str, Any]) -> None:

@@ -1,14 +1,26 @@
-"""Transient error classification and jittered, capped backoff."""
+"""Transient error classification, and the retry policy the Spanner code uses (the
+change stream client against a scripted transport: no emulator, no real time)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import grpc
 import pytest
 from google.api_core import exceptions as gexc
+from google.cloud.spanner_v1.types import PartialResultSet, TypeCode
+from google.protobuf.struct_pb2 import Value
 
-from cdcflow.spanner.retry import RetryPolicy, is_transient, status_name
+from cdcflow import backoff
+from cdcflow.backoff import RetryPolicy
+from cdcflow.errors import TransientError
+from cdcflow.spanner import retry as spanner_retry
+from cdcflow.spanner.client import SpannerChangeStreamClient
+from cdcflow.spanner.retry import TRANSIENT_CODES, is_transient, status_name
+from cdcflow.spanner.transport import Param
+from cdcflow.stream import ChangeStreamQuery
 
 
 @pytest.mark.parametrize(("error", "transient"), [
@@ -26,6 +38,15 @@ from cdcflow.spanner.retry import RetryPolicy, is_transient, status_name
 ])
 def test_is_transient(error: Exception, transient: bool) -> None:
     assert is_transient(error) is transient
+
+
+def test_transient_codes_are_the_ones_the_design_names() -> None:
+    expected = {"UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
+    assert expected == TRANSIENT_CODES
+
+
+def test_the_policy_is_the_one_in_cdcflow_backoff() -> None:
+    assert spanner_retry.RetryPolicy is backoff.RetryPolicy  # older imports keep working
 
 
 def test_status_name_of_raw_grpc_errors() -> None:
@@ -59,3 +80,83 @@ def test_backoff_sleeps_the_delay() -> None:
 def test_bad_policies(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="RetryPolicy"):
         RetryPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+# --- the change stream client keeps its loop, with the policy's bounds -----------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def _answer(rows: list[list[str]], width: int) -> Any:
+    """One PartialResultSet holding ``rows`` of STRING columns."""
+    pb = PartialResultSet.pb(PartialResultSet(metadata={"row_type": {"fields": [
+        {"name": f"c{i}", "type_": {"code": TypeCode.STRING}} for i in range(width)
+    ]}}))
+    pb.values.extend(Value(string_value=v) for row in rows for v in row)
+    return pb
+
+
+class _Down:
+    """A Transport (the client's test seam) that knows stream ``S`` but fails its change
+    stream queries with UNAVAILABLE, each after ``took`` seconds of ``clock``; with
+    ``metadata_down`` the metadata queries fail too (at once)."""
+
+    def __init__(self, clock: _Clock, took: float, *, metadata_down: bool = False) -> None:
+        self.clock, self.took, self.metadata_down = clock, took, metadata_down
+        self.reads: list[float] = []
+        self.metadata_calls = 0
+
+    def execute_streaming_sql(self, sql: str, params: Mapping[str, Param], *, priority: str,
+                              timeout: float) -> Iterator[Any]:
+        if "READ_" in sql:
+            self.reads.append(self.clock.now)
+            self.clock.now += self.took
+            raise gexc.ServiceUnavailable("socket closed")
+        self.metadata_calls += 1
+        if self.metadata_down:
+            raise gexc.ServiceUnavailable("socket closed")
+        if "database_options" in sql:
+            return iter([_answer([["GOOGLE_STANDARD_SQL"]], 1)])
+        if "change_stream_options" in sql:
+            return iter([_answer([], 2)])
+        return iter([_answer([["S"]], 1)])
+
+    def reset_session(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _client(clock: _Clock, transport: _Down, **bounds: float) -> SpannerChangeStreamClient:
+    policy = RetryPolicy(initial=0.0, sleep=clock.sleep, clock=lambda: clock.now,
+                         **bounds)  # type: ignore[arg-type]
+    client = SpannerChangeStreamClient("projects/p/instances/i/databases/d", retry=policy)
+    client.transport = transport
+    return client
+
+
+def test_the_reader_stops_retrying_at_the_policy_deadline() -> None:
+    clock = _Clock()
+    down = _Down(clock, took=1.0)
+    client = _client(clock, down, attempts=100, deadline=2.5)
+    with pytest.raises(TransientError, match=r"after 3 attempts \(UNAVAILABLE: socket closed"):
+        list(client.read(ChangeStreamQuery("S", None, 10**18, 10**18 + 10**9)))
+    assert down.reads == [0.0, 1.0, 2.0]  # a fourth would start at 3.0, past 2.5
+
+
+def test_metadata_queries_retry_under_the_same_policy() -> None:
+    clock = _Clock()
+    down = _Down(clock, took=0.0, metadata_down=True)
+    client = _client(clock, down, attempts=4)
+    with pytest.raises(TransientError, match=r"after 4 attempts \(UNAVAILABLE"):
+        client.describe_stream("S")
+    assert down.metadata_calls == 4 and len(clock.slept) == 3
