@@ -12,6 +12,7 @@ modules that raise them re-export the names they always had.
 from __future__ import annotations
 
 __all__ = [
+    "BrokenCall",
     "CdcflowError",
     "ChangeStreamError",
     "ConfigurationError",
@@ -142,3 +143,14 @@ class RunnerContractError(CdcflowError):
     """A runner returned results that break the Runner contract (one result per task, in
     task order, from the batch that was planned): a bug in the runner, reported before
     anything of the batch is committed."""
+
+
+class BrokenCall(TransientError):
+    """A Spanner RPC failed the way the stock client retries on its own without a bound
+    (UNAVAILABLE, or INTERNAL from a reset HTTP/2 stream). Raised in place of that error,
+    kept in ``error`` (the stock client may overwrite ``__cause__``), so that the stock
+    loops let it through and only cdcflow's retry policy retries it. Always transient."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {getattr(error, 'message', error)}")
+        self.error = error

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import attrs
 
+from cdcflow.backoff import RetryPolicy
 from cdcflow.durations import parse_duration
 from cdcflow.model import Timestamp
 from cdcflow.transforms.base import Sink
@@ -19,7 +20,8 @@ def _seconds(value: float | str) -> float:
 
 @attrs.frozen
 class ErrorPolicy:
-    """Retry a failing element ``retries`` times with capped exponential backoff and jitter,
+    """Retry a failing element ``retries`` times with capped exponential backoff and full
+    jitter (:meth:`retry_policy`: waits capped at ``backoff`` doubling up to ``max_backoff``),
     then ``"stop"`` (the batch is not committed; the run exits and resumes at that batch) or
     ``"skip"`` (the element goes to ``dead_letter`` if given, and the run goes on).
 
@@ -42,6 +44,12 @@ class ErrorPolicy:
         if self.dead_letter is not None and self.then != "skip":
             msg = "ErrorPolicy.dead_letter needs then='skip' (stopped elements are not skipped)"
             raise ValueError(msg)
+
+    def retry_policy(self) -> RetryPolicy:
+        """The element retries as a :class:`~cdcflow.backoff.RetryPolicy`."""
+        return RetryPolicy(
+            attempts=self.retries + 1, initial=self.backoff, maximum=self.max_backoff
+        )
 
 
 @attrs.frozen

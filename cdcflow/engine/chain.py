@@ -15,9 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
-import random
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -76,6 +74,7 @@ class Chain:
         self._nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = pickle.loads(program.chain)
         self._succ = program.successors
         self._policy = program.policy
+        self._retry = program.policy.retry_policy()
         self._attempt = uuid.uuid4().hex  # unique per execution: retries write elsewhere
         self._writers: dict[str, SinkWriter[Any, Any]] = {}
         self._set_up: list[ParDo[Any, Any]] = []
@@ -200,22 +199,21 @@ class Chain:
         self, label: str, record: DataChangeRecord, element: Any, call: Callable[[], Any]
     ) -> Any:
         """``call()`` under the error policy: its value, or _Skipped when skipped."""
-        policy = self._policy
-        attempt = 0
+        policy, retry = self._policy, self._retry
+        failed = 0
         while True:
             try:
                 return call()
             except Exception as exc:
-                if attempt < policy.retries:
-                    delay = min(policy.max_backoff, policy.backoff * (2**attempt))
-                    time.sleep(delay * random.uniform(0.5, 1.0))
-                    attempt += 1
+                failed += 1
+                if retry.allows(failed):
+                    retry.backoff(failed)
                     with self._count_lock:
                         self._retries += 1
                     continue
                 where = (
                     f"{label!r} failed on a change of partition {record.partition_token} "
-                    f"committed at {record.commit_timestamp} after {attempt + 1} attempt(s): "
+                    f"committed at {record.commit_timestamp} after {failed} attempt(s): "
                     f"{type(exc).__name__}: {exc}"
                 )
                 if policy.then == "stop":

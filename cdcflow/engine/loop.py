@@ -23,8 +23,8 @@ the output is exactly once.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
-import random
 import signal
 import threading
 import time
@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 import cloudpickle
 
+from cdcflow.backoff import RetryPolicy
 from cdcflow.dag import Dag
 from cdcflow.engine.lifecycle import (
     all_finished,
@@ -95,8 +96,9 @@ class RunOptions:
     ``reset``: forget the pipeline's stored progress first and start over.
     ``gc_ttl``: delete finished partitions this long after they finished (once their
     children have started). ``base_dir``: relative sink paths resolve against it.
-    ``batch_retries`` / ``retry_backoff``: a batch whose tasks failed with a transient
-    error is run again up to this many times, waiting ``retry_backoff`` doubling each time.
+    ``batch_retries`` / ``retry_backoff``: a batch whose tasks (or sink commits) failed with
+    a transient error is run again up to this many times, after a fully jittered wait whose
+    cap starts at ``retry_backoff`` and doubles (:class:`cdcflow.backoff.RetryPolicy`).
     """
 
     batch_interval: float = attrs.field(default=1.0, validator=_non_negative)
@@ -136,9 +138,19 @@ class Engine:
         self.listener = listener or EngineListener()
         self._clock = clock
         self._stop = threading.Event()
+        opts = self.options
+        # A stop request cuts a backoff wait short (the retry then runs, and the run stops
+        # after the batch): Ctrl-C is never ignored for the length of a backoff.
+        self._batch_retry = RetryPolicy(
+            attempts=opts.batch_retries + 1, initial=opts.retry_backoff, maximum=math.inf,
+            sleep=self._backoff_wait,
+        )
         self._splits = 0
         self._merges = 0
         self._batch_floor = 0
+
+    def _backoff_wait(self, seconds: float) -> None:
+        self._stop.wait(seconds)
 
     def request_stop(self) -> None:
         """Stop after the current batch commits (safe from any thread or signal handler)."""
@@ -311,20 +323,43 @@ class Engine:
             phases[phase] = now_s - mark
             mark = now_s
 
-        # 2. execute: one task per slice, on the runner.
-        tasks = [pickle.dumps(Task(name, plan.batch_id, s)) for s in plan.slices]
-        try:
-            results = self._run_tasks(plan, program_bytes, tasks, sinks)
-        except BaseException:
-            _abort(plan.batch_id, sinks)
-            raise
-        lap("execute")
+        # 2. execute: one task per slice, on the runner; then
         # 3a. commit the sinks (idempotent per batch id: a replay commits the same again).
-        for label, sink in sinks.items():
-            messages = [
-                r.sink_messages[label] for r in results if r.sink_messages.get(label) is not None
-            ]
-            sink.commit(plan.batch_id, messages)
+        # A transient failure of either (a reader's retries spent, a sink's storage fault)
+        # aborts the sinks' leftovers and runs both again under the batch retry policy.
+        tasks = [pickle.dumps(Task(name, plan.batch_id, s)) for s in plan.slices]
+
+        def attempt() -> list[TaskResult]:
+            try:
+                done = self._run_tasks(plan, program_bytes, tasks)
+                lap("execute")
+                for label, sink in sinks.items():
+                    messages = [
+                        r.sink_messages[label] for r in done
+                        if r.sink_messages.get(label) is not None
+                    ]
+                    sink.commit(plan.batch_id, messages)
+            except BaseException:
+                _abort(plan.batch_id, sinks)
+                raise
+            return done
+
+        def retrying(retry: int, exc: BaseException, delay: float) -> None:
+            _log.warning(
+                "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
+                type(exc).__name__, exc, retry, self._batch_retry.retries, delay,
+            )
+
+        try:
+            results = self._batch_retry.call(attempt, retry_if=_is_transient, on_retry=retrying)
+        except PipelineStopped:
+            raise
+        except Exception as exc:
+            exc.add_note(
+                f"batch {plan.batch_id} was not committed; its plan stays in the store and "
+                "the next run replays it"
+            )
+            raise
         sinks_committed_at = self._clock()
         lap("sink_commit")
         self.listener.on_sinks_committed(plan.batch_id)
@@ -367,32 +402,10 @@ class Engine:
         )
 
     def _run_tasks(
-        self, plan: BatchPlan, program_bytes: bytes, tasks: Sequence[bytes],
-        sinks: dict[str, Sink[Any, Any]],
+        self, plan: BatchPlan, program_bytes: bytes, tasks: Sequence[bytes]
     ) -> list[TaskResult]:
-        opts = self.options
-        attempt = 0
-        while True:
-            try:
-                raw = self.runner.run_tasks(program_bytes, tasks)
-                break
-            except PipelineStopped:
-                raise
-            except Exception as exc:
-                if attempt >= opts.batch_retries or not _is_transient(exc):
-                    exc.add_note(
-                        f"batch {plan.batch_id} was not committed; its plan stays in the store "
-                        "and the next run replays it"
-                    )
-                    raise
-                delay = opts.retry_backoff * (2**attempt) * random.uniform(0.5, 1.0)
-                attempt += 1
-                _log.warning(
-                    "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
-                    type(exc).__name__, exc, attempt, opts.batch_retries, delay,
-                )
-                _abort(plan.batch_id, sinks)
-                time.sleep(delay)
+        """One result per task, in task order; raise RunnerContractError otherwise."""
+        raw = self.runner.run_tasks(program_bytes, tasks)
         if len(raw) != len(tasks):
             msg = (
                 f"runner {self.runner.name!r} returned {len(raw)} results for {len(tasks)} "

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from cdcflow.errors import StoreError
+from cdcflow.errors import BrokenCall, StoreError
 from cdcflow.metadata import _rules
 from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState, Slice, Timestamp
 from cdcflow.spanner.retry import is_transient
@@ -216,17 +216,6 @@ _RPCS = frozenset({
     "streaming_read",
 })
 _STREAMING = frozenset({"batch_write", "execute_streaming_sql", "streaming_read"})
-
-
-class BrokenCall(Exception):
-    """An RPC failed the way the stock client retries on its own without a bound
-    (UNAVAILABLE, or INTERNAL from a reset HTTP/2 stream). Raised in place of that error,
-    kept in ``error`` (the stock client may overwrite ``__cause__``), so that the stock
-    loops let it through and only the store's retry policy retries it. Always transient."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(f"{type(error).__name__}: {getattr(error, 'message', error)}")
-        self.error = error
 
 
 def transient(exc: BaseException) -> bool:
