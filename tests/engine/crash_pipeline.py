@@ -1,13 +1,19 @@
 """A pipeline that kills its own process (SIGKILL) at a chosen point; run by test_crash.py.
 
-    python crash_pipeline.py STATE_DIR [STAGE:BATCH]
+    python crash_pipeline.py RUNNER STATE_DIR [STAGE:BATCH]
 
-STAGE is ``planned`` (plan durable, no task ran), ``sinks`` (sinks committed, store not),
-``batch`` (store committed) or ``task`` (inside a task, at the BATCH-th record this process
-reads). Progress lives in STATE_DIR/state.db, output in STATE_DIR/out. Without a kill point
-the run goes to its end and prints the number of records it read.
+RUNNER is ``memory`` or ``spark`` (``local[2]``). STAGE is ``planned`` (plan durable, no
+task ran), ``sinks`` (sinks committed, store not), ``batch`` (store committed) or ``task``
+(inside a task, at the BATCH-th record the process running the task reads: this process on
+the memory runner, a Python worker on Spark). Progress lives in STATE_DIR/state.db, output
+in STATE_DIR/out. Without a kill point the run goes to its end and prints the number of
+records it read.
 
-    python crash_pipeline.py STATE_DIR live
+The kill takes the driver's process group when the driver leads one (start it with
+``start_new_session``): on Spark that is the driver, its JVM and, from a task, the Python
+worker too, as a machine crash would.
+
+    python crash_pipeline.py RUNNER STATE_DIR live
 
 reads a stream without end, printing each committed batch, until SIGTERM.
 """
@@ -23,9 +29,11 @@ from typing import Any
 import cdcflow as cf
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.runner import Runner
 from cdcflow.metadata import open_store
 from cdcflow.model import BatchPlan
 from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.spark.runner import SparkRunner
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import DetectPartitions, Map, ReadPartition, WriteFiles
 
@@ -48,9 +56,22 @@ def stream() -> ScriptedChangeStream:
     return s
 
 
-def _die() -> None:
+def make_runner(name: str) -> Runner:
+    if name == "memory":
+        return InMemoryRunner(workers=2)
+    if name == "spark":
+        return SparkRunner("local[2]")
+    msg = f"unknown runner {name!r}: use memory or spark"
+    raise SystemExit(msg)
+
+
+def _die(driver: int) -> None:
     sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    if os.getpgid(driver) == driver:
+        os.killpg(driver, signal.SIGKILL)  # the driver and everything it started
+    else:
+        os.kill(driver, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)  # a Spark Python worker lives in another group
 
 
 class KillAt(EngineListener):
@@ -68,25 +89,22 @@ class KillAt(EngineListener):
 
     def _maybe(self, stage: str, batch_id: int) -> None:
         if (stage, batch_id) == (self.stage, self.batch):
-            _die()
-
-
-_SEEN = [0]  # records seen by this process, across tasks
+            _die(os.getpid())
 
 
 class KillOnRecord:
-    """A Map function that kills the process at the n-th record it sees in this process."""
+    """A Map function that kills the run at the n-th record the process running it sees."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, driver: int) -> None:
+        self.n, self.driver = n, driver
 
     def __call__(self, record: Any) -> Any:
         # Every task unpickles its own copy of this function (and of the globals it pulls
-        # in), so count in the live module instead.
-        seen = sys.modules["__main__"]._SEEN
+        # in), so count in the live __main__ module of the process, whichever it is.
+        seen: list[int] = vars(sys.modules["__main__"]).setdefault("_crash_seen", [0])
         seen[0] += 1
         if seen[0] == self.n:
-            _die()
+            _die(self.driver)
         return record
 
 
@@ -95,7 +113,7 @@ class Announce(EngineListener):
         print("batch", stats.batch_id, flush=True)
 
 
-def live(state: str) -> None:
+def live(runner: Runner, state: str) -> None:
     """Read a stream that never ends; stop on SIGTERM after the current batch."""
     import time
 
@@ -105,27 +123,27 @@ def live(state: str) -> None:
         os.path.join(state, "out"))
     store = open_store(f"sqlite:///{os.path.join(state, 'state.db')}")
     options = RunOptions(batch_interval=0.05, base_dir=state)
-    summary = Engine(p, store, InMemoryRunner(workers=2), options, Announce()).run()
+    summary = Engine(p, store, runner, options, Announce()).run()
     store.close()
     print(summary.reason, summary.batches, flush=True)
 
 
 def main() -> None:
-    state = sys.argv[1]
-    if sys.argv[2:] == ["live"]:
-        live(state)
+    runner, state = make_runner(sys.argv[1]), sys.argv[2]
+    if sys.argv[3:] == ["live"]:
+        live(runner, state)
         return
-    stage, _, batch = sys.argv[2].partition(":") if len(sys.argv) > 2 else ("", "", "0")
+    stage, _, batch = sys.argv[3].partition(":") if len(sys.argv) > 3 else ("", "", "0")
     p = cf.Pipeline("crash")
     (p
      | DetectPartitions(stream="S", start_at=T0, end_at=END - 1, client=stream())
      | ReadPartition(heartbeat="500ms")
-     | Map(KillOnRecord(int(batch) if stage == "task" else 0))
+     | Map(KillOnRecord(int(batch) if stage == "task" else 0, os.getpid()))
      | WriteFiles(os.path.join(state, "out")))
     store = open_store(f"sqlite:///{os.path.join(state, 'state.db')}")
     listener = KillAt(stage, int(batch)) if stage != "task" else None
     options = RunOptions(max_batch_span=2.0, batch_interval=0.0, base_dir=state)
-    summary = Engine(p, store, InMemoryRunner(workers=2), options, listener).run()
+    summary = Engine(p, store, runner, options, listener).run()
     store.close()
     print(summary.reason, summary.records)
 

@@ -1,28 +1,47 @@
-"""The engine over ScriptedChangeStream: exactly-once delivery, order, replay, policies."""
+"""The engine over ScriptedChangeStream: exactly-once delivery, order, replay, policies.
+
+Every test runs under every runner (the ``runner`` fixture: memory, and Spark on a shared
+``local[2]`` session); one engine must behave the same on each.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import orjson
 import pytest
 
 import cdcflow as cf
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.runner import Runner
 from cdcflow.engine.task import FailedElement
 from cdcflow.errors import PipelineStopped, StreamNotFoundError, TransientError
 from cdcflow.metadata import MemoryStore, SQLiteStore, open_store
-from cdcflow.model import INITIAL_PARTITION_TOKEN, BatchPlan, DataChangeRecord, PartitionState
+from cdcflow.model import (
+    INITIAL_PARTITION_TOKEN,
+    BatchPlan,
+    ChangeRecord,
+    DataChangeRecord,
+    PartitionState,
+)
 from cdcflow.policy import ErrorPolicy
-from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.spark.runner import SparkTaskError
+from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery, StreamInfo
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import Collect, DetectPartitions, Map, ReadPartition, Sink, WriteFiles
+
+# The functions below run where the tasks run (Spark's Python workers too), which cannot
+# import this test module by name: they travel by value, as a pipeline file's functions do.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -47,7 +66,7 @@ def churn_stream(writes: int = 300, seed: int = 7) -> ScriptedChangeStream:
 
 
 def pipeline(
-    stream: ScriptedChangeStream,
+    stream: ChangeStreamClient,
     *sinks: Sink,
     name: str = "eng",
     policy: ErrorPolicy | None = None,
@@ -70,12 +89,14 @@ def ident(r: DataChangeRecord) -> tuple[int, str, str, str]:
 
 
 def run(
-    p: cf.Pipeline, store: Any = None, listener: EngineListener | None = None, **options: Any
+    runner: Runner,
+    p: cf.Pipeline,
+    store: Any = None,
+    listener: EngineListener | None = None,
+    **options: Any,
 ) -> RunSummary:
     opts = {"max_batch_span": 2.0, "batch_interval": 0.0, "batch_retries": 0, **options}
-    engine = Engine(
-        p, store or MemoryStore(), InMemoryRunner(workers=4), RunOptions(**opts), listener
-    )
+    engine = Engine(p, store or MemoryStore(), runner, RunOptions(**opts), listener)
     return engine.run()
 
 
@@ -98,11 +119,11 @@ def read_jsonl(directory: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def test_every_record_once_in_per_key_commit_order(tmp_path: Path) -> None:
+def test_every_record_once_in_per_key_commit_order(runner: Runner, tmp_path: Path) -> None:
     s = churn_stream()
     out = Collect()
     p = pipeline(s, out, WriteFiles(tmp_path / "files"))
-    summary = run(p, base_dir=str(tmp_path))
+    summary = run(runner, p, base_dir=str(tmp_path))
     expected = s.expected_records(T0, END)
     assert summary.reason == "end reached"
     assert summary.records == len(expected) == len(out.items)
@@ -121,21 +142,21 @@ def test_every_record_once_in_per_key_commit_order(tmp_path: Path) -> None:
     assert watermark["ns"] == END
 
 
-def test_end_at_excludes_later_records_and_ends_the_run() -> None:
+def test_end_at_excludes_later_records_and_ends_the_run(runner: Runner) -> None:
     s = churn_stream(writes=100)
     s.write("T", 1, "UPDATE", {"i": -1}, at=END)  # just past end_at
     out = Collect()
     store = MemoryStore()
-    summary = run(pipeline(s, out), store)
+    summary = run(runner, pipeline(s, out), store)
     assert summary.reason == "end reached"
     assert all(r.commit_timestamp.ns < END for r in out.items)
     assert len(out.items) == len(s.expected_records(T0, END))
     assert all(p.state == PartitionState.FINISHED for p in store.partitions("eng"))
-    again = run(pipeline(s, out), store)  # a finished pipeline stays finished
+    again = run(runner, pipeline(s, out), store)  # a finished pipeline stays finished
     assert again.reason == "end reached" and again.batches == 0
 
 
-def test_idle_stream_advances_its_watermark() -> None:
+def test_idle_stream_advances_its_watermark(runner: Runner) -> None:
     s = ScriptedChangeStream("S", partitions=3, origin=T0)
     seen: list[BatchStats] = []
 
@@ -144,7 +165,7 @@ def test_idle_stream_advances_its_watermark() -> None:
             seen.append(stats)
 
     store = MemoryStore()
-    summary = run(pipeline(s, Collect()), store, Listen(), max_batch_span=5.0)
+    summary = run(runner, pipeline(s, Collect()), store, Listen(), max_batch_span=5.0)
     assert summary.reason == "end reached" and summary.records == 0
     lows = [b.low_watermark for b in seen]
     assert lows == sorted(lows) and lows[-1] == END
@@ -154,13 +175,13 @@ def test_idle_stream_advances_its_watermark() -> None:
     }
 
 
-def test_live_pipeline_stops_on_max_batches_duration_and_request() -> None:
+def test_live_pipeline_stops_on_max_batches_duration_and_request(runner: Runner) -> None:
     now = time.time_ns()
     s = ScriptedChangeStream("S", origin=now - 60 * S)
     p = cf.Pipeline("live")
     p | DetectPartitions(stream="S", start_at="-5s", client=s) | ReadPartition() | Collect()
-    assert run(p, max_batches=3).reason == "max batches"
-    summary = run(p, duration=0.3, batch_interval=0.05)
+    assert run(runner, p, max_batches=3).reason == "max batches"
+    summary = run(runner, p, duration=0.3, batch_interval=0.05)
     assert summary.reason == "duration" and summary.batches >= 1
     assert summary.low_watermark > now - 6 * S
 
@@ -175,7 +196,7 @@ def test_live_pipeline_stops_on_max_batches_duration_and_request() -> None:
                 self.engine.request_stop()
 
     listener = StopAfterTwo()
-    engine = Engine(p, MemoryStore(), InMemoryRunner(), RunOptions(batch_interval=0.01), listener)
+    engine = Engine(p, MemoryStore(), runner, RunOptions(batch_interval=0.01), listener)
     listener.engine = engine
     summary = engine.run()
     assert summary.reason == "interrupted" and summary.batches == 2
@@ -208,18 +229,20 @@ class CrashAt(EngineListener):
 
 
 @pytest.mark.parametrize("stage", ["planned", "sinks", "batch"])
-def test_replaying_a_pending_plan_gives_identical_output(tmp_path: Path, stage: str) -> None:
+def test_replaying_a_pending_plan_gives_identical_output(
+    runner: Runner, tmp_path: Path, stage: str
+) -> None:
     s = churn_stream(writes=150)
     clean_dir, crash_dir = tmp_path / "clean", tmp_path / "crash"
-    run(pipeline(s, WriteFiles(clean_dir)))
+    run(runner, pipeline(s, WriteFiles(clean_dir)))
     store = SQLiteStore.from_url(f"sqlite:///{tmp_path / 'state.db'}")
     crash = CrashAt(stage, batch=6)
     with pytest.raises(_Crash):
-        run(pipeline(s, WriteFiles(crash_dir)), store, crash)
+        run(runner, pipeline(s, WriteFiles(crash_dir)), store, crash)
     pending = store.pending_plan("eng")
     assert (pending is not None) == (stage != "batch")
     again = CrashAt("none", 0)
-    summary = run(pipeline(s, WriteFiles(crash_dir)), store, again)
+    summary = run(runner, pipeline(s, WriteFiles(crash_dir)), store, again)
     assert summary.reason == "end reached"
     if pending is not None:
         assert again.planned[0] == (pending, True)
@@ -248,7 +271,7 @@ class _Poison:
         return _value(r)
 
 
-def test_stop_policy_commits_nothing_past_the_failure_and_resumes() -> None:
+def test_stop_policy_commits_nothing_past_the_failure_and_resumes(runner: Runner) -> None:
     s = churn_stream(writes=120)
     expected = s.expected_records(T0, END)
     bad = _value(expected[len(expected) // 2])
@@ -256,7 +279,7 @@ def test_stop_policy_commits_nothing_past_the_failure_and_resumes() -> None:
     policy = ErrorPolicy(retries=1, backoff=0.001)
     failing = pipeline(s, out, policy=policy, steps=(Map(_Poison(bad)),))
     with pytest.raises(PipelineStopped, match=f"poison {bad}"):
-        run(failing, store)
+        run(runner, failing, store)
     pending = store.pending_plan("eng")
     assert pending is not None
     bad_at = next(r.commit_timestamp.ns for r in expected if _value(r) == bad)
@@ -264,19 +287,19 @@ def test_stop_policy_commits_nothing_past_the_failure_and_resumes() -> None:
     assert bad not in out.items and all(v in [_value(r) for r in expected] for v in out.items)
     delivered_before = list(out.items)
     fixed = pipeline(s, out, policy=policy, steps=(Map(_Poison(bad, fixed=True)),))
-    assert run(fixed, store).reason == "end reached"
+    assert run(runner, fixed, store).reason == "end reached"
     assert Counter(out.items) == Counter(_value(r) for r in expected)
     assert out.items[: len(delivered_before)] == delivered_before
 
 
-def test_skip_policy_sends_failures_to_the_dead_letter_sink() -> None:
+def test_skip_policy_sends_failures_to_the_dead_letter_sink(runner: Runner) -> None:
     s = churn_stream(writes=80)
     expected = s.expected_records(T0, END)
     bad = _value(expected[10])
     out, dead = Collect(), "dead" >> Collect()
     assert isinstance(dead, Collect)
     policy = ErrorPolicy(retries=2, backoff=0.001, then="skip", dead_letter=dead)
-    summary = run(pipeline(s, out, policy=policy, steps=(Map(_Poison(bad)),)))
+    summary = run(runner, pipeline(s, out, policy=policy, steps=(Map(_Poison(bad)),)))
     assert summary.reason == "end reached"
     n_bad = sum(1 for r in expected if _value(r) == bad)
     assert n_bad >= 1 and len(dead.items) == n_bad
@@ -284,19 +307,73 @@ def test_skip_policy_sends_failures_to_the_dead_letter_sink() -> None:
     assert Counter(out.items) == Counter(_value(r) for r in expected if _value(r) != bad)
 
 
-def test_transient_read_failures_are_retried_per_batch() -> None:
-    s = churn_stream(writes=60).fail_reads(2, after_records=1)
+class FlakyReads:
+    """A ChangeStreamClient over ``stream`` whose first ``count`` reads fail with
+    TransientError after ``after_records`` records.
+
+    Unlike ``ScriptedChangeStream.fail_reads``, whose counter lives in each unpickled copy,
+    the failures are counted in files under ``marks``: a Spark task attempt that failed is
+    retried in a Python worker with a fresh copy, which would fail again, and again.
+    """
+
+    def __init__(
+        self, stream: ScriptedChangeStream, marks: Path, count: int, after_records: int
+    ) -> None:
+        self.stream, self.marks = stream, marks
+        self.count, self.after_records = count, after_records
+        marks.mkdir(parents=True, exist_ok=True)
+
+    def describe_stream(self, stream: str) -> StreamInfo:
+        return self.stream.describe_stream(stream)
+
+    def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
+        records = self.stream.read(query)
+        return self._failing(records) if self._claim_failure() else records
+
+    def _claim_failure(self) -> bool:
+        for i in range(self.count):
+            try:  # O_EXCL: exactly one read, in any process, claims each failure
+                os.close(os.open(self.marks / f"failure-{i}", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue
+            return True
+        return False
+
+    def _failing(self, records: Iterator[ChangeRecord]) -> Iterator[ChangeRecord]:
+        for i, record in enumerate(records):
+            if i >= self.after_records:
+                break
+            yield record
+        msg = "flaky read: UNAVAILABLE"
+        raise TransientError(msg)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def test_transient_read_failures_are_retried_per_batch(runner: Runner, tmp_path: Path) -> None:
+    # The engine retries the batch (memory); Spark retries the failed task first.
+    s = churn_stream(writes=60)
+    flaky = FlakyReads(s, tmp_path / "failures", count=2, after_records=1)
     out = Collect()
-    summary = run(pipeline(s, out), batch_retries=3, retry_backoff=0.001)
+    summary = run(runner, pipeline(flaky, out), batch_retries=3, retry_backoff=0.001)
     assert summary.reason == "end reached"
+    assert len(os.listdir(tmp_path / "failures")) == 2  # both failures did happen
     assert sorted(map(ident, out.items)) == sorted(map(ident, s.expected_records(T0, END)))
 
 
-def test_transient_failures_beyond_the_retries_leave_the_plan_pending() -> None:
+def test_transient_failures_beyond_the_retries_leave_the_plan_pending(runner: Runner) -> None:
     s = churn_stream(writes=10).fail_reads(50)
     store = MemoryStore()
-    with pytest.raises(TransientError) as info:
-        run(pipeline(s, Collect()), store, batch_retries=1, retry_backoff=0.001)
+    with pytest.raises((TransientError, SparkTaskError)) as info:
+        run(runner, pipeline(s, Collect()), store, batch_retries=1, retry_backoff=0.001)
+    if runner.name == "spark":
+        # Spark gave up after its own task attempts; its error names the task and the cause.
+        assert isinstance(info.value, SparkTaskError)
+        assert f"partition {INITIAL_PARTITION_TOKEN}" in str(info.value)
+        assert "TransientError: scripted failure" in str(info.value)
+    else:
+        assert isinstance(info.value, TransientError)
     assert any("replays it" in note for note in info.value.__notes__)
     assert store.pending_plan("eng") is not None
 
@@ -306,7 +383,7 @@ def _slow_value(r: DataChangeRecord) -> tuple[int, int]:
     return r.commit_timestamp.ns, _value(r)
 
 
-def test_max_inflight_gives_the_same_output_in_the_same_order() -> None:
+def test_max_inflight_gives_the_same_output_in_the_same_order(runner: Runner) -> None:
     s = churn_stream(writes=200)
     outputs = []
     for read in (
@@ -314,41 +391,41 @@ def test_max_inflight_gives_the_same_output_in_the_same_order() -> None:
         ReadPartition(heartbeat="500ms", max_inflight=6, max_inflight_bytes=4096),
     ):
         out = Collect()
-        run(pipeline(s, out, read=read, steps=(Map(_slow_value),)))
+        run(runner, pipeline(s, out, read=read, steps=(Map(_slow_value),)))
         outputs.append(out.items)
     assert outputs[0] == outputs[1] and len(outputs[0]) == len(s.expected_records(T0, END))
 
 
-def test_gc_removes_finished_partitions_once_children_started() -> None:
+def test_gc_removes_finished_partitions_once_children_started(runner: Runner) -> None:
     s = churn_stream(writes=20)
     store = MemoryStore()
     out = Collect()
-    summary = run(pipeline(s, out), store, gc_ttl=0.0)
+    summary = run(runner, pipeline(s, out), store, gc_ttl=0.0)
     assert summary.reason == "end reached"
     left = {p.token for p in store.partitions("eng")}
     assert left == {"m2", "m3", "n1", "n2"}  # the partitions that reached the end
     assert len(out.items) == len(s.expected_records(T0, END))
 
 
-def test_unknown_stream_surfaces_the_clients_error() -> None:
+def test_unknown_stream_surfaces_the_clients_error(runner: Runner) -> None:
     s = ScriptedChangeStream("Other", origin=T0)
     with pytest.raises(StreamNotFoundError, match="stream='Other'"):
-        run(pipeline(s, Collect()))
+        run(runner, pipeline(s, Collect()))
 
 
-def test_reset_starts_over_and_sqlite_state_resumes(tmp_path: Path) -> None:
+def test_reset_starts_over_and_sqlite_state_resumes(runner: Runner, tmp_path: Path) -> None:
     s = churn_stream(writes=50)
     url = f"sqlite:///{tmp_path / 'state.db'}"
     out = Collect()
     store = open_store(url)
-    first = run(pipeline(s, out), store, max_batches=4)
+    first = run(runner, pipeline(s, out), store, max_batches=4)
     assert first.reason == "max batches"
     store.close()
     store = open_store(url)  # a new process would see the same
-    rest = run(pipeline(s, out), store)
+    rest = run(runner, pipeline(s, out), store)
     assert rest.reason == "end reached"
     assert len(out.items) == len(s.expected_records(T0, END))
-    again = run(pipeline(s, out), store, reset=True)
+    again = run(runner, pipeline(s, out), store, reset=True)
     assert again.reason == "end reached"
     # batch ids continue past the reset, so the same sink takes the new batches
     assert again.records * 2 == len(out.items)
@@ -359,7 +436,7 @@ def test_reset_starts_over_and_sqlite_state_resumes(tmp_path: Path) -> None:
     store.close()
 
 
-def test_listener_sees_each_batch_in_order() -> None:
+def test_listener_sees_each_batch_in_order(runner: Runner) -> None:
     events: list[tuple[str, Any]] = []
 
     class Listen(EngineListener):
@@ -378,16 +455,16 @@ def test_listener_sees_each_batch_in_order() -> None:
         def on_stop(self, summary: RunSummary) -> None:
             events.append(("stop", summary.reason))
 
-    summary = run(pipeline(churn_stream(writes=5), Collect()), listener=Listen())
-    assert events[0] == ("start", ("eng", "memory")) and events[-1] == ("stop", "end reached")
+    summary = run(runner, pipeline(churn_stream(writes=5), Collect()), listener=Listen())
+    assert events[0] == ("start", ("eng", runner.name)) and events[-1] == ("stop", "end reached")
     middle = events[1:-1]
     assert middle == [
         (stage, n) for n in range(1, summary.batches + 1) for stage in ("planned", "sinks", "batch")
     ]
 
 
-def test_relative_sink_paths_resolve_against_base_dir(tmp_path: Path) -> None:
+def test_relative_sink_paths_resolve_against_base_dir(runner: Runner, tmp_path: Path) -> None:
     s = churn_stream(writes=20)
-    summary = run(pipeline(s, WriteFiles("out/rel")), base_dir=str(tmp_path))
+    summary = run(runner, pipeline(s, WriteFiles("out/rel")), base_dir=str(tmp_path))
     assert summary.reason == "end reached"
     assert len(read_jsonl(tmp_path / "out" / "rel")) == len(s.expected_records(T0, END))

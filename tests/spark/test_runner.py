@@ -1,4 +1,9 @@
-"""SparkRunner: same output as the in-memory runner, Spark retries, clusters, driver crashes."""
+"""SparkRunner: same output as the in-memory runner, Spark retries, clusters, driver crashes.
+
+What every runner must do alike (delivery, order, replay, error policies) is checked by the
+engine suite under every runner (tests/engine/test_loop.py); this file keeps what is Spark's
+own.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,6 @@ import pytest
 import cdcflow as cf
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.engine.runner import Runner
-from cdcflow.errors import PipelineStopped
 from cdcflow.metadata import open_store
 from cdcflow.policy import ErrorPolicy
 from cdcflow.runners.in_memory import InMemoryRunner
@@ -37,15 +41,10 @@ T0 = 1_700_000_000 * S
 END = T0 + 30 * S
 
 
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    """One local[2] session for the module; runners opened in tests use it and leave it."""
-    runner = SparkRunner("local[2]")
-    runner.open("cdcflow-test-spark")
-    try:
-        yield runner.session
-    finally:
-        runner.close()
+@pytest.fixture
+def spark(spark_runner: SparkRunner) -> Any:
+    """The test session's local[2] session; runners opened in tests use it and leave it."""
+    return spark_runner.session
 
 
 def churn_stream() -> ScriptedChangeStream:
@@ -171,23 +170,6 @@ def test_a_task_failing_on_every_attempt_is_named(spark: Any, tmp_path: Path) ->
     assert "after 4 attempts" in text
     assert "partition " in text and "slice [" in text and "batch " in text
     assert "run again to replay it" in text
-
-
-class Refuse(cf.DoFn):
-    def process(self, element: Any) -> Iterator[Any]:
-        if element.mods[0].keys.get("id") == 5:
-            raise ValueError("key 5 is not welcome")
-        yield element
-
-
-@pytest.mark.parametrize("runner", ["memory", "spark"])
-def test_a_stopping_error_policy_raises_as_on_the_in_memory_runner(
-    spark: Any, tmp_path: Path, runner: str
-) -> None:
-    pipeline, _ = build(churn_stream(), tmp_path / "out", "refuse" >> cf.ParDo(Refuse()))
-    chosen: Runner = InMemoryRunner() if runner == "memory" else SparkRunner()
-    with pytest.raises(PipelineStopped, match="key 5 is not welcome"):
-        run(pipeline, chosen)
 
 
 def test_session_settings_pass_the_emulator_host_to_executors(
