@@ -19,6 +19,8 @@ __all__ = [
     "DecodeError",
     "DuplicateLabelError",
     "EmulatorNotFoundError",
+    "FencedError",
+    "LeaseHeldError",
     "PipelineDefinitionError",
     "PipelineFileError",
     "PipelineStopped",
@@ -154,3 +156,12 @@ class BrokenCall(TransientError):
     def __init__(self, error: Exception) -> None:
         super().__init__(f"{type(error).__name__}: {getattr(error, 'message', error)}")
         self.error = error
+
+
+class LeaseHeldError(UserInputError):
+    """Another run owns the pipeline (its lease is alive): one run per pipeline at a time."""
+
+
+class FencedError(StoreError):
+    """A plan, commit or lease renewal carried a fencing token that is no longer current:
+    another run took the pipeline over. Nothing was written."""

@@ -27,6 +27,7 @@ __all__ = [
     "ColumnType",
     "DataChangeRecord",
     "HeartbeatRecord",
+    "Lease",
     "Mod",
     "ModType",
     "MoveInEvent",
@@ -445,3 +446,34 @@ class BatchRecord:
     committed_at: int | None
     slices: int
     records: int = 0
+
+
+@attrs.frozen
+class Lease:
+    """Who runs a pipeline, and the fencing token of that run.
+
+    ``token`` grows with every acquisition, across owners and resets: a store refuses a
+    plan or commit fenced with any token but the current one, so a stale or second driver
+    can never plan or commit. ``owner`` is ``host:pid``; ``run_id`` is unique per run.
+    Times are ns since the epoch (the store's clock); ``expires_at`` is 0 once released.
+    """
+
+    owner: str
+    run_id: str
+    token: int
+    acquired_at: int
+    renewed_at: int
+    expires_at: int
+
+    def alive(self, now_ns: int) -> bool:
+        """True while the lease holds: not released and not expired at ``now_ns``."""
+        return now_ns < self.expires_at
+
+    @property
+    def host(self) -> str:
+        return self.owner.rpartition(":")[0]
+
+    @property
+    def pid(self) -> int | None:
+        text = self.owner.rpartition(":")[2]
+        return int(text) if text.isdigit() else None

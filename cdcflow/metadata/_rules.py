@@ -8,17 +8,28 @@ from __future__ import annotations
 
 import attrs
 
-from cdcflow.errors import PlanConflictError, StoreError, StoreURLError, WatermarkRegressionError
-from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
+from cdcflow.errors import (
+    FencedError,
+    LeaseHeldError,
+    PlanConflictError,
+    StoreError,
+    StoreURLError,
+    WatermarkRegressionError,
+)
+from cdcflow.model import BatchPlan, Lease, PartitionMetadata, PartitionState, Timestamp
 
 __all__ = [
     "DEFAULT_BATCH_LOG_SIZE",
     "URL_FORMS",
+    "check_fence",
     "check_log_size",
     "check_new_plan",
+    "held_message",
     "is_pending",
+    "new_lease",
     "not_planned",
     "regression",
+    "renewed",
     "transition",
     "unknown_partition",
     "url_error",
@@ -128,3 +139,55 @@ def regression(pipeline: str, token: str, stored: int, new: int) -> WatermarkReg
         f"pipeline {pipeline!r}: partition {token!r} watermark would move back from {stored} "
         f"to {new} ns; watermarks never go backwards, so commit progress at or after {stored}"
     )
+
+
+def _ago(ns: int, now_ns: int) -> str:
+    seconds = max(0.0, (now_ns - ns) / 1e9)
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def held_message(pipeline: str, lease: Lease, now_ns: int) -> str:
+    """One line naming the live owner of ``pipeline`` and how to take over."""
+    left = max(0.0, (lease.expires_at - now_ns) / 1e9)
+    return (
+        f"pipeline {pipeline!r} is being run by {lease.owner} (run {lease.run_id}, since "
+        f"{Timestamp.from_ns(lease.acquired_at).rfc3339()[:19]}Z, last heartbeat "
+        f"{_ago(lease.renewed_at, now_ns)}); stop that run first, or, if it is gone, run again "
+        f"once its lease expires in {left:.0f}s, or take over now with --takeover"
+    )
+
+
+def new_lease(
+    pipeline: str, current: Lease | None, owner: str, run_id: str, ttl_ns: int, now_ns: int,
+    replace: int | None, floor: int = 0,
+) -> Lease:
+    """The lease ``acquire_lease`` stores, or LeaseHeldError (see the protocol)."""
+    if ttl_ns <= 0:
+        msg = f"a lease needs a positive ttl, got {ttl_ns} ns"
+        raise ValueError(msg)
+    if (
+        current is not None and current.alive(now_ns) and current.run_id != run_id
+        and current.token != replace
+    ):
+        raise LeaseHeldError(held_message(pipeline, current, now_ns))
+    token = max(current.token if current is not None else 0, floor) + 1
+    return Lease(owner, run_id, token, now_ns, now_ns, now_ns + ttl_ns)
+
+
+def renewed(pipeline: str, current: Lease | None, lease: Lease, ttl_ns: int, now_ns: int) -> Lease:
+    """``lease`` extended by ``ttl_ns``, or FencedError when it is no longer current."""
+    check_fence(pipeline, current, lease.token)
+    assert current is not None
+    return attrs.evolve(current, renewed_at=now_ns, expires_at=now_ns + ttl_ns)
+
+
+def check_fence(pipeline: str, current: Lease | None, fence: int | None) -> None:
+    """Raise FencedError unless ``fence`` is None or the current lease's token."""
+    if fence is None or (current is not None and current.token == fence):
+        return
+    holder = "nobody" if current is None else f"{current.owner} (run {current.run_id})"
+    msg = (
+        f"pipeline {pipeline!r}: this run's lease (token {fence}) is no longer current; "
+        f"{holder} holds the pipeline now, so this run stops without writing anything"
+    )
+    raise FencedError(msg)

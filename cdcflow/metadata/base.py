@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from cdcflow.model import BatchPlan, BatchRecord, PartitionMetadata, PartitionState, PartitionUpdate
+from cdcflow.model import (
+    BatchPlan,
+    BatchRecord,
+    Lease,
+    PartitionMetadata,
+    PartitionState,
+    PartitionUpdate,
+)
 
 __all__ = ["MetadataStore"]
 
@@ -41,6 +48,27 @@ class MetadataStore(Protocol):
       A batch never planned, or an update of an unknown partition, raises StoreError and
       nothing changes.
     - ``delete_partitions`` removes rows (garbage collection of finished partitions).
+
+    Ownership (one run per pipeline; see :class:`~cdcflow.model.Lease`):
+
+    - ``acquire_lease`` takes the pipeline's lease in one transaction and returns it with a
+      fencing token larger than every token the pipeline had. It raises
+      :class:`~cdcflow.errors.LeaseHeldError` naming the holder when the current lease is
+      alive (not released, not expired by the store's clock), belongs to another run, and
+      its token is not ``replace`` (``replace`` is how a caller that has confirmed the
+      holder is gone takes over: only that exact lease is replaced, so two runs racing to
+      take over cannot both win).
+    - ``renew_lease`` extends the lease when its token is still current, else raises
+      :class:`~cdcflow.errors.FencedError`; ``release_lease`` ends it (expiry 0, token kept)
+      when current, and does nothing otherwise.
+    - ``write_plan`` and ``commit_batch`` with ``fence=token`` raise FencedError and change
+      nothing unless ``token`` is the pipeline's current lease token (checked in the same
+      transaction as the write). ``fence=None`` checks nothing (tools and tests).
+    - ``reset`` forgets partitions, the batch log and the stored source, but keeps the lease
+      and the batch id floor: ``last_batch_id`` never goes back for a pipeline, so batch ids
+      are never reused (sinks name output by them).
+    - ``source`` / ``set_source``: the pipeline's source definition as text (JSON), stored on
+      the first run so a later run can tell that the pipeline file changed.
     """
 
     @property
@@ -59,7 +87,7 @@ class MetadataStore(Protocol):
         ...
 
     def last_batch_id(self, pipeline: str) -> int:
-        """The largest logged batch id (0 when the pipeline has none)."""
+        """The largest batch id the pipeline ever logged, resets included (0: none)."""
         ...
 
     def write_plan(
@@ -67,6 +95,8 @@ class MetadataStore(Protocol):
         pipeline: str,
         plan: BatchPlan,
         transitions: Mapping[str, PartitionState],
+        *,
+        fence: int | None = None,
     ) -> None: ...
 
     def commit_batch(
@@ -76,16 +106,36 @@ class MetadataStore(Protocol):
         updates: Sequence[PartitionUpdate],
         children: Sequence[PartitionMetadata],
         records: int = 0,
+        *,
+        fence: int | None = None,
     ) -> bool: ...
 
     def delete_partitions(self, pipeline: str, tokens: Sequence[str]) -> int: ...
+
+    def lease(self, pipeline: str) -> Lease | None:
+        """The pipeline's current lease (alive or not), None if it never had one."""
+        ...
+
+    def acquire_lease(
+        self, pipeline: str, owner: str, run_id: str, ttl_ns: int, *, replace: int | None = None
+    ) -> Lease: ...
+
+    def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease: ...
+
+    def release_lease(self, pipeline: str, lease: Lease) -> None: ...
+
+    def source(self, pipeline: str) -> str | None:
+        """The stored source definition (None before the first run or after a reset)."""
+        ...
+
+    def set_source(self, pipeline: str, source: str) -> None: ...
 
     def batches(self, pipeline: str, limit: int = 20) -> list[BatchRecord]:
         """The newest ``limit`` entries of the batch log, newest first."""
         ...
 
     def pipelines(self) -> list[str]:
-        """Names of the pipelines with stored state, sorted."""
+        """Names of the pipelines with stored state (a lease counts), sorted."""
         ...
 
     def reset(self, pipeline: str) -> None:

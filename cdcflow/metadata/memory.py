@@ -15,7 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from cdcflow.metadata import _rules
-from cdcflow.model import BatchPlan, BatchRecord, PartitionMetadata, PartitionState, PartitionUpdate
+from cdcflow.model import (
+    BatchPlan,
+    BatchRecord,
+    Lease,
+    PartitionMetadata,
+    PartitionState,
+    PartitionUpdate,
+)
 
 __all__ = ["MemoryStore"]
 
@@ -35,6 +42,12 @@ class _Batch:
 class _Pipeline:
     partitions: dict[str, PartitionMetadata] = attrs.field(factory=dict)
     batches: dict[int, _Batch] = attrs.field(factory=dict)  # increasing batch ids
+    lease: Lease | None = None
+    floor: int = 0  # the largest batch id before the last reset
+    source: str | None = None
+
+    def empty(self) -> bool:
+        return not (self.partitions or self.batches or self.lease or self.floor or self.source)
 
     def pending(self) -> _Batch | None:
         last = self.last()
@@ -89,7 +102,7 @@ class MemoryStore:
 
     def _drop_if_empty(self, pipeline: str) -> None:
         state = self._pipelines.get(pipeline)
-        if state is not None and not state.partitions and not state.batches:
+        if state is not None and state.empty():
             del self._pipelines[pipeline]
 
     def partitions(self, pipeline: str) -> list[PartitionMetadata]:
@@ -118,24 +131,31 @@ class MemoryStore:
     def last_batch_id(self, pipeline: str) -> int:
         with self._lock:
             state = self._pipelines.get(pipeline)
-            last = state.last() if state else None
-            return last.plan.batch_id if last else 0
+            return self._last_id(state)
+
+    @staticmethod
+    def _last_id(state: _Pipeline | None) -> int:
+        if state is None:
+            return 0
+        last = state.last()
+        return max(state.floor, last.plan.batch_id if last else 0)
 
     def write_plan(
         self,
         pipeline: str,
         plan: BatchPlan,
         transitions: Mapping[str, PartitionState],
+        *,
+        fence: int | None = None,
     ) -> None:
         with self._lock:
             state = self._pipelines.get(pipeline) or _Pipeline()
+            _rules.check_fence(pipeline, state.lease, fence)
             pending = state.pending()
             if _rules.is_pending(plan, pending.plan if pending else None):
                 return
-            last = state.last()
             _rules.check_new_plan(
-                pipeline, plan, last.plan.batch_id if last else 0,
-                pending.plan.batch_id if pending else None,
+                pipeline, plan, self._last_id(state), pending.plan.batch_id if pending else None
             )
             now = self._clock()
             # Compute every change first so a refused transition changes nothing.
@@ -159,9 +179,12 @@ class MemoryStore:
         updates: Sequence[PartitionUpdate],
         children: Sequence[PartitionMetadata],
         records: int = 0,
+        *,
+        fence: int | None = None,
     ) -> bool:
         with self._lock:
             state = self._pipelines.get(pipeline)
+            _rules.check_fence(pipeline, state.lease if state else None, fence)
             batch = state.batches.get(batch_id) if state else None
             if state is None or batch is None:
                 raise _rules.not_planned(pipeline, batch_id)
@@ -221,7 +244,54 @@ class MemoryStore:
 
     def reset(self, pipeline: str) -> None:
         with self._lock:
-            self._pipelines.pop(pipeline, None)
+            state = self._pipelines.get(pipeline)
+            if state is None:
+                return
+            kept = _Pipeline(lease=state.lease, floor=self._last_id(state))
+            self._pipelines[pipeline] = kept
+            self._drop_if_empty(pipeline)
+
+    # -- ownership and the source definition ------------------------------------------------
+
+    def lease(self, pipeline: str) -> Lease | None:
+        with self._lock:
+            state = self._pipelines.get(pipeline)
+            return state.lease if state else None
+
+    def acquire_lease(
+        self, pipeline: str, owner: str, run_id: str, ttl_ns: int, *, replace: int | None = None
+    ) -> Lease:
+        with self._lock:
+            state = self._get(pipeline)
+            lease = _rules.new_lease(
+                pipeline, state.lease, owner, run_id, ttl_ns, self._clock(), replace
+            )
+            state.lease = lease
+            return lease
+
+    def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease:
+        with self._lock:
+            state = self._pipelines.get(pipeline)
+            current = state.lease if state else None
+            renewed = _rules.renewed(pipeline, current, lease, ttl_ns, self._clock())
+            assert state is not None
+            state.lease = renewed
+            return renewed
+
+    def release_lease(self, pipeline: str, lease: Lease) -> None:
+        with self._lock:
+            state = self._pipelines.get(pipeline)
+            if state is not None and state.lease is not None and state.lease.token == lease.token:
+                state.lease = attrs.evolve(state.lease, expires_at=0)
+
+    def source(self, pipeline: str) -> str | None:
+        with self._lock:
+            state = self._pipelines.get(pipeline)
+            return state.source if state else None
+
+    def set_source(self, pipeline: str, source: str) -> None:
+        with self._lock:
+            self._get(pipeline).source = source
 
     def close(self) -> None:
         """Nothing to release; a named store keeps its state for the next open."""

@@ -25,6 +25,7 @@ from cdcflow.metadata import _rules
 from cdcflow.model import (
     BatchPlan,
     BatchRecord,
+    Lease,
     PartitionMetadata,
     PartitionState,
     PartitionUpdate,
@@ -34,7 +35,7 @@ from cdcflow.model import (
 __all__ = ["SCHEMA_VERSION", "SQLiteStore", "sqlite_url"]
 
 #: Version of the table layout this module writes; a file with a newer version is refused.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _PREFIX = "sqlite:///"
 
@@ -65,6 +66,21 @@ CREATE TABLE batches (
     records      INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (pipeline, batch_id)
 ) WITHOUT ROWID;
+"""
+
+# Version 2: what survives a reset (the lease, the batch id floor) and the source definition.
+_PIPELINES = """
+CREATE TABLE IF NOT EXISTS pipelines (
+    pipeline       TEXT    NOT NULL PRIMARY KEY,
+    lease_owner    TEXT,
+    lease_run      TEXT,
+    lease_token    INTEGER NOT NULL DEFAULT 0,
+    lease_acquired INTEGER,
+    lease_renewed  INTEGER,
+    lease_expires  INTEGER,
+    batch_floor    INTEGER NOT NULL DEFAULT 0,  -- the largest batch id before the last reset
+    source         TEXT                         -- JSON source definition; NULL: unknown
+) WITHOUT ROWID
 """
 
 _PARTITION_COLUMNS = (
@@ -168,6 +184,8 @@ class SQLiteStore:
                 for statement in _SCHEMA.split(";"):  # the schema has no ";" in comments
                     if statement.strip():
                         c.execute(statement)
+            if version is None or version < SCHEMA_VERSION:
+                c.execute(_PIPELINES)  # version 1 -> 2: a table added, nothing rewritten
                 c.execute("INSERT INTO cdcflow_schema (version) VALUES (?)", (SCHEMA_VERSION,))
             elif version > SCHEMA_VERSION:
                 msg = (
@@ -273,7 +291,9 @@ class SQLiteStore:
     @staticmethod
     def _last_batch_id(c: sqlite3.Connection, pipeline: str) -> int:
         row = c.execute(
-            "SELECT MAX(batch_id) FROM batches WHERE pipeline = ?", (pipeline,)
+            "SELECT MAX(id) FROM (SELECT MAX(batch_id) AS id FROM batches WHERE pipeline = ? "
+            "UNION ALL SELECT batch_floor FROM pipelines WHERE pipeline = ?)",
+            (pipeline, pipeline),
         ).fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
@@ -297,8 +317,11 @@ class SQLiteStore:
         pipeline: str,
         plan: BatchPlan,
         transitions: Mapping[str, PartitionState],
+        *,
+        fence: int | None = None,
     ) -> None:
         with self._write() as c:
+            _rules.check_fence(pipeline, self._lease(c, pipeline), fence)
             pending = self._pending_plan(c, pipeline)
             if _rules.is_pending(plan, pending):
                 return
@@ -333,8 +356,11 @@ class SQLiteStore:
         updates: Sequence[PartitionUpdate],
         children: Sequence[PartitionMetadata],
         records: int = 0,
+        *,
+        fence: int | None = None,
     ) -> bool:
         with self._write() as c:
+            _rules.check_fence(pipeline, self._lease(c, pipeline), fence)
             row = c.execute(
                 "SELECT committed_at FROM batches WHERE pipeline = ? AND batch_id = ?",
                 (pipeline, batch_id),
@@ -388,14 +414,87 @@ class SQLiteStore:
     def pipelines(self) -> list[str]:
         with self._read() as c:
             rows = c.execute(
-                "SELECT pipeline FROM partitions UNION SELECT pipeline FROM batches ORDER BY 1"
+                "SELECT pipeline FROM partitions UNION SELECT pipeline FROM batches "
+                "UNION SELECT pipeline FROM pipelines ORDER BY 1"
             ).fetchall()
         return [r[0] for r in rows]
 
     def reset(self, pipeline: str) -> None:
         with self._write() as c:
+            floor = self._last_batch_id(c, pipeline)
+            self._ensure_row(c, pipeline)
+            c.execute(
+                "UPDATE pipelines SET batch_floor = ?, source = NULL WHERE pipeline = ?",
+                (floor, pipeline),
+            )
             c.execute("DELETE FROM partitions WHERE pipeline = ?", (pipeline,))
             c.execute("DELETE FROM batches WHERE pipeline = ?", (pipeline,))
+
+    # -- ownership and the source definition ------------------------------------------------
+
+    @staticmethod
+    def _ensure_row(c: sqlite3.Connection, pipeline: str) -> None:
+        c.execute("INSERT OR IGNORE INTO pipelines (pipeline) VALUES (?)", (pipeline,))
+
+    @staticmethod
+    def _lease(c: sqlite3.Connection, pipeline: str) -> Lease | None:
+        row = c.execute(
+            "SELECT lease_owner, lease_run, lease_token, lease_acquired, lease_renewed, "
+            "lease_expires FROM pipelines WHERE pipeline = ?",
+            (pipeline,),
+        ).fetchone()
+        if row is None or row[0] is None:
+            return None
+        return Lease(row[0], row[1], row[2], row[3], row[4], row[5])
+
+    def _store_lease(self, c: sqlite3.Connection, pipeline: str, lease: Lease) -> None:
+        self._ensure_row(c, pipeline)
+        c.execute(
+            "UPDATE pipelines SET lease_owner = ?, lease_run = ?, lease_token = ?, "
+            "lease_acquired = ?, lease_renewed = ?, lease_expires = ? WHERE pipeline = ?",
+            (lease.owner, lease.run_id, lease.token, lease.acquired_at, lease.renewed_at,
+             lease.expires_at, pipeline),
+        )
+
+    def lease(self, pipeline: str) -> Lease | None:
+        with self._read() as c:
+            return self._lease(c, pipeline)
+
+    def acquire_lease(
+        self, pipeline: str, owner: str, run_id: str, ttl_ns: int, *, replace: int | None = None
+    ) -> Lease:
+        with self._write() as c:
+            lease = _rules.new_lease(
+                pipeline, self._lease(c, pipeline), owner, run_id, ttl_ns, self._clock(), replace
+            )
+            self._store_lease(c, pipeline, lease)
+            return lease
+
+    def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease:
+        with self._write() as c:
+            renewed = _rules.renewed(pipeline, self._lease(c, pipeline), lease, ttl_ns,
+                                     self._clock())
+            self._store_lease(c, pipeline, renewed)
+            return renewed
+
+    def release_lease(self, pipeline: str, lease: Lease) -> None:
+        with self._write() as c:
+            c.execute(
+                "UPDATE pipelines SET lease_expires = 0 WHERE pipeline = ? AND lease_token = ?",
+                (pipeline, lease.token),
+            )
+
+    def source(self, pipeline: str) -> str | None:
+        with self._read() as c:
+            row = c.execute(
+                "SELECT source FROM pipelines WHERE pipeline = ?", (pipeline,)
+            ).fetchone()
+        return None if row is None else row[0]
+
+    def set_source(self, pipeline: str, source: str) -> None:
+        with self._write() as c:
+            self._ensure_row(c, pipeline)
+            c.execute("UPDATE pipelines SET source = ? WHERE pipeline = ?", (source, pipeline))
 
     def close(self) -> None:
         """Close the connection; later calls raise StoreError. Closing twice is harmless."""
