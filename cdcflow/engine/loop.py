@@ -22,6 +22,7 @@ the output is exactly once.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import pickle
@@ -48,9 +49,11 @@ from cdcflow.engine.lifecycle import (
     plan_batch,
 )
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
+from cdcflow.engine.ownership import Ownership
 from cdcflow.engine.runner import Runner, Task, TaskResult
 from cdcflow.engine.task import TaskProgram, make_client
 from cdcflow.errors import (
+    FencedError,
     PipelineDefinitionError,
     PipelineStopped,
     RunnerContractError,
@@ -96,6 +99,11 @@ class RunOptions:
     ``reset``: forget the pipeline's stored progress first and start over.
     ``gc_ttl``: delete finished partitions this long after they finished (once their
     children have started). ``base_dir``: relative sink paths resolve against it.
+    ``takeover``: take the pipeline over from a run whose lease is still alive (after
+    confirming it is gone); ``lease_ttl``: how long this run's lease holds without a
+    heartbeat (:mod:`cdcflow.engine.ownership`). ``strict``: refuse to resume stored
+    progress made with another source definition (database, stream, start_at, end_at)
+    instead of warning.
     ``batch_retries`` / ``retry_backoff``: a batch whose tasks (or sink commits) failed with
     a transient error is run again up to this many times, after a fully jittered wait whose
     cap starts at ``retry_backoff`` and doubles (:class:`cdcflow.backoff.RetryPolicy`).
@@ -110,6 +118,9 @@ class RunOptions:
     base_dir: str = "."
     batch_retries: int = attrs.field(default=3, validator=_non_negative)
     retry_backoff: float = attrs.field(default=1.0, validator=_non_negative)
+    takeover: bool = False
+    lease_ttl: float = attrs.field(default=30.0, validator=_positive)
+    strict: bool = False
 
 
 class Engine:
@@ -147,7 +158,16 @@ class Engine:
         )
         self._splits = 0
         self._merges = 0
-        self._batch_floor = 0
+        self._owner: Ownership | None = None
+
+    def _lost(self, error: FencedError) -> None:
+        """Another run took the pipeline over: stop (its writes are fenced out anyway)."""
+        self.request_stop()
+
+    @property
+    def _fence(self) -> int:
+        assert self._owner is not None
+        return self._owner.token
 
     def _backoff_wait(self, seconds: float) -> None:
         self._stop.wait(seconds)
@@ -179,16 +199,22 @@ class Engine:
             self.runner.open(name)
             try:
                 make_client(program.source).describe_stream(program.source.stream)
-                if opts.reset:
-                    # Batch ids go on from before the reset, so sinks that key output by
-                    # batch id (idempotent commits, file names) never mistake new batches
-                    # for old.
-                    self._batch_floor = self.store.last_batch_id(name)
-                    self.store.reset(name)
-                self._first_run(program)
-                self.listener.on_start(name, self.runner.name, self.store.url)
-                with self._signals():
-                    summary = self._loop(program, program_bytes, sinks)
+                # One run per pipeline: every write below carries this run's fencing token.
+                self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost)
+                self._owner.acquire(opts.takeover)
+                try:
+                    if opts.reset:
+                        # The store keeps the batch id floor, so batch ids go on from before
+                        # the reset and sinks that name output by batch id never reuse one.
+                        self.store.reset(name)
+                    self._first_run(program)
+                    self.listener.on_start(name, self.runner.name, self.store.url)
+                    with self._signals():
+                        summary = self._loop(program, program_bytes, sinks)
+                finally:
+                    self._owner.release()
+                if self._owner.lost is not None:
+                    raise self._owner.lost
             finally:
                 self.runner.close()
         finally:
@@ -215,7 +241,13 @@ class Engine:
 
     def _first_run(self, program: TaskProgram) -> None:
         name = self.pipeline.name
+        definition = json.dumps(program.source.definition(), sort_keys=True)
         if self.store.partitions(name) or self.store.pending_plan(name) is not None:
+            stored = self.store.source(name)
+            if stored is None:  # progress from before sources were stored
+                self.store.set_source(name, definition)
+            elif stored != definition:
+                self._source_changed(json.loads(stored), program.source.definition())
             return
         now = self._clock()
         start, end = program.source.start_ns(now), program.source.end_ns(now)
@@ -231,7 +263,25 @@ class Engine:
             heartbeat_millis=program.heartbeat_millis, created_at=now,
         )
         self.store.insert_partitions(name, [root])
+        self.store.set_source(name, definition)
         _log.info("pipeline %s starts reading at %s", name, Timestamp.from_ns(start))
+
+    def _source_changed(self, stored: dict[str, Any], now: dict[str, Any]) -> None:
+        changes = ", ".join(
+            f"{key} {stored.get(key)!r} -> {now.get(key)!r}"
+            for key in sorted(set(stored) | set(now)) if stored.get(key) != now.get(key)
+        )
+        msg = (
+            f"pipeline {self.pipeline.name!r}: its source changed since its stored progress "
+            f"began ({changes}); "
+        )
+        if self.options.strict:
+            msg += "run with --reset to start over with the new source, or undo the change"
+            raise PipelineDefinitionError(msg)
+        _log.warning(
+            "%sresuming the stored progress; run with --reset to start over with the new "
+            "source (--strict refuses instead)", msg,
+        )
 
     def _loop(
         self, program: TaskProgram, program_bytes: bytes, sinks: dict[str, Sink[Any, Any]]
@@ -263,7 +313,7 @@ class Engine:
                 if all_finished(parts):
                     reason = "end reached"
                     break
-                batch_id = max(self.store.last_batch_id(name), self._batch_floor) + 1
+                batch_id = self.store.last_batch_id(name) + 1
                 plan, transitions = plan_batch(parts, now, int(opts.max_batch_span * _NS), batch_id)
                 if not plan.slices:
                     # The clock has not passed the low watermark yet: nothing can advance.
@@ -271,7 +321,7 @@ class Engine:
                     self._wait(min(max(ahead, 0.01), max(opts.batch_interval, 0.01)), deadline)
                     continue
                 plan = attrs.evolve(plan, planned_at=now)
-                self.store.write_plan(name, plan, transitions)
+                self.store.write_plan(name, plan, transitions, fence=self._fence)
             self.listener.on_planned(plan, replay)
             stats = self._execute(plan, replay, parts, program_bytes, sinks, batch_began)
             batches += 1
@@ -368,7 +418,8 @@ class Engine:
         now = self._clock()
         outcome = fold({p.token: p for p in parts}, results, now)
         self.store.commit_batch(
-            name, plan.batch_id, list(outcome.updates), list(outcome.children), outcome.records
+            name, plan.batch_id, list(outcome.updates), list(outcome.children), outcome.records,
+            fence=self._fence,
         )
         self._splits += outcome.splits
         self._merges += outcome.merges

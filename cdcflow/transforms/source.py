@@ -80,6 +80,18 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         """The exclusive end position (``end_at`` + 1 ns, since ``end_at`` is inclusive)."""
         return MAX_NS if self.end_at is None else parse_time(self.end_at, now_ns) + 1
 
+    def definition(self) -> dict[str, str | None]:
+        """What stored progress depends on: where the stream is and where reading starts
+        and ends, as given (``start_at="now"`` stays "now"). A run compares it with the
+        definition stored by the run that started the pipeline."""
+        where = self.database if self.client is None else f"<{type(self.client).__name__}>"
+        return {
+            "database": where,
+            "stream": self.stream,
+            "start_at": _time_text(self.start_at),
+            "end_at": None if self.end_at is None else _time_text(self.end_at),
+        }
+
     def describe_params(self) -> str:
         where = self.database or type(self.client).__name__
         end = f", end_at={self.end_at!s}" if self.end_at is not None else ""
@@ -159,3 +171,7 @@ class ReadChangeStream(PTransform[None, DataChangeRecord]):
 
     def expand(self, pcoll: PCollection[None]) -> PCollection[DataChangeRecord]:
         return pcoll | self.detect | self.read
+
+
+def _time_text(value: TimeLike) -> str:
+    return value.isoformat() if isinstance(value, datetime) else str(value)

@@ -1,0 +1,135 @@
+"""One run per pipeline: the engine's side of the store's lease and fencing token.
+
+:class:`Ownership` takes the pipeline's lease before the first batch, renews it from a
+heartbeat thread while the run lasts, and releases it when the run ends. Every plan and
+commit the engine writes carries the lease's token (``fence=``), so a store refuses the
+writes of a run that lost its lease: a stale or second driver can never plan or commit.
+
+Taking over. A lease that is alive and held by another run is refused with one line
+naming the owner (:class:`~cdcflow.errors.LeaseHeldError`, exit 2), unless
+
+- its owner ran on this host and its process is gone (a crashed or killed run: the
+  restart resumes at once instead of waiting out the lease), or
+- the user passed ``--takeover`` (``RunOptions.takeover``) after confirming it is gone.
+
+Either way only that exact lease is replaced, so two runs racing to take over cannot
+both win. If another run takes over while this one runs, the heartbeat notices
+(:class:`~cdcflow.errors.FencedError`) and asks the engine to stop; a write that races
+the heartbeat is refused by the store all the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+
+from cdcflow.errors import FencedError
+from cdcflow.metadata.base import MetadataStore
+from cdcflow.model import Lease, Timestamp
+
+__all__ = ["Ownership", "owner_gone"]
+
+_log = logging.getLogger("cdcflow.engine")
+_NS = 1_000_000_000
+
+
+def owner_gone(lease: Lease, host: str | None = None) -> bool:
+    """True when ``lease`` was taken on this host by a process that no longer exists."""
+    if lease.host != (host or socket.gethostname()) or lease.pid is None:
+        return False
+    if lease.pid == os.getpid():
+        return False  # this very process: another engine of ours holds it
+    try:
+        os.kill(lease.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
+class Ownership:
+    """The lease of one run of ``pipeline`` (see the module docstring).
+
+    ``ttl`` seconds: how long the lease holds without a heartbeat; it is renewed every
+    ``ttl / 3``. ``on_lost`` is called (from the heartbeat thread) once another run took
+    the pipeline over.
+    """
+
+    def __init__(
+        self, store: MetadataStore, pipeline: str, ttl: float,
+        on_lost: Callable[[FencedError], None],
+    ) -> None:
+        self.store = store
+        self.pipeline = pipeline
+        self.ttl_ns = max(1, int(ttl * _NS))
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.run_id = uuid.uuid4().hex[:12]
+        self._on_lost = on_lost
+        self._lease: Lease | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: FencedError | None = None
+
+    @property
+    def token(self) -> int:
+        """The fencing token every write of this run carries."""
+        if self._lease is None:
+            msg = "the lease is not held: call acquire() first"
+            raise RuntimeError(msg)
+        return self._lease.token
+
+    def acquire(self, takeover: bool) -> Lease:
+        """Take the lease (raises LeaseHeldError naming a live owner) and start renewing."""
+        current = self.store.lease(self.pipeline)
+        replace = None
+        if current is not None and current.run_id != self.run_id:
+            if owner_gone(current):
+                _log.info("taking over pipeline %s from %s, whose process is gone",
+                          self.pipeline, current.owner)
+                replace = current.token
+            elif takeover:
+                _log.warning("taking over pipeline %s from %s (--takeover)",
+                             self.pipeline, current.owner)
+                replace = current.token
+        self._lease = self.store.acquire_lease(
+            self.pipeline, self.owner, self.run_id, self.ttl_ns, replace=replace
+        )
+        self._thread = threading.Thread(
+            target=self._heartbeat, name=f"cdcflow-lease-{self.pipeline}", daemon=True
+        )
+        self._thread.start()
+        return self._lease
+
+    def _heartbeat(self) -> None:
+        interval = self.ttl_ns / _NS / 3
+        while not self._stop.wait(interval):
+            lease = self._lease
+            assert lease is not None
+            try:
+                self._lease = self.store.renew_lease(self.pipeline, lease, self.ttl_ns)
+            except FencedError as e:
+                self.lost = e
+                _log.error("%s", e)
+                self._on_lost(e)
+                return
+            except Exception as e:  # a store hiccup: the next beat tries again
+                left = (lease.expires_at - Timestamp.now().ns) / _NS
+                _log.warning("renewing the lease of %s failed (%s: %s); %.0fs left",
+                             self.pipeline, type(e).__name__, e, left)
+
+    def release(self) -> None:
+        """Stop renewing and give the lease back (a later run takes it at once)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._lease is not None and self.lost is None:
+            try:
+                self.store.release_lease(self.pipeline, self._lease)
+            except Exception:
+                _log.warning("could not release the lease of %s; it expires in %.0fs",
+                             self.pipeline, self.ttl_ns / _NS, exc_info=True)

@@ -1,0 +1,168 @@
+"""One run per pipeline: the lease, takeovers, fencing, batch ids across resets, and a
+source definition that changed under stored progress."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.ownership import owner_gone
+from cdcflow.errors import FencedError, LeaseHeldError, PipelineDefinitionError
+from cdcflow.metadata import MemoryStore, SQLiteStore
+from cdcflow.metadata.base import MetadataStore
+from cdcflow.model import Lease
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.testing import ScriptedChangeStream
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+
+
+def _stream() -> ScriptedChangeStream:
+    s = ScriptedChangeStream("S", partitions=2, origin=T0)
+    for i in range(40):
+        s.write("T", i, "INSERT", {"v": i}, at=T0 + (i + 1) * S // 4)
+    return s
+
+
+def _pipeline(stream: ScriptedChangeStream, sink: cf.Sink[Any, Any], *, end: int = 12,
+              slow: float = 0.0) -> cf.Pipeline:
+    p = cf.Pipeline("owned")
+
+    def pause(r: Any) -> Any:
+        time.sleep(slow)
+        return r
+
+    (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + end * S, client=stream)
+     | cf.ReadPartition() | "pause" >> cf.Map(pause) | sink)
+    return p
+
+
+def _engine(p: cf.Pipeline, store: MetadataStore, **options: Any) -> Engine:
+    opts = RunOptions(batch_interval=0, max_batch_span=1.0, **options)
+    return Engine(p, store, InMemoryRunner(workers=2), opts)
+
+
+def _in_thread(engine: Engine) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            engine.run()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=target)
+    t.start()
+    return t, errors
+
+
+def _wait_for_lease(store: MetadataStore) -> Lease:
+    for _ in range(200):
+        lease = store.lease("owned")
+        if lease is not None and lease.expires_at:
+            return lease
+        time.sleep(0.02)
+    raise AssertionError("the first run never took the lease")
+
+
+def test_a_second_run_fails_at_once_naming_the_owner(tmp_path: Any) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    first_out: cf.Collect[Any] = cf.Collect()
+    first = _engine(_pipeline(_stream(), first_out, slow=0.01), store)
+    thread, errors = _in_thread(first)
+    lease = _wait_for_lease(store)
+    second_out: cf.Collect[Any] = cf.Collect()
+    began = time.monotonic()
+    with pytest.raises(LeaseHeldError) as refused:
+        _engine(_pipeline(_stream(), second_out), store).run()
+    assert time.monotonic() - began < 5
+    text = str(refused.value)
+    assert f"{socket.gethostname()}:" in text and lease.run_id in text and "--takeover" in text
+    assert "\n" not in text
+    thread.join()
+    assert errors == [] and second_out.items == []  # nothing delivered by the refused run
+    assert len(first_out.items) == 40
+    assert store.lease("owned").expires_at == 0  # type: ignore[union-attr]  # released
+
+
+def test_a_takeover_fences_the_running_driver_out() -> None:
+    store = MemoryStore()
+    old_out: cf.Collect[Any] = cf.Collect()
+    old = _engine(_pipeline(_stream(), old_out, slow=0.02), store)
+    thread, errors = _in_thread(old)
+    _wait_for_lease(store)
+    time.sleep(0.3)
+    new_out: cf.Collect[Any] = cf.Collect()
+    summary = _engine(_pipeline(_stream(), new_out), store, takeover=True).run()
+    thread.join()
+    assert summary.reason == "end reached"
+    assert len(errors) == 1 and isinstance(errors[0], FencedError)
+    # the old driver committed nothing after the takeover: every batch id's progress was
+    # written by exactly one driver, and together they read every change
+    values = sorted(r.mods[0].new_values["v"] for r in [*old_out.items, *new_out.items])
+    assert set(values) == set(range(40))
+
+
+def test_a_crashed_run_on_this_host_is_taken_over_at_once() -> None:
+    store = MemoryStore()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    store.acquire_lease("owned", f"{socket.gethostname()}:{dead.pid}", "crashed", 3600 * S)
+    out: cf.Collect[Any] = cf.Collect()
+    assert _engine(_pipeline(_stream(), out), store).run().reason == "end reached"
+    assert len(out.items) == 40
+
+
+def test_a_live_owner_elsewhere_is_not_taken_over_without_the_flag() -> None:
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        lease = Lease(f"{socket.gethostname()}:{alive.pid}", "r", 1, 0, 0, 10**19)
+        assert not owner_gone(lease)
+        assert not owner_gone(Lease(f"elsewhere:{alive.pid + 99999}", "r", 1, 0, 0, 10**19))
+        store = MemoryStore()
+        store.acquire_lease("owned", lease.owner, "live", 3600 * S)
+        with pytest.raises(LeaseHeldError, match="live"):
+            _engine(_pipeline(_stream(), cf.Collect()), store).run()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_batch_ids_go_on_after_a_reset_even_if_the_reset_run_died_early() -> None:
+    store = MemoryStore()
+    _engine(_pipeline(_stream(), cf.Collect(), end=3), store).run()
+    last = store.last_batch_id("owned")
+    assert last >= 3
+    store.reset("owned")  # what a --reset run does before it dies without planning
+    assert store.last_batch_id("owned") == last
+    _engine(_pipeline(_stream(), cf.Collect(), end=3), store).run()
+    first_new = min(b.batch_id for b in store.batches("owned", limit=1000))
+    assert first_new == last + 1
+
+
+def test_a_changed_source_warns_or_with_strict_refuses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = MemoryStore()
+    _engine(_pipeline(_stream(), cf.Collect(), end=3), store, max_batches=1).run()
+    with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):
+        _engine(_pipeline(_stream(), cf.Collect(), end=5), store, max_batches=1).run()
+    warned = [r.getMessage() for r in caplog.records if "source changed" in r.getMessage()]
+    assert len(warned) == 1 and "end_at" in warned[0] and "--reset" in warned[0]
+    with pytest.raises(PipelineDefinitionError, match="end_at.*--reset"):
+        _engine(_pipeline(_stream(), cf.Collect(), end=5), store, strict=True).run()
+    # --reset takes the new definition
+    _engine(_pipeline(_stream(), cf.Collect(), end=5), store, reset=True, max_batches=1).run()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):
+        _engine(_pipeline(_stream(), cf.Collect(), end=5), store, strict=True).run()
+    assert not [r for r in caplog.records if "source changed" in r.getMessage()]
