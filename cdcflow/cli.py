@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="time between batch ends (e.g. 1s)")
     run.add_argument("--reset", action="store_true",
                      help="forget stored progress of this pipeline and start over")
+    run.add_argument("--takeover", action="store_true",
+                     help="take the pipeline over from a run whose lease is still alive "
+                     "(only after confirming that run is gone)")
+    run.add_argument("--strict", action="store_true",
+                     help="refuse to resume stored progress made with another source "
+                     "(database, stream, start_at, end_at) instead of warning")
     run.add_argument("--set", dest="settings", action="append", type=_key_value, default=[],
                      metavar="KEY=VALUE", help="an engine or runner option, e.g. "
                      "max_batch_span=30s, gc_ttl=1h, workers=4 (repeatable)")
@@ -221,8 +227,9 @@ def _run_options(
         value = getattr(args, flag)
         if value is not None:
             options[flag] = value
-    if args.reset:
-        options["reset"] = True
+    for flag in ("reset", "takeover", "strict"):
+        if getattr(args, flag):
+            options[flag] = True
     options.setdefault("base_dir", str(base))  # relative sink paths: next to the file
     for flag in _FLAG_ONLY:
         value = getattr(args, flag)

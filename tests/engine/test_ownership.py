@@ -158,7 +158,7 @@ def test_a_changed_source_warns_or_with_strict_refuses(
         _engine(_pipeline(_stream(), cf.Collect(), end=5), store, max_batches=1).run()
     warned = [r.getMessage() for r in caplog.records if "source changed" in r.getMessage()]
     assert len(warned) == 1 and "end_at" in warned[0] and "--reset" in warned[0]
-    with pytest.raises(PipelineDefinitionError, match="end_at.*--reset"):
+    with pytest.raises(PipelineDefinitionError, match=r"end_at.*--reset"):
         _engine(_pipeline(_stream(), cf.Collect(), end=5), store, strict=True).run()
     # --reset takes the new definition
     _engine(_pipeline(_stream(), cf.Collect(), end=5), store, reset=True, max_batches=1).run()
