@@ -430,12 +430,14 @@ def read_ddl(path: Path) -> list[str]:
 def _cmd_emulator_start(args: argparse.Namespace) -> int:
     import socket
 
-    from cdcflow.spanner.emulator import Emulator, EmulatorNotFoundError
+    from cdcflow.spanner.emulator import Emulator, EmulatorNotFoundError, check_database_name
 
     if args.ddl_file is not None and not args.database:
         msg = "--ddl-file needs --database NAME (the database to create with it)"
         raise UserInputError(msg)
     ddl = read_ddl(args.ddl_file) if args.ddl_file is not None else []
+    if args.database:
+        check_database_name(args.database)  # before starting anything
     try:
         emu = Emulator(port=args.port, partition_alive_seconds=args.partition_alive_seconds)
     except EmulatorNotFoundError as e:

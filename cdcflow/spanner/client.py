@@ -23,6 +23,7 @@ returns the process's cached client.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -32,7 +33,12 @@ from typing import Any, Literal
 import attrs
 
 from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import ChangeStreamError, StreamNotFoundError, TransientError
+from cdcflow.errors import (
+    ChangeStreamError,
+    ConfigurationError,
+    StreamNotFoundError,
+    TransientError,
+)
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     MAX_NS,
@@ -45,8 +51,16 @@ from cdcflow.model import (
 )
 from cdcflow.spanner.decode import row_decoder
 from cdcflow.spanner.retry import is_transient, status_name
-from cdcflow.spanner.transport import GrpcTransport, Param, Transport, assemble_rows
+from cdcflow.spanner.transport import (
+    GrpcTransport,
+    Param,
+    Transport,
+    assemble_rows,
+    endpoint,
+)
 from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery, StreamInfo
+
+_log = logging.getLogger("cdcflow.spanner")
 
 __all__ = ["SpannerChangeStreamClient", "cached_client"]
 
@@ -230,7 +244,18 @@ class SpannerChangeStreamClient:
         if cached is not None:
             return cached
         _check_identifier(stream)
-        dialect = self.dialect()
+        _log.info("connecting to %s through %s", self.database, endpoint())
+        try:
+            dialect = self.dialect()
+        except TransientError as e:
+            # The first contact: a server that never answered is a configuration problem.
+            if e.__cause__ is not None and _unreachable(e.__cause__):
+                msg = (
+                    f"cannot reach {endpoint()}: {_text(e.__cause__)[:160]}; is it running, "
+                    "and is the host:port right?"
+                )
+                raise ConfigurationError(msg) from None
+            raise
         names = [row[0].string_value for row in self._rows(
             "SELECT change_stream_name FROM information_schema.change_streams", {}
         )]
@@ -400,6 +425,9 @@ class SpannerChangeStreamClient:
                 f"emulator ({text})"
             )
             return ChangeStreamError(msg)
+        if "Instance not found" in text:
+            msg = f"instance of {self.database} does not exist: fix the path or create it ({text})"
+            return StreamNotFoundError(msg)
         if "Database not found" in text:
             msg = f"database {self.database} does not exist: fix the path or create it ({text})"
             return StreamNotFoundError(msg)
@@ -427,6 +455,15 @@ class SpannerChangeStreamClient:
             return ChangeStreamError(msg)
         msg = f"change stream query on {self.database} failed ({status}: {text})"
         return ChangeStreamError(msg)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A connection that never came up (refused, unknown host), as opposed to one that broke."""
+    text = _text(exc)
+    return status_name(exc) == "UNAVAILABLE" and (
+        "failed to connect to all addresses" in text or "DNS resolution failed" in text
+        or "Connection refused" in text
+    )
 
 
 def _session_gone(exc: BaseException) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,7 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from cdcflow.errors import CdcflowError, EmulatorNotFoundError
+from cdcflow.errors import CdcflowError, ConfigurationError, EmulatorNotFoundError
 
 __all__ = [
     "Emulator",
@@ -209,22 +210,31 @@ class Emulator:
         instance: str = "test-instance",
         dialect: Literal["GOOGLE_STANDARD_SQL", "POSTGRESQL"] = "GOOGLE_STANDARD_SQL",
     ) -> Any:
-        """Create (or recreate) a database with the given DDL; return the Database handle."""
+        """Create (or recreate) a database with the given DDL; return the Database handle.
+
+        A name or DDL the emulator refuses raises ConfigurationError with its reason."""
+        from google.api_core.exceptions import GoogleAPICallError
         from google.cloud.spanner_admin_database_v1 import DatabaseDialect
 
-        inst = self.create_instance(instance)
-        if dialect == "POSTGRESQL":
-            db = inst.database(database, database_dialect=DatabaseDialect.POSTGRESQL)
-            if db.exists():
-                db.drop()
-            db.create().result(120)
-            if ddl:
-                db.update_ddl(list(ddl)).result(300)
-        else:
-            db = inst.database(database, ddl_statements=list(ddl))
-            if db.exists():
-                db.drop()
-            db.create().result(300)
+        check_database_name(database)
+        try:
+            inst = self.create_instance(instance)
+            if dialect == "POSTGRESQL":
+                db = inst.database(database, database_dialect=DatabaseDialect.POSTGRESQL)
+                if db.exists():
+                    db.drop()
+                db.create().result(120)
+                if ddl:
+                    db.update_ddl(list(ddl)).result(300)
+            else:
+                db = inst.database(database, ddl_statements=list(ddl))
+                if db.exists():
+                    db.drop()
+                db.create().result(300)
+        except GoogleAPICallError as e:
+            text = " ".join(str(getattr(e, "message", e)).split())
+            msg = f"the emulator refused database {database!r} or its DDL: {text}; fix the DDL"
+            raise ConfigurationError(msg) from None
         return db
 
     def database_path(self, database: str, instance: str = "test-instance") -> str:
@@ -263,3 +273,16 @@ def running_emulator(**kwargs: Any) -> Iterator[Emulator]:
         yield emu
     finally:
         emu.stop()
+
+
+_DATABASE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,28}[a-z0-9]$")
+
+
+def check_database_name(name: str) -> None:
+    """Raise ConfigurationError unless ``name`` is a valid Spanner database id."""
+    if not _DATABASE_NAME.match(name):
+        msg = (
+            f"database name {name!r} is not valid: use 2-30 characters, lowercase letters, "
+            "digits, '_' or '-', starting with a letter and not ending with '_' or '-'"
+        )
+        raise ConfigurationError(msg)

@@ -12,10 +12,13 @@ The transport is the seam tests wrap to inject failures (see ``Transport``).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
+
+from cdcflow.errors import ConfigurationError
 
 __all__ = ["GrpcTransport", "Param", "Transport", "assemble_rows"]
 
@@ -41,6 +44,36 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+#: Deadline of a session RPC, in seconds.
+_RPC_TIMEOUT = 30.0
+
+
+def endpoint() -> str:
+    """Where the client connects: the emulator named by SPANNER_EMULATOR_HOST, or Spanner."""
+    host = os.environ.get("SPANNER_EMULATOR_HOST")
+    return f"the emulator at {host} (SPANNER_EMULATOR_HOST)" if host else "spanner.googleapis.com"
+
+
+def new_client(project: str) -> Any:
+    """A ``google.cloud.spanner.Client`` for ``project``; missing credentials become one
+    ConfigurationError line naming the fix."""
+    from google.auth.exceptions import DefaultCredentialsError
+    from google.cloud import spanner
+
+    try:
+        try:
+            return spanner.Client(project=project, disable_builtin_metrics=True)
+        except TypeError:  # client versions without built-in metrics
+            return spanner.Client(project=project)
+    except DefaultCredentialsError:
+        msg = (
+            "no Google Cloud credentials found: for the emulator, is SPANNER_EMULATOR_HOST "
+            "exported in this shell? For Cloud Spanner run `gcloud auth application-default "
+            "login` or set GOOGLE_APPLICATION_CREDENTIALS"
+        )
+        raise ConfigurationError(msg) from None
+
+
 class GrpcTransport:
     """ExecuteStreamingSql on a multiplexed session of ``database``, created lazily.
 
@@ -62,12 +95,7 @@ class GrpcTransport:
         if self._api is None:
             parts = self.database.split("/")
             if self._client is None:
-                from google.cloud import spanner
-
-                try:
-                    self._client = spanner.Client(project=parts[1], disable_builtin_metrics=True)
-                except TypeError:  # client versions without built-in metrics
-                    self._client = spanner.Client(project=parts[1])
+                self._client = new_client(parts[1])
             db = self._client.instance(parts[3]).database(parts[5])
             self._api = db.spanner_api
         return self._api
@@ -81,9 +109,11 @@ class GrpcTransport:
             if self._session is None or stale:
                 api = self._spanner_api()
                 try:
+                    # No stock retry (it spins for 30 s on a closed port); the caller's
+                    # RetryPolicy decides.
                     created = api.create_session(
                         request={"database": self.database, "session": {"multiplexed": True}},
-                        metadata=self._metadata(),
+                        metadata=self._metadata(), retry=None, timeout=_RPC_TIMEOUT,
                     )
                 except Exception as exc:
                     # Servers without multiplexed sessions reject the flag; use a plain one.
@@ -92,7 +122,8 @@ class GrpcTransport:
                     ):
                         raise
                     created = api.create_session(
-                        request={"database": self.database}, metadata=self._metadata()
+                        request={"database": self.database}, metadata=self._metadata(),
+                        retry=None, timeout=_RPC_TIMEOUT,
                     )
                 self._session = str(created.name)
                 self._session_born = time.monotonic()

@@ -1,0 +1,102 @@
+"""A bad environment gets one line naming the fix, exit 2, within seconds: missing
+credentials, a closed port, an unknown instance, a DDL or database name the emulator
+refuses."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cdcflow.spanner.emulator import Emulator
+
+
+def _cdcflow(
+    *args: str, cwd: Path, env: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "cdcflow", *args], capture_output=True, text=True, timeout=120,
+        cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+    )
+    return done, time.monotonic() - began
+
+
+def _pipeline(tmp_path: Path, database: str) -> Path:
+    path = tmp_path / "p.py"
+    path.write_text(textwrap.dedent(f"""
+        import cdcflow as cf
+        pipeline = cf.Pipeline("env")
+        (pipeline | cf.DetectPartitions(database="{database}", stream="S")
+         | cf.ReadPartition() | cf.Print())
+    """))
+    return path
+
+
+def _error_line(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("cdcflow: error:")]
+    assert len(errors) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    return errors[0]
+
+
+def _env(**changes: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("CDCFLOW_DEBUG",)}
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def test_missing_credentials_ask_about_the_emulator_variable(tmp_path: Path) -> None:
+    path = _pipeline(tmp_path, "projects/p/instances/i/databases/d")
+    home = tmp_path / "home"  # no gcloud application-default credentials there
+    home.mkdir()
+    done, took = _cdcflow("run", str(path), "--for", "3s", cwd=tmp_path, env=_env(
+        SPANNER_EMULATOR_HOST=None, GOOGLE_APPLICATION_CREDENTIALS=None, HOME=str(home),
+        CLOUDSDK_CONFIG=str(home / "gcloud"),
+    ))
+    line = _error_line(done)
+    assert "SPANNER_EMULATOR_HOST exported" in line and took < 10
+
+
+def test_a_closed_port_fails_within_seconds_naming_the_endpoint(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = _pipeline(tmp_path, "projects/p/instances/i/databases/d")
+    done, took = _cdcflow("run", str(path), "--for", "3s", cwd=tmp_path,
+                          env=_env(SPANNER_EMULATOR_HOST=f"127.0.0.1:{port}"))
+    line = _error_line(done)
+    assert f"cannot reach the emulator at 127.0.0.1:{port}" in line and took < 10
+    assert "connecting to projects/p/instances/i/databases/d" in done.stderr
+
+
+@pytest.mark.emulator
+def test_an_unknown_instance_is_a_configuration_error(
+    tmp_path: Path, spanner_emulator: Emulator
+) -> None:
+    database = f"projects/{spanner_emulator.project}/instances/nowhere/databases/dd"
+    done, _ = _cdcflow("run", str(_pipeline(tmp_path, database)), "--for", "3s", cwd=tmp_path,
+                       env=_env(SPANNER_EMULATOR_HOST=spanner_emulator.host))
+    assert "instance of" in _error_line(done) and "does not exist" in done.stderr
+
+
+@pytest.mark.emulator
+def test_emulator_start_refuses_bad_ddl_and_bad_names_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "bad.sql").write_text("CREATE TABLEX T (id INT64) PRIMARY KEY (id);\n")
+    done, _ = _cdcflow("emulator", "start", "--database", "shop", "--ddl-file", "bad.sql",
+                       cwd=tmp_path, env=_env())
+    assert "refused database 'shop'" in _error_line(done) and "TABLEX" in done.stderr
+    done, took = _cdcflow("emulator", "start", "--database", "Bad-Name!", cwd=tmp_path,
+                          env=_env())
+    assert "database name 'Bad-Name!' is not valid" in _error_line(done) and took < 10
