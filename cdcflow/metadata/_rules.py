@@ -6,6 +6,8 @@ what the MetadataStore contract means.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
 from cdcflow.errors import (
@@ -28,6 +30,7 @@ __all__ = [
     "is_pending",
     "new_lease",
     "not_planned",
+    "raise_marks",
     "regression",
     "renewed",
     "transition",
@@ -191,3 +194,10 @@ def check_fence(pipeline: str, current: Lease | None, fence: int | None) -> None
         f"{holder} holds the pipeline now, so this run stops without writing anything"
     )
     raise FencedError(msg)
+
+
+def raise_marks(stored: dict[str, int], marks: Mapping[str, int]) -> None:
+    """Merge durable marks into ``stored``: a mark only moves forward."""
+    for label, batch_id in marks.items():
+        if batch_id > stored.get(label, -1):
+            stored[label] = batch_id

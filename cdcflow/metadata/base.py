@@ -69,6 +69,13 @@ class MetadataStore(Protocol):
       are never reused (sinks name output by them).
     - ``source`` / ``set_source``: the pipeline's source definition as text (JSON), stored on
       the first run so a later run can tell that the pipeline file changed.
+
+    Sink durability (two-stage ack): a sink that stages batches before making them durable
+    reports the batch through which its output is durable. ``commit_batch(durable=...)``
+    and ``mark_durable`` record such marks (sink label -> batch id; a mark never goes back,
+    a smaller value is ignored); ``durable_marks`` returns them. The batch log keeps every
+    batch above the smallest mark (pruning skips them), so recovery can replay them to the
+    sinks that had not made them durable (``logged_plan``). ``reset`` forgets the marks.
     """
 
     @property
@@ -108,6 +115,7 @@ class MetadataStore(Protocol):
         records: int = 0,
         *,
         fence: int | None = None,
+        durable: Mapping[str, int] | None = None,
     ) -> bool: ...
 
     def delete_partitions(self, pipeline: str, tokens: Sequence[str]) -> int: ...
@@ -123,6 +131,18 @@ class MetadataStore(Protocol):
     def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease: ...
 
     def release_lease(self, pipeline: str, lease: Lease) -> None: ...
+
+    def durable_marks(self, pipeline: str) -> dict[str, int]:
+        """Sink label -> the batch through which that sink's output is durable."""
+        ...
+
+    def mark_durable(
+        self, pipeline: str, marks: Mapping[str, int], *, fence: int | None = None
+    ) -> None: ...
+
+    def logged_plan(self, pipeline: str, batch_id: int) -> BatchPlan | None:
+        """The plan of a logged batch (None when it was never logged or is pruned)."""
+        ...
 
     def source(self, pipeline: str) -> str | None:
         """The stored source definition (None before the first run or after a reset)."""

@@ -45,9 +45,13 @@ class _Pipeline:
     lease: Lease | None = None
     floor: int = 0  # the largest batch id before the last reset
     source: str | None = None
+    durable: dict[str, int] = attrs.field(factory=dict)  # sink label -> durable batch
 
     def empty(self) -> bool:
-        return not (self.partitions or self.batches or self.lease or self.floor or self.source)
+        return not (
+            self.partitions or self.batches or self.lease or self.floor or self.source
+            or self.durable
+        )
 
     def pending(self) -> _Batch | None:
         last = self.last()
@@ -181,6 +185,7 @@ class MemoryStore:
         records: int = 0,
         *,
         fence: int | None = None,
+        durable: Mapping[str, int] | None = None,
     ) -> bool:
         with self._lock:
             state = self._pipelines.get(pipeline)
@@ -207,11 +212,15 @@ class MemoryStore:
                 state.partitions.setdefault(child.token, child)
             batch.committed_at = now
             batch.records = records
+            _rules.raise_marks(state.durable, durable or {})
             return True
 
     def _prune(self, state: _Pipeline) -> None:
         excess = len(state.batches) - self._batch_log_size
+        keep_above = min(state.durable.values(), default=None)
         for batch_id in list(state.batches)[: max(excess, 0)]:
+            if keep_above is not None and batch_id > keep_above:
+                break  # a sink has not made it durable: recovery may replay it
             if state.batches[batch_id].committed_at is not None:
                 del state.batches[batch_id]
 
@@ -283,6 +292,25 @@ class MemoryStore:
             state = self._pipelines.get(pipeline)
             if state is not None and state.lease is not None and state.lease.token == lease.token:
                 state.lease = attrs.evolve(state.lease, expires_at=0)
+
+    def durable_marks(self, pipeline: str) -> dict[str, int]:
+        with self._lock:
+            state = self._pipelines.get(pipeline)
+            return dict(state.durable) if state else {}
+
+    def mark_durable(
+        self, pipeline: str, marks: Mapping[str, int], *, fence: int | None = None
+    ) -> None:
+        with self._lock:
+            state = self._get(pipeline)
+            _rules.check_fence(pipeline, state.lease, fence)
+            _rules.raise_marks(state.durable, marks)
+
+    def logged_plan(self, pipeline: str, batch_id: int) -> BatchPlan | None:
+        with self._lock:
+            state = self._pipelines.get(pipeline)
+            batch = state.batches.get(batch_id) if state else None
+            return batch.plan if batch else None
 
     def source(self, pipeline: str) -> str | None:
         with self._lock:

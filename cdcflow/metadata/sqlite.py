@@ -38,6 +38,7 @@ __all__ = ["SCHEMA_VERSION", "SQLiteStore", "sqlite_url"]
 SCHEMA_VERSION = 2
 
 _PREFIX = "sqlite:///"
+_MAX_ID = (1 << 63) - 1
 
 _SCHEMA = """
 CREATE TABLE partitions (
@@ -79,7 +80,8 @@ CREATE TABLE IF NOT EXISTS pipelines (
     lease_renewed  INTEGER,
     lease_expires  INTEGER,
     batch_floor    INTEGER NOT NULL DEFAULT 0,  -- the largest batch id before the last reset
-    source         TEXT                         -- JSON source definition; NULL: unknown
+    source         TEXT,                        -- JSON source definition; NULL: unknown
+    durable        TEXT                         -- JSON {sink label: durable batch id}
 ) WITHOUT ROWID
 """
 
@@ -341,12 +343,15 @@ class SQLiteStore:
                 "VALUES (?, ?, ?, ?, ?)",
                 (pipeline, plan.batch_id, plan.end, plan.planned_at or now, slices),
             )
-            # Keep the newest batch_log_size entries; all older ones are committed.
+            # Keep the newest batch_log_size entries (all older ones are committed), and
+            # every batch a sink has not made durable (recovery may replay it).
+            marks = self._marks(c, pipeline)
+            keep_above = min(marks.values()) if marks else _MAX_ID
             c.execute(
                 "DELETE FROM batches WHERE pipeline = ? AND committed_at IS NOT NULL AND "
-                "batch_id < (SELECT batch_id FROM batches WHERE pipeline = ? "
+                "batch_id <= ? AND batch_id < (SELECT batch_id FROM batches WHERE pipeline = ? "
                 "ORDER BY batch_id DESC LIMIT 1 OFFSET ?)",
-                (pipeline, pipeline, self._batch_log_size - 1),
+                (pipeline, keep_above, pipeline, self._batch_log_size - 1),
             )
 
     def commit_batch(
@@ -358,6 +363,7 @@ class SQLiteStore:
         records: int = 0,
         *,
         fence: int | None = None,
+        durable: Mapping[str, int] | None = None,
     ) -> bool:
         with self._write() as c:
             _rules.check_fence(pipeline, self._lease(c, pipeline), fence)
@@ -386,6 +392,8 @@ class SQLiteStore:
                 "WHERE pipeline = ? AND batch_id = ?",
                 (now, records, pipeline, batch_id),
             )
+            if durable:
+                self._raise_marks(c, pipeline, durable)
             return True
 
     def delete_partitions(self, pipeline: str, tokens: Sequence[str]) -> int:
@@ -424,11 +432,17 @@ class SQLiteStore:
             floor = self._last_batch_id(c, pipeline)
             self._ensure_row(c, pipeline)
             c.execute(
-                "UPDATE pipelines SET batch_floor = ?, source = NULL WHERE pipeline = ?",
+                "UPDATE pipelines SET batch_floor = ?, source = NULL, durable = NULL "
+                "WHERE pipeline = ?",
                 (floor, pipeline),
             )
             c.execute("DELETE FROM partitions WHERE pipeline = ?", (pipeline,))
             c.execute("DELETE FROM batches WHERE pipeline = ?", (pipeline,))
+            c.execute(  # a record that holds nothing is no stored state
+                "DELETE FROM pipelines WHERE pipeline = ? AND lease_owner IS NULL AND "
+                "batch_floor = 0 AND source IS NULL AND durable IS NULL",
+                (pipeline,),
+            )
 
     # -- ownership and the source definition ------------------------------------------------
 
@@ -483,6 +497,44 @@ class SQLiteStore:
                 "UPDATE pipelines SET lease_expires = 0 WHERE pipeline = ? AND lease_token = ?",
                 (pipeline, lease.token),
             )
+
+    @staticmethod
+    def _marks(c: sqlite3.Connection, pipeline: str) -> dict[str, int]:
+        row = c.execute(
+            "SELECT durable FROM pipelines WHERE pipeline = ?", (pipeline,)
+        ).fetchone()
+        return {} if row is None or row[0] is None else dict(json.loads(row[0]))
+
+    def _raise_marks(self, c: sqlite3.Connection, pipeline: str, marks: Mapping[str, int]
+                     ) -> None:
+        stored = self._marks(c, pipeline)
+        _rules.raise_marks(stored, marks)
+        self._ensure_row(c, pipeline)
+        c.execute("UPDATE pipelines SET durable = ? WHERE pipeline = ?",
+                  (json.dumps(stored, sort_keys=True), pipeline))
+
+    def durable_marks(self, pipeline: str) -> dict[str, int]:
+        with self._read() as c:
+            return self._marks(c, pipeline)
+
+    def mark_durable(
+        self, pipeline: str, marks: Mapping[str, int], *, fence: int | None = None
+    ) -> None:
+        with self._write() as c:
+            _rules.check_fence(pipeline, self._lease(c, pipeline), fence)
+            self._raise_marks(c, pipeline, marks)
+
+    def logged_plan(self, pipeline: str, batch_id: int) -> BatchPlan | None:
+        with self._read() as c:
+            row = c.execute(
+                "SELECT batch_id, end_ns, slices, planned_at FROM batches "
+                "WHERE pipeline = ? AND batch_id = ?",
+                (pipeline, batch_id),
+            ).fetchone()
+        if row is None:
+            return None
+        slices = tuple(Slice(t, s, e) for t, s, e in json.loads(row[2]))
+        return BatchPlan(batch_id=row[0], end=row[1], slices=slices, planned_at=row[3])
 
     def source(self, pipeline: str) -> str | None:
         with self._read() as c:

@@ -396,21 +396,22 @@ def test_pipelines_lists_every_pipeline_with_state(store: MetadataStore) -> None
     assert store.pipelines() == ["a-plans"]
 
 
-def test_reset_forgets_everything_of_one_pipeline(store: MetadataStore) -> None:
+def test_reset_forgets_the_progress_of_one_pipeline(store: MetadataStore) -> None:
     started(store)
     store.insert_partitions("other", [part("a")])
     store.write_plan("other", plan(1), {})
     store.reset(P)
     assert store.partitions(P) == []
     assert store.pending_plan(P) is None
-    assert store.last_batch_id(P) == 0
     assert store.batches(P) == []
-    assert store.pipelines() == ["other"]
+    # The batch id floor stays (batch ids are never reused), so P is still known.
+    assert store.last_batch_id(P) == 1
+    assert store.pipelines() == ["orders", "other"]
     assert store.pending_plan("other") == plan(1)
-    # The pipeline starts over at batch 1.
+    # The pipeline starts over, at the batch after its last one.
     store.insert_partitions(P, [part("a")])
-    store.write_plan(P, plan(1, tokens=("a",)), {"a": RUNNING})
-    assert store.pending_plan(P) == plan(1, tokens=("a",))
+    store.write_plan(P, plan(2, tokens=("a",)), {"a": RUNNING})
+    assert store.pending_plan(P) == plan(2, tokens=("a",))
 
 
 def test_pipelines_never_see_each_others_rows(store: MetadataStore) -> None:

@@ -120,3 +120,23 @@ def test_ownership_and_the_source_survive_a_reopen(
     assert again.lease(P) == lease
     assert again.source(P) == '{"stream": "S", "start_at": "now"}'
     assert again.source("other") is None and again.lease("other") is None
+
+
+def test_durable_marks_only_move_forward_and_keep_their_batches(store: MetadataStore) -> None:
+    lease = store.acquire_lease(P, "host-a:11", "run-1", TTL)
+    store.insert_partitions(P, [_root()])
+    assert store.durable_marks(P) == {}
+    for batch, end in ((1, 200), (2, 300), (3, 400)):
+        store.write_plan(P, _plan(batch, end), {"r": PartitionState.RUNNING}, fence=lease.token)
+        store.commit_batch(P, batch, [PartitionUpdate("r", end)], [], fence=lease.token,
+                           durable={"files": 1, "other": batch})
+    assert store.durable_marks(P) == {"files": 1, "other": 3}
+    store.mark_durable(P, {"files": 0}, fence=lease.token)  # never back
+    store.mark_durable(P, {"files": 3}, fence=lease.token)
+    assert store.durable_marks(P) == {"files": 3, "other": 3}
+    with pytest.raises(FencedError):
+        store.mark_durable(P, {"files": 9}, fence=lease.token + 1)
+    assert store.logged_plan(P, 2) == _plan(2, 300)
+    assert store.logged_plan(P, 99) is None
+    store.reset(P)
+    assert store.durable_marks(P) == {}
