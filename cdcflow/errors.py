@@ -21,6 +21,7 @@ __all__ = [
     "EmulatorNotFoundError",
     "FencedError",
     "LeaseHeldError",
+    "OutputConflictError",
     "PipelineDefinitionError",
     "PipelineFileError",
     "PipelineStopped",
@@ -28,6 +29,7 @@ __all__ = [
     "PluginError",
     "RunnerContractError",
     "SinkError",
+    "SinkIOError",
     "SparkTaskError",
     "StoreError",
     "StoreURLError",
@@ -86,6 +88,15 @@ class StreamNotFoundError(UserInputError):
     """The database or change stream does not exist (or is not visible)."""
 
 
+class OutputConflictError(UserInputError):
+    """A sink found output of the batch it is committing that this run did not commit (a
+    fresh or reset metadata store, another pipeline or sink writing the same place).
+
+    Nothing was overwritten. The message names the place and the batch; write to a new
+    path, resume with the metadata store that wrote the output, or delete it.
+    """
+
+
 class ChangeStreamError(CdcflowError):
     """Reading the change stream failed for a reason that retrying will not fix."""
 
@@ -119,6 +130,16 @@ class PlanConflictError(StoreError):
 
 class SinkError(CdcflowError):
     """A sink failed to write or commit; the batch is not committed and will be replayed."""
+
+
+class SinkIOError(TransientError):
+    """A sink's storage failed (disk full, permission denied, an I/O error) while a writer
+    wrote or closed, or while the sink committed; the batch is retried with backoff.
+
+    Not the data's fault: the engine retries the whole batch instead of retrying (or
+    skipping) the element that was being written. The message names the file and the
+    operating system's reason (free space, fix permissions, check the mount).
+    """
 
 
 class SparkTaskError(CdcflowError):

@@ -23,7 +23,7 @@ from typing import Any
 
 from cdcflow.engine.program import TaskProgram
 from cdcflow.engine.runner import Task
-from cdcflow.errors import PipelineStopped
+from cdcflow.errors import PipelineStopped, SinkIOError
 from cdcflow.inflight import Barrier, InflightTracker
 from cdcflow.model import DataChangeRecord
 from cdcflow.policy import FailedElement
@@ -204,6 +204,8 @@ class Chain:
         while True:
             try:
                 return call()
+            except SinkIOError:
+                raise  # the sink's storage failed, not the element: the batch is retried
             except Exception as exc:
                 failed += 1
                 if retry.allows(failed):

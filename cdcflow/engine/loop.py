@@ -159,6 +159,7 @@ class Engine:
         self._splits = 0
         self._merges = 0
         self._owner: Ownership | None = None
+        self._sink_floor = 0
 
     def _lost(self, error: FencedError) -> None:
         """Another run took the pipeline over: stop (its writes are fenced out anyway)."""
@@ -188,6 +189,10 @@ class Engine:
         sinks = self._sinks(TaskProgram.from_pipeline(pipeline))
         for label, sink in sinks.items():
             sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir))
+        _check_locations(sinks)
+        # Batch ids go on above any output a sink already holds (a lost or new store must
+        # never make a sink reuse a batch id it committed before).
+        self._sink_floor = max((s.last_committed_batch() for s in sinks.values()), default=0)
         # Built (and its chain pickled) after setup: tasks need what setup resolved, such as
         # WriteFiles' directory.
         program = TaskProgram.from_pipeline(pipeline)
@@ -313,7 +318,7 @@ class Engine:
                 if all_finished(parts):
                     reason = "end reached"
                     break
-                batch_id = self.store.last_batch_id(name) + 1
+                batch_id = max(self.store.last_batch_id(name), self._sink_floor) + 1
                 plan, transitions = plan_batch(parts, now, int(opts.max_batch_span * _NS), batch_id)
                 if not plan.slices:
                     # The clock has not passed the low watermark yet: nothing can advance.
@@ -513,3 +518,19 @@ def _is_transient(exc: BaseException) -> bool:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return False
+
+
+def _check_locations(sinks: dict[str, Sink[Any, Any]]) -> None:
+    """Two sinks that would write the same output are a definition error (names both)."""
+    seen: dict[str, str] = {}
+    for label, sink in sinks.items():
+        where = sink.output_location()
+        if where is None:
+            continue
+        if where in seen:
+            msg = (
+                f"sinks {seen[where]!r} and {label!r} would write the same output ({where}); "
+                "give one of them another path (or, for WriteFiles, another prefix=)"
+            )
+            raise PipelineDefinitionError(msg)
+        seen[where] = label

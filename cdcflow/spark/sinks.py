@@ -32,13 +32,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 import attrs
 
-from cdcflow.errors import PipelineDefinitionError, SinkError
+from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
 __all__ = ["StagedFile", "WriteSpark"]
@@ -90,6 +91,21 @@ def _open_output(path: str) -> IO[bytes]:
     return stream
 
 
+def _list_dirs(path: str) -> list[str]:
+    """Names of the directories directly under ``path``; none when it does not exist."""
+    if not _has_scheme(path) or path.startswith("file://"):
+        try:
+            entries = list(os.scandir(path.removeprefix("file://")))
+        except FileNotFoundError:
+            return []
+        return [e.name for e in entries if e.is_dir()]
+    from pyarrow import fs
+
+    filesystem, inner = fs.FileSystem.from_uri(_for_arrow(path))
+    infos = filesystem.get_file_info(fs.FileSelector(inner, allow_not_found=True))
+    return [i.base_name for i in infos if i.type == fs.FileType.Directory]
+
+
 def _remove_tree(path: str) -> None:
     """Delete a staging directory; a missing one is fine."""
     if not _has_scheme(path) or path.startswith("file://"):
@@ -102,28 +118,58 @@ def _remove_tree(path: str) -> None:
         filesystem.delete_dir(inner)
 
 
+def _storage_error(action: str, path: str, exc: OSError) -> SinkIOError:
+    reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
+    msg = (
+        f"WriteSpark cannot {action} {path}: {reason}; the batch is retried with backoff — "
+        "free space, fix permissions or the staging filesystem"
+    )
+    return SinkIOError(msg)
+
+
 class _StagingWriter:
-    """Streams a task's rows as JSONL into its staged file, opened on the first row."""
+    """Streams a task's rows as JSONL into its staged file, opened on the first row.
+
+    An element that cannot be serialized raises SinkError before anything is written (the
+    error policy retries or skips it). A storage failure (``OSError``) raises SinkIOError
+    and breaks the writer: every later ``write`` and ``close`` raises it again, so the task
+    fails and the engine retries the batch instead of committing a torn file.
+    """
 
     def __init__(self, path: str) -> None:
         self._path = path
         self._file: IO[bytes] | None = None
         self._rows = 0
+        self._broken: SinkIOError | None = None
+
+    def _fail(self, action: str, exc: OSError) -> SinkIOError:
+        self._broken = _storage_error(action, self._path, exc)
+        return self._broken
 
     def write(self, element: Any) -> None:
         from cdcflow.serialize import dumps_line
 
+        if self._broken is not None:
+            raise SinkIOError(str(self._broken))
         line = dumps_line(element)
-        if self._file is None:
-            self._file = _open_output(self._path)
-        self._file.write(line)
+        try:
+            if self._file is None:
+                self._file = _open_output(self._path)
+            self._file.write(line)
+        except OSError as exc:
+            raise self._fail("write", exc) from exc
         self._rows += 1
 
     def close(self) -> StagedFile | None:
+        if self._broken is not None:
+            raise SinkIOError(str(self._broken))
         if self._file is None:
             return None
         f, self._file = self._file, None
-        f.close()
+        try:
+            f.close()
+        except OSError as exc:
+            raise self._fail("write", exc) from exc
         return StagedFile(self._path, self._rows)
 
     def abort(self) -> None:
@@ -218,6 +264,41 @@ class WriteSpark(Sink[Any, StagedFile]):
         self._stage_root = (
             f"{self.staging.rstrip('/')}/{_digest(ctx.pipeline)}-{_digest(ctx.sink_label)}"
         )
+
+    def output_location(self) -> str | None:
+        """The resolved ``path`` (``file://`` prefix and trailing ``/`` dropped), or
+        ``table:<name>`` in lower case (Spark's catalog ignores case), or None for targets
+        named only in ``options`` (appends, which overwrite nothing). Sinks with equal
+        locations would overwrite each other's ``<batch column>=N`` partitions."""
+        if self.table is not None:
+            return f"table:{self.table.lower()}"
+        if self.path is None:
+            return None
+        return self._resolved_path().removeprefix("file://").rstrip("/") or "/"
+
+    def _resolved_path(self) -> str:
+        assert self.path is not None
+        if not _has_scheme(self.path) and not os.path.isabs(os.path.expanduser(self.path)):
+            msg = (
+                f"WriteSpark(path={self.path!r}) was not set up: the engine must call setup() "
+                "to resolve a relative path"
+            )
+            raise SinkError(msg)
+        return self.path
+
+    def last_committed_batch(self) -> int:
+        """For ``path=``: the highest ``<batch column>=N`` partition under the path, or 0.
+        A table or an ``options`` target answers 0 (this sink does not know)."""
+        if self.table is not None or self.path is None:
+            return 0
+        pattern = re.compile(re.escape(self.batch_column) + r"=(\d+)")
+        path = self._resolved_path()
+        try:
+            names = _list_dirs(path)
+        except OSError as exc:
+            raise _storage_error("list", path, exc) from exc
+        ids = [int(m.group(1)) for m in map(pattern.fullmatch, names) if m]
+        return max(ids, default=0)
 
     def _root(self) -> str:
         if self._stage_root is None:

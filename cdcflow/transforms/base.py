@@ -240,5 +240,29 @@ class Sink(PrimitiveTransform[E, None], Generic[E, M]):
     def on_watermark(self, watermark_ns: int) -> None:
         return None
 
+    def last_committed_batch(self) -> int:
+        """The highest batch id whose output this sink finds already where it writes, or 0
+        when it finds none or cannot tell (the default).
+
+        Called on the driver after :meth:`setup`, before the first batch is planned; reads
+        only, and is cheap enough to call once per run. The engine plans new batches above
+        it (a pending plan still replays with its own id), so a sink that names output by
+        batch id never reuses an id whose output exists, also after ``--reset``, with a
+        deleted or new metadata store.
+        """
+        return 0
+
+    def output_location(self) -> str | None:
+        """Where this sink's output lives, as text compared for equality, or None when the
+        sink writes nowhere of its own (the default: Collect, Print).
+
+        Called on the driver after :meth:`setup`. Two sinks of one pipeline (the dead-letter
+        sink included) that return equal locations would overwrite each other's output: the
+        engine must refuse such a pipeline before the first batch, naming both labels. A
+        sink whose output can safely share a place with others' (distinct file names)
+        includes what keeps it distinct, so only real duplicates compare equal.
+        """
+        return None
+
     def close(self) -> None:
         return None

@@ -13,7 +13,7 @@ import pytest
 
 import cdcflow as cf
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.errors import PipelineDefinitionError, SinkError
+from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.metadata import open_store
 from cdcflow.model import Timestamp
 from cdcflow.spark.runner import SparkRunner
@@ -86,6 +86,7 @@ def test_replayed_batch_overwrites_its_partition(spark: Any, tmp_path: Path, fmt
     assert _rows(spark, fmt, tmp_path / "out") == _expected(1, 2, 3)
     partitions = sorted(p for p in os.listdir(tmp_path / "out") if p.startswith("_batch_id="))
     assert partitions == ["_batch_id=1", "_batch_id=2", "_batch_id=3"]
+    assert sink.last_committed_batch() == 3  # a fresh store's run continues above it
     # the staged files of committed batches are gone
     staged = [f for _, _, files in os.walk(tmp_path / "out" / "_cdcflow_staging") for f in files]
     assert staged == []
@@ -178,6 +179,58 @@ def test_commit_without_setup_says_so() -> None:
     sink = WriteSpark("parquet", path="/tmp/x")
     with pytest.raises(SinkError, match="setup"):
         sink.open_writer(WriterContext("pipe", "out", 1, "a", 0, 10, "x"))
+
+
+def test_output_location_is_the_resolved_path_or_the_table(tmp_path: Path) -> None:
+    sink = WriteSpark("parquet", path="out")
+    with pytest.raises(SinkError, match="setup"):
+        sink.output_location()
+    sink.setup(SinkContext("pipe", "out", str(tmp_path)))
+    assert sink.output_location() == str(tmp_path / "out")
+    # another sink, format and label on the same directory: both would overwrite its
+    # partitions, so the locations are equal and the engine refuses the pipeline
+    other = WriteSpark("json", path=str(tmp_path / "out") + "/", batch_column="b")
+    other.setup(SinkContext("pipe", "other", "/elsewhere"))
+    assert other.output_location() == sink.output_location()
+    assert WriteSpark("orc", path="file:///data/x/").output_location() == "/data/x"
+    assert WriteSpark("orc", path="s3a://bucket/x").output_location() == "s3a://bucket/x"
+    table = WriteSpark("parquet", table="Shop.Orders", staging="/stage")
+    assert table.output_location() == "table:shop.orders"
+    appends = WriteSpark("jdbc", options={"url": "jdbc:x"}, staging="/stage")
+    assert appends.output_location() is None
+
+
+def test_last_committed_batch_reads_the_batch_partitions(tmp_path: Path) -> None:
+    sink = WriteSpark("parquet", path=tmp_path / "out")
+    sink.setup(SinkContext("pipe", "out", str(tmp_path)))
+    assert sink.last_committed_batch() == 0  # no directory yet
+    for name in ("_batch_id=7", "_batch_id=12", "_cdcflow_staging", "_batch_id=x"):
+        (tmp_path / "out" / name).mkdir(parents=True)
+    (tmp_path / "out" / "_batch_id=99").write_text("a file, not a partition")
+    assert sink.last_committed_batch() == 12
+    table = WriteSpark("parquet", table="t", staging=tmp_path / "stage")
+    assert table.last_committed_batch() == 0  # a table: this sink does not know
+
+
+def test_a_staging_storage_failure_is_a_sink_io_error(tmp_path: Path) -> None:
+    sink = WriteSpark("json", path=tmp_path / "out")
+    sink.setup(SinkContext("pipe", "out", str(tmp_path)))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "_cdcflow_staging").write_text("a file where a directory must go")
+    writer = sink.open_writer(WriterContext("pipe", "out", 1, "a", 0, 10, "x"))
+    with pytest.raises(SinkIOError, match=r"cannot write .*retried with backoff") as info:
+        writer.write({"id": 1})
+    assert isinstance(info.value.__cause__, OSError)
+    with pytest.raises(SinkIOError):  # the writer stays failed: the task cannot succeed
+        writer.close()
+    fine = WriteSpark("json", path=tmp_path / "o2")
+    fine.setup(SinkContext("pipe", "out", str(tmp_path)))
+    writer = fine.open_writer(WriterContext("pipe", "out", 1, "a", 0, 10, "x"))
+    with pytest.raises(SinkError, match="Map"):  # the element's fault stays a SinkError
+        writer.write(object())
+    writer.write({"id": 1})  # ... and the writer goes on
+    message = writer.close()
+    assert message is not None and message.rows == 1
 
 
 def _order_row(record: Any) -> dict[str, Any]:

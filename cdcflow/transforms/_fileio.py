@@ -1,0 +1,328 @@
+"""The writers of WriteFiles (JSONL, Parquet) and the storage helpers its commit shares.
+
+Two kinds of failure leave a writer differently:
+
+- The element's fault (it cannot be serialized, or a Parquet column would get a second
+  type): ``write`` raises :class:`~cdcflow.errors.SinkError` before it changes anything, so
+  the pipeline's error policy can retry the element or skip it to the dead-letter sink,
+  and the writer goes on with the next element.
+- The storage's fault (an ``OSError``: disk full, permission denied, an I/O error): the
+  writer raises :class:`~cdcflow.errors.SinkIOError` and is broken from then on: every
+  further ``write`` and ``close`` raises it again, so the task fails and the engine
+  retries the whole batch. A half-written line can never be committed, whatever the
+  caller does with the first error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import IO, Any, NoReturn
+
+import attrs
+import orjson
+
+from cdcflow.errors import SinkError, SinkIOError
+from cdcflow.serialize import dumps_line, to_json_dict
+from cdcflow.transforms.base import WriterContext
+
+__all__ = [
+    "JsonlWriter",
+    "ParquetWriter",
+    "WrittenFile",
+    "fsync_dir",
+    "parquet_row",
+    "storage",
+    "write_atomic",
+]
+
+
+@attrs.frozen
+class WrittenFile:
+    """The commit message of a WriteFiles writer: one file written under a temporary name,
+    ``count`` elements from the slice [``slice_start``, ``slice_end``) of partition
+    ``partition_token`` (the slice is what the batch's manifest records)."""
+
+    temp: str
+    final: str
+    count: int
+    partition_token: str
+    slice_start: int
+    slice_end: int
+
+
+def _io_message(action: str, path: str, exc: OSError) -> str:
+    reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
+    return (
+        f"cannot {action} {path}: {reason}; the batch is retried with backoff — free space, "
+        "fix permissions or the mount of that filesystem"
+    )
+
+
+@contextlib.contextmanager
+def storage(action: str, path: str) -> Iterator[None]:
+    """Raise an ``OSError`` of the block as SinkIOError (``cannot <action> <path>: ...``)."""
+    try:
+        yield
+    except OSError as exc:
+        raise SinkIOError(_io_message(action, path, exc)) from exc
+
+
+def fsync_dir(directory: str) -> None:
+    """Make renames in ``directory`` durable (best effort where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # not every filesystem lets a directory be opened
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (22, 95):  # EINVAL, EOPNOTSUPP: the filesystem does not do it
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, temp: str, data: bytes, fsync: bool) -> None:
+    """Write ``data`` to ``temp`` and rename it to ``path``: readers see the old or the new
+    bytes, never a part. Raises SinkIOError on a storage failure (``temp`` is removed)."""
+    with storage("write", path):
+        try:
+            with open(temp, "wb") as f:
+                f.write(data)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(temp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(temp)
+            raise
+        if fsync:
+            fsync_dir(os.path.dirname(path))
+
+
+class _FileWriter:
+    """What both writers share: the target, the commit message, the broken state."""
+
+    def __init__(self, temp: str, final: str, ctx: WriterContext, fsync: bool) -> None:
+        self._temp = temp
+        self._final = final
+        self._slice = (ctx.partition_token, ctx.slice_start, ctx.slice_end)
+        self._fsync = fsync
+        self._broken: str | None = None
+
+    def _usable(self) -> None:
+        if self._broken is not None:
+            raise SinkIOError(self._broken)
+
+    @contextlib.contextmanager
+    def _storage(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            self._break(action, exc)
+
+    def _break(self, action: str, exc: OSError) -> NoReturn:
+        self._broken = _io_message(action, self._temp, exc)
+        raise SinkIOError(self._broken) from exc
+
+    def _create(self) -> IO[bytes]:
+        os.makedirs(os.path.dirname(self._temp), exist_ok=True)
+        return open(self._temp, "wb")
+
+    def _message(self, count: int) -> WrittenFile:
+        token, start, end = self._slice
+        return WrittenFile(self._temp, self._final, count, token, start, end)
+
+    def _remove_temp(self) -> None:
+        with contextlib.suppress(OSError):  # abort is best effort; commit/abort sweep later
+            os.remove(self._temp)
+
+
+class JsonlWriter(_FileWriter):
+    """Streams JSONL lines into the temporary file, opened on the first element."""
+
+    def __init__(self, temp: str, final: str, ctx: WriterContext, fsync: bool) -> None:
+        super().__init__(temp, final, ctx, fsync)
+        self._file: IO[bytes] | None = None
+        self._count = 0
+
+    def write(self, element: Any) -> None:
+        self._usable()
+        line = dumps_line(element)  # the element's fault raises here, before any byte
+        with self._storage("write"):
+            if self._file is None:
+                self._file = self._create()
+            self._file.write(line)
+        self._count += 1
+
+    def close(self) -> WrittenFile | None:
+        self._usable()
+        if self._file is None:
+            return None
+        f, self._file = self._file, None
+        with self._storage("write"):
+            try:
+                f.flush()
+                if self._fsync:
+                    os.fsync(f.fileno())
+            finally:
+                f.close()
+        return self._message(self._count)
+
+    def abort(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        self._remove_temp()
+
+
+def parquet_row(element: Any) -> dict[str, Any]:
+    """An element as a Parquet row: JSON values, nested values (dicts, lists) as JSON text."""
+    row = to_json_dict(element)
+    for key, value in row.items():
+        if isinstance(value, dict | list):
+            row[key] = orjson.dumps(value).decode()
+    return row
+
+
+_INT64_MIN, _INT64_END = -(2**63), 2**63
+_EXACT_IN_DOUBLE = 2**53  # larger integers do not survive a float64 column (Arrow refuses)
+
+
+def _kind(name: str, value: Any) -> str:
+    if isinstance(value, bool):  # before int: bool is an int
+        return "bool"
+    if isinstance(value, int):
+        if not _INT64_MIN <= value < _INT64_END:
+            msg = (
+                f"column {name!r}: {value} does not fit a 64-bit integer; convert it to text "
+                "in a Map, or write format='jsonl'"
+            )
+            raise SinkError(msg)
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    msg = f"column {name!r}: cannot store a {type(value).__name__} in Parquet; map it to text"
+    raise SinkError(msg)
+
+
+_NAMES = {"bool": "boolean", "int": "int64", "float": "double", "str": "string"}
+
+
+class _Columns:
+    """A file's rows, column-wise, with one type per column that every row must keep.
+
+    ``add`` checks the row against the types of the rows before it (a few isinstance
+    checks per value, no Arrow call) and changes nothing when it raises. Integers and
+    floats mix into a double column, as Arrow does, unless an integer is too large for a
+    double to hold exactly. A column whose values are all null is typed string when the
+    file is written: most values are text here (timestamps, nested values), and a
+    null-typed column makes a dataset of this file and a typed one unreadable.
+    """
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self._values: dict[str, list[Any]] = {}
+        self._kinds: dict[str, str] = {}
+        self._big: set[str] = set()  # int columns holding a value beyond 2**53
+
+    def add(self, row: dict[str, Any]) -> None:
+        kinds: dict[str, str] = {}
+        big: list[str] = []
+        for name, value in row.items():
+            if value is None:
+                continue
+            kind = _kind(name, value)
+            have = self._kinds.get(name)
+            merged = kind if have is None or have == kind else None
+            if {have, kind} == {"int", "float"}:
+                merged = "float"
+            if merged is None:
+                assert have is not None
+                msg = (
+                    f"column {name!r} holds {_NAMES[have]} values in this file, this element "
+                    f"has {_NAMES[kind]} {value!r:.40}: give every column one type (convert "
+                    "it in a Map), or write format='jsonl'"
+                )
+                raise SinkError(msg)
+            is_big = kind == "int" and abs(value) > _EXACT_IN_DOUBLE
+            if merged == "float" and (is_big or name in self._big):
+                msg = (
+                    f"column {name!r} mixes floats with integers beyond 2**53, which a double "
+                    "cannot hold exactly: give the column one type in a Map, or write "
+                    "format='jsonl'"
+                )
+                raise SinkError(msg)
+            if merged != have:
+                kinds[name] = merged
+            if is_big:
+                big.append(name)
+        # Checked: only now does the row change anything.
+        self._kinds.update(kinds)
+        self._big.update(big)
+        for name, values in self._values.items():
+            values.append(row.get(name))
+        for name, value in row.items():
+            if name not in self._values:
+                self._values[name] = [None] * self.rows + [value]
+        self.rows += 1
+
+    def table(self) -> Any:
+        """The rows as a pyarrow Table (one typed column per name, in first-seen order)."""
+        import pyarrow as pa  # only parquet output needs pyarrow
+
+        types = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string()}
+        try:
+            return pa.table({
+                name: pa.array(values, type=types[self._kinds.get(name, "str")])
+                for name, values in self._values.items()
+            })
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+            # add() admits only what these conversions accept; this is a bug, said so
+            msg = (
+                f"cannot build a Parquet table: {exc}; give every column one type in all "
+                "rows (convert it in a Map), or write format='jsonl'"
+            )
+            raise SinkError(msg) from exc
+
+
+class ParquetWriter(_FileWriter):
+    """Checks each row's column types at ``write``; writes one Parquet file at ``close``.
+
+    The task's rows stay in memory (column-wise) until the task ends: a Parquet file has
+    one schema, and a column may first appear in a later row.
+    """
+
+    def __init__(self, temp: str, final: str, ctx: WriterContext, fsync: bool) -> None:
+        super().__init__(temp, final, ctx, fsync)
+        self._columns = _Columns()
+
+    def write(self, element: Any) -> None:
+        self._usable()
+        self._columns.add(parquet_row(element))
+
+    def close(self) -> WrittenFile | None:
+        self._usable()
+        rows = self._columns.rows
+        if rows == 0:
+            return None
+        import pyarrow.parquet as pq
+
+        table = self._columns.table()
+        with self._storage("write"), self._create() as f:
+            pq.write_table(table, f)
+            f.flush()
+            if self._fsync:
+                os.fsync(f.fileno())
+        self._columns = _Columns()
+        return self._message(rows)
+
+    def abort(self) -> None:
+        self._columns = _Columns()
+        self._remove_temp()

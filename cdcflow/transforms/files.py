@@ -1,0 +1,442 @@
+"""WriteFiles: each batch as JSONL or Parquet files, exactly once, never over output it did
+not commit.
+
+Names in the output directory (``<d>``):
+
+- ``<prefix>-<batch id, 10 digits>-<sha1 of the partition token, 16 hex>.<format>``: the
+  committed files, one per (batch, partition) that had output. Stable across replays and
+  readable; the naming scope ``<d>/<prefix>-*.<format>`` is what
+  :meth:`WriteFiles.output_location` returns.
+- ``.<final name>.<label scope>.<sha1 of the task attempt, 16 hex>.tmp``: a task attempt's
+  file until the batch commits. The label scope is the sink's label made file-safe plus a
+  digest of the label, so two sinks never share a temporary name, even in one directory.
+- ``_cdcflow/<prefix>.<format>/batch-<batch id>.json``: the batch's manifest — the pipeline,
+  the sink's label, and per committed file the slice (partition token, slice start, slice
+  end) it came from. Keyed by the naming scope, not the label: whoever writes these final
+  names checks the same manifests.
+- ``_watermark.json``: the pipeline's low watermark after the last commit.
+
+Readers (Spark, pyarrow, pandas) skip names starting with ``.`` or ``_``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+import orjson
+
+from cdcflow.errors import OutputConflictError, PipelineDefinitionError, SinkError
+from cdcflow.model import Timestamp
+from cdcflow.transforms._fileio import (
+    JsonlWriter,
+    ParquetWriter,
+    WrittenFile,
+    fsync_dir,
+    storage,
+    write_atomic,
+)
+from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
+
+__all__ = ["WriteFiles", "WrittenFile"]
+
+_FORMATS = ("jsonl", "parquet")
+_MANIFESTS = "_cdcflow"
+_MANIFEST_VERSION = 1
+_MANIFEST_NAME = re.compile(r"batch-(\d{10,})\.json")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _label_scope(label: str) -> str:
+    """``label`` as a file-name part without dots: readable, and distinct per label."""
+    readable = re.sub(r"[^A-Za-z0-9_-]+", "_", label).strip("_")[:40] or "sink"
+    return f"{readable}-{_digest(label)[:10]}"
+
+
+def _listdir(directory: str) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except FileNotFoundError:
+        return []
+
+
+@attrs.frozen
+class _Entry:
+    """One committed file of a manifest and the slice it came from."""
+
+    name: str
+    partition_token: str
+    slice_start: int
+    slice_end: int
+    count: int
+
+    @property
+    def slice(self) -> tuple[str, int, int]:
+        return self.partition_token, self.slice_start, self.slice_end
+
+
+def _span(entry: _Entry) -> str:
+    start, end = Timestamp.from_ns(entry.slice_start), Timestamp.from_ns(entry.slice_end)
+    return f"[{start}, {end})"
+
+
+@attrs.frozen
+class _Manifest:
+    """What one batch committed under one naming scope."""
+
+    pipeline: str
+    sink: str
+    batch: int
+    files: tuple[_Entry, ...]
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {"version": _MANIFEST_VERSION, "pipeline": self.pipeline, "sink": self.sink,
+             "batch": self.batch, "files": [attrs.asdict(e) for e in self.files]},
+            option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE,
+        )
+
+    @classmethod
+    def parse(cls, data: bytes) -> _Manifest:
+        """Raises ValueError, KeyError or TypeError for anything but a version-1 manifest."""
+        doc = orjson.loads(data)
+        if doc["version"] != _MANIFEST_VERSION:
+            msg = f"manifest version {doc['version']!r}"
+            raise ValueError(msg)
+        files = tuple(
+            _Entry(str(f["name"]), str(f["partition_token"]), int(f["slice_start"]),
+                   int(f["slice_end"]), int(f["count"]))
+            for f in doc["files"]
+        )
+        return cls(str(doc["pipeline"]), str(doc["sink"]), int(doc["batch"]), files)
+
+
+class WriteFiles(Sink[Any, WrittenFile]):
+    """Writes each batch to files under ``path``, exactly once per batch.
+
+    Every task writes one file per (batch id, partition token) under a hidden temporary
+    name unique to the sink and the task attempt; the driver renames it to its final name
+    when the batch commits (see the module docstring for every name). Tasks that wrote
+    nothing produce no file, and a batch without files writes no manifest.
+
+    How a commit stays exactly-once, and why in this order:
+
+    1. Read the batch's manifest and refuse output this run did not commit
+       (:class:`~cdcflow.errors.OutputConflictError`, nothing changed): a manifest of
+       another pipeline or sink, or whose files share no slice with this commit or come
+       from other slices; or a final name that exists while no manifest claims it. A
+       replay of the batch (the same slices) passes: that is the engine's crash recovery.
+    2. Write the manifest atomically (and fsync it) before any rename. Once a final name
+       can be visible a manifest claims it, so a crash anywhere after this step leaves
+       output that the replay recognises as its own and completes (step 1 passes, step 3
+       renames identical bytes), that any other run is refused instead of overwriting,
+       and that :meth:`last_committed_batch` counts. Renaming first would leave, after a
+       crash between the two, visible files no manifest claims, which the run's own
+       replay could not tell from another run's.
+    3. Rename each temporary file to its final name (atomic per file).
+    4. Delete the batch's temporary files left by failed attempts; fsync the directory.
+
+    Two WriteFiles sinks may share a directory when their naming scopes
+    (``prefix`` and ``format``) differ, e.g. a jsonl and a parquet sink, or a dead-letter
+    sink with ``prefix="failed"``: temporary names and manifests are per sink and scope, so
+    they never touch each other's files. Two sinks with the same directory, prefix and
+    format would write the same final names: their :meth:`output_location` is equal and
+    the engine refuses the pipeline; if both commit anyway, the second one's commit is
+    refused (step 1) before it overwrites anything.
+
+    ``format="jsonl"``: one JSON object per line; elements are records, attrs or dataclass
+    instances, or dicts (see :mod:`cdcflow.serialize`). ``format="parquet"``: elements become
+    rows the same way; nested values (dicts, lists, mods) are stored as JSON text,
+    timestamps as RFC 3339 text, and a column whose values are all null in a file as
+    string. A column keeps one type within a file: an element whose value has another
+    type fails at ``write`` (a SinkError the error policy retries or skips to the
+    dead-letter sink) and the other rows are written. A parquet writer keeps its task's
+    rows in memory until the task ends. A storage failure (``OSError``) in a writer or a
+    commit raises :class:`~cdcflow.errors.SinkIOError`: the batch is retried.
+
+    After each commit ``_watermark.json`` holds the pipeline's low watermark
+    (``{"low_watermark": RFC 3339, "ns": int}``): every record with a commit timestamp below
+    it is in the committed files.
+
+    A relative ``path`` resolves against the pipeline file's directory. On a cluster,
+    ``path`` must be on a filesystem shared by the driver and every executor. ``fsync=False``
+    trades durability after a machine crash for speed.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        format: Literal["jsonl", "parquet"] = "jsonl",
+        prefix: str = "part",
+        fsync: bool = True,
+    ) -> None:
+        path = os.fspath(path)
+        if not path:
+            msg = "WriteFiles needs a directory path, e.g. WriteFiles('out/orders')"
+            raise PipelineDefinitionError(msg)
+        if format not in _FORMATS:
+            msg = f"WriteFiles(format={format!r}): use one of {', '.join(_FORMATS)}"
+            raise PipelineDefinitionError(msg)
+        if not prefix or prefix.startswith((".", "_")) or os.sep in prefix or "/" in prefix:
+            msg = (
+                f"WriteFiles(prefix={prefix!r}): use a plain file name prefix such as 'part' "
+                "(no path separators, not starting with '.' or '_')"
+            )
+            raise PipelineDefinitionError(msg)
+        self.path = path
+        self.format = format
+        self.prefix = prefix
+        self.fsync = fsync
+        expanded = os.path.expanduser(path)
+        # absolute paths need no setup; relative ones are resolved by setup() on the driver
+        self.directory: str | None = os.path.abspath(expanded) if os.path.isabs(expanded) else None
+        self._pipeline: str | None = None
+        self._label: str | None = None
+        self._last_watermark: int | None = None
+
+    def describe_params(self) -> str:
+        return f"{self.path} ({self.format})"
+
+    # -- where output goes ------------------------------------------------------------------
+
+    def setup(self, ctx: SinkContext) -> None:
+        expanded = os.path.expanduser(self.path)
+        self.directory = os.path.abspath(os.path.join(ctx.base_dir, expanded))
+        self._pipeline, self._label = ctx.pipeline, ctx.sink_label
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            msg = f"WriteFiles cannot create {self.directory}: {exc}; choose a writable path"
+            raise SinkError(msg) from exc
+
+    def _dir(self) -> str:
+        if self.directory is None:
+            msg = (
+                f"WriteFiles({self.path!r}) was not set up: the runner must call setup() "
+                "before tasks run (or pass an absolute path)"
+            )
+            raise SinkError(msg)
+        return self.directory
+
+    def _identity(self) -> tuple[str, str]:
+        if self._pipeline is None or self._label is None:
+            msg = (
+                f"WriteFiles({self.path!r}) was not set up: the engine must call setup() on "
+                "the driver before it commits, aborts or asks for committed batches"
+            )
+            raise SinkError(msg)
+        return self._pipeline, self._label
+
+    def output_location(self) -> str:
+        """``<directory>/<prefix>-*.<format>``: the final names this sink writes (after setup).
+
+        Sinks with different prefixes or formats in one directory are safe together (see
+        the class docstring); equal locations mean the same final names.
+        """
+        return os.path.join(self._dir(), f"{self.prefix}-*.{self.format}")
+
+    def final_name(self, batch_id: int, partition_token: str) -> str:
+        """The committed file name for a batch and partition (stable across replays)."""
+        return f"{self.prefix}-{batch_id:010d}-{_digest(partition_token)}.{self.format}"
+
+    def temp_name(self, ctx: WriterContext) -> str:
+        """The hidden name a writer for ``ctx`` writes until the batch commits: unique per
+        sink label and task attempt."""
+        final = self.final_name(ctx.batch_id, ctx.partition_token)
+        return f".{final}.{_label_scope(ctx.sink_label)}.{_digest(ctx.attempt)}.tmp"
+
+    def _temps(self, batch_id: int) -> list[str]:
+        """This sink's temporary files of ``batch_id`` (every attempt's)."""
+        _, label = self._identity()
+        pattern = re.compile(
+            re.escape(f".{self.prefix}-{batch_id:010d}-") + "[0-9a-f]{16}"
+            + re.escape(f".{self.format}.{_label_scope(label)}.") + r"[0-9a-f]{16}\.tmp"
+        )
+        directory = self._dir()
+        with storage("list", directory):
+            names = _listdir(directory)
+        return [os.path.join(directory, n) for n in names if pattern.fullmatch(n)]
+
+    def _manifest_dir(self) -> str:
+        return os.path.join(self._dir(), _MANIFESTS, f"{self.prefix}.{self.format}")
+
+    def last_committed_batch(self) -> int:
+        """The highest batch id among this naming scope's manifests and final file names
+        (files written before manifests existed count too), or 0 (after setup)."""
+        final = re.compile(
+            re.escape(f"{self.prefix}-") + r"(\d{10,})-[0-9a-f]{16}" + re.escape(f".{self.format}")
+        )
+        best = 0
+        for directory, pattern in ((self._dir(), final), (self._manifest_dir(), _MANIFEST_NAME)):
+            with storage("list", directory):
+                names = _listdir(directory)
+            for name in names:
+                match = pattern.fullmatch(name)
+                if match:
+                    best = max(best, int(match.group(1)))
+        return best
+
+    # -- tasks -------------------------------------------------------------------------------
+
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[Any, WrittenFile]:
+        directory = self._dir()
+        final = os.path.join(directory, self.final_name(ctx.batch_id, ctx.partition_token))
+        temp = os.path.join(directory, self.temp_name(ctx))
+        if self.format == "parquet":
+            return ParquetWriter(temp, final, ctx, self.fsync)
+        return JsonlWriter(temp, final, ctx, self.fsync)
+
+    # -- the driver ---------------------------------------------------------------------------
+
+    def commit(self, batch_id: int, messages: Sequence[WrittenFile]) -> None:
+        """Make the batch's files visible in the four steps of the class docstring;
+        idempotent for ``batch_id`` (a replay with the same slices changes nothing).
+
+        Raises OutputConflictError for output this run did not commit (nothing changed),
+        SinkError when a message's file is nowhere (the path is not shared), SinkIOError
+        on a storage failure.
+        """
+        directory = self._dir()
+        if messages:
+            # 1. what the directory holds of this batch
+            existing = self._read_manifest(batch_id)
+            manifest = self._merge(batch_id, existing, messages)
+            claimed = set() if existing is None else {e.name for e in existing.files}
+            pending = [m for m in messages if self._pending(batch_id, m, claimed)]
+            # 2. the manifest, before any final name can appear
+            if manifest != existing:
+                self._write_manifest(manifest)
+            # 3. the renames
+            for message in pending:
+                self._rename(batch_id, message)
+        # 4. leftovers of failed attempts; durable renames
+        for stray in self._temps(batch_id):
+            with storage("delete", stray), contextlib.suppress(FileNotFoundError):
+                os.remove(stray)
+        if self.fsync and messages:
+            with storage("sync", directory):
+                fsync_dir(directory)
+
+    def _conflict(self, batch_id: int, why: str) -> OutputConflictError:
+        msg = (
+            f"WriteFiles {self._dir()}: batch {batch_id} already holds output this run did not "
+            f"commit ({why}); nothing was overwritten: write to a new path, resume with the "
+            "metadata store that wrote it, or delete that output"
+        )
+        return OutputConflictError(msg)
+
+    def _merge(
+        self, batch_id: int, existing: _Manifest | None, messages: Sequence[WrittenFile]
+    ) -> _Manifest:
+        """The manifest after this commit; raises OutputConflictError if ``existing`` is
+        not an earlier commit of the same batch (same pipeline, sink and slices)."""
+        pipeline, label = self._identity()
+        entries = {
+            os.path.basename(m.final): _Entry(
+                os.path.basename(m.final), m.partition_token, m.slice_start, m.slice_end, m.count
+            )
+            for m in messages
+        }
+        if existing is None:
+            return _Manifest(pipeline, label, batch_id, tuple(entries[n] for n in sorted(entries)))
+        if (existing.pipeline, existing.sink) != (pipeline, label):
+            why = f"by sink {existing.sink!r} of pipeline {existing.pipeline!r}"
+            raise self._conflict(batch_id, why)
+        old = {e.name: e for e in existing.files}
+        shared = [name for name in entries if name in old]
+        if not shared:
+            raise self._conflict(batch_id, "its files come from other partitions")
+        for name in shared:
+            if entries[name].slice != old[name].slice:
+                why = (
+                    f"{name} came from partition {old[name].partition_token!r} slice "
+                    f"{_span(old[name])}, this commit's from {_span(entries[name])}"
+                )
+                raise self._conflict(batch_id, why)
+        # A replay names the same files; keep any the first commit had beyond them.
+        merged = {**old, **entries}
+        return attrs.evolve(existing, files=tuple(merged[n] for n in sorted(merged)))
+
+    def _pending(self, batch_id: int, message: WrittenFile, claimed: set[str]) -> bool:
+        """Whether ``message`` still needs its rename; refuses a final file nobody claims."""
+        name = os.path.basename(message.final)
+        has_temp, has_final = os.path.exists(message.temp), os.path.exists(message.final)
+        if has_final and name not in claimed:
+            why = f"{name} exists and no manifest of this sink claims it"
+            raise self._conflict(batch_id, why)
+        if not has_temp and not has_final:
+            msg = (
+                f"batch {batch_id}: neither {message.temp} nor {message.final} exists; the "
+                "path must be shared by the driver and every executor (the batch will be "
+                "replayed)"
+            )
+            raise SinkError(msg)
+        return has_temp
+
+    def _rename(self, batch_id: int, message: WrittenFile) -> None:
+        with storage("rename", message.temp):
+            try:
+                os.replace(message.temp, message.final)
+            except FileNotFoundError:
+                if not os.path.exists(message.final):
+                    raise
+
+    def _manifest_path(self, batch_id: int) -> str:
+        return os.path.join(self._manifest_dir(), f"batch-{batch_id:010d}.json")
+
+    def _read_manifest(self, batch_id: int) -> _Manifest | None:
+        path = self._manifest_path(batch_id)
+        with storage("read", path):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                return None
+        try:
+            return _Manifest.parse(data)
+        except (ValueError, KeyError, TypeError) as exc:
+            msg = (
+                f"WriteFiles {self._dir()}: batch {batch_id}'s manifest {path} is not one "
+                f"cdcflow wrote ({type(exc).__name__}: {exc}); write to a new path, or "
+                "delete the directory's output"
+            )
+            raise OutputConflictError(msg) from exc
+
+    def _write_manifest(self, manifest: _Manifest) -> None:
+        directory = self._manifest_dir()
+        with storage("create", directory):
+            os.makedirs(directory, exist_ok=True)
+        path = self._manifest_path(manifest.batch)
+        _, label = self._identity()
+        temp = os.path.join(directory, f".{os.path.basename(path)}.{_label_scope(label)}.tmp")
+        write_atomic(path, temp, manifest.to_json(), self.fsync)
+
+    def abort(self, batch_id: int, messages: Sequence[WrittenFile]) -> None:
+        """Delete the batch's temporary files of this sink; committed files and manifests
+        are left alone."""
+        temps = {m.temp for m in messages}
+        temps.update(self._temps(batch_id))
+        for temp in temps:
+            with storage("delete", temp), contextlib.suppress(FileNotFoundError):
+                os.remove(temp)
+
+    def on_watermark(self, watermark_ns: int) -> None:
+        """Atomically write ``_watermark.json``; a smaller value than the last is ignored."""
+        if self._last_watermark is not None and watermark_ns <= self._last_watermark:
+            return
+        directory = self._dir()
+        body = orjson.dumps(
+            {"low_watermark": Timestamp.from_ns(watermark_ns).rfc3339(), "ns": watermark_ns}
+        )
+        scope = _label_scope(self._label or "")
+        temp = os.path.join(directory, f"._watermark.json.{scope}.{os.getpid()}.tmp")
+        write_atomic(os.path.join(directory, "_watermark.json"), temp, body, self.fsync)
+        self._last_watermark = watermark_ns

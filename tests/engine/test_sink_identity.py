@@ -1,0 +1,127 @@
+"""Sinks and the engine: two sinks never write the same output, batch ids go on above
+output a sink already holds (a lost or new store), and a sink's storage fault is a batch
+failure retried with backoff, not an element error."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.errors import PipelineDefinitionError, SinkIOError
+from cdcflow.metadata import MemoryStore, SQLiteStore
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.testing import ScriptedChangeStream
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+
+
+def _stream() -> ScriptedChangeStream:
+    s = ScriptedChangeStream("S", partitions=2, origin=T0)
+    for i in range(30):
+        s.write("T", i, "INSERT", {"v": i}, at=T0 + (i + 1) * S // 5)
+    return s
+
+
+def _run(p: cf.Pipeline, store: Any, base: Path, **options: Any) -> Any:
+    opts = RunOptions(batch_interval=0, max_batch_span=1.0, base_dir=str(base), **options)
+    return Engine(p, store, InMemoryRunner(workers=2), opts).run()
+
+
+def _files(p: cf.Pipeline, *sinks: Any) -> cf.Pipeline:
+    src = p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 7 * S, client=_stream())
+    rows = src | cf.ReadPartition() | "row" >> cf.Map(lambda r: {"v": r.mods[0].new_values["v"]})
+    for sink in sinks:
+        rows | sink
+    return p
+
+
+def test_two_sinks_writing_the_same_files_are_refused_naming_both(tmp_path: Path) -> None:
+    p = _files(cf.Pipeline("twice"), "a" >> cf.WriteFiles("out"), "b" >> cf.WriteFiles("out"))
+    with pytest.raises(PipelineDefinitionError, match="'a' and 'b' would write the same"):
+        _run(p, MemoryStore(), tmp_path)
+
+
+def test_a_jsonl_and_a_parquet_sink_share_a_directory(tmp_path: Path) -> None:
+    p = _files(cf.Pipeline("both"), "j" >> cf.WriteFiles("out", format="jsonl"),
+               "q" >> cf.WriteFiles("out", format="parquet"))
+    assert _run(p, MemoryStore(), tmp_path).reason == "end reached"
+    import pyarrow.dataset as ds
+
+    parquet = sorted(str(f) for f in (tmp_path / "out").glob("*.parquet"))
+    table = ds.dataset(parquet, format="parquet").to_table()
+    assert sorted(table.column("v").to_pylist()) == list(range(30))
+    lines = [line for f in (tmp_path / "out").glob("*.jsonl") for line in f.read_text().split()]
+    assert len(lines) == 30
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def test_a_new_store_continues_above_existing_output_and_overwrites_nothing(
+    tmp_path: Path,
+) -> None:
+    p = _files(cf.Pipeline("files"), cf.WriteFiles("out"))
+    _run(p, SQLiteStore(tmp_path / "first.db"), tmp_path)
+    before = _digest(tmp_path / "out")
+    # the state file is lost: a new store starts the pipeline over into the same directory
+    second = SQLiteStore(tmp_path / "second.db")
+    _run(_files(cf.Pipeline("files"), cf.WriteFiles("out")), second, tmp_path)
+    after = _digest(tmp_path / "out")
+    assert all(after[name] == digest for name, digest in before.items())  # nothing overwritten
+    first_ids = {n.split("-")[1] for n in before if n.startswith("part-")}
+    new_ids = {n.split("-")[1] for n in after if n.startswith("part-")} - first_ids
+    assert new_ids and min(map(int, new_ids)) > max(map(int, first_ids))
+
+
+class _FailingDisk(cf.Sink[Any, int]):
+    """Its storage fails on the first attempt of every task of the batch (counted in files:
+    each task gets its own copy of the sink)."""
+
+    def __init__(self, counts: Path) -> None:
+        self.counts = counts
+        self.committed: list[int] = []
+
+    def open_writer(self, ctx: Any) -> Any:
+        sink = self
+        mark = self.counts / f"{ctx.batch_id}-{ctx.partition_token}"
+        n = 2 if mark.exists() else 1
+        mark.touch()
+
+        class W:
+            count = 0
+
+            def write(self, element: Any) -> None:
+                if n == 1:
+                    raise SinkIOError("disk full (test); the batch is retried with backoff")
+                self.count += 1
+
+            def close(self) -> int:
+                return self.count
+
+            def abort(self) -> None:
+                return None
+
+        del sink
+        return W()
+
+    def commit(self, batch_id: int, messages: Any) -> None:
+        self.committed.append(sum(messages))
+
+
+def test_a_storage_fault_retries_the_batch_not_the_element(tmp_path: Path) -> None:
+    (tmp_path / "counts").mkdir()
+    sink = _FailingDisk(tmp_path / "counts")
+    p = cf.Pipeline("disk", error_policy=cf.ErrorPolicy(retries=5, backoff=0, then="skip"))
+    (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 7 * S, client=_stream())
+     | cf.ReadPartition() | sink)
+    summary = _run(p, MemoryStore(), tmp_path, retry_backoff=0.0, batch_retries=3)
+    assert summary.reason == "end reached" and summary.skipped == 0 and summary.retried == 0
+    assert sum(sink.committed) == 30  # every element written, none skipped

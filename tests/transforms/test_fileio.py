@@ -1,0 +1,260 @@
+"""WriteFiles' writers against real files: Parquet column types checked at ``write`` (and
+the error policy that then applies, through the engine), all-null columns, storage faults
+as SinkIOError."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.errors import SinkError, SinkIOError
+from cdcflow.metadata import MemoryStore
+from cdcflow.model import DataChangeRecord
+from cdcflow.policy import ErrorPolicy
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms import DetectPartitions, Map, ReadPartition
+from cdcflow.transforms.base import Sink, SinkContext, WriterContext
+from cdcflow.transforms.sinks import WriteFiles
+
+
+def _wctx(
+    batch_id: int, token: str, attempt: str = "a1", *, label: str = "out", start: int = 0,
+    end: int = 10,
+) -> WriterContext:
+    return WriterContext(
+        pipeline="p",
+        sink_label=label,
+        batch_id=batch_id,
+        partition_token=token,
+        slice_start=start,
+        slice_end=end,
+        attempt=attempt,
+    )
+
+
+def _run_task(
+    sink: Sink[Any, Any], batch_id: int, token: str, elements: list[Any], attempt: str,
+    **where: Any,
+) -> Any:
+    """What a task does: pickle the sink over, open a writer, write, close."""
+    remote = pickle.loads(pickle.dumps(sink))
+    writer = remote.open_writer(_wctx(batch_id, token, attempt, **where))
+    for e in elements:
+        writer.write(e)
+    return pickle.loads(pickle.dumps(writer.close()))
+
+
+def _sink(
+    directory: Path, *, pipeline: str = "p", label: str = "out", **options: Any
+) -> WriteFiles:
+    sink = WriteFiles(directory, **options)
+    sink.setup(SinkContext(pipeline=pipeline, sink_label=label, base_dir="/nonexistent"))
+    return sink
+
+
+def _everything(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def _committed(directory: Path) -> dict[str, str]:
+    """sha256 of every file but temporary ones: the output, manifests, the watermark."""
+    return {
+        name: hashlib.sha256((directory / name).read_bytes()).hexdigest()
+        for name in _everything(directory)
+        if not any(part.startswith(".") for part in Path(name).parts)
+    }
+
+
+def _jsonl(directory: Path, pattern: str = "*.jsonl") -> list[Any]:
+    rows = []
+    for path in sorted(directory.glob(pattern)):
+        rows += [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    return rows
+
+
+# -- Parquet column types -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("poison", "match"),
+    [
+        ({"v": "one"}, r"column 'v' holds double values in this file, this element has string"),
+        ({"v": True}, "column 'v' holds double values in this file, this element has boolean"),
+        ({"v": 2**60}, "column 'v' mixes floats with integers beyond 2\\*\\*53"),
+        ({"v": 2**64}, "does not fit a 64-bit integer"),
+        ({"id": "three"}, "column 'id' holds int64 values in this file, this element has string"),
+    ],
+)
+def test_a_poison_parquet_row_fails_at_write_and_the_other_rows_land(
+    tmp_path: Path, poison: dict[str, Any], match: str
+) -> None:
+    sink = _sink(tmp_path / "out", format="parquet")
+    writer = sink.open_writer(_wctx(1, "tok"))
+    writer.write({"id": 1, "v": 1})
+    writer.write({"id": 2, "v": 2.5})  # ints and floats share a double column
+    with pytest.raises(SinkError, match=match) as info:
+        writer.write({"id": 3, **poison})
+    assert "one type" in str(info.value) or "text" in str(info.value)
+    writer.write({"id": 4, "v": None, "w": "late column"})
+    message = writer.close()
+    assert message.count == 3
+    sink.commit(1, [message])
+    table = pq.read_table(message.final)
+    assert str(table.schema.field("v").type) == "double"
+    assert table.to_pylist() == [
+        {"id": 1, "v": 1.0, "w": None},
+        {"id": 2, "v": 2.5, "w": None},
+        {"id": 4, "v": None, "w": "late column"},
+    ]
+
+
+def test_a_float_after_large_integers_is_refused(tmp_path: Path) -> None:
+    writer = _sink(tmp_path, format="parquet").open_writer(_wctx(1, "tok"))
+    writer.write({"v": 2**60})
+    with pytest.raises(SinkError, match="beyond 2\\*\\*53"):
+        writer.write({"v": 0.5})
+    writer.write({"v": 7})
+    assert pq.read_table(writer.close().temp).column("v").to_pylist() == [2**60, 7]
+
+
+@pytest.mark.parametrize("deletes_first", [False, True])
+def test_an_all_delete_batch_reads_back_with_inserts(tmp_path: Path, deletes_first: bool) -> None:
+    out = tmp_path / "out"
+    sink = _sink(out, format="parquet")
+    inserts = [{"op": "INSERT", "id": i, "name": f"n{i}", "qty": i * 10} for i in (1, 2)]
+    deletes = [{"op": "DELETE", "id": i, "name": None, "qty": None} for i in (1, 2)]
+    batches = [deletes, inserts] if deletes_first else [inserts, deletes]
+    for batch, rows in enumerate(batches, start=1):
+        sink.commit(batch, [_run_task(sink, batch, "tok", rows, "x")])
+    delete_file = out / sink.final_name(1 if deletes_first else 2, "tok")
+    assert str(pq.read_schema(delete_file).field("name").type) == "string"  # never null
+    table = ds.dataset(out, format="parquet").to_table()  # no "cast from string to null"
+    got = sorted(table.to_pylist(), key=lambda r: (r["op"], r["id"]))
+    assert [(r["op"], r["id"], r["name"]) for r in got] == [
+        ("DELETE", 1, None), ("DELETE", 2, None), ("INSERT", 1, "n1"), ("INSERT", 2, "n2"),
+    ]
+    # an all-null column is text: the first file's types are the dataset's
+    assert [r["qty"] for r in got] == ([None, None, "10", "20"] if deletes_first
+                                       else [None, None, 10, 20])
+
+
+def _order_row(record: DataChangeRecord) -> dict[str, Any]:
+    mod = record.mods[0]
+    return {"id": mod.keys["id"], "qty": mod.new_values["qty"]}
+
+
+def test_through_the_engine_a_poison_row_is_dead_lettered_and_the_rest_commits(
+    tmp_path: Path,
+) -> None:
+    s, t0 = 1_000_000_000, 1_700_000_000_000_000_000
+    stream = ScriptedChangeStream("S", origin=t0)
+    for i in range(6):
+        stream.write("Orders", i, "INSERT", {"qty": "lots" if i == 3 else i}, at=t0 + (i + 1) * s)
+    dead = "failed" >> WriteFiles("out", prefix="failed")
+    policy = ErrorPolicy(retries=1, backoff=0.001, then="skip", dead_letter=dead)
+    pipeline = cf.Pipeline("poison", error_policy=policy)
+    (pipeline
+     | DetectPartitions(stream="S", start_at=t0, end_at=t0 + 10 * s, client=stream)
+     | ReadPartition()
+     | Map(_order_row)
+     | "orders" >> WriteFiles("out", format="parquet"))
+    options = RunOptions(max_batch_span=60.0, batch_interval=0.0, base_dir=str(tmp_path))
+    summary = Engine(pipeline, MemoryStore(), InMemoryRunner(workers=2), options).run()
+    assert summary.reason == "end reached"
+    out = tmp_path / "out"
+    table = ds.dataset(sorted(str(p) for p in out.glob("part-*.parquet"))).to_table()
+    assert sorted(table.to_pylist(), key=lambda r: r["id"]) == [
+        {"id": i, "qty": i} for i in (0, 1, 2, 4, 5)
+    ]
+    (failed,) = _jsonl(out, "failed-*.jsonl")
+    assert failed["label"] == "orders" and failed["element"] == {"id": 3, "qty": "lots"}
+    assert "column 'qty' holds int64 values in this file" in failed["error"]
+
+
+# -- storage faults -------------------------------------------------------------------------
+
+_FULL = "/dev/full"  # every write to it fails with ENOSPC: a real full disk
+needs_dev_full = pytest.mark.skipif(not os.path.exists(_FULL), reason="needs Linux /dev/full")
+
+
+@needs_dev_full
+def test_a_full_disk_under_a_jsonl_writer_is_a_sink_io_error(tmp_path: Path) -> None:
+    sink = _sink(tmp_path)
+    ctx = _wctx(1, "tok")
+    os.symlink(_FULL, tmp_path / sink.temp_name(ctx))
+    writer = sink.open_writer(ctx)
+    writer.write({"id": 1})  # buffered: the disk is hit when the file is flushed
+    with pytest.raises(SinkIOError, match=r"No space left on device.*retried with backoff") as info:
+        writer.close()
+    assert isinstance(info.value.__cause__, OSError)
+    assert info.value.__cause__.errno == errno.ENOSPC
+    # a write large enough to reach the disk fails at once, and the writer stays failed, so a
+    # retry of the element cannot commit a file with a torn line
+    ctx = _wctx(1, "tok", "second")
+    os.symlink(_FULL, tmp_path / sink.temp_name(ctx))
+    writer = sink.open_writer(ctx)
+    with pytest.raises(SinkIOError, match="No space left"):
+        writer.write({"blob": "x" * 1_000_000})
+    with pytest.raises(SinkIOError, match="No space left"):
+        writer.write({"id": 2})
+    with pytest.raises(SinkIOError, match="No space left"):
+        writer.close()
+    writer.abort()
+    assert not os.path.lexists(tmp_path / sink.temp_name(ctx))
+
+
+@needs_dev_full
+def test_a_full_disk_under_a_parquet_writer_is_a_sink_io_error(tmp_path: Path) -> None:
+    sink = _sink(tmp_path, format="parquet")
+    ctx = _wctx(1, "tok")
+    os.symlink(_FULL, tmp_path / sink.temp_name(ctx))
+    writer = sink.open_writer(ctx)
+    writer.write({"id": 1, "payload": "x" * 100_000})
+    with pytest.raises(SinkIOError, match=r"No space left on device.*retried with backoff"):
+        writer.close()
+
+
+def test_a_failing_manifest_write_changes_nothing_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = _sink(tmp_path)
+    message = _run_task(sink, 1, "tok", [{"id": 1}], "x")
+
+    def no_space(src: Any, dst: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_space)
+    with pytest.raises(SinkIOError, match=r"cannot write .*batch-0000000001\.json"):
+        sink.commit(1, [message])
+    monkeypatch.undo()
+    assert _committed(tmp_path) == {}
+    sink.commit(1, [message])  # the engine's retry of the batch
+    assert _jsonl(tmp_path) == [{"id": 1}]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through a read-only mode bit")
+def test_a_read_only_directory_is_a_sink_io_error(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    sink = _sink(out)
+    message = _run_task(sink, 1, "tok", [{"id": 1}], "x")
+    out.chmod(0o500)
+    try:
+        writer = sink.open_writer(_wctx(2, "tok"))
+        with pytest.raises(SinkIOError, match="Permission denied"):
+            writer.write({"id": 2})
+        with pytest.raises(SinkIOError, match="Permission denied"):
+            sink.commit(1, [message])
+    finally:
+        out.chmod(0o700)
