@@ -46,7 +46,7 @@ class RunSummary:
     pipeline: str
     batches: int
     records: int
-    reason: str  # "end reached", "duration", "max batches", "interrupted"
+    reason: str  # "end reached", "duration", "max batches", "interrupted", "output closed"
     low_watermark: int
     partitions: Mapping[str, int]
     splits: int = 0

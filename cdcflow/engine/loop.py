@@ -160,6 +160,13 @@ class Engine:
         self._merges = 0
         self._owner: Ownership | None = None
         self._sink_floor = 0
+        self._stop_reason = "interrupted"
+
+    def _sink_stop(self, reason: str) -> None:
+        """A sink ended the run (its consumer went away): stop after this batch commits."""
+        _log.info("%s: stopping after the current batch", reason)
+        self._stop_reason = reason
+        self.request_stop()
 
     def _lost(self, error: FencedError) -> None:
         """Another run took the pipeline over: stop (its writes are fenced out anyway)."""
@@ -188,7 +195,8 @@ class Engine:
         name = pipeline.name
         sinks = self._sinks(TaskProgram.from_pipeline(pipeline))
         for label, sink in sinks.items():
-            sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir))
+            sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir,
+                                   request_stop=self._sink_stop))
         _check_locations(sinks)
         # Batch ids go on above any output a sink already holds (a lost or new store must
         # never make a sink reuse a batch id it committed before).
@@ -299,7 +307,7 @@ class Engine:
         reason = ""
         while True:
             if self._stop.is_set():
-                reason = "interrupted"
+                reason = self._stop_reason
                 break
             if opts.max_batches is not None and batches >= opts.max_batches:
                 reason = "max batches"

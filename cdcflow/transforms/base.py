@@ -12,7 +12,7 @@ A composite transform overrides :meth:`PTransform.expand` and applies other tran
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -159,13 +159,23 @@ class WriterContext:
     attempt: str  # unique per execution attempt of the task (retries get a new one)
 
 
+def _no_stop(reason: str) -> None:
+    msg = f"this sink asked to stop the run ({reason}), but nothing runs it"
+    raise RuntimeError(msg)
+
+
 @attrs.frozen
 class SinkContext:
-    """What a sink learns on the driver before the first batch."""
+    """What a sink learns on the driver before the first batch.
+
+    ``request_stop(reason)`` ends the run gracefully after the current batch commits (for
+    example when the sink's consumer went away); ``reason`` becomes the run summary's.
+    """
 
     pipeline: str
     sink_label: str
     base_dir: str  # directory of the pipeline file; relative paths resolve against it
+    request_stop: Callable[[str], None] = attrs.field(default=_no_stop, eq=False, repr=False)
 
 
 @runtime_checkable

@@ -7,6 +7,7 @@ output: together with the engine's deterministic replay they give exactly-once r
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ import orjson
 
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.serialize import to_json_value
-from cdcflow.transforms.base import Sink, SinkWriter, WriterContext
+from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 from cdcflow.transforms.files import WriteFiles, WrittenFile
 
 __all__ = ["Collect", "Print", "WriteFiles", "WrittenFile"]
@@ -114,10 +115,13 @@ class Print(Sink[Any, list[str]]):
             raise PipelineDefinitionError(msg)
         self.format = format
         self._batches = _OncePerBatch()
+        self._closed = False
+        self._stop: Callable[[str], None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_batches"] = None
+        state["_stop"] = None  # the driver's callback never travels into tasks
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -127,14 +131,28 @@ class Print(Sink[Any, list[str]]):
     def describe_params(self) -> str:
         return f"format={self.format}"
 
+    def setup(self, ctx: SinkContext) -> None:
+        self._stop = ctx.request_stop
+
     def open_writer(self, ctx: WriterContext) -> SinkWriter[Any, list[str]]:
         return _BufferWriter(_json_text if self.format == "json" else repr)
 
     def commit(self, batch_id: int, messages: Sequence[list[str]]) -> None:
-        if not self._batches.claim(batch_id):
+        if not self._batches.claim(batch_id) or self._closed:
             return
         out: IO[str] = sys.stdout  # looked up now, so redirected output is honoured
-        for message in messages:
-            for line in message:
-                print(line, file=out)
-        out.flush()
+        try:
+            for message in messages:
+                for line in message:
+                    print(line, file=out)
+            out.flush()
+        except BrokenPipeError:
+            # The reader went away (`cdcflow run ... | head`): it read what it wanted. The
+            # batch commits and the run ends after it, instead of failing and printing the
+            # batch again next time. Later writes to stdout go nowhere, quietly.
+            self._closed = True
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, out.fileno())
+            os.close(devnull)
+            if self._stop is not None:
+                self._stop("output closed")
