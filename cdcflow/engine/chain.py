@@ -182,7 +182,10 @@ class Chain:
         counts = self._counts
         for key, n in evaluated.counts.items():
             counts[key] = counts.get(key, 0) + n
+        wanted = self._task.sinks
         for label, element in evaluated.deliveries:
+            if wanted is not None and label not in wanted:
+                continue  # a replay for other sinks: this one has the batch already
             writer = self._writer(label)
             key = f"sink_writes/{label}"
             counts[key] = counts.get(key, 0) + 1
@@ -191,7 +194,9 @@ class Chain:
                 counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
                 continue
             done = self._guarded(label, record, element, functools.partial(writer.write, element))
-            if isinstance(done, _Skipped) and dead is not None:
+            if isinstance(done, _Skipped) and dead is not None and (
+                wanted is None or dead in wanted
+            ):
                 self._writer(dead).write(self._failed(label, record, element, done))
                 counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
 

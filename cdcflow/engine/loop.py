@@ -40,6 +40,7 @@ import cloudpickle
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.dag import Dag
+from cdcflow.engine.durability import StagedSinks
 from cdcflow.engine.lifecycle import (
     all_finished,
     count_states,
@@ -161,6 +162,7 @@ class Engine:
         self._owner: Ownership | None = None
         self._sink_floor = 0
         self._stop_reason = "interrupted"
+        self._staged: StagedSinks | None = None
 
     def _sink_stop(self, reason: str) -> None:
         """A sink ended the run (its consumer went away): stop after this batch commits."""
@@ -221,9 +223,12 @@ class Engine:
                         # the reset and sinks that name output by batch id never reuse one.
                         self.store.reset(name)
                     self._first_run(program)
+                    self._staged = StagedSinks(self.store, name, sinks, lambda: self._fence)
+                    self._restore_staged(program_bytes, sinks)
                     self.listener.on_start(name, self.runner.name, self.store.url)
                     with self._signals():
                         summary = self._loop(program, program_bytes, sinks)
+                    self._staged.flush()  # a graceful end: what is staged becomes durable
                 finally:
                     self._owner.release()
                 if self._owner.lost is not None:
@@ -388,41 +393,7 @@ class Engine:
 
         # 2. execute: one task per slice, on the runner; then
         # 3a. commit the sinks (idempotent per batch id: a replay commits the same again).
-        # A transient failure of either (a reader's retries spent, a sink's storage fault)
-        # aborts the sinks' leftovers and runs both again under the batch retry policy.
-        tasks = [pickle.dumps(Task(name, plan.batch_id, s)) for s in plan.slices]
-
-        def attempt() -> list[TaskResult]:
-            try:
-                done = self._run_tasks(plan, program_bytes, tasks)
-                lap("execute")
-                for label, sink in sinks.items():
-                    messages = [
-                        r.sink_messages[label] for r in done
-                        if r.sink_messages.get(label) is not None
-                    ]
-                    sink.commit(plan.batch_id, messages)
-            except BaseException:
-                _abort(plan.batch_id, sinks)
-                raise
-            return done
-
-        def retrying(retry: int, exc: BaseException, delay: float) -> None:
-            _log.warning(
-                "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
-                type(exc).__name__, exc, retry, self._batch_retry.retries, delay,
-            )
-
-        try:
-            results = self._batch_retry.call(attempt, retry_if=_is_transient, on_retry=retrying)
-        except PipelineStopped:
-            raise
-        except Exception as exc:
-            exc.add_note(
-                f"batch {plan.batch_id} was not committed; its plan stays in the store and "
-                "the next run replays it"
-            )
-            raise
+        results = self._deliver(plan, program_bytes, sinks, None, lambda: lap("execute"))
         sinks_committed_at = self._clock()
         lap("sink_commit")
         self.listener.on_sinks_committed(plan.batch_id)
@@ -432,7 +403,7 @@ class Engine:
         outcome = fold({p.token: p for p in parts}, results, now)
         self.store.commit_batch(
             name, plan.batch_id, list(outcome.updates), list(outcome.children), outcome.records,
-            fence=self._fence,
+            fence=self._fence, durable=self._staged.marks() if self._staged else None,
         )
         self._splits += outcome.splits
         self._merges += outcome.merges
@@ -464,6 +435,61 @@ class Engine:
             commit_times=tuple(t for r in results for t in r.commit_times),
             sinks_committed_at=sinks_committed_at,
         )
+
+    def _deliver(
+        self, plan: BatchPlan, program_bytes: bytes, sinks: dict[str, Sink[Any, Any]],
+        only: tuple[str, ...] | None, executed: Callable[[], None] = lambda: None,
+    ) -> list[TaskResult]:
+        """Run ``plan``'s tasks and commit their output to ``sinks`` (those in ``only``,
+        when given: a replay for sinks that had not made the batch durable).
+
+        A transient failure of either (a reader's retries spent, a sink's storage fault)
+        aborts the sinks' leftovers and runs both again under the batch retry policy; any
+        other failure notes that the batch was not committed and propagates."""
+        name = self.pipeline.name
+        tasks = [pickle.dumps(Task(name, plan.batch_id, s, only)) for s in plan.slices]
+        targets = sinks if only is None else {label: sinks[label] for label in only}
+
+        def attempt() -> list[TaskResult]:
+            try:
+                done = self._run_tasks(plan, program_bytes, tasks)
+                executed()
+                for label, sink in targets.items():
+                    messages = [
+                        r.sink_messages[label] for r in done
+                        if r.sink_messages.get(label) is not None
+                    ]
+                    sink.commit(plan.batch_id, messages)
+            except BaseException:
+                _abort(plan.batch_id, targets)
+                raise
+            return done
+
+        def retrying(retry: int, exc: BaseException, delay: float) -> None:
+            _log.warning(
+                "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
+                type(exc).__name__, exc, retry, self._batch_retry.retries, delay,
+            )
+
+        try:
+            return self._batch_retry.call(attempt, retry_if=_is_transient, on_retry=retrying)
+        except PipelineStopped:
+            raise
+        except Exception as exc:
+            exc.add_note(
+                f"batch {plan.batch_id} was not committed; its plan stays in the store and "
+                "the next run replays it"
+            )
+            raise
+
+    def _restore_staged(self, program_bytes: bytes, sinks: dict[str, Sink[Any, Any]]) -> None:
+        """Deliver again the committed batches a staging sink had not made durable."""
+        assert self._staged is not None
+        for plan, targets in self._staged.replays():
+            _log.info("batch %d again for %s (not durable there before the restart)",
+                      plan.batch_id, ", ".join(targets))
+            self._deliver(plan, program_bytes, sinks, targets)
+            self._staged.record()
 
     def _run_tasks(
         self, plan: BatchPlan, program_bytes: bytes, tasks: Sequence[bytes]

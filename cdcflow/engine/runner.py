@@ -22,11 +22,16 @@ __all__ = [
 
 @attrs.frozen
 class Task:
-    """Read one slice of one batch and push its records through the fused transforms."""
+    """Read one slice of one batch and push its records through the fused transforms.
+
+    ``sinks``: deliver only to these sink labels (a replay for sinks that had not made the
+    batch durable); None delivers to every sink.
+    """
 
     pipeline: str
     batch_id: int
     slice: Slice
+    sinks: tuple[str, ...] | None = None
 
 
 @attrs.frozen

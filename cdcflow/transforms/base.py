@@ -250,6 +250,25 @@ class Sink(PrimitiveTransform[E, None], Generic[E, M]):
     def on_watermark(self, watermark_ns: int) -> None:
         return None
 
+    def durable_batch(self) -> int | None:
+        """Two-stage ack. ``None`` (the default): ``commit`` has made a batch durable when it
+        returns.
+
+        A sink that *stages* batches — ``commit`` takes the batch, a later flush makes it
+        durable (to cut files near a target size across batches, say) — returns the batch
+        id through which its output is durable (0: nothing yet). The engine records it with
+        each batch and, after a crash, replays the batches above it from the batch log to
+        this sink only (the deterministic slices make the replay exact). Contract: after a
+        restart the sink finds its durable batch in its own storage, and ``commit`` skips
+        a batch at or below it (its output exists already).
+        """
+        return None
+
+    def flush(self) -> None:
+        """Make every staged batch durable; called on the driver when a run ends gracefully.
+        Sinks that do not stage (``durable_batch() is None``) have nothing to do."""
+        return None
+
     def last_committed_batch(self) -> int:
         """The highest batch id whose output this sink finds already where it writes, or 0
         when it finds none or cannot tell (the default).

@@ -1,0 +1,171 @@
+"""Two-stage acks: a sink that stages batches and makes them durable later. After a crash
+at any step of a flush, nothing it had made durable is delivered twice and nothing it had
+not is lost (the engine replays the batch log above its durable mark, to it alone)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.listener import BatchStats, EngineListener
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.runner import Runner
+from cdcflow.metadata import SQLiteStore
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms.base import SinkContext, SinkWriter, WriterContext
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+
+
+class _Crash(Exception):
+    """Stands for the process dying at that point."""
+
+
+class _ListWriter:
+    def __init__(self) -> None:
+        self.items: list[int] = []
+
+    def write(self, element: int) -> None:
+        self.items.append(element)
+
+    def close(self) -> list[int] | None:
+        return self.items or None
+
+    def abort(self) -> None:
+        self.items = []
+
+
+class SegmentSink(cf.Sink[int, list[int]]):
+    """Stages committed batches in memory; every ``every`` batches (and on flush) writes them
+    as one segment file ``seg-<first>-<last>.json`` (temp file, then an atomic rename). Its
+    durable batch is the largest ``last`` among the segments, read back from the directory
+    after a restart. ``crash_at`` raises at one step: "stage", "segment-written" (temp
+    file written, not renamed) or "renamed" (renamed, before the engine records it)."""
+
+    def __init__(self, directory: Path, every: int, crash_at: tuple[str, int] | None = None):
+        self.directory = directory
+        self.every = every
+        self.crash_at = crash_at
+        self.staged: dict[int, list[int]] = {}
+
+    def setup(self, ctx: SinkContext) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _crash(self, step: str, batch_id: int) -> None:
+        if self.crash_at == (step, batch_id):
+            raise _Crash(f"{step} {batch_id}")
+
+    def durable_batch(self) -> int:
+        ends = [int(f.name.split("-")[2].split(".")[0]) for f in self.directory.glob("seg-*.json")]
+        return max(ends, default=0)
+
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[int, list[int]]:
+        return _ListWriter()
+
+    def commit(self, batch_id: int, messages: Sequence[list[int]]) -> None:
+        if batch_id <= self.durable_batch():
+            return  # durable already
+        self._crash("stage", batch_id)
+        self.staged[batch_id] = sorted(v for m in messages for v in m)
+        if len(self.staged) >= self.every:
+            self._write_segment()
+
+    def flush(self) -> None:
+        if self.staged:
+            self._write_segment()
+
+    def _write_segment(self) -> None:
+        first, last = min(self.staged), max(self.staged)
+        values = [v for b in sorted(self.staged) for v in self.staged[b]]
+        temp = self.directory / f".tmp-{first}-{last}"
+        temp.write_text(json.dumps(values))
+        self._crash("segment-written", last)
+        os.replace(temp, self.directory / f"seg-{first}-{last}.json")
+        self.staged = {}
+        self._crash("renamed", last)
+
+    def values(self) -> list[int]:
+        return [v for f in sorted(self.directory.glob("seg-*.json"))
+                for v in json.loads(f.read_text())]
+
+
+class _CrashAfterStore(EngineListener):
+    def __init__(self, batch_id: int) -> None:
+        self.batch_id = batch_id
+
+    def on_batch(self, stats: BatchStats) -> None:
+        if stats.batch_id == self.batch_id:
+            raise _Crash(f"after store commit {self.batch_id}")
+
+
+def _stream() -> ScriptedChangeStream:
+    s = ScriptedChangeStream("S", partitions=2, origin=T0)
+    s.split("p0", at=T0 + 3 * S, into=["a", "b"])
+    for i in range(80):
+        s.write("T", i, "INSERT", {"v": i}, at=T0 + (i + 1) * S // 8)
+    return s
+
+
+def _run(runner: Runner, store_path: Path, sink: SegmentSink,
+         listener: EngineListener | None = None) -> Any:
+    p = cf.Pipeline("staged")
+    (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 11 * S, client=_stream())
+     | cf.ReadPartition() | "v" >> cf.Map(lambda r: r.mods[0].new_values["v"]) | sink)
+    store = SQLiteStore(store_path)
+    try:
+        opts = RunOptions(batch_interval=0, max_batch_span=1.0)
+        return Engine(p, store, runner, opts, listener).run()
+    finally:
+        store.close()
+
+
+CRASHES = [
+    ("stage", 4), ("stage", 6), ("segment-written", 6), ("renamed", 6),
+    ("segment-written", 9), ("renamed", 3),
+]
+
+
+@pytest.mark.parametrize("crash", CRASHES, ids=[f"{s}-{b}" for s, b in CRASHES])
+def test_a_crash_at_any_step_of_a_flush_loses_and_repeats_nothing(
+    runner: Runner, tmp_path: Path, crash: tuple[str, int]
+) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(_Crash):
+        _run(runner, tmp_path / "s.db", SegmentSink(out, every=3, crash_at=crash))
+    summary = _run(runner, tmp_path / "s.db", SegmentSink(out, every=3))
+    assert summary.reason == "end reached"
+    assert sorted(SegmentSink(out, 3).values()) == list(range(80))
+
+
+@pytest.mark.parametrize("after", [2, 5])
+def test_a_crash_after_the_store_commit_replays_only_what_was_not_durable(
+    runner: Runner, tmp_path: Path, after: int
+) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(_Crash):
+        _run(runner, tmp_path / "s.db", SegmentSink(out, every=3), _CrashAfterStore(after))
+    durable_before = SegmentSink(out, 3).durable_batch()
+    assert durable_before < after  # batches were committed but only staged
+    store = SQLiteStore(tmp_path / "s.db")
+    assert store.durable_marks("staged") == {"SegmentSink": durable_before}
+    store.close()
+    _run(runner, tmp_path / "s.db", SegmentSink(out, every=3))
+    assert sorted(SegmentSink(out, 3).values()) == list(range(80))
+
+
+def test_a_graceful_end_makes_everything_durable(tmp_path: Path) -> None:
+    from cdcflow.runners.in_memory import InMemoryRunner
+
+    out = tmp_path / "out"
+    _run(InMemoryRunner(workers=2), tmp_path / "s.db", SegmentSink(out, every=100))
+    assert sorted(SegmentSink(out, 100).values()) == list(range(80))
+    store = SQLiteStore(tmp_path / "s.db")
+    assert store.durable_marks("staged")["SegmentSink"] == store.last_batch_id("staged")
+    store.close()
