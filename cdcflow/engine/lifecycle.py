@@ -24,7 +24,7 @@ Invariants these functions rely on and keep:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -100,6 +100,7 @@ def plan_batch(
     now_ns: int,
     max_span_ns: int,
     batch_id: int,
+    waiting: Collection[str] = frozenset(),
 ) -> tuple[BatchPlan, dict[str, PartitionState]]:
     """Plan batch ``batch_id``: its slices, and the state transitions to write with it.
 
@@ -110,6 +111,9 @@ def plan_batch(
     children have started" keeps meaning that a reader began on them. A plan with no
     slices means nothing can advance before the clock passes the low watermark; the
     engine waits instead of writing it.
+
+    Partitions in ``waiting`` (idle ones the engine reads less often) get no slice this
+    batch; a ready CREATED partition always starts.
 
     Slices are ordered by (start, token) so a plan is deterministic.
     """
@@ -123,6 +127,8 @@ def plan_batch(
     for p in sorted(partitions, key=lambda p: (p.start, p.token)):
         starts_now = p.token in ready
         if not starts_now and p.state not in (PartitionState.RUNNING, PartitionState.SCHEDULED):
+            continue
+        if not starts_now and p.token in waiting:
             continue
         end = min(batch_end, p.end)
         if p.watermark >= end:

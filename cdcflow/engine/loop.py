@@ -51,6 +51,7 @@ from cdcflow.engine.lifecycle import (
 )
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.ownership import Ownership
+from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.runner import Runner, Task, TaskResult
 from cdcflow.engine.task import TaskProgram, make_client
 from cdcflow.errors import (
@@ -100,6 +101,10 @@ class RunOptions:
     ``reset``: forget the pipeline's stored progress first and start over.
     ``gc_ttl``: delete finished partitions this long after they finished (once their
     children have started). ``base_dir``: relative sink paths resolve against it.
+    ``idle_read_interval``: an idle partition (no data in its last slices) is queried less
+    often, its wait doubling up to this many seconds; the resolved watermark then lags by
+    at most that much more (0: every partition every batch; see
+    :mod:`cdcflow.engine.partitions`).
     ``takeover``: take the pipeline over from a run whose lease is still alive (after
     confirming it is gone); ``lease_ttl``: how long this run's lease holds without a
     heartbeat (:mod:`cdcflow.engine.ownership`). ``strict``: refuse to resume stored
@@ -121,6 +126,7 @@ class RunOptions:
     retry_backoff: float = attrs.field(default=1.0, validator=_non_negative)
     takeover: bool = False
     lease_ttl: float = attrs.field(default=30.0, validator=_positive)
+    idle_read_interval: float = attrs.field(default=5.0, validator=_non_negative)
     strict: bool = False
 
 
@@ -163,6 +169,8 @@ class Engine:
         self._sink_floor = 0
         self._stop_reason = "interrupted"
         self._staged: StagedSinks | None = None
+        self._view: PartitionView | None = None
+        self._idle = IdleSchedule(0.0, 0.0)
 
     def _sink_stop(self, reason: str) -> None:
         """A sink ended the run (its consumer went away): stop after this batch commits."""
@@ -213,7 +221,9 @@ class Engine:
             # child before it execs.
             self.runner.open(name)
             try:
-                make_client(program.source).describe_stream(program.source.stream)
+                info = make_client(program.source).describe_stream(program.source.stream)
+                if info.partition_mode == "IMMUTABLE_KEY_RANGE":  # see engine.partitions
+                    self._idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval)
                 # One run per pipeline: every write below carries this run's fencing token.
                 self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost)
                 self._owner.acquire(opts.takeover)
@@ -310,6 +320,12 @@ class Engine:
         batches = records = 0
         totals = Counter[str]()
         reason = ""
+        # Read once; from here on the view applies what this run writes (it owns the
+        # pipeline), so a batch reads nothing from the store.
+        view = PartitionView(self.store, name)
+        self._view = view
+        pending: BatchPlan | None = self.store.pending_plan(name)
+        next_id = max(self.store.last_batch_id(name), self._sink_floor) + 1
         while True:
             if self._stop.is_set():
                 reason = self._stop_reason
@@ -323,23 +339,27 @@ class Engine:
             batch_began = time.monotonic()
             # 1. plan: replay a pending plan as it is, or plan the next batch and write it
             #    to the store before any task runs (write-ahead).
-            plan = self.store.pending_plan(name)
+            plan, pending = pending, None
             replay = plan is not None
             now = self._clock()
-            parts = self.store.partitions(name)
+            parts = view.snapshot()
             if plan is None:
                 if all_finished(parts):
                     reason = "end reached"
                     break
-                batch_id = max(self.store.last_batch_id(name), self._sink_floor) + 1
-                plan, transitions = plan_batch(parts, now, int(opts.max_batch_span * _NS), batch_id)
+                span = int(opts.max_batch_span * _NS)
+                waiting = self._idle.waiting(parts, now)
+                plan, transitions = plan_batch(parts, now, span, next_id, waiting)
                 if not plan.slices:
-                    # The clock has not passed the low watermark yet: nothing can advance.
+                    # Nothing can advance yet: the clock has not passed the low watermark,
+                    # or every partition is idle and waiting for its next read.
                     ahead = (low_watermark(parts) - now) / _NS
                     self._wait(min(max(ahead, 0.01), max(opts.batch_interval, 0.01)), deadline)
                     continue
                 plan = attrs.evolve(plan, planned_at=now)
                 self.store.write_plan(name, plan, transitions, fence=self._fence)
+                view.planned(transitions, now)
+            next_id = plan.batch_id + 1
             self.listener.on_planned(plan, replay)
             stats = self._execute(plan, replay, parts, program_bytes, sinks, batch_began)
             batches += 1
@@ -350,7 +370,7 @@ class Engine:
             if not replay and plan.end >= now:
                 # Caught up with the clock: pace batches instead of spinning on tiny ones.
                 self._wait(batch_began + opts.batch_interval - time.monotonic(), deadline)
-        parts = self.store.partitions(name)
+        parts = view.snapshot()
         return RunSummary(
             pipeline=name, batches=batches, records=records, reason=reason,
             low_watermark=low_watermark(parts), partitions=count_states(parts),
@@ -401,16 +421,20 @@ class Engine:
         # 3b. commit the store: the batch's progress, as the lifecycle reads the results.
         now = self._clock()
         outcome = fold({p.token: p for p in parts}, results, now)
+        self._idle.read(results, now)
         self.store.commit_batch(
             name, plan.batch_id, list(outcome.updates), list(outcome.children), outcome.records,
             fence=self._fence, durable=self._staged.marks() if self._staged else None,
         )
         self._splits += outcome.splits
         self._merges += outcome.merges
+        view = self._view
+        assert view is not None
+        view.committed(outcome, now)
         lap("store_commit")
 
         # 3c. tell every sink the new low watermark (a resolved timestamp).
-        parts = self.store.partitions(name)
+        parts = view.snapshot()
         low = low_watermark(parts)
         for sink in sinks.values():
             sink.on_watermark(low)
@@ -419,6 +443,7 @@ class Engine:
         expired = gc_candidates(parts, now, int(self.options.gc_ttl * _NS))
         if expired:
             self.store.delete_partitions(name, expired)
+            view.deleted(expired)
             gone = set(expired)
             parts = [p for p in parts if p.token not in gone]
         lap("gc")

@@ -36,7 +36,8 @@ def run(pipeline: Dag, *, listener: EngineListener | None = None, **options: Any
 
     The run uses the in-memory runner (which pickles every task, as Spark would), a private
     ``memory://`` store that is gone when the call returns, and no pause between batches
-    (``batch_interval=0`` unless given). ``options`` are those of ``pipeline.run()``
+    (``batch_interval=0`` and ``idle_read_interval=0`` unless given). ``options`` are those
+    of ``pipeline.run()``
     (``max_batches=3``, ``max_batch_span="1s"``, ``workers=1``, ...).
 
     The pipeline must end: its DetectPartitions (or ReadChangeStream) needs an ``end_at``,
@@ -65,4 +66,5 @@ def run(pipeline: Dag, *, listener: EngineListener | None = None, **options: Any
         )
         raise PipelineDefinitionError(msg)
     options.setdefault("batch_interval", 0)
+    options.setdefault("idle_read_interval", 0)  # every partition every batch: no waits
     return run_pipeline(pipeline, "memory", "memory://", listener=listener, **options)

@@ -1,0 +1,129 @@
+"""The engine's view of a pipeline's partitions, and which idle partitions can wait.
+
+Cost proportional to activity. A run owns its pipeline (the lease fences every other
+writer out), so after one read at start the engine keeps the partitions in memory and
+applies to them exactly what it writes to the store: per batch there is no store read,
+and the store writes hold only the partitions the batch planned or read.
+
+An idle partition (its last slices held no data change record) need not be queried every
+batch. :class:`IdleSchedule` reads it again after a delay that doubles with each idle
+slice, up to ``max_delay`` seconds; any data resets it. A partition that is not read keeps
+its watermark, so the pipeline's resolved (low) watermark lags the clock by at most
+``max_delay`` plus one batch more than it would otherwise. Only IMMUTABLE_KEY_RANGE
+streams skip idle partitions: there a key lives in one partition at a time (children
+wait for their parents), so reading one partition later never reorders a key's changes.
+In MUTABLE_KEY_RANGE streams keys move between live partitions, and per-key order relies
+on every partition being read up to the same batch end, so every partition is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from cdcflow.engine.lifecycle import BatchOutcome
+from cdcflow.engine.runner import TaskResult
+from cdcflow.metadata.base import MetadataStore
+from cdcflow.model import PartitionMetadata, PartitionState
+
+__all__ = ["IdleSchedule", "PartitionView"]
+
+_NS = 1_000_000_000
+_ORDER = {
+    PartitionState.CREATED: 0, PartitionState.SCHEDULED: 1, PartitionState.RUNNING: 2,
+    PartitionState.FINISHED: 3,
+}
+
+
+class PartitionView:
+    """The stored partitions of ``pipeline``, read once and then kept in step with what the
+    engine writes (:meth:`planned`, :meth:`committed`, :meth:`deleted`)."""
+
+    def __init__(self, store: MetadataStore, pipeline: str) -> None:
+        self._parts = {p.token: p for p in store.partitions(pipeline)}
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def get(self, token: str) -> PartitionMetadata | None:
+        return self._parts.get(token)
+
+    def snapshot(self) -> list[PartitionMetadata]:
+        """The partitions now (a new list; the records themselves are immutable)."""
+        return list(self._parts.values())
+
+    def mapping(self) -> Mapping[str, PartitionMetadata]:
+        return self._parts
+
+    def planned(self, transitions: Mapping[str, PartitionState], now_ns: int) -> None:
+        """Apply the state transitions written with a plan (as the store stamps them)."""
+        for token, state in transitions.items():
+            self._parts[token] = _moved(self._parts[token], state, now_ns)
+
+    def committed(self, outcome: BatchOutcome, now_ns: int) -> None:
+        """Apply a committed batch: watermarks, finished partitions, new children."""
+        for u in outcome.updates:
+            p = attrs.evolve(self._parts[u.token], watermark=u.watermark)
+            self._parts[u.token] = _moved(p, PartitionState.FINISHED, now_ns) if u.finished else p
+        for child in outcome.children:
+            self._parts.setdefault(child.token, child)
+
+    def deleted(self, tokens: Iterable[str]) -> None:
+        for token in tokens:
+            self._parts.pop(token, None)
+
+
+def _moved(p: PartitionMetadata, state: PartitionState, now_ns: int) -> PartitionMetadata:
+    if _ORDER[state] <= _ORDER[p.state]:
+        return p
+    level = _ORDER[state]
+    return attrs.evolve(
+        p, state=state,
+        scheduled_at=p.scheduled_at if p.scheduled_at is not None or level < 1 else now_ns,
+        running_at=p.running_at if p.running_at is not None or level < 2 else now_ns,
+        finished_at=p.finished_at if p.finished_at is not None or level < 3 else now_ns,
+    )
+
+
+class IdleSchedule:
+    """Which partitions can skip this batch (see the module docstring).
+
+    ``base_delay`` is the wait after the first idle slice, doubling per idle slice up to
+    ``max_delay`` (seconds). ``max_delay == 0`` reads every partition every batch.
+    """
+
+    def __init__(self, base_delay: float, max_delay: float) -> None:
+        self.base_ns = max(1, int(base_delay * _NS))
+        self.max_ns = int(max_delay * _NS)
+        self._streak: dict[str, int] = {}
+        self._due: dict[str, int] = {}
+
+    def waiting(self, partitions: Sequence[PartitionMetadata], now_ns: int) -> set[str]:
+        """Tokens of RUNNING partitions not due for a read at ``now_ns``."""
+        if self.max_ns <= 0:
+            return set()
+        due = self._due
+        return {
+            p.token for p in partitions
+            if p.state == PartitionState.RUNNING and due.get(p.token, 0) > now_ns
+        }
+
+    def read(self, results: Sequence[TaskResult], now_ns: int) -> None:
+        """Note what each read partition held: data resets it, an idle slice that reached
+        near the clock doubles its wait (catching up on the past is never idle; a finished
+        partition is forgotten)."""
+        if self.max_ns <= 0:
+            return
+        for r in results:
+            if r.ended:
+                self._streak.pop(r.token, None)
+                self._due.pop(r.token, None)
+            elif r.records or now_ns - r.position > self.max_ns:
+                self._streak[r.token] = 0
+                self._due[r.token] = 0
+            else:
+                streak = self._streak.get(r.token, 0) + 1
+                self._streak[r.token] = streak
+                delay = min(self.max_ns, self.base_ns << min(streak - 1, 40))
+                self._due[r.token] = now_ns + delay

@@ -1,0 +1,101 @@
+"""Cost proportional to activity: the engine reads the store's partitions once per run,
+and idle partitions of an IMMUTABLE_KEY_RANGE stream are queried less often."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import cdcflow as cf
+from cdcflow.engine.listener import BatchStats, EngineListener
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.partitions import IdleSchedule
+from cdcflow.engine.runner import TaskResult
+from cdcflow.metadata import MemoryStore
+from cdcflow.model import PartitionMetadata, PartitionState
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.testing import ScriptedChangeStream, ScriptedMutableStream
+
+S = 1_000_000_000
+
+
+def _part(token: str) -> PartitionMetadata:
+    return PartitionMetadata(token, (), 0, 10**19, 0, PartitionState.RUNNING)
+
+
+def test_idle_waits_double_up_to_the_cap_and_data_resets_them() -> None:
+    idle = IdleSchedule(base_delay=1.0, max_delay=5.0)
+    parts = [_part("a"), _part("b")]
+    now = 100 * S
+    for expected in (1, 2, 4, 5, 5):
+        idle.read([TaskResult("a", now, False), TaskResult("b", now, False, records=3)], now)
+        assert idle.waiting(parts, now) == {"a"}
+        assert idle.waiting(parts, now + expected * S - 1) == {"a"}
+        assert idle.waiting(parts, now + expected * S) == set()
+    idle.read([TaskResult("a", now, False, records=1)], now)  # data: read every batch again
+    assert idle.waiting(parts, now) == set()
+
+
+def test_catching_up_is_never_idle_and_a_zero_cap_reads_everything() -> None:
+    idle = IdleSchedule(base_delay=1.0, max_delay=5.0)
+    now = 1000 * S
+    idle.read([TaskResult("a", now - 60 * S, False)], now)  # a slice far behind the clock
+    assert idle.waiting([_part("a")], now) == set()
+    off = IdleSchedule(base_delay=1.0, max_delay=0.0)
+    off.read([TaskResult("a", now, False)], now)
+    assert off.waiting([_part("a")], now) == set()
+
+
+class _Counting(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def partitions(self, pipeline: str) -> list[PartitionMetadata]:
+        self.reads += 1
+        return super().partitions(pipeline)
+
+
+class _Slices(EngineListener):
+    def __init__(self) -> None:
+        self.slices: list[int] = []
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self.slices.append(stats.slices)
+
+
+def _follow(stream: Any, seconds: float, store: MemoryStore, idle: float) -> list[int]:
+    origin = stream.origin
+    out: cf.Collect[Any] = cf.Collect()
+    p = cf.Pipeline("active")
+    (p | cf.DetectPartitions(stream="S", start_at=origin, end_at=origin + int(seconds * S),
+                             client=stream)
+     | cf.ReadPartition(heartbeat="100ms") | out)
+    listener = _Slices()
+    opts = RunOptions(batch_interval=0.05, idle_read_interval=idle)
+    summary = Engine(p, store, InMemoryRunner(workers=2), opts, listener).run()
+    assert summary.reason == "end reached"
+    assert len(out.items) == len(stream.expected_records())
+    return listener.slices
+
+
+def test_idle_partitions_are_read_less_often_and_the_store_is_read_once() -> None:
+    def reads(idle: float, store: MemoryStore) -> int:
+        origin = time.time_ns()
+        stream = ScriptedChangeStream("S", partitions=6, origin=origin)
+        stream.write("T", 1, "INSERT", {"v": 1}, at=origin + S // 10)
+        return sum(_follow(stream, 2.5, store, idle=idle))
+
+    store = _Counting()
+    lazy = reads(1.0, store)
+    assert store.reads <= 2  # once for the run's view (and once more at the first run)
+    eager = reads(0.0, MemoryStore())
+    assert lazy < eager / 2, (lazy, eager)
+
+
+def test_mutable_streams_read_every_partition_every_batch() -> None:
+    origin = time.time_ns()
+    stream = ScriptedMutableStream("S", partitions=["a", "b", "c"], origin=origin)
+    stream.write("T", 1, "INSERT", {"v": 1}, at=origin + S // 10)
+    slices = _follow(stream, 1.5, MemoryStore(), idle=1.0)
+    assert all(n == 3 for n in slices[1:-1])
