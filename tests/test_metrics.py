@@ -493,3 +493,34 @@ def test_live_run_on_the_emulator_scraped_over_http(spanner_emulator: Any, tmp_p
         store.close()
     # and the run's summary line counts the skipped elements too
     assert f"{int(skipped):,} skipped, 0 retried, 0 dead-lettered" in text
+
+
+# -- examples/monitoring ---------------------------------------------------------------------
+
+_MONITORING = Path(__file__).resolve().parents[1] / "examples" / "monitoring"
+
+
+def _exported_names() -> set[str]:
+    detector = StuckDetector(10)
+    metrics = PipelineMetrics("orders", detector=detector, clock=Clock())
+    metrics.on_partitions([part("a", NOW - S)], NOW)
+    metrics.on_batch(batch(1, commit_times=(NOW - S,), sinks_committed_at=NOW))
+    return {name for name, _ in parse(metrics.exposition().decode())}
+
+
+def test_the_dashboard_and_alerts_use_only_exported_metrics() -> None:
+    import json
+
+    exported = _exported_names()
+    dashboard = json.loads((_MONITORING / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert {"Low-watermark lag", "Records and bytes read", "Batch phases (p90)",
+            "Retried, skipped, dead-lettered elements", "Partitions by state",
+            "Stuck partitions"} <= titles
+    alerts = (_MONITORING / "cdcflow-alerts.yml").read_text()
+    used = set(re.findall(r"cdcflow_[a-z_]+", " ".join(exprs) + alerts))
+    assert used and used <= exported, used - exported
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    assert "rule_files" in (_MONITORING / "prometheus.yml").read_text()
