@@ -125,7 +125,7 @@ def test_document_and_text_at_a_fixed_time(store_url: str) -> None:
         text = render_status(store, "live", now_ns=NOW)
         assert "run            not recorded by this store" in text
         assert "pending batch  7: " in text
-        with pytest.raises(UserInputError, match="no pipeline named 'nope'.*done, live"):
+        with pytest.raises(UserInputError, match=r"no pipeline named 'nope'.*done, live"):
             status_document(store, "nope")
     finally:
         store.close()
