@@ -144,6 +144,18 @@ class StuckDetector:
                 self._clear(token, now_ns, "finished")
             return self._evaluate(now_ns, note)
 
+    def seed(self, positions: Iterable[tuple[str, int]], now_ns: int) -> None:
+        """Start watching partitions not observed yet, at these (token, watermark) positions:
+        the slices of a batch planned before any commit (a run whose first batch hangs has
+        no stored partitions to observe). Their heartbeat is taken as the largest known."""
+        with self._lock:
+            heartbeat = max((t.heartbeat_millis for t in self._tracks.values()), default=1000)
+            for token, watermark in positions:
+                if token not in self._tracks:
+                    self._tracks[token] = _Track(
+                        watermark, now_ns, PartitionState.RUNNING, heartbeat
+                    )
+
     def check(self, now_ns: int, note: str = "") -> list[StuckPartition]:
         """Look again at the partitions last observed, at ``now_ns``; return the ones newly
         found stuck. ``note`` is added to their log lines (e.g. the batch in flight)."""
@@ -225,6 +237,7 @@ class StuckWatch(EngineListener):
     def on_planned(self, plan: BatchPlan, replay: bool) -> None:
         with self._flight_lock:
             self._in_flight = (plan.batch_id, time.monotonic())
+        self.detector.seed(((s.token, s.start) for s in plan.slices), self._clock())
 
     def on_partitions(self, partitions: Sequence[PartitionMetadata], now_ns: int) -> None:
         self.detector.observe(partitions, now_ns)

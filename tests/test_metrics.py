@@ -524,3 +524,13 @@ def test_the_dashboard_and_alerts_use_only_exported_metrics() -> None:
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert "rule_files" in (_MONITORING / "prometheus.yml").read_text()
+
+
+def test_a_first_batch_that_hangs_is_reported_from_its_plan() -> None:
+    clock = Clock()
+    watch = StuckWatch(StuckDetector(5), clock=clock)
+    watch.on_planned(cf.model.BatchPlan(1, NOW, (cf.model.Slice("p0", NOW - S, NOW),)), False)
+    clock.t += 6 * S
+    assert [(s.token, s.watermark) for s in watch.check()] == [("p0", NOW - S)]
+    watch.on_partitions([part("p0", NOW)], clock.t)  # the batch committed after all
+    assert watch.detector.stuck() == []
