@@ -534,3 +534,25 @@ def test_a_first_batch_that_hangs_is_reported_from_its_plan() -> None:
     assert [(s.token, s.watermark) for s in watch.check()] == [("p0", NOW - S)]
     watch.on_partitions([part("p0", NOW)], clock.t)  # the batch committed after all
     assert watch.detector.stuck() == []
+
+
+@pytest.mark.spark
+def test_spark_and_the_memory_runner_report_the_same_counters() -> None:
+    def counters(runner: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        pipeline, _ = _scripted(f"same-{runner}", NOW, NOW + 10 * S,
+                                  error_policy=cf.ErrorPolicy(retries=1, backoff=0, then="skip"))
+        metrics = PipelineMetrics(pipeline.name, clock=Clock())
+        pipeline.run(runner, "memory://", listener=metrics, batch_interval=0,
+                     max_batch_span="2s", **({"master": "local[2]"} if runner == "spark" else {}))
+        wanted = ("cdcflow_records_read_total", "cdcflow_elements_total",
+                  "cdcflow_sink_writes_total", "cdcflow_skipped_total", "cdcflow_retries_total",
+                  "cdcflow_batches_total")
+        return {(name, frozenset((k, v) for k, v in labels if k != "pipeline")): value
+                for (name, labels), value in parse(metrics.exposition().decode()).items()
+                if name in wanted}
+
+    memory, spark = counters("memory"), counters("spark")
+    assert memory == spark
+    assert memory[("cdcflow_records_read_total", frozenset())] == 40
+    assert memory[("cdcflow_skipped_total", frozenset())] == 1  # id 7
+    assert memory[("cdcflow_retries_total", frozenset())] == 1
