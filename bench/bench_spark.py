@@ -44,7 +44,10 @@ from cdcflow.serialize import dumps_line
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import DetectPartitions, Filter, Map, ReadPartition, WriteFiles
 
-__all__ = ["IdleResult", "ThroughputResult", "idle_batches", "main", "throughput"]
+__all__ = [
+    "IdleResult", "ThroughputResult", "data_pipeline", "data_stream", "idle_batches", "main",
+    "throughput",
+]
 
 _S = 1_000_000_000
 _IDLE_WARMUP = 3  # the root batch and the first batches of fresh workers are not counted
@@ -133,7 +136,7 @@ def _enrich(row: dict[str, Any]) -> dict[str, Any]:
     return {**parsed, "size": len(text), "digest": digest.hex()[:16]}
 
 
-def _data_pipeline(name: str, stream: ScriptedChangeStream, end: int, out: str) -> Pipeline:
+def data_pipeline(name: str, stream: ScriptedChangeStream, end: int, out: str) -> Pipeline:
     pipeline = Pipeline(name)
     (
         pipeline
@@ -147,7 +150,7 @@ def _data_pipeline(name: str, stream: ScriptedChangeStream, end: int, out: str) 
     return pipeline
 
 
-def _data_stream(records: int, partitions: int, span_s: int) -> ScriptedChangeStream:
+def data_stream(records: int, partitions: int, span_s: int) -> ScriptedChangeStream:
     origin = 1_704_067_200 * _S
     stream = ScriptedChangeStream("Orders", partitions=partitions, buckets=64, origin=origin)
     step = span_s * _S // records
@@ -169,7 +172,7 @@ def throughput(
     end = stream.origin + span_s * _S
     with tempfile.TemporaryDirectory(prefix="cdcflow-bench-tp-") as out:
         name = "bench-tp-" + label.replace("[", "-").rstrip("]")
-        pipeline = _data_pipeline(name, stream, end, out)
+        pipeline = data_pipeline(name, stream, end, out)
         options = RunOptions(batch_interval=0, max_batch_span=batch_span_s)
         stats = _run(pipeline, runner, options)
     data = [s for s in stats if s.records > 0][1:]
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     idle_mem = _timed(
         "memory idle", lambda: idle_batches(InMemoryRunner(), "memory", args.idle_batches)
     )
-    stream = _data_stream(args.records, args.partitions, span_s)
+    stream = data_stream(args.records, args.partitions, span_s)
     tp_mem = _timed(
         "memory throughput",
         lambda: throughput(InMemoryRunner(workers=1), "memory", stream, span_s, batch_span),

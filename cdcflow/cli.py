@@ -4,7 +4,9 @@ Exit codes: 0 success (a run that reached ``end_at``, ``--for`` or ``--max-batch
 1 the pipeline stopped on an error (its error policy said stop) or another runtime
 failure; 2 bad input (a pipeline file, option, URL or name), printed as one line
 ``cdcflow: error: <cause and fix>`` without a traceback; 130 interrupted.
-``--debug`` (or ``CDCFLOW_DEBUG=1``) shows tracebacks and debug logs.
+``--debug`` (or ``CDCFLOW_DEBUG=1``) shows tracebacks and debug logs, and
+``--log-format json`` writes one JSON object per log line; both go anywhere on the
+command line (before or after the command).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from cdcflow import __version__
 from cdcflow.durations import parse_duration
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine
-from cdcflow.errors import CdcflowError, PipelineStopped, StoreURLError, UsageError, UserInputError
+from cdcflow.errors import CdcflowError, StoreURLError, UsageError, UserInputError
 from cdcflow.launch import (
     OptionSpec,
     default_store_url,
@@ -33,7 +35,7 @@ from cdcflow.launch import (
     run_pipeline,
     runner_factory,
 )
-from cdcflow.progress import LiveProgress
+from cdcflow.progress import LOG_FORMATS, LiveProgress
 
 __all__ = [
     "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main",
@@ -86,18 +88,47 @@ def _key_value(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        msg = f"{text!r} is not a port: give 1 to 65535, or 0 for a free one"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _common(default: bool) -> _Parser:
+    """Options every command takes, before or after its name. Only the top level sets
+    defaults, so a subcommand's parser does not overwrite what was given before it."""
+    common = _Parser(add_help=False)
+    if default:
+        common.add_argument("--debug", action="store_true",
+                            help="show tracebacks and debug logs (also CDCFLOW_DEBUG=1)")
+        common.add_argument("--log-format", choices=LOG_FORMATS, default="plain",
+                            help="log lines as plain text dated in UTC (default), or one "
+                            "JSON object per line")
+    else:
+        common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                            help="show tracebacks and debug logs")
+        common.add_argument("--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS,
+                            help="plain (default) or json log lines")
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="cdcflow",
         description="Read Google Cloud Spanner change streams with a Python dataflow DSL.",
+        parents=[_common(True)],
     )
     parser.add_argument("--version", action="version", version=f"cdcflow {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="show tracebacks and debug logs (also CDCFLOW_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
+    common = [_common(False)]
 
-    run = sub.add_parser("run", help="run a pipeline file", description=(
+    run = sub.add_parser("run", parents=common, help="run a pipeline file", description=(
         "Run the pipeline defined in FILE (FILE:NAME picks one of several). Progress is "
         "stored in the metadata store, so a second run resumes where the first stopped."))
     run.add_argument("file", metavar="FILE", help="pipeline file, or FILE:NAME")
@@ -127,16 +158,26 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Spark master URL for --runner spark (default local[*])")
     run.add_argument("--conf", action="append", type=_key_value, default=[], metavar="K=V",
                      help="Spark configuration for --runner spark (repeatable)")
+    run.add_argument("--metrics-port", type=_port, metavar="N", help=(
+        "serve Prometheus metrics at http://HOST:N/metrics while the run lasts (0: a free "
+        "port; the URL is printed)"))
+    run.add_argument("--metrics-host", metavar="HOST", help=(
+        "address the metrics server listens on (default 127.0.0.1; 0.0.0.0 for a "
+        "Prometheus on another machine)"))
+    run.add_argument("--stuck-after", type=_duration, metavar="DURATION", help=(
+        "report a partition whose watermark has not advanced for this long (default: 10 "
+        "heartbeats, at least 30s)"))
     run.set_defaults(func=_cmd_run)
 
-    graph = sub.add_parser("graph", help="print a pipeline's DAG",
+    graph = sub.add_parser("graph", parents=common, help="print a pipeline's DAG",
                            description="Print the DAG of the pipeline in FILE.")
     graph.add_argument("file", metavar="FILE", help="pipeline file, or FILE:NAME")
     graph.add_argument("--format", choices=("text", "dot"), default="text",
                        help="text (default) or Graphviz dot (render with `dot -Tsvg`)")
     graph.set_defaults(func=_cmd_graph)
 
-    status = sub.add_parser("status", help="show stored progress", description=(
+    status = sub.add_parser("status", parents=common, help="show stored progress",
+                            description=(
         "Show the partitions by state, watermarks, lag and recent batches of the pipelines "
         "in a metadata store."))
     status.add_argument("file", nargs="?", metavar="FILE",
@@ -145,23 +186,36 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--pipeline", metavar="NAME", help="only this pipeline")
     status.add_argument("--batches", type=_positive_int, default=5, metavar="N",
                         help="how many recent batches to show (default 5)")
+    shown = status.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true",
+                       help="one JSON document (for scripts) instead of text")
+    shown.add_argument("--watch", nargs="?", type=_duration, const=2.0, metavar="SECONDS",
+                       help="redraw the status every SECONDS (default 2) until Ctrl-C")
+    shown.add_argument("--lineage", choices=("dot", "svg"), help=(
+        "the partitions' split/merge tree as Graphviz DOT, or as SVG (needs the dot "
+        "program)"))
+    status.add_argument("--watch-count", type=_positive_int, metavar="N",
+                        help="with --watch: stop after N refreshes")
     status.set_defaults(func=_cmd_status)
 
-    plugins = sub.add_parser("plugins", help="list installed runners, stores, transforms, sinks")
+    plugins = sub.add_parser("plugins", parents=common,
+                             help="list installed runners, stores, transforms, sinks")
     plugins.set_defaults(func=_cmd_plugins)
 
-    metadata = sub.add_parser("metadata", help="manage metadata stores")
+    metadata = sub.add_parser("metadata", parents=common, help="manage metadata stores")
     msub = metadata.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     msub.required = True
-    init = msub.add_parser("init", help="create a store's tables (e.g. in Spanner)",
+    init = msub.add_parser("init", parents=common,
+                           help="create a store's tables (e.g. in Spanner)",
                            description="Create the tables and indexes of a metadata store.")
     init.add_argument("url", metavar="URL", help="metadata store URL")
     init.set_defaults(func=_cmd_metadata_init)
 
-    emulator = sub.add_parser("emulator", help="the local Cloud Spanner emulator")
+    emulator = sub.add_parser("emulator", parents=common, help="the local Cloud Spanner emulator")
     esub = emulator.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     esub.required = True
-    start = esub.add_parser("start", help="start the emulator in the foreground", description=(
+    start = esub.add_parser("start", parents=common,
+                            help="start the emulator in the foreground", description=(
         "Start the Cloud Spanner emulator on a loopback port and keep it running until "
         "Ctrl-C. It keeps no data across restarts."))
     start.add_argument("--port", type=_positive_int, metavar="N",
@@ -281,25 +335,9 @@ class _GracefulInterrupt:
             signal.signal(signal.SIGINT, previous)
 
 
-def _configure_logging(debug: bool, progress: EngineListener) -> None:
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    handler: logging.Handler
-    if isinstance(progress, LiveProgress):
-        handler = progress.logging_handler(logging.DEBUG if debug else logging.WARNING)
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG if debug else logging.WARNING)
-    logging.getLogger("cdcflow").setLevel(logging.DEBUG if debug else logging.INFO)
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     from cdcflow.loader import load_pipeline, split_target
-    from cdcflow.progress import make_progress
+    from cdcflow.progress import configure_logging, make_progress
 
     pipeline = load_pipeline(args.file)
     pipeline.validate()
@@ -307,13 +345,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
     base = path.resolve().parent
     factory = runner_factory(args.runner)
     options = _run_options(args, option_specs(factory), args.runner, base)
+    for flag in ("metrics_port", "metrics_host", "stuck_after"):
+        if getattr(args, flag) is not None:
+            options[flag] = getattr(args, flag)
     url = args.metadata or default_store_url(base)  # state next to the file, not the cwd
-    progress = make_progress(sys.stderr)
-    _configure_logging(args.debug, progress)
+    # JSON logs are for machines: no status line drawn between them.
+    progress = make_progress(sys.stderr, live=False if args.log_format == "json" else None)
+    configure_logging(
+        debug=args.debug, progress=progress, format=args.log_format, pipeline=pipeline.name
+    )
+
+    def show_metrics(metrics_url: str) -> None:
+        if isinstance(progress, LiveProgress):
+            sys.stderr.write(f"cdcflow: metrics at {metrics_url}\n")
+            sys.stderr.flush()
+        else:
+            log.info("metrics at %s", metrics_url)
+
     interrupt = _GracefulInterrupt(progress)
     with interrupt.installed():
         summary = run_pipeline(
-            pipeline, args.runner, url, listener=progress, on_engine=interrupt.attach, **options
+            pipeline, args.runner, url, listener=progress, on_engine=interrupt.attach,
+            on_metrics=show_metrics, **options,
         )
     return EXIT_INTERRUPTED if summary.reason == "interrupted" else EXIT_OK
 
@@ -386,9 +439,17 @@ def _cmd_metadata_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
     from cdcflow.loader import split_target
     from cdcflow.metadata import open_store
-    from cdcflow.status import render_status
+    from cdcflow.status import (
+        render_lineage,
+        render_status,
+        render_svg,
+        status_document,
+        watch_status,
+    )
 
     if args.metadata:
         url = args.metadata
@@ -398,6 +459,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         msg = "status needs a store: give --metadata URL (or the pipeline FILE for its default)"
         raise UserInputError(msg)
+    if args.watch_count is not None and args.watch is None:
+        msg = "--watch-count needs --watch (e.g. --watch 1 --watch-count 3)"
+        raise UserInputError(msg)
+    if args.watch is not None and args.watch <= 0:
+        msg = "--watch needs a positive interval, such as 2s"
+        raise UserInputError(msg)
     _check_url(url)
     if url.startswith("sqlite:///"):
         db = Path(url[len("sqlite:///"):].split("?", 1)[0])
@@ -406,7 +473,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
             raise UserInputError(msg)
     store = open_store(url)
     try:
-        sys.stdout.write(render_status(store, args.pipeline, batches=args.batches))
+        if args.json:
+            doc = status_document(store, args.pipeline, batches=args.batches)
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        elif args.lineage == "dot":
+            sys.stdout.write(render_lineage(store, args.pipeline))
+        elif args.lineage == "svg":
+            svg = render_svg(render_lineage(store, args.pipeline))
+            sys.stdout.buffer.write(svg)
+            sys.stdout.flush()
+        elif args.watch is not None:
+            watch_status(lambda: render_status(store, args.pipeline, batches=args.batches),
+                         args.watch, count=args.watch_count)
+        else:
+            sys.stdout.write(render_status(store, args.pipeline, batches=args.batches))
     finally:
         store.close()
     return EXIT_OK
@@ -480,29 +560,41 @@ def _one_line(error: BaseException) -> str:
     return "; ".join([text, *(" ".join(n.split()) for n in notes)])
 
 
+def _fail(error: BaseException, log_format: str) -> None:
+    """The one line an error ends the command with: plain, or a JSON log object."""
+    if log_format == "json":
+        from cdcflow.progress import JsonFormatter
+
+        record = logging.LogRecord("cdcflow.cli", logging.ERROR, __file__, 0, "%s",
+                                   (_one_line(error),), None)
+        print(JsonFormatter().format(record), file=sys.stderr)
+    else:
+        print(f"cdcflow: error: {_one_line(error)}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("CDCFLOW_DEBUG", "") not in ("", "0")
+    # Known before parsing, so that a usage error is reported in the format asked for.
+    log_format = "json" if any(
+        a == "--log-format=json" or (a == "json" and prev == "--log-format")
+        for prev, a in zip(["", *argv], argv, strict=False)
+    ) else "plain"
     try:
         args = build_parser().parse_args(argv)
-        args.debug = debug
+        args.debug = debug or args.debug
         code: int = args.func(args)
         return code
     except UserInputError as e:
         if debug:
             raise
-        print(f"cdcflow: error: {_one_line(e)}", file=sys.stderr)
+        _fail(e, log_format)
         return EXIT_USAGE
-    except PipelineStopped as e:
+    except CdcflowError as e:  # PipelineStopped included: the run stopped on an error
         if debug:
             raise
-        print(f"cdcflow: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_ERROR
-    except CdcflowError as e:
-        if debug:
-            raise
-        print(f"cdcflow: error: {_one_line(e)}", file=sys.stderr)
+        _fail(e, log_format)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("\ncdcflow: interrupted", file=sys.stderr)

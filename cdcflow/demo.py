@@ -3,7 +3,9 @@
 1. Start the Cloud Spanner emulator with fast partition churn (partitions split and merge
    every few seconds) and create the ``shop`` database (:mod:`cdcflow.spanner.workload`).
 2. Commit random changes from a background thread, recording each committed change.
-3. Run ``cdcflow run examples/quickstart.py --for 30s`` as a subprocess (live progress).
+3. Run ``cdcflow run examples/quickstart.py --for 30s`` as a subprocess (live progress),
+   serving Prometheus metrics on a free port (the URL is printed; the demo scrapes it once
+   mid-run and shows a few values in its summary).
 4. Compare: every change committed before the output's resolved watermark must be in the
    output exactly once, and nothing else may be there. Print a summary; exit 0 if the
    check passes, 1 if not.
@@ -20,10 +22,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -101,6 +105,51 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _free_port() -> int:
+    # The run binds it a moment later; a race with another program is possible but rare,
+    # and the run then fails with a one-line error naming the port.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+#: The metrics the demo's summary shows, and how to print each.
+_SHOWN = {
+    "cdcflow_records_read_total": "{:,.0f} records read",
+    "cdcflow_low_watermark_lag_seconds": "lag {:.2f} s",
+    "cdcflow_splits_total": "{:.0f} splits",
+    "cdcflow_stuck_partitions": "{:.0f} stuck partitions",
+}
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """The demo's metrics of interest, read from a scrape (empty if it fails)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in _SHOWN
+    }
+
+
+def _wait_and_scrape(proc: subprocess.Popen[bytes], url: str, at: float) -> dict[str, float]:
+    """Wait for ``proc``; ``at`` seconds in (if it still runs), scrape ``url`` once."""
+    deadline = time.monotonic() + at
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    scraped = _scrape(url) if proc.poll() is None else {}
+    proc.wait()
+    return scraped
+
+
 def _repo_root() -> Path:
     here = Path(__file__).resolve().parents[1]
     if (here / "examples" / "quickstart.py").is_file():
@@ -165,17 +214,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             "CDCFLOW_OUT": str(out_dir),
         }
         env.pop("CDCFLOW_END_AT", None)
+        port = _free_port()
+        metrics_url = f"http://127.0.0.1:{port}/metrics"
+        _say(f"metrics at {metrics_url} while the run lasts (Prometheus text format)")
         began = time.monotonic()
         # Ctrl-C reaches the run too (same process group): it stops after its current
         # batch, and the demo goes on to check what was read. The no-op handler (not
         # SIG_IGN, which the child would inherit) keeps the demo alive meanwhile.
         previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
         try:
-            run = subprocess.run(
+            run = subprocess.Popen(
                 [sys.executable, "-m", "cdcflow", "run", str(pipeline_file), "--runner",
-                 args.runner, "--metadata", store_url, "--for", f"{args.seconds}s", "--reset"],
-                env=env, check=False,
+                 args.runner, "--metadata", store_url, "--for", f"{args.seconds}s", "--reset",
+                 "--metrics-port", str(port)],
+                env=env,
             )
+            scraped = _wait_and_scrape(run, metrics_url, at=args.seconds * 0.7)
         finally:
             signal.signal(signal.SIGINT, previous)
         run_seconds = time.monotonic() - began
@@ -219,6 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  output                {out_dir}/*.jsonl ({len(list(out_dir.glob('*.jsonl')))}"
               " files)")
         print(f"  progress              cdcflow status --metadata {store_url}")
+        if scraped:
+            shown = ", ".join(fmt.format(scraped[name]) for name, fmt in _SHOWN.items()
+                              if name in scraped)
+            print(f"  metrics (mid-run)     {shown} (from {metrics_url})")
         if problems:
             _say("CHECK FAILED: " + "; ".join(problems))
             return 1

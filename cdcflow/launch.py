@@ -5,18 +5,26 @@ Both callers end in :func:`run_pipeline`, so they cannot drift. The CLI turns it
 ``--set KEY=VALUE`` text into typed values first (with :func:`option_specs` telling it the
 keys and their kinds); ``pipeline.run()`` passes what the user wrote.
 
-Keyword options are split between :class:`~cdcflow.engine.loop.RunOptions` fields and the
-runner's constructor; anything else is a :class:`~cdcflow.errors.UserInputError` that lists
-the valid keys. Durations may be numbers of seconds, text such as ``"30s"``, or timedeltas.
+Keyword options are split between :class:`~cdcflow.engine.loop.RunOptions` fields, the
+runner's constructor and the run's observers (:data:`OBSERVER_OPTIONS`: ``metrics_port``,
+``metrics_host``, ``stuck_after``); anything else is a :class:`~cdcflow.errors.UserInputError`
+that lists the valid keys. Durations may be numbers of seconds, text such as ``"30s"``, or
+timedeltas.
+
+Every run watches for stuck partitions (:mod:`cdcflow.stuck`); with ``metrics_port`` it
+also serves Prometheus metrics (:mod:`cdcflow.metrics`). Both stop when the run ends, how
+ever it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import os
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -25,15 +33,19 @@ import attrs
 
 from cdcflow.dag import Dag
 from cdcflow.durations import parse_duration
-from cdcflow.engine.listener import EngineListener, RunSummary
+from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.engine.runner import Runner
 from cdcflow.errors import UserInputError
 from cdcflow.metadata import open_store
 from cdcflow.metadata.base import MetadataStore
+from cdcflow.metrics import MetricsServer, PipelineMetrics
+from cdcflow.model import BatchPlan, PartitionMetadata
 from cdcflow.plugins import load_plugin
+from cdcflow.stuck import StuckDetector, StuckWatch
 
 __all__ = [
+    "OBSERVER_OPTIONS",
     "OptionKind",
     "OptionSpec",
     "RunnerFactory",
@@ -57,16 +69,19 @@ OptionKind = Literal["duration", "int", "float", "bool", "text", "any"]
 # Options that exist but are not worth listing in "valid keys": the CLI sets base_dir itself.
 _UNLISTED = frozenset({"base_dir"})
 
+_log = logging.getLogger("cdcflow.launch")
+
 
 @attrs.frozen
 class OptionSpec:
     """One keyword option of a run: its name, kind, whether None is accepted, and whether
-    it is a RunOptions field (``"run"``) or a runner constructor argument (``"runner"``)."""
+    it is a RunOptions field (``"run"``), a runner constructor argument (``"runner"``) or
+    an option of the run's observers (``"observer"``, see :data:`OBSERVER_OPTIONS`)."""
 
     name: str
     kind: OptionKind
     optional: bool
-    target: Literal["run", "runner"]
+    target: Literal["run", "runner", "observer"]
 
     def describe(self) -> str:
         """What the option takes, for error messages: ``"a duration such as 30s"``."""
@@ -75,6 +90,19 @@ class OptionSpec:
             "float": "a number", "bool": "true or false", "text": "text", "any": "a value",
         }[self.kind]
         return f"{want} or none" if self.optional and self.kind != "any" else want
+
+
+#: Options of the run's observers, taken by :func:`run_pipeline` (not RunOptions fields):
+#: ``metrics_port`` serves Prometheus metrics on that port while the run lasts (0: a free
+#: port; None: no metrics), on ``metrics_host`` (default ``127.0.0.1``; ``0.0.0.0`` for
+#: every address); ``stuck_after`` is how long a partition may go without progress before
+#: it is reported stuck (None: 10 heartbeats, at least 30 s).
+OBSERVER_OPTIONS: dict[str, OptionSpec] = {
+    "metrics_port": OptionSpec("metrics_port", "int", True, "observer"),
+    "metrics_host": OptionSpec("metrics_host", "text", False, "observer"),
+    "stuck_after": OptionSpec("stuck_after", "duration", True, "observer"),
+}
+_DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 def default_store_url(directory: str | Path = ".") -> str:
@@ -203,7 +231,7 @@ def split_options(
     for key, value in options.items():
         spec = specs.get(key)
         if spec is None:
-            valid = sorted(set(specs) - _UNLISTED)
+            valid = sorted((set(specs) | set(OBSERVER_OPTIONS)) - _UNLISTED)
             msg = f"unknown option {key!r} for the {runner_name} runner; valid: {', '.join(valid)}"
             raise UserInputError(msg)
         (run if spec.target == "run" else runner)[key] = coerce_option(spec, value)
@@ -243,6 +271,69 @@ def make_runner(
 # -- the run -----------------------------------------------------------------------------
 
 
+@attrs.frozen
+class _ObserverOptions:
+    metrics_port: int | None = None
+    metrics_host: str = _DEFAULT_METRICS_HOST
+    stuck_after: float | None = None
+
+
+def _observer_options(options: dict[str, Any]) -> _ObserverOptions:
+    """Take the observers' options out of ``options`` (checked, durations in seconds)."""
+    taken = {
+        key: coerce_option(spec, options.pop(key))
+        for key, spec in OBSERVER_OPTIONS.items() if key in options
+    }
+    port = taken.get("metrics_port")
+    if port is not None and not 0 <= port <= 65535:
+        msg = f"metrics_port={port}: give a port from 1 to 65535, or 0 for a free one"
+        raise UserInputError(msg)
+    after = taken.get("stuck_after")
+    if after is not None and after <= 0:
+        msg = f"stuck_after={after}: give a duration above 0, such as 5m"
+        raise UserInputError(msg)
+    return _ObserverOptions(**taken)
+
+
+class _Listeners(EngineListener):
+    """Tells every listener in turn. The user's listener comes first and its errors end the
+    run, as they would without this; an error in one of cdcflow's own observers is logged
+    once and that observer is dropped, so watching a run can never stop it."""
+
+    def __init__(self, user: EngineListener | None, observers: list[EngineListener]) -> None:
+        self._user = user
+        self._observers = list(observers)
+
+    def _each(self, method: str, *args: Any) -> None:
+        if self._user is not None:
+            getattr(self._user, method)(*args)
+        for observer in list(self._observers):
+            try:
+                getattr(observer, method)(*args)
+            except Exception:
+                _log.exception("%s failed in %s; it observes no more of this run",
+                               type(observer).__name__, method)
+                self._observers.remove(observer)
+
+    def on_start(self, pipeline: str, runner: str, store_url: str) -> None:
+        self._each("on_start", pipeline, runner, store_url)
+
+    def on_planned(self, plan: BatchPlan, replay: bool) -> None:
+        self._each("on_planned", plan, replay)
+
+    def on_sinks_committed(self, batch_id: int) -> None:
+        self._each("on_sinks_committed", batch_id)
+
+    def on_partitions(self, partitions: Sequence[PartitionMetadata], now_ns: int) -> None:
+        self._each("on_partitions", partitions, now_ns)
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self._each("on_batch", stats)
+
+    def on_stop(self, summary: RunSummary) -> None:
+        self._each("on_stop", summary)
+
+
 def run_pipeline(
     dag: Dag,
     runner: str | Runner = "memory",
@@ -250,38 +341,62 @@ def run_pipeline(
     *,
     listener: EngineListener | None = None,
     on_engine: Callable[[Engine], None] | None = None,
+    on_metrics: Callable[[str], None] | None = None,
     **options: Any,
 ) -> RunSummary:
     """Run ``dag`` until its end, a limit, or a stop request; return the summary.
 
     Steps: validate the DAG; build the runner (``runner`` is a name, built with its share
-    of ``options``, or a Runner object used as it is); open the store (``metadata`` is a
-    URL, opened here and closed when the run ends, or a store object, which stays open: its
-    owner closes it; None means :func:`default_store_url` under the current directory);
-    build the :class:`~cdcflow.engine.loop.Engine`, hand it to ``on_engine`` (for example to
-    call ``request_stop`` from a signal handler or another thread), and run it.
+    of ``options``, or a Runner object used as it is); with ``metrics_port``, start serving
+    metrics and tell ``on_metrics`` their URL (else it is logged); open the store
+    (``metadata`` is a URL, opened here and closed when the run ends, or a store object,
+    which stays open: its owner closes it; None means :func:`default_store_url` under the
+    current directory); build the :class:`~cdcflow.engine.loop.Engine`, hand it to
+    ``on_engine`` (for example to call ``request_stop`` from a signal handler or another
+    thread), and run it, watching for stuck partitions (``stuck_after``).
+
+    The metrics server and the stuck-partition watch stop when the run ends, also when it
+    fails: no thread is left behind. ``listener`` observes the run besides them.
 
     Every mistake in what was given raises :class:`~cdcflow.errors.UserInputError` naming
     the fix, before anything runs.
     """
     dag.validate()
+    options = dict(options)
+    observe = _observer_options(options)
     built, run_options = make_runner(runner, options)
-    if isinstance(metadata, str) or metadata is None:
-        store = open_store(metadata or default_store_url())
-        owned = True
-    elif isinstance(metadata, MetadataStore):
-        store, owned = metadata, False
-    else:
+    if not (metadata is None or isinstance(metadata, str | MetadataStore)):
         msg = (
             f"metadata={metadata!r} is not a metadata store: pass a URL such as "
             "sqlite:///state.db or memory://, or a store object"
         )
         raise UserInputError(msg)
+    detector = StuckDetector(
+        observe.stuck_after, pipeline=dag.name, batch_interval=run_options.batch_interval
+    )
+    watch = StuckWatch(detector)
+    observers: list[EngineListener] = [watch]
+    stack = contextlib.ExitStack()
     try:
-        engine = Engine(dag, store, built, run_options, listener)
+        if observe.metrics_port is not None:
+            metrics = PipelineMetrics(dag.name, detector=detector)
+            server = stack.enter_context(
+                MetricsServer(metrics.registry, observe.metrics_port, observe.metrics_host)
+            )
+            observers.append(metrics)
+            if on_metrics is not None:
+                on_metrics(server.url)
+            else:
+                _log.info("metrics of %s at %s", dag.name, server.url)
+        if isinstance(metadata, MetadataStore):
+            store = metadata
+        else:
+            store = open_store(metadata or default_store_url())
+            stack.callback(store.close)
+        stack.enter_context(watch)
+        engine = Engine(dag, store, built, run_options, _Listeners(listener, observers))
         if on_engine is not None:
             on_engine(engine)
         return engine.run()
     finally:
-        if owned:
-            store.close()
+        stack.close()  # the metrics server, the watch's thread, a store opened here

@@ -41,8 +41,13 @@ class Pipeline(Dag):
         store object, left open for its owner. The default keeps state in
         ``.cdcflow/state.db`` under the current directory (``cdcflow run FILE`` keeps it
         next to FILE instead). ``options`` are :class:`~cdcflow.engine.loop.RunOptions`
-        fields (``max_batches=3``, ``duration="30s"`` or ``30``, ``reset=True``, ...) or the
-        runner's own keyword arguments (``workers=4``, ``master="local[2]"``).
+        fields (``max_batches=3``, ``duration="30s"`` or ``30``, ``reset=True``, ...), the
+        runner's own keyword arguments (``workers=4``, ``master="local[2]"``), or the
+        observers' options: ``metrics_port=9464`` serves Prometheus metrics while the run
+        lasts (0: a free port, whose URL goes to ``on_metrics=callable`` or the log),
+        ``metrics_host="0.0.0.0"`` listens on every address (default 127.0.0.1), and
+        ``stuck_after="5m"`` is how long a partition may go without progress before it is
+        reported stuck (default 10 heartbeats, at least 30 s).
         ``listener`` observes the run; ``on_engine`` gets the engine before it runs (call
         its ``request_stop()`` from another thread to end the run after the current
         batch). Errors in what was given raise :class:`~cdcflow.errors.UserInputError`

@@ -5,11 +5,14 @@
 - :class:`LogProgress`: elsewhere (files, pipes, CI), one ``logging`` line per batch.
 
 Both print a final summary (:func:`format_summary`) when the run stops.
-:func:`make_progress` picks one for a stream.
+:func:`make_progress` picks one for a stream; :func:`configure_logging` sets up the log
+lines around it: plain text dated in UTC (:class:`PlainFormatter`), or one JSON object per
+line for log shippers (:class:`JsonFormatter`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -17,15 +20,20 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TextIO
+from datetime import UTC, datetime
+from typing import Literal, TextIO
 
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.model import MAX_NS, BatchPlan, PartitionState, Timestamp
 
 __all__ = [
+    "LOG_FORMATS",
+    "JsonFormatter",
     "LiveProgress",
     "LogProgress",
+    "PlainFormatter",
     "ProgressTally",
+    "configure_logging",
     "format_duration",
     "format_partitions",
     "format_summary",
@@ -40,6 +48,50 @@ _RATE_WINDOW_S = 10.0
 _CLEAR_LINE = "\r\x1b[2K"
 
 logger = logging.getLogger("cdcflow.progress")
+
+#: What ``--log-format`` takes.
+LOG_FORMATS = ("plain", "json")
+LogFormat = Literal["plain", "json"]
+
+
+def _utc_stamp(created: float) -> str:
+    """ISO-8601 in UTC with milliseconds: ``2024-05-01T12:00:00.123Z``."""
+    stamp = datetime.fromtimestamp(created, UTC)
+    return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
+
+
+class PlainFormatter(logging.Formatter):
+    """``2024-05-01T12:00:00.123Z WARNING cdcflow.stuck: message`` (UTC, milliseconds)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return _utc_stamp(record.created)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line: ``time`` (as :class:`PlainFormatter`
+    dates it), ``level``, ``logger``, ``message``, ``pipeline`` (the run's pipeline, or
+    null), and ``exception`` (the traceback text) when there is one."""
+
+    def __init__(self, pipeline: str | None = None) -> None:
+        super().__init__()
+        self.pipeline = pipeline
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, object] = {
+            "time": _utc_stamp(record.created),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pipeline": getattr(record, "pipeline", self.pipeline),
+        }
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            doc["exception"] = record.exc_text
+        return json.dumps(doc, ensure_ascii=False, default=str)
 
 
 def format_duration(seconds: float) -> str:
@@ -160,6 +212,8 @@ def format_summary(
         ("watermark", watermark),
         ("partitions", format_partitions(summary.partitions)),
         ("splits", f"{summary.splits}, merges {summary.merges}"),
+        ("elements", f"{summary.skipped:,} skipped, {summary.retried:,} retried, "
+                     f"{summary.dead_lettered:,} dead-lettered"),
     ]
     return "\n".join([head, *(f"  {k:<11}{v}" for k, v in rows)])
 
@@ -242,7 +296,7 @@ class _AboveStatusHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().__init__(progress.stream)
         self.progress = progress
         self.setLevel(level)
-        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        self.setFormatter(PlainFormatter())
 
     def emit(self, record: logging.LogRecord) -> None:
         redraw = self.progress._drawn
@@ -305,3 +359,37 @@ def make_progress(stream: TextIO | None = None, *, live: bool | None = None) -> 
             and "NO_COLOR" not in os.environ
         )
     return LiveProgress(stream) if live else LogProgress()
+
+
+def configure_logging(
+    *,
+    debug: bool = False,
+    progress: EngineListener | None = None,
+    format: LogFormat = "plain",
+    pipeline: str | None = None,
+    stream: TextIO | None = None,
+) -> logging.Handler:
+    """Send log records to ``stream`` (default stderr) the way the CLI does; return the
+    handler, which replaces every handler on the root logger.
+
+    ``format`` ``"plain"``: :class:`PlainFormatter` lines; with a :class:`LiveProgress`
+    they go above its status line and only warnings show unless ``debug``. ``"json"``:
+    :class:`JsonFormatter` lines naming ``pipeline``. cdcflow's own loggers log from INFO
+    (DEBUG with ``debug``); other libraries' from WARNING.
+    """
+    if format not in LOG_FORMATS:
+        msg = f"unknown log format {format!r}: use one of {', '.join(LOG_FORMATS)}"
+        raise ValueError(msg)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    handler: logging.Handler
+    if isinstance(progress, LiveProgress) and format == "plain":
+        handler = progress.logging_handler(logging.DEBUG if debug else logging.WARNING)
+    else:
+        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+        handler.setFormatter(JsonFormatter(pipeline) if format == "json" else PlainFormatter())
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if debug else logging.WARNING)
+    logging.getLogger("cdcflow").setLevel(logging.DEBUG if debug else logging.INFO)
+    return handler

@@ -1,14 +1,46 @@
-"""What ``cdcflow status`` prints: stored progress of the pipelines in a metadata store."""
+"""What ``cdcflow status`` prints: stored progress of the pipelines in a metadata store.
+
+- :func:`render_status`: the text (per pipeline: low watermark and lag, partitions by
+  state, the active partitions, a pending batch, recent batches);
+- :func:`status_document`: the same as one JSON-ready document, for scripts;
+- :func:`watch_status`: the text redrawn in place every few seconds (``--watch``);
+- :func:`render_lineage` / :func:`render_svg`: the partitions' split/merge tree as
+  Graphviz DOT, or SVG through the ``dot`` program.
+
+Partition semantics (low watermark, states, "finished") come from
+:mod:`cdcflow.engine.lifecycle`, as the engine decides them. Each pipeline has a ``run``
+entry, the run that owns it now; stores do not record that yet, so it is always None
+(``"run": null``).
+"""
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from cdcflow.engine.lifecycle import all_finished, count_states, low_watermark
 from cdcflow.errors import UserInputError
 from cdcflow.metadata.base import MetadataStore
-from cdcflow.model import MAX_NS, PartitionState, Timestamp
+from cdcflow.model import (
+    INITIAL_PARTITION_TOKEN,
+    MAX_NS,
+    PartitionMetadata,
+    PartitionState,
+    Timestamp,
+)
 from cdcflow.progress import format_duration, format_partitions
 
-__all__ = ["render_status"]
+__all__ = [
+    "render_lineage",
+    "render_status",
+    "render_svg",
+    "status_document",
+    "watch_status",
+]
 
 _TOKEN_WIDTH = 28
 _MAX_ACTIVE_ROWS = 50
@@ -41,6 +73,8 @@ def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> l
     counts = {state: n for state, n in count_states(parts).items() if n}
     low = low_watermark(parts)
     out = [f"pipeline {name}"]
+    # Who runs the pipeline now: stores do not keep run ownership yet.
+    out.append("  run            not recorded by this store")
     if not parts:
         out.append("  no partitions yet (the first batch has not been planned)")
     elif all_finished(parts):
@@ -82,12 +116,7 @@ def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> l
     return out
 
 
-def render_status(
-    store: MetadataStore, pipeline: str | None = None, *, batches: int = 5,
-    now_ns: int | None = None,
-) -> str:
-    """The status text of ``pipeline`` (default: every pipeline in the store)."""
-    now = Timestamp.now().ns if now_ns is None else now_ns
+def _names(store: MetadataStore, pipeline: str | None) -> list[str]:
     names = store.pipelines()
     if pipeline is not None:
         if pipeline not in names:
@@ -98,9 +127,235 @@ def render_status(
             )
             raise UserInputError(msg)
         names = [pipeline]
+    return names
+
+
+def render_status(
+    store: MetadataStore, pipeline: str | None = None, *, batches: int = 5,
+    now_ns: int | None = None,
+) -> str:
+    """The status text of ``pipeline`` (default: every pipeline in the store).
+
+    An unknown ``pipeline`` raises UserInputError listing the stored ones."""
+    now = Timestamp.now().ns if now_ns is None else now_ns
+    names = _names(store, pipeline)
     if not names:
         return f"no pipelines in {store.url} yet: `cdcflow run FILE --metadata {store.url}`\n"
     lines = [f"store {store.url}"]
     for name in names:
         lines += _render_one(store, name, batches, now)
     return "\n".join(lines) + "\n"
+
+
+# -- JSON ----------------------------------------------------------------------------------
+
+
+def _iso(ns: int | None) -> str | None:
+    """RFC 3339 text; None for no time and for "no end"."""
+    return None if ns is None or ns >= MAX_NS else Timestamp.from_ns(ns).rfc3339()
+
+
+def _lag_s(ns: int | None, now_ns: int) -> float | None:
+    return None if ns is None or ns >= MAX_NS else round(max(0, now_ns - ns) / 1e9, 3)
+
+
+def _partition_doc(p: PartitionMetadata, now_ns: int) -> dict[str, Any]:
+    finished = p.state == PartitionState.FINISHED
+    return {
+        "token": p.token,
+        "state": p.state.value,
+        "watermark": _iso(p.watermark),
+        "watermark_ns": p.watermark,
+        "lag_seconds": None if finished else _lag_s(p.watermark, now_ns),
+        "start": _iso(p.start),
+        "end": _iso(p.end),
+        "parents": list(p.parent_tokens),
+        "heartbeat_millis": p.heartbeat_millis,
+        "created_at": _iso(p.created_at or None),
+        "running_at": _iso(p.running_at),
+        "finished_at": _iso(p.finished_at),
+    }
+
+
+def _pipeline_doc(
+    store: MetadataStore, name: str, batches: int, now_ns: int
+) -> dict[str, Any]:
+    parts = store.partitions(name)
+    low = low_watermark(parts) if parts else None
+    done = all_finished(parts)
+    pending = store.pending_plan(name)
+    recent = []
+    for b in store.batches(name, limit=batches):
+        recent.append({
+            "batch_id": b.batch_id,
+            "end": _iso(b.end),
+            "slices": b.slices,
+            "records": b.records,
+            "planned_at": _iso(b.planned_at),
+            "committed_at": _iso(b.committed_at),
+            "seconds": None if b.committed_at is None
+            else round((b.committed_at - b.planned_at) / 1e9, 3),
+        })
+    return {
+        "name": name,
+        # The run that owns the pipeline now (owner host/pid, since when): not stored yet.
+        "run": None,
+        "low_watermark": _iso(low),
+        "low_watermark_ns": low,
+        "lag_seconds": None if low is None else 0.0 if done else _lag_s(low, now_ns),
+        "finished": done,
+        "partitions_by_state": count_states(parts),
+        "partitions": [_partition_doc(p, now_ns) for p in parts],
+        "pending_batch": None if pending is None else {
+            "batch_id": pending.batch_id,
+            "end": _iso(pending.end),
+            "slices": [{"token": sl.token, "start": _iso(sl.start), "end": _iso(sl.end)}
+                       for sl in pending.slices],
+            "planned_at": _iso(pending.planned_at or None),
+        },
+        "recent_batches": recent,
+    }
+
+
+def status_document(
+    store: MetadataStore, pipeline: str | None = None, *, batches: int = 5,
+    now_ns: int | None = None,
+) -> dict[str, Any]:
+    """What :func:`render_status` shows, as plain data (``json.dumps`` takes it).
+
+    ``{"store", "now", "pipelines": [{"name", "run" (None: not recorded), "low_watermark",
+    "low_watermark_ns", "lag_seconds", "finished", "partitions_by_state", "partitions":
+    [{"token", "state", "watermark", "watermark_ns", "lag_seconds", "start", "end",
+    "parents", ...}], "pending_batch", "recent_batches": [{"batch_id", "end", "slices",
+    "records", "planned_at", "committed_at", "seconds"}]}]}``. Times are RFC 3339 text
+    (None for "no end"); lags are seconds at ``now`` (None for finished partitions; a
+    pipeline whose partitions all finished has lag 0). Every partition is listed.
+    """
+    now = Timestamp.now().ns if now_ns is None else now_ns
+    return {
+        "store": store.url,
+        "now": _iso(now),
+        "pipelines": [_pipeline_doc(store, n, batches, now) for n in _names(store, pipeline)],
+    }
+
+
+# -- watch ---------------------------------------------------------------------------------
+
+_HOME = "\x1b[H"
+_CLEAR_SCREEN = "\x1b[2J"
+_CLEAR_EOL = "\x1b[K"
+_CLEAR_BELOW = "\x1b[J"
+
+
+def watch_status(
+    render: Callable[[], str],
+    interval: float,
+    *,
+    count: int | None = None,
+    stream: TextIO | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Show ``render()`` every ``interval`` seconds until Ctrl-C (KeyboardInterrupt, which
+    ends the watch quietly) or ``count`` refreshes; return how many were shown.
+
+    On a terminal the screen is redrawn in place (cursor home, each line cleared to its
+    end, the rest of the screen cleared); elsewhere each refresh follows the last under a
+    ``--- <time>`` line.
+    """
+    out = stream if stream is not None else sys.stdout
+    live = out.isatty()
+    shown = 0
+    try:
+        while count is None or shown < count:
+            if shown:
+                sleep(interval)
+            header = f"every {interval:g}s: cdcflow status at {Timestamp.now().rfc3339()}"
+            body = render()
+            if live:
+                lines = [header, "", *body.rstrip("\n").splitlines()]
+                out.write((_CLEAR_SCREEN if not shown else "") + _HOME
+                          + "".join(line + _CLEAR_EOL + "\n" for line in lines) + _CLEAR_BELOW)
+            else:
+                out.write(f"--- {header}\n{body}")
+            out.flush()
+            shown += 1
+    except KeyboardInterrupt:
+        if live:
+            out.write("\n")
+            out.flush()
+    return shown
+
+
+# -- lineage -------------------------------------------------------------------------------
+
+_STATE_COLORS = {
+    PartitionState.CREATED: "lightgrey",
+    PartitionState.SCHEDULED: "lightyellow",
+    PartitionState.RUNNING: "lightblue",
+    PartitionState.FINISHED: "palegreen",
+}
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def render_lineage(
+    store: MetadataStore, pipeline: str | None = None, *, now_ns: int | None = None
+) -> str:
+    """The partitions of ``pipeline`` (needed when the store holds several) as a Graphviz
+    digraph: one node per stored partition (token, state, start and watermark; filled by
+    state), an edge from each parent to its child, so splits fan out and merges fan in.
+    A parent that is no longer stored (garbage collected after it finished) is drawn
+    dashed. Render it with ``dot -Tsvg`` (:func:`render_svg`)."""
+    now = Timestamp.now().ns if now_ns is None else now_ns
+    names = _names(store, pipeline)
+    if len(names) != 1:
+        msg = (
+            f"{store.url} holds {len(names)} pipelines ({', '.join(names) or 'none'}); "
+            "choose one with --pipeline NAME"
+        ) if names else f"no pipelines in {store.url} yet: run one first"
+        raise UserInputError(msg)
+    name = names[0]
+    parts = store.partitions(name)
+    ids = {p.token: f"p{i}" for i, p in enumerate(parts)}
+    out = [f"digraph {_dot_quote(name)} {{", "  rankdir=LR;",
+           "  node [shape=box, style=filled, fontname=Helvetica, fontsize=10];"]
+    for p in parts:
+        label = p.token if p.token != INITIAL_PARTITION_TOKEN else "(root query)"
+        lines = [_short(label), p.state.value.lower(), f"from {_stamp(p.start)}"]
+        if p.state == PartitionState.FINISHED:
+            lines.append(f"to {_stamp(p.watermark)}")
+        else:
+            lines.append(f"at {_stamp(p.watermark)} (lag {_ago(p.watermark, now)})")
+        out.append(f"  {ids[p.token]} [label={_dot_quote(chr(10).join(lines))}, "
+                   f"fillcolor={_STATE_COLORS[p.state]}, tooltip={_dot_quote(p.token)}];")
+    gone: dict[str, str] = {}
+    for p in parts:
+        for parent in p.parent_tokens:
+            if parent not in ids and parent not in gone:
+                gone[parent] = f"g{len(gone)}"
+                label = parent if parent != INITIAL_PARTITION_TOKEN else "(root query)"
+                text = _dot_quote(f"{_short(label)}\ncollected")
+                out.append(f"  {gone[parent]} [label={text}, style=dashed, fillcolor=white];")
+            out.append(f"  {ids.get(parent) or gone[parent]} -> {ids[p.token]};")
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def render_svg(dot: str) -> bytes:
+    """``dot`` rendered as SVG by Graphviz's ``dot`` program. Without it on PATH, raises
+    UserInputError naming the fix."""
+    program = shutil.which("dot")
+    if program is None:
+        msg = (
+            "--lineage svg needs Graphviz's `dot` program, which is not on PATH: install it "
+            "(apt-get install graphviz) or use --lineage dot"
+        )
+        raise UserInputError(msg)
+    done = subprocess.run([program, "-Tsvg"], input=dot.encode(), capture_output=True,
+                          check=False, timeout=120)
+    if done.returncode != 0:
+        msg = f"dot -Tsvg failed: {done.stderr.decode(errors='replace').strip()}"
+        raise UserInputError(msg)
+    return done.stdout

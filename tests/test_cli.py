@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -366,3 +367,64 @@ def test_pipeline_stopped_exits_1_with_one_line(tmp_path: Path) -> None:
     assert "ZeroDivisionError" in errors[0]
     assert "Traceback" not in result.stderr
     assert not list((tmp_path / "out").glob("*.jsonl"))
+
+
+# -- logs, --debug anywhere, metrics -------------------------------------------------------
+
+_STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+
+
+def test_plain_log_lines_carry_the_utc_date_and_the_summary_counts_errors(
+    scripted_run: tuple[Path, subprocess.CompletedProcess[str]]
+) -> None:
+    _, result = scripted_run
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines and all(re.match(_STAMP + r" (INFO|WARNING) cdcflow\.", line) for line in lines)
+    assert any("elements   0 skipped, 0 retried, 0 dead-lettered" in line for line in lines)
+
+
+def test_json_logs_one_object_per_line(tmp_path: Path) -> None:
+    path = write(tmp_path, SCRIPTED)
+    result = cdcflow("run", str(path), "--log-format", "json", "--batch-interval", "0s",
+                     "--metrics-port", "0")
+    assert result.returncode == 0, result.stderr
+    docs = [json.loads(line) for line in result.stderr.splitlines()]
+    assert len(docs) > 5
+    for doc in docs:
+        assert set(doc) == {"time", "level", "logger", "message", "pipeline"}
+        assert re.fullmatch(_STAMP, doc["time"])
+        assert doc["pipeline"] == "scripted"
+    messages = [d["message"] for d in docs]
+    assert any(re.fullmatch(r"metrics at http://127\.0\.0\.1:\d+/metrics", m) for m in messages)
+    assert any(m.startswith("cdcflow: scripted stopped (end reached)") for m in messages)
+    # before the command too, and errors come out as JSON as well
+    failed = cdcflow("--log-format", "json", "run", str(tmp_path / "missing.py"))
+    assert failed.returncode == 2
+    (error,) = [json.loads(line) for line in failed.stderr.splitlines()]
+    assert error["level"] == "ERROR" and "not found" in error["message"]
+
+
+def test_debug_goes_before_or_after_the_command(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.py")
+    for argv in (["--debug", "run", missing], ["run", missing, "--debug"],
+                 ["run", "--debug", missing]):
+        result = cdcflow(*argv)
+        assert result.returncode != 0
+        assert "Traceback" in result.stderr, argv  # --debug shows the traceback
+    path = write(tmp_path, VALID)
+    assert cdcflow("graph", str(path), "--debug").returncode == 0
+
+
+def test_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    path = write(tmp_path, SCRIPTED)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_usage_error(cdcflow("run", str(path), "--metrics-port", str(port)),
+                           f"metrics port {port} is in use")
+    assert_usage_error(cdcflow("run", str(path), "--metrics-port", "http"), "not a port")
+    assert_usage_error(cdcflow("run", str(path), "--stuck-after", "soon"), "--stuck-after")

@@ -1,0 +1,257 @@
+"""`cdcflow status`: text, --json, --watch and --lineage over a real SQLite store that a
+scripted pipeline with a split and a merge wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.lifecycle import count_states, low_watermark
+from cdcflow.errors import UserInputError
+from cdcflow.metadata import open_store
+from cdcflow.model import BatchPlan, Slice, Timestamp
+from cdcflow.status import (
+    render_lineage,
+    render_status,
+    render_svg,
+    status_document,
+    watch_status,
+)
+from cdcflow.testing import ScriptedChangeStream
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+NOW = T0 + 60 * S
+
+
+def _pipeline(name: str, end: int) -> cf.Pipeline:
+    stream = ScriptedChangeStream("Orders", partitions=2, origin=T0)
+    for i in range(20):
+        stream.write("Orders", {"id": i}, "INSERT", {"n": i}, at=T0 + (i + 1) * 100_000_000)
+    stream.split("p0", at=T0 + 700_000_000, into=["p0a", "p0b"])
+    stream.merge(["p0b", "p1"], at=T0 + 1_400_000_000, into="m")
+    pipeline = cf.Pipeline(name)
+    (pipeline
+     | cf.DetectPartitions(stream="Orders", start_at=T0, end_at=end, client=stream)
+     | cf.ReadPartition(heartbeat="100ms")
+     | cf.Collect())
+    return pipeline
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    """A store holding "done" (read to its end) and "live" (stopped after 6 batches, with
+    partitions still running, and a pending batch planned and not committed)."""
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    _pipeline("done", T0 + 3 * S).run("memory", url, batch_interval=0, max_batch_span="500ms")
+    _pipeline("live", T0 + 3600 * S).run("memory", url, batch_interval=0,
+                                         max_batch_span="500ms", max_batches=6)
+    store = open_store(url)
+    try:
+        parts = store.partitions("live")
+        end = low_watermark(parts) + S
+        slices = [Slice(p.token, p.watermark, end) for p in parts if p.state.value == "RUNNING"]
+        store.write_plan("live", BatchPlan(store.last_batch_id("live") + 1, end, slices,
+                                           planned_at=NOW - 5 * S), {})
+    finally:
+        store.close()
+    return url
+
+
+def cdcflow(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cdcflow", *args], capture_output=True,
+                          text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+
+
+def test_json_matches_the_store(store_url: str) -> None:
+    result = cdcflow("status", "--metadata", store_url, "--json", "--batches", "3")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["store"] == store_url
+    by_name = {p["name"]: p for p in doc["pipelines"]}
+    assert sorted(by_name) == ["done", "live"]
+    store = open_store(store_url)
+    try:
+        for name, got in by_name.items():
+            parts = store.partitions(name)
+            assert got["run"] is None  # run ownership: not recorded by stores yet
+            assert got["low_watermark_ns"] == low_watermark(parts)
+            assert got["partitions_by_state"] == count_states(parts)
+            assert [(p["token"], p["state"], p["watermark_ns"], p["parents"])
+                    for p in got["partitions"]] == [
+                (p.token, p.state.value, p.watermark, list(p.parent_tokens)) for p in parts]
+            batches = store.batches(name, limit=3)
+            assert [(b["batch_id"], b["records"], b["slices"]) for b in got["recent_batches"]] \
+                == [(b.batch_id, b.records, b.slices) for b in batches]
+        assert by_name["done"]["finished"] is True and by_name["done"]["lag_seconds"] == 0
+        assert by_name["done"]["pending_batch"] is None
+        live = by_name["live"]
+        assert live["finished"] is False
+        # the scripted stream is in 2023: the lag is measured against today's clock
+        assert live["lag_seconds"] > 3600
+        pending = store.pending_plan("live")
+        assert pending is not None
+        assert live["pending_batch"]["batch_id"] == pending.batch_id
+        assert [s["token"] for s in live["pending_batch"]["slices"]] == [
+            s.token for s in pending.slices]
+        running = [p for p in live["partitions"] if p["state"] == "RUNNING"]
+        assert running and all(p["lag_seconds"] > 0 for p in running)
+        done = [b for b in by_name["done"]["recent_batches"] if b["committed_at"]]
+        assert done and all(b["seconds"] >= 0 for b in done)
+    finally:
+        store.close()
+
+
+def test_document_and_text_at_a_fixed_time(store_url: str) -> None:
+    store = open_store(store_url)
+    try:
+        doc = status_document(store, "live", now_ns=NOW)
+        (live,) = doc["pipelines"]
+        assert live["lag_seconds"] == (NOW - live["low_watermark_ns"]) / S
+        assert live["low_watermark"] == Timestamp.from_ns(live["low_watermark_ns"]).rfc3339()
+        text = render_status(store, "live", now_ns=NOW)
+        assert "run            not recorded by this store" in text
+        assert "pending batch  7: " in text
+        with pytest.raises(UserInputError, match=r"no pipeline named 'nope'.*done, live"):
+            status_document(store, "nope")
+    finally:
+        store.close()
+
+
+def test_lineage_shows_the_split_and_the_merge(store_url: str) -> None:
+    result = cdcflow("status", "--metadata", store_url, "--pipeline", "done", "--lineage", "dot")
+    assert result.returncode == 0, result.stderr
+    dot = result.stdout
+    ids = dict(re.findall(r'^  (p\d+) \[label="([^\\"]+)', dot, re.M))
+    names = {v: k for k, v in ids.items()}
+    edges = set(re.findall(r"^  (\w+) -> (\w+);", dot, re.M))
+    assert {(names["p0"], names["p0a"]), (names["p0"], names["p0b"])} <= edges  # a split
+    assert {(names["p0b"], names["m"]), (names["p1"], names["m"])} <= edges  # a merge
+    assert dot.startswith('digraph "done" {') and dot.rstrip().endswith("}")
+    several = cdcflow("status", "--metadata", store_url, "--lineage", "dot")
+    assert several.returncode == 2
+    assert "choose one with --pipeline NAME" in several.stderr
+
+
+def test_lineage_marks_collected_parents(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'gc.db'}"
+    _pipeline("gc", T0 + 3 * S).run("memory", url, batch_interval=0, max_batch_span="500ms",
+                                    gc_ttl=0)
+    store = open_store(url)
+    try:
+        tokens = {p.token for p in store.partitions("gc")}
+        dot = render_lineage(store)
+    finally:
+        store.close()
+    assert "p0" not in tokens  # collected once its children started
+    assert re.search(r'\[label="p0\\ncollected", style=dashed', dot)
+
+
+def test_lineage_svg_without_dot_names_the_fix(store_url: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": str(tmp_path)}  # no `dot` here
+    result = cdcflow("status", "--metadata", store_url, "--pipeline", "done", "--lineage",
+                     "svg", env=env)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert "apt-get install graphviz" in result.stderr and "--lineage dot" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("dot") is None,
+                    reason="Graphviz is not installed (apt-get install graphviz)")
+def test_lineage_svg_with_dot(store_url: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cdcflow", "status", "--metadata", store_url, "--pipeline",
+         "done", "--lineage", "svg"], capture_output=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    svg = result.stdout.decode()
+    assert "<svg" in svg and svg.rstrip().endswith("</svg>")
+    assert "p0a" in svg and "(root query)" in svg
+    store = open_store(store_url)
+    try:
+        assert render_svg(render_lineage(store, "done")).startswith(b"<?xml")
+    finally:
+        store.close()
+
+
+def test_watch_refreshes_a_given_number_of_times(store_url: str) -> None:
+    result = cdcflow("status", "--metadata", store_url, "--pipeline", "live", "--watch", "0.1",
+                     "--watch-count", "3")
+    assert result.returncode == 0, result.stderr
+    frames = result.stdout.split("--- every 0.1s: cdcflow status at ")
+    assert len(frames) == 4 and frames[0] == ""
+    assert all("pipeline live" in f for f in frames[1:])
+    usage = cdcflow("status", "--metadata", store_url, "--watch-count", "3")
+    assert usage.returncode == 2 and "--watch-count needs --watch" in usage.stderr
+
+
+def test_watch_on_a_terminal_redraws_in_place_until_ctrl_c(store_url: str) -> None:
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdcflow", "status", "--metadata", store_url, "--watch", "0.2"],
+        stdin=child, stdout=child, stderr=child, close_fds=True,
+    )
+    os.close(child)
+    out = b""
+    try:
+        deadline = time.monotonic() + 60
+        while out.count(b"\x1b[H") < 4 and time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 1)
+            if ready:
+                out += os.read(main, 65536)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(main)
+    text = out.decode(errors="replace")
+    assert text.startswith("\x1b[2J\x1b[H")  # the screen is cleared once
+    frames = text.split("\x1b[H")[1:]
+    assert len(frames) >= 4
+    for frame in frames[:3]:  # each redraw starts at the top and clears what it overwrites
+        assert frame.startswith("every 0.2s: cdcflow status at ")
+        assert "pipeline done\x1b[K" in frame and "pipeline live\x1b[K" in frame
+        assert frame.endswith("\x1b[J")
+
+
+def test_watch_stops_quietly_on_keyboard_interrupt() -> None:
+    calls: list[int] = []
+
+    def render() -> str:
+        calls.append(1)
+        return "frame\n"
+
+    def sleep(seconds: float) -> Any:
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return None
+
+    class Out:
+        text = ""
+
+        def write(self, s: str) -> int:
+            self.text += s
+            return len(s)
+
+        def flush(self) -> None:
+            return None
+
+        def isatty(self) -> bool:
+            return False
+
+    out = Out()
+    assert watch_status(render, 5, stream=out, sleep=sleep) == 2  # type: ignore[arg-type]
+    assert out.text.count("frame\n") == 2
