@@ -9,8 +9,8 @@
 
 Partition semantics (low watermark, states, "finished") come from
 :mod:`cdcflow.engine.lifecycle`, as the engine decides them. Each pipeline has a ``run``
-entry, the run that owns it now; stores do not record that yet, so it is always None
-(``"run": null``).
+entry from its ownership lease: whether a run is alive, where (host:pid), since when and
+its last heartbeat (None when no run ever took the lease).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from cdcflow.engine.lifecycle import all_finished, count_states, low_watermark
+from cdcflow.engine.ownership import owner_gone
 from cdcflow.errors import UserInputError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     MAX_NS,
+    Lease,
     PartitionMetadata,
     PartitionState,
     Timestamp,
@@ -68,13 +70,36 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "    ") -> li
             for r in [header, *rows]]
 
 
+def _run_doc(lease: Lease | None, now_ns: int) -> dict[str, Any] | None:
+    """The run that owns (or last owned) the pipeline, from its lease."""
+    if lease is None:
+        return None
+    alive = lease.alive(now_ns) and not owner_gone(lease)
+    return {
+        "alive": alive,
+        "owner": lease.owner,
+        "run_id": lease.run_id,
+        "since": _iso(lease.acquired_at),
+        "heartbeat": _iso(lease.renewed_at),
+        "expires": _iso(lease.expires_at) if lease.expires_at else None,
+    }
+
+
+def _run_text(run: dict[str, Any] | None, now_ns: int) -> str:
+    if run is None:
+        return "never run (no run has taken this pipeline's lease)"
+    if run["alive"]:
+        return (f"alive: {run['owner']} (run {run['run_id']}), since {run['since']}, "
+                f"last heartbeat {run['heartbeat']}")
+    return f"not running (last run {run['owner']}, run {run['run_id']}, since {run['since']})"
+
+
 def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> list[str]:
     parts = store.partitions(name)
     counts = {state: n for state, n in count_states(parts).items() if n}
     low = low_watermark(parts)
     out = [f"pipeline {name}"]
-    # Who runs the pipeline now: stores do not keep run ownership yet.
-    out.append("  run            not recorded by this store")
+    out.append(f"  run            {_run_text(_run_doc(store.lease(name), now_ns), now_ns)}")
     if not parts:
         out.append("  no partitions yet (the first batch has not been planned)")
     elif all_finished(parts):
@@ -198,8 +223,7 @@ def _pipeline_doc(
         })
     return {
         "name": name,
-        # The run that owns the pipeline now (owner host/pid, since when): not stored yet.
-        "run": None,
+        "run": _run_doc(store.lease(name), now_ns),
         "low_watermark": _iso(low),
         "low_watermark_ns": low,
         "lag_seconds": None if low is None else 0.0 if done else _lag_s(low, now_ns),
@@ -223,7 +247,8 @@ def status_document(
 ) -> dict[str, Any]:
     """What :func:`render_status` shows, as plain data (``json.dumps`` takes it).
 
-    ``{"store", "now", "pipelines": [{"name", "run" (None: not recorded), "low_watermark",
+    ``{"store", "now", "pipelines": [{"name", "run" ({"alive", "owner", "run_id", "since",
+    "heartbeat", "expires"}; None: never run), "low_watermark",
     "low_watermark_ns", "lag_seconds", "finished", "partitions_by_state", "partitions":
     [{"token", "state", "watermark", "watermark_ns", "lag_seconds", "start", "end",
     "parents", ...}], "pending_batch", "recent_batches": [{"batch_id", "end", "slices",

@@ -87,7 +87,10 @@ def test_json_matches_the_store(store_url: str) -> None:
     try:
         for name, got in by_name.items():
             parts = store.partitions(name)
-            assert got["run"] is None  # run ownership: not recorded by stores yet
+            lease = store.lease(name)
+            assert lease is not None  # the runs released their lease when they ended
+            assert got["run"]["alive"] is False and got["run"]["run_id"] == lease.run_id
+            assert got["run"]["owner"] == lease.owner
             assert got["low_watermark_ns"] == low_watermark(parts)
             assert got["partitions_by_state"] == count_states(parts)
             assert [(p["token"], p["state"], p["watermark_ns"], p["parents"])
@@ -123,7 +126,7 @@ def test_document_and_text_at_a_fixed_time(store_url: str) -> None:
         assert live["lag_seconds"] == (NOW - live["low_watermark_ns"]) / S
         assert live["low_watermark"] == Timestamp.from_ns(live["low_watermark_ns"]).rfc3339()
         text = render_status(store, "live", now_ns=NOW)
-        assert "run            not recorded by this store" in text
+        assert "run            not running (last run " in text
         assert "pending batch  7: " in text
         with pytest.raises(UserInputError, match=r"no pipeline named 'nope'.*done, live"):
             status_document(store, "nope")
