@@ -10,7 +10,8 @@ passes through it as it would through a network. From any thread, while it forwa
   listening socket is closed, so a connect gets ECONNREFUSED) for a number of seconds;
 - :meth:`FaultProxy.stall` stops forwarding for a number of seconds: connections stay
   open and bytes wait, so only a client deadline or keepalive can notice;
-- :meth:`FaultProxy.chaos` applies those at random moments (exponential gaps around
+- :meth:`FaultProxy.heal` ends every drop and stall at once;
+- :meth:`FaultProxy.chaos` applies those at random moments (uniform gaps averaging
   ``mean_interval``) from a seeded generator, for a bounded time; :attr:`FaultProxy.events`
   records what was applied and when, so a failing run can be replayed.
 
@@ -244,6 +245,8 @@ class FaultProxy:
         """Open the listener on ``self.port`` (the same port again after a drop)."""
         last: OSError | None = None
         for _ in range(50):
+            if self._server is not None:
+                return  # a heal() reopened it meanwhile
             try:
                 self._server = await asyncio.start_server(
                     self._accept, "127.0.0.1", self.port, reuse_address=True
@@ -379,6 +382,17 @@ class FaultProxy:
         if time.monotonic() >= self._stalled_until - 1e-3:
             self._flowing.set()
 
+    def heal(self) -> None:
+        """End every drop and stall now (a running chaos schedule goes on)."""
+        self._call(self._heal())
+
+    async def _heal(self) -> None:
+        assert self._flowing is not None
+        self._stalled_until = self._dropped_until = 0.0
+        self._flowing.set()
+        if self._server is None:
+            await self._listen()
+
     @property
     def faulty(self) -> bool:
         """True while a drop or a stall is in force."""
@@ -398,7 +412,8 @@ class FaultProxy:
     ) -> None:
         """Apply random faults for ``duration`` seconds, in the background.
 
-        Gaps between faults are exponential with mean ``mean_interval``; each fault is a
+        Gaps between faults are uniform in ``[0, 2 * mean_interval]`` (so faults neither
+        bunch up nor leave long calm stretches the way exponential gaps do); each fault is a
         kind from ``kinds`` and, for a stall or drop, a length drawn uniformly from
         ``stall_seconds`` / ``drop_seconds``. The same seed draws the same schedule. At most
         ``max_events`` faults; the schedule also ends with the proxy. A second call
@@ -449,7 +464,7 @@ def _schedule(
     replays the same schedule."""
     rng = random.Random(seed)
     plan: list[tuple[float, FaultKind, float]] = []
-    t = rng.expovariate(1 / mean_interval)
+    t = rng.uniform(0, 2 * mean_interval)
     while t < duration and len(plan) < max_events:
         kind = rng.choice(list(kinds))
         seconds = 0.0
@@ -458,5 +473,5 @@ def _schedule(
         elif kind == "drop":
             seconds = rng.uniform(*drop_seconds)
         plan.append((t, kind, seconds))
-        t += rng.expovariate(1 / mean_interval)
+        t += rng.uniform(0, 2 * mean_interval)
     return plan

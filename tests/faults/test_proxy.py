@@ -172,6 +172,24 @@ def test_overlapping_faults_last_as_long_as_the_longest(proxy: FaultProxy) -> No
         assert _exchange(sock, b"x") == b"x"
 
 
+def test_heal_ends_stalls_and_drops_at_once(proxy: FaultProxy) -> None:
+    with _connect(proxy) as sock:
+        proxy.stall(30)
+        sock.sendall(b"held")
+        time.sleep(0.3)
+        began = time.monotonic()
+        proxy.heal()
+        assert sock.recv(16) == b"held"
+        assert time.monotonic() - began < 1.0
+    proxy.drop(30)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=2)
+    proxy.heal()
+    assert not proxy.faulty
+    with _connect(proxy) as sock:
+        assert _exchange(sock, b"open") == b"open"
+
+
 def test_chaos_is_seeded_and_bounded(echo: str) -> None:
     assert _schedule(5, 0.2, 3.0, ("reset", "drop", "stall"), (0.1, 0.3), (0.1, 0.3), 99) == (
         _schedule(5, 0.2, 3.0, ("reset", "drop", "stall"), (0.1, 0.3), (0.1, 0.3), 99)
