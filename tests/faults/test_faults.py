@@ -14,6 +14,8 @@ key's changes in commit order.
 The seed is printed with the fault schedule and the account of every run; replay with
 ``FAULT_SEED=N .venv/bin/python -m pytest -q tests/faults/test_faults.py -k CASE -s``.
 ``FAULT_REPORT_DIR=DIR`` also writes that account as JSON (docs/reliability.md sums them).
+To explore harsher schedules, ``FAULT_MEAN_INTERVAL=S``, ``FAULT_STALL=MIN,MAX`` and
+``FAULT_DROP=MIN,MAX`` override the schedule below (the printed replay line names them).
 """
 
 from __future__ import annotations
@@ -43,12 +45,22 @@ pytestmark = pytest.mark.emulator
 #: surface as DEADLINE_EXCEEDED (with the default, 10 minutes, it would hold the batch).
 QUERY_TIMEOUT = 3.0
 WORKLOAD_SECONDS = 12.0
+
+
+def _env_range(name: str, default: tuple[float, float]) -> tuple[float, float]:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    low, high = (float(x) for x in text.split(","))
+    return low, high
+
+
 #: The fault schedule: a fault every MEAN_INTERVAL s on average (uniform gaps), a third
 #: each of resets, drops and stalls, of these lengths. Stalls reach past the query
 #: deadline; together the faults hold the network down about half of the time.
-MEAN_INTERVAL = 2.0
-STALL_SECONDS = (0.5, 4.5)
-DROP_SECONDS = (0.2, 2.0)
+MEAN_INTERVAL = float(os.environ.get("FAULT_MEAN_INTERVAL", 2.0))
+STALL_SECONDS = _env_range("FAULT_STALL", (0.5, 4.5))
+DROP_SECONDS = _env_range("FAULT_DROP", (0.2, 2.0))
 #: Wall-time bound of one case's runs; past it the run is declared hung.
 BUDGET = 75.0
 
@@ -97,6 +109,15 @@ class _Progress:
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a live process has used so far (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _error_line(log: Path) -> str:
@@ -171,6 +192,8 @@ def _report(
     summary = {
         "case": label,
         "seed": seed,
+        "schedule": {"mean_interval": MEAN_INTERVAL, "stall": STALL_SECONDS,
+                     "drop": DROP_SECONDS},
         "faults": [asdict(e) for e in proxy.events],
         "runs": [asdict(r) for r in runs],
         "killed": sum(r.outcome == "killed" for r in runs),
@@ -179,7 +202,10 @@ def _report(
         "checked": checked,
         "proxy": asdict(proxy.stats),
     }
-    print(f"\n[{label}] fault seed {seed}: replay with FAULT_SEED={seed} ... -k {label} -s")
+    schedule = (f"FAULT_MEAN_INTERVAL={MEAN_INTERVAL} FAULT_STALL={STALL_SECONDS[0]},"
+                f"{STALL_SECONDS[1]} FAULT_DROP={DROP_SECONDS[0]},{DROP_SECONDS[1]}")
+    print(f"\n[{label}] fault seed {seed}: replay with FAULT_SEED={seed} {schedule} "
+          f".venv/bin/python -m pytest tests/faults/test_faults.py -k 'kills and {label}' -s")
     print("faults applied:")
     for event in proxy.events:
         print(f"  {event}")
@@ -239,3 +265,79 @@ def test_faults_and_kills_keep_exactly_once(
     assert summary["killed"] >= 2
     assert len(proxy.events) >= 4  # the schedule did fault the run
     assert partitions_read(case) >= 2
+
+
+#: An outage longer than every retry budget of the change-stream reads (6 attempts with
+#: backoff, then 3 batch retries: at most about 20 s against refused connections).
+OUTAGE = 25.0
+
+
+@pytest.mark.parametrize("store", ["sqlite", "spanner"])
+def test_outage_past_the_retry_budget_fails_the_run_then_a_restart_resumes(
+    spanner_emulator: Emulator, tmp_path: Path, store: str
+) -> None:
+    """Connections are refused for OUTAGE seconds in the middle of a run. The run either
+    rides it out or exits non-zero with one error line; either way, once the network is
+    back, a restart finishes with every change exactly once."""
+    case = Case(spanner_emulator, tmp_path, store=store)
+    progress = _Progress(case)
+    with FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy:
+        case.env["SPANNER_EMULATOR_HOST"] = proxy.host
+        case.env["E2E_QUERY_TIMEOUT"] = f"{QUERY_TIMEOUT}s"
+        start = Timestamp.now()
+        workload = Workload(case.database, rate=15, seed=3)
+        thread = workload.start(seconds=8)
+        case.window(start, Timestamp.from_ns(start.ns + 10_000_000_000))
+        log = tmp_path / "run-0.log"
+        with log.open("w") as err:
+            proc = subprocess.Popen(
+                case.command(), env=case.env, stdout=subprocess.DEVNULL, stderr=err,
+                start_new_session=True,
+            )
+        try:
+            began = time.monotonic()
+            while progress.last() < 2 and proc.poll() is None:
+                assert time.monotonic() - began < 30, "no batch committed within 30 s"
+                time.sleep(0.05)
+            cpu = cpu_end = _cpu_seconds(proc.pid)
+            proxy.drop(OUTAGE)
+            dropped = time.monotonic()
+            while proc.poll() is None and time.monotonic() - dropped < OUTAGE:
+                cpu_end = _cpu_seconds(proc.pid)  # the last reading while it lived
+                time.sleep(0.05)
+            failed_after = time.monotonic() - dropped
+            code = proc.poll()
+            recovered = None
+            if code is None:  # rode it out: it must now go on, and finish, by itself
+                stuck_at = progress.last()
+                proxy.heal()
+                healed = time.monotonic()
+                while proc.poll() is None and progress.last() <= stuck_at:
+                    assert time.monotonic() - healed < BUDGET, "no progress after the outage"
+                    time.sleep(0.05)
+                recovered = time.monotonic() - healed
+                code = proc.wait(BUDGET)
+            proxy.heal()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            workload.stop()
+            progress.close()
+        error = _error_line(log) if code else ""
+        print(f"\n[{store}] {OUTAGE:.0f}s outage at batch 2: exit {code}"
+              + (f" {failed_after:.2f}s into it: {error}" if code else " (rode it out)")
+              + f"; the run used {cpu_end - cpu:.1f}s of CPU during the outage"
+              + (f"; next batch committed {recovered:.2f}s after the network returned"
+                 if recovered is not None else ""))
+        if code:
+            restart = case.run()  # the network is back: the restart resumes to the end
+            assert "end reached" in restart.stderr
+    assert not thread.is_alive()
+    checked = check_exactly_once(case, workload)
+    print(f"[{store}] {checked} changes exactly once after the outage")
+    assert checked > 30
+    if store == "sqlite":
+        # Only the change-stream reads cross the network: they give up, with a clear line.
+        assert code == 1
+        assert failed_after < OUTAGE
+        assert "UNAVAILABLE" in error and "batch" in error
