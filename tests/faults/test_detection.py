@@ -174,7 +174,7 @@ def test_resets_mid_stream_resume_without_loss_or_duplicates(
     spanner_emulator: Emulator, proxy: FaultProxy, shop: tuple[str, Any]
 ) -> None:
     """Live reads of partitions while the workload commits and every connection is reset
-    every 0.3 s: each read equals a fault-free read of the same query afterwards."""
+    every 0.2 s: each read equals a fault-free read of the same query afterwards."""
     database, db = shop
     began = time.time_ns()
     reader = _reader(proxy, database, attempts=20)
@@ -189,7 +189,7 @@ def test_resets_mid_stream_resume_without_loss_or_duplicates(
     stop = threading.Event()
 
     def resetter() -> None:
-        while not stop.wait(0.3):
+        while not stop.wait(0.2):
             proxy.reset_all()
 
     chaos = threading.Thread(target=resetter, daemon=True)
@@ -216,7 +216,7 @@ def test_resets_mid_stream_resume_without_loss_or_duplicates(
     data = sum(1 for rows in clean for r in rows if r[0] == "data")
     print(f"\n{len(queries)} live reads, {proxy.stats.reset} connections reset, "
           f"{data} data records compared")
-    assert proxy.stats.reset >= 5
+    assert proxy.stats.reset >= 3
     assert data > 10
     for got, want in zip(faulted, clean, strict=True):
         got_data = [r for r in got if r[0] != "other"]
@@ -308,8 +308,8 @@ def test_stalled_store_call_is_detected(
     reason=(
         "SpannerStore's reads go through google-cloud-spanner's _restart_on_unavailable, which "
         "re-issues the query at once on every UNAVAILABLE with no delay and no bound: while "
-        "connections are refused a store read spins (measured 2.8 s of CPU in a 5 s outage) "
-        "and never gives up; reproduce: FaultProxy.drop(4) under SpannerStore.partitions()"
+        "connections are refused a store read spins (measured 2.3-3.6 s of CPU during a 4 s "
+        "outage) and never gives up; reproduce: FaultProxy.drop(4) under SpannerStore.partitions()"
     ),
 )
 def test_store_read_backs_off_while_connections_are_refused(

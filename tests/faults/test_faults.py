@@ -91,8 +91,22 @@ class RunRecord:
         return text
 
 
+def _sqlite_in_wal_mode(path: Path) -> bool:
+    """True once the file is a SQLite database in WAL mode (header bytes 18-19 are 2)."""
+    try:
+        with path.open("rb") as f:
+            header = f.read(20)
+    except OSError:
+        return False
+    return header[:16] == b"SQLite format 3\x00" and header[18:20] == b"\x02\x02"
+
+
 class _Progress:
-    """The newest committed batch id, read from the store directly (not via the proxy)."""
+    """The newest committed batch id, read from the store directly (not via the proxy).
+
+    A SQLite store is opened only once the run has switched the new file to WAL mode:
+    opening it while the run creates it can make the run's own open fail (see
+    test_sqlite_open.py), and this reader must not disturb the run it watches."""
 
     def __init__(self, case: Case) -> None:
         self.case = case
@@ -100,7 +114,8 @@ class _Progress:
 
     def last(self) -> int:
         if self._store is None:
-            if self.case.store_url.startswith("sqlite") and not self.case.state_file.exists():
+            sqlite = self.case.store_url.startswith("sqlite")
+            if sqlite and not _sqlite_in_wal_mode(self.case.state_file):
                 return 0
             self._store = open_store(self.case.store_url)
         batches = self._store.batches(self.case.name, limit=20)
@@ -136,7 +151,7 @@ def _drive(
     case: Case, proxy: FaultProxy, rng: random.Random, *, kills: int, logs: Path
 ) -> list[RunRecord]:
     """Run, and SIGKILL the first ``kills`` runs at a random point: once 1-3 more batches
-    have committed (plus up to 0.5 s), or 1.5-4 s after the start, whichever comes first.
+    have committed (plus up to 0.5 s), or 2-5 s after the start, whichever comes first.
     Restart after every kill or failed exit, until a run exits 0 or BUDGET passes (the
     last run is then killed and marked hung)."""
     origin = time.monotonic()
@@ -157,7 +172,7 @@ def _drive(
             run = RunRecord(index, began - origin, first_batch=first)
             killing = sum(r.outcome == "killed" for r in runs) < kills
             target = first + rng.randint(1, 3)
-            kill_at = began + rng.uniform(1.5, 4.0) if killing else deadline
+            kill_at = began + rng.uniform(2.0, 5.0) if killing else deadline
             try:
                 while proc.poll() is None and time.monotonic() < min(kill_at, deadline):
                     if killing and progress.last() >= target:
