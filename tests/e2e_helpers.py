@@ -119,7 +119,7 @@ class Case:
 def check_exactly_once(case: Case, workload: Workload) -> int:
     """Every committed change exactly once; each key's changes in commit order. Returns how
     many changes were checked."""
-    expected = Counter(
+    expected: Counter[tuple[int, int, str]] = Counter(
         (int(c.keys[SHOP_KEY]), c.commit_ns, c.mod_type) for c in workload.changes
     )
     seen: Counter[tuple[int, int, str]] = Counter()
