@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from cdcflow.backoff import RetryPolicy
 from cdcflow.errors import StoreError
 from cdcflow.metadata import _rules
 from cdcflow.model import (
@@ -170,7 +171,12 @@ class SQLiteStore:
     def _setup(self, conn: sqlite3.Connection, busy_timeout: float) -> None:
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-            conn.execute("PRAGMA journal_mode = WAL")
+            # Switching to WAL does not wait on the busy timeout: two processes opening a
+            # new file at once would see "database is locked". Retry it within the timeout.
+            RetryPolicy(attempts=1_000, initial=0.01, maximum=0.2, deadline=busy_timeout).call(
+                lambda: conn.execute("PRAGMA journal_mode = WAL"),
+                retry_if=lambda e: isinstance(e, sqlite3.OperationalError) and "locked" in str(e),
+            )
             # FULL: a committed plan must survive power loss too, because sinks may have
             # committed output under its batch id.
             conn.execute("PRAGMA synchronous = FULL")

@@ -15,22 +15,11 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import pytest
-
 from cdcflow.metadata.sqlite import SQLiteStore
 
 ATTEMPTS = 500  # each one a fresh file; the race hits about 1 in 20 on a 2-core machine
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "SQLiteStore's open path sets journal_mode=WAL outside its busy-timeout handling: "
-        "of two connections creating the same new store at once, one fails with 'is not a "
-        "usable SQLite database (database is locked)' (a CLI run exits 1); reproduce: two "
-        "threads or processes calling SQLiteStore(new_path) behind a barrier"
-    ),
-)
 def test_two_openers_of_a_new_sqlite_store_both_succeed(tmp_path: Path) -> None:
     for attempt in range(ATTEMPTS):
         path = tmp_path / f"state-{attempt}.db"
