@@ -28,7 +28,7 @@ from cdcflow.model import (
     ValueCaptureType,
 )
 from cdcflow.pipeline import PCollection, Pipeline
-from cdcflow.policy import ErrorPolicy
+from cdcflow.policy import ErrorPolicy, Retry, Skip, Stop
 from cdcflow.transforms import (
     Collect,
     DetectPartitions,
@@ -73,7 +73,10 @@ __all__ = [
     "Print",
     "ReadChangeStream",
     "ReadPartition",
+    "Retry",
     "Sink",
+    "Skip",
+    "Stop",
     "Timestamp",
     "ValueCaptureType",
     "WriteFiles",
