@@ -31,6 +31,7 @@ from cdcflow.pipeline import PCollection, Pipeline
 from cdcflow.policy import ErrorPolicy, Retry, Skip, Stop
 from cdcflow.transforms import (
     Collect,
+    Consume,
     DetectPartitions,
     DoFn,
     Filter,
@@ -53,6 +54,7 @@ __all__ = [
     "ChildPartitionsRecord",
     "Collect",
     "ColumnType",
+    "Consume",
     "DataChangeRecord",
     "DetectPartitions",
     "DoFn",
