@@ -132,8 +132,9 @@ class Consume(Sink[E, Consumed]):
     More than ``4 * max_inflight + 4`` abandoned calls alive at once fail the task.
 
     ``drain_timeout``: how long ``close`` waits for the elements still in flight when the
-    task ends. Past it the task fails with SinkError and the batch is replayed, calling
-    ``fn`` again for all its elements.
+    task ends. Past it the task fails with SinkError: the batch is not committed and is
+    replayed (by Spark's task retry, or by the next run), calling ``fn`` again for all its
+    elements.
 
     ``on_error``: the :class:`~cdcflow.policy.ErrorPolicy` for failed calls; the default
     retries 3 times with backoff, then stops. Its ``then='skip'`` (or a handler's Skip)
