@@ -28,9 +28,10 @@ from cdcflow.model import (
     ValueCaptureType,
 )
 from cdcflow.pipeline import PCollection, Pipeline
-from cdcflow.policy import ErrorPolicy
+from cdcflow.policy import ErrorPolicy, Retry, Skip, Stop
 from cdcflow.transforms import (
     Collect,
+    Consume,
     DetectPartitions,
     DoFn,
     Filter,
@@ -53,6 +54,7 @@ __all__ = [
     "ChildPartitionsRecord",
     "Collect",
     "ColumnType",
+    "Consume",
     "DataChangeRecord",
     "DetectPartitions",
     "DoFn",
@@ -73,7 +75,10 @@ __all__ = [
     "Print",
     "ReadChangeStream",
     "ReadPartition",
+    "Retry",
     "Sink",
+    "Skip",
+    "Stop",
     "Timestamp",
     "ValueCaptureType",
     "WriteFiles",

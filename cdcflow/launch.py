@@ -372,7 +372,8 @@ def run_pipeline(
         )
         raise UserInputError(msg)
     detector = StuckDetector(
-        observe.stuck_after, pipeline=dag.name, batch_interval=run_options.batch_interval
+        observe.stuck_after, pipeline=dag.name, batch_interval=run_options.batch_interval,
+        idle_read_interval=run_options.idle_read_interval,
     )
     watch = StuckWatch(detector)
     observers: list[EngineListener] = [watch]

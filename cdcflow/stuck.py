@@ -42,11 +42,15 @@ _MAX_CHECK_INTERVAL_S = 1.0
 _log = logging.getLogger("cdcflow.stuck")
 
 
-def default_stuck_after(heartbeat_millis: int, batch_interval: float = 0.0) -> float:
+def default_stuck_after(
+    heartbeat_millis: int, batch_interval: float = 0.0, idle_read_interval: float = 0.0
+) -> float:
     """Seconds without progress after which a partition counts as stuck, when the run does
-    not say: 10 heartbeat intervals, at least 30 s, and at least 3 batch intervals (an idle
-    pipeline advances once per batch)."""
-    return max(_MIN_DEFAULT_S, _HEARTBEATS * heartbeat_millis / 1000, 3 * batch_interval)
+    not say: 10 heartbeat intervals, at least 30 s, at least 3 batch intervals (an idle
+    pipeline advances once per batch) and at least twice the idle read interval (an idle
+    partition is read that rarely)."""
+    return max(_MIN_DEFAULT_S, _HEARTBEATS * heartbeat_millis / 1000, 3 * batch_interval,
+               2 * idle_read_interval)
 
 
 @attrs.frozen
@@ -99,6 +103,7 @@ class StuckDetector:
         *,
         pipeline: str = "",
         batch_interval: float = 0.0,
+        idle_read_interval: float = 0.0,
         log: logging.Logger | None = None,
     ) -> None:
         if stuck_after is not None and stuck_after <= 0:
@@ -107,6 +112,7 @@ class StuckDetector:
         self.stuck_after = stuck_after
         self.pipeline = pipeline
         self.batch_interval = batch_interval
+        self.idle_read_interval = idle_read_interval
         self.log = log or _log
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}
@@ -116,7 +122,8 @@ class StuckDetector:
         """Seconds without progress after which a partition with this heartbeat is stuck."""
         if self.stuck_after is not None:
             return self.stuck_after
-        return default_stuck_after(heartbeat_millis, self.batch_interval)
+        return default_stuck_after(heartbeat_millis, self.batch_interval,
+                                   self.idle_read_interval)
 
     def observe(
         self, partitions: Iterable[PartitionMetadata], now_ns: int, note: str = ""

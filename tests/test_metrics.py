@@ -368,7 +368,8 @@ def test_a_hanging_partition_is_flagged_while_it_hangs_and_cleared_after(
     scraper.start()
     try:
         summary = pipeline.run("memory", "memory://", metrics_port=0, on_metrics=urls.append,
-                               stuck_after="1s", batch_interval="100ms", max_batch_span="1s")
+                               stuck_after="1s", batch_interval="100ms", max_batch_span="1s",
+                               idle_read_interval=0)
     finally:
         scraper.done.set()
         scraper.join()

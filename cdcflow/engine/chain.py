@@ -16,6 +16,7 @@ import functools
 import logging
 import pickle
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -26,7 +27,7 @@ from cdcflow.engine.runner import Task
 from cdcflow.errors import PipelineStopped, SinkIOError
 from cdcflow.inflight import Barrier, InflightTracker
 from cdcflow.model import DataChangeRecord
-from cdcflow.policy import FailedElement
+from cdcflow.policy import FailedElement, Retry, Stop
 from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
 
 __all__ = ["Chain", "approx_size"]
@@ -74,7 +75,6 @@ class Chain:
         self._nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = pickle.loads(program.chain)
         self._succ = program.successors
         self._policy = program.policy
-        self._retry = program.policy.retry_policy()
         self._attempt = uuid.uuid4().hex  # unique per execution: retries write elsewhere
         self._writers: dict[str, SinkWriter[Any, Any]] = {}
         self._set_up: list[ParDo[Any, Any]] = []
@@ -204,17 +204,19 @@ class Chain:
         self, label: str, record: DataChangeRecord, element: Any, call: Callable[[], Any]
     ) -> Any:
         """``call()`` under the error policy: its value, or _Skipped when skipped."""
-        policy, retry = self._policy, self._retry
         failed = 0
         while True:
             try:
                 return call()
             except SinkIOError:
                 raise  # the sink's storage failed, not the element: the batch is retried
+            except PipelineStopped:
+                raise  # already decided further down (a sink with a policy of its own)
             except Exception as exc:
                 failed += 1
-                if retry.allows(failed):
-                    retry.backoff(failed)
+                decision = self._policy.decide(exc, element, record.partition_token, failed)
+                if isinstance(decision, Retry):
+                    time.sleep(decision.after)
                     with self._count_lock:
                         self._retries += 1
                     continue
@@ -223,7 +225,7 @@ class Chain:
                     f"committed at {record.commit_timestamp} after {failed} attempt(s): "
                     f"{type(exc).__name__}: {exc}"
                 )
-                if policy.then == "stop":
+                if isinstance(decision, Stop):
                     msg = (
                         f"{where}. Nothing past this record was committed; fix the cause and "
                         "run again to resume, or skip such elements with "

@@ -6,12 +6,15 @@ from typing import Any
 
 from cdcflow.errors import PluginError
 from cdcflow.transforms.base import DoFn, ParDo, PTransform, Sink
+from cdcflow.transforms.consume import Consume, Consumed, idempotency_key
 from cdcflow.transforms.core import Filter, FlatMap, Map
 from cdcflow.transforms.sinks import Collect, Print, WriteFiles
 from cdcflow.transforms.source import DetectPartitions, ReadChangeStream, ReadPartition
 
 __all__ = [
     "Collect",
+    "Consume",
+    "Consumed",
     "DetectPartitions",
     "DoFn",
     "Filter",
@@ -24,6 +27,7 @@ __all__ = [
     "ReadPartition",
     "Sink",
     "WriteFiles",
+    "idempotency_key",
     "plugin",
 ]
 

@@ -1,0 +1,543 @@
+"""Consume: a sink for side effects, calling a function on every element with keyed concurrency.
+
+::
+
+    def notify(r: cf.DataChangeRecord) -> None:
+        requests.post(URL, json=..., headers={"Idempotency-Key": idempotency_key(r)})
+
+    pipeline | ... | Consume(notify, max_inflight=16, key=lambda r: r.mods[0].keys["id"])
+
+How a task's writer works:
+
+- ``write`` hands the element to a pool of up to ``max_inflight`` threads, created on the
+  first element in the process that runs the task (a Spark executor's Python worker on
+  Spark). Calls for one ``key(element)`` run one after another in arrival order; calls for
+  different keys run concurrently. ``write`` blocks while ``max_inflight`` elements are in
+  flight and ``4 * max_inflight`` more wait (backpressure on the reader).
+- ``fn`` returning acks the element; raising nacks it, and the writer's
+  :class:`~cdcflow.policy.ErrorPolicy` (``on_error``) decides: retry after a delay (the
+  key's later elements wait), skip (counted, logged, reported in the commit message), or
+  stop (the task fails with PipelineStopped; nothing of the batch commits).
+- ``close`` waits until every element is acked or skipped, then returns a small
+  :class:`Consumed` message. A batch commits only when all its tasks did, so progress
+  never passes an element whose call has not returned.
+
+Delivery is at least once: a replayed batch (after a crash, a failed task, a timeout) calls
+``fn`` again for its elements, also those that succeeded before. Make the side effect
+idempotent, keyed by what identifies a change: :func:`idempotency_key`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Generic, TypeVar
+
+import attrs
+
+from cdcflow.durations import parse_duration
+from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError
+from cdcflow.model import DataChangeRecord
+from cdcflow.transforms._policy import ErrorPolicy, Retry, Skip
+from cdcflow.transforms.base import Sink, SinkWriter, WriterContext
+from cdcflow.transforms.core import callable_name
+
+__all__ = ["Consume", "Consumed", "idempotency_key"]
+
+E = TypeVar("E")
+
+_log = logging.getLogger("cdcflow.consume")
+
+#: Elements that may wait per thread of the pool, on top of those in flight.
+_QUEUE_PER_THREAD = 4
+#: Skipped elements whose error a commit message carries as text (the count is exact).
+_MAX_ERRORS = 10
+
+
+def idempotency_key(record: DataChangeRecord) -> str:
+    """A text identifying ``record`` across replays: its commit timestamp (ns), server
+    transaction id and record sequence. A replayed batch gives the same keys, so a side
+    effect keyed by it (an upsert, an Idempotency-Key header) is not repeated."""
+    return f"{record.commit_timestamp.ns}/{record.server_transaction_id}/{record.record_sequence}"
+
+
+@attrs.frozen
+class Consumed:
+    """What a Consume writer did for one task (its commit message), or, summed, what
+    :meth:`Consume.stats` reports for the committed batches.
+
+    ``elements``: taken by ``write``; ``acked``: ``fn`` returned; ``skipped``: given up by the
+    error policy; ``calls``: calls of ``fn`` (retries included); ``retries``: calls the policy
+    asked for again; ``timeouts``: calls that ran past ``timeout``. ``errors``: the errors of
+    the first skipped elements, as text (at most 10).
+    """
+
+    elements: int = 0
+    acked: int = 0
+    skipped: int = 0
+    calls: int = 0
+    retries: int = 0
+    timeouts: int = 0
+    errors: tuple[str, ...] = ()
+
+    def __add__(self, other: Consumed) -> Consumed:
+        return Consumed(
+            elements=self.elements + other.elements,
+            acked=self.acked + other.acked,
+            skipped=self.skipped + other.skipped,
+            calls=self.calls + other.calls,
+            retries=self.retries + other.retries,
+            timeouts=self.timeouts + other.timeouts,
+            errors=(self.errors + other.errors)[:_MAX_ERRORS],
+        )
+
+
+def _seconds(value: float | str, what: str) -> float:
+    try:
+        seconds = parse_duration(value) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError) as exc:
+        msg = f"Consume({what}={value!r}): use seconds or a duration such as '5s' ({exc})"
+        raise PipelineDefinitionError(msg) from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        msg = f"Consume({what}={value!r}): use a finite time > 0"
+        raise PipelineDefinitionError(msg)
+    return seconds
+
+
+class _Totals:
+    """The driver's counts, shared by a Consume and its labelled copies."""
+
+    def __init__(self) -> None:
+        self.batches: set[int] = set()
+        self.consumed = Consumed()
+
+
+class Consume(Sink[E, Consumed]):
+    """Calls ``fn(element)`` for every element, for its side effects (see the module doc).
+
+    ``max_inflight``: calls that may run at once in one task. ``key``: elements with equal
+    ``key(element)`` (hashable) are never called at once and are called in arrival order;
+    without a key, elements run in any order when ``max_inflight > 1``. Within a batch a
+    key's changes come from one partition, and a batch starts after the previous one
+    committed, so per-key order holds across tasks and batches too (replays aside).
+
+    ``timeout`` (seconds or a duration, None: no bound): a call still running past it is a
+    failure. A thread cannot be killed: the stuck call is abandoned (it runs on in the
+    background, its result ignored), a fresh thread takes its place in the pool, and the
+    policy decides about the element, so a retry may start while the stuck call still runs.
+    More than ``4 * max_inflight + 4`` abandoned calls alive at once fail the task.
+
+    ``drain_timeout``: how long ``close`` waits for the elements still in flight when the
+    task ends. Past it the task fails with SinkError: the batch is not committed and is
+    replayed (by Spark's task retry, or by the next run), calling ``fn`` again for all its
+    elements.
+
+    ``on_error``: the :class:`~cdcflow.policy.ErrorPolicy` for failed calls; the default
+    retries 3 times with backoff, then stops. Its ``then='skip'`` (or a handler's Skip)
+    gives the element up: it is logged with its error and counted in the commit message; a
+    ``dead_letter`` is refused (catch the error in ``fn`` to keep such elements).
+
+    At least once: ``commit`` only keeps counts (:meth:`stats`); a replayed batch calls
+    ``fn`` again for its elements. Make the side effect idempotent, keyed by
+    :func:`idempotency_key` of the change record (commit timestamp, transaction id, record
+    sequence). ``fn`` and ``key`` are pickled into every task: create clients lazily in
+    the process that runs them (a module-level cache), not in the pipeline file.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[E], object],
+        *,
+        max_inflight: int = 1,
+        key: Callable[[E], Hashable] | None = None,
+        timeout: float | str | None = None,
+        drain_timeout: float | str = 30.0,
+        on_error: ErrorPolicy | None = None,
+    ) -> None:
+        if not callable(fn):
+            msg = f"Consume takes a function called with each element, got {fn!r}"
+            raise TypeError(msg)
+        if key is not None and not callable(key):
+            msg = f"Consume(key={key!r}): pass a function of the element, e.g. key=lambda r: ..."
+            raise TypeError(msg)
+        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+            msg = f"Consume(max_inflight={max_inflight!r}): use a whole number >= 1"
+            raise PipelineDefinitionError(msg)
+        policy = ErrorPolicy() if on_error is None else on_error
+        if not isinstance(policy, ErrorPolicy):
+            msg = f"Consume(on_error={on_error!r}): pass a cdcflow.ErrorPolicy"
+            raise TypeError(msg)
+        if policy.dead_letter is not None:
+            msg = (
+                "Consume(on_error=ErrorPolicy(dead_letter=...)): Consume has no dead-letter "
+                "sink; skipped elements are logged and counted in Consume.stats(). Drop "
+                "dead_letter, or catch the error in fn and keep the element yourself"
+            )
+            raise PipelineDefinitionError(msg)
+        self.fn = fn
+        self.key = key
+        self.max_inflight = max_inflight
+        self.timeout = None if timeout is None else _seconds(timeout, "timeout")
+        self.drain_timeout = _seconds(drain_timeout, "drain_timeout")
+        self.on_error = policy
+        self._totals = _Totals()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # tasks need the function and the settings; the driver's counts stay on the driver
+        state = self.__dict__.copy()
+        state["_totals"] = _Totals()
+        return state
+
+    def default_label(self) -> str:
+        return f"Consume({callable_name(self.fn)})"
+
+    def describe_params(self) -> str:
+        parts = [f"max_inflight={self.max_inflight}"]
+        if self.key is not None:
+            parts.append(f"key={callable_name(self.key)}")
+        if self.timeout is not None:
+            parts.append(f"timeout={self.timeout:g}s")
+        return ", ".join(parts)
+
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[E, Consumed]:
+        return _ConsumeWriter(self, ctx)
+
+    def commit(self, batch_id: int, messages: Sequence[Consumed]) -> None:
+        """Add the batch's counts to :meth:`stats`, once per batch id. Nothing else: the
+        calls already happened in the tasks."""
+        totals = self._totals
+        if batch_id in totals.batches:
+            return
+        totals.batches.add(batch_id)
+        batch = sum(messages, Consumed())
+        totals.consumed += batch
+        if batch.skipped:
+            _log.warning(
+                "%s skipped %d element(s) in batch %d, e.g. %s",
+                self.label or self.default_label(), batch.skipped, batch_id,
+                "; ".join(batch.errors[:3]),
+            )
+
+    def stats(self) -> Consumed:
+        """The summed counts of the batches committed through this instance (on the
+        driver; pickled copies start at zero). A batch counts once, even when replayed."""
+        return self._totals.consumed
+
+    @property
+    def committed_batches(self) -> int:
+        """How many batch ids were committed through this instance."""
+        return len(self._totals.batches)
+
+
+class _Call:
+    """One element on its way through ``fn``."""
+
+    __slots__ = ("element", "failures", "key", "not_before")
+
+    def __init__(self, element: Any, key: Hashable) -> None:
+        self.element = element
+        self.key = key
+        self.failures = 0
+        self.not_before = 0.0  # monotonic time before which a retry must not start
+
+
+class _Worker:
+    """A pool thread and the call it runs (if any)."""
+
+    __slots__ = ("abandoned", "call", "deadline", "thread")
+
+    def __init__(self) -> None:
+        self.call: _Call | None = None
+        self.deadline: float | None = None
+        self.abandoned = False
+        self.thread: threading.Thread | None = None
+
+
+class _Unique:
+    """The key of an element when Consume has no ``key``: equal to nothing else."""
+
+    __slots__ = ()
+
+
+class _ConsumeWriter(Generic[E]):
+    """One task's pool: keyed queues, worker threads, a watchdog when there is a timeout.
+
+    Invariants (under ``_lock``): a key is in ``_queues`` while it has waiting calls or a
+    call running; it is in ``_ready`` (once) when it has waiting calls and none running;
+    ``_pending`` counts the calls taken and neither acked nor skipped.
+    """
+
+    def __init__(self, consume: Consume[E], ctx: WriterContext) -> None:
+        self._fn = consume.fn
+        self._key = consume.key
+        self._size = consume.max_inflight
+        self._capacity = consume.max_inflight * (1 + _QUEUE_PER_THREAD)
+        self._timeout = consume.timeout
+        self._drain_timeout = consume.drain_timeout
+        self._policy = consume.on_error
+        self._label = ctx.sink_label
+        self._token = ctx.partition_token
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # a key became ready, or the end
+        self._room = threading.Condition(self._lock)  # a call was acked/skipped, or the end
+        self._ending = threading.Condition(self._lock)  # the end only (retry waits, watchdog)
+        self._queues: dict[Hashable, deque[_Call]] = {}
+        self._ready: deque[Hashable] = deque()
+        self._pending = 0
+        self._workers: list[_Worker] = []
+        self._abandoned: list[_Worker] = []
+        self._started = False
+        self._ended = False
+        self._failure: BaseException | None = None
+        self._counts = dict.fromkeys(
+            ("elements", "acked", "skipped", "calls", "retries", "timeouts"), 0
+        )
+        self._errors: list[str] = []
+
+    # -- the task's thread ----------------------------------------------------------------------
+
+    def write(self, element: E) -> None:
+        key: Hashable = _Unique() if self._key is None else self._key(element)
+        try:
+            hash(key)
+        except TypeError:
+            msg = (
+                f"Consume key returned {key!r}, which is not hashable; return a str, an int "
+                "or a tuple"
+            )
+            raise TypeError(msg) from None
+        if not self._started:
+            self._start()
+        with self._lock:
+            self._room.wait_for(lambda: self._pending < self._capacity or self._ended)
+            if self._failure is not None:
+                raise self._failure
+            if self._ended:
+                msg = "Consume writer written after close() or abort(); open a new writer"
+                raise SinkError(msg)
+            call = _Call(element, key)
+            queue = self._queues.get(key)
+            if queue is None:
+                self._queues[key] = deque((call,))
+                self._ready.append(key)
+                self._work.notify()
+            else:
+                queue.append(call)  # picked up when the key's running call ends
+            self._pending += 1
+            self._counts["elements"] += 1
+
+    def close(self) -> Consumed | None:
+        """Wait until every element is acked or skipped; its counts. Raises what stopped
+        the writer (PipelineStopped, the handler's error), or SinkError past
+        ``drain_timeout`` (the batch is replayed)."""
+        if not self._started:
+            return None
+        with self._lock:
+            done = self._room.wait_for(
+                lambda: self._pending == 0 or self._failure is not None, self._drain_timeout
+            )
+            if not done:
+                running = sum(1 for w in self._workers if w.call is not None)
+                msg = (
+                    f"Consume {self._label!r}: {self._pending} element(s) of partition "
+                    f"{self._token} not acknowledged {self._drain_timeout:g}s after the task "
+                    f"ended ({running} call(s) still running); the task fails and the batch "
+                    "is replayed, calling fn again for its elements. Raise drain_timeout, or "
+                    "bound each call with timeout="
+                )
+                self._fail(SinkError(msg))
+            self._end()
+            failure = self._failure
+        self._join()
+        if failure is not None:
+            raise failure
+        c = self._counts
+        return Consumed(
+            elements=c["elements"], acked=c["acked"], skipped=c["skipped"], calls=c["calls"],
+            retries=c["retries"], timeouts=c["timeouts"], errors=tuple(self._errors),
+        )
+
+    def abort(self) -> None:
+        """Drop the waiting elements; wait for the running calls (at most ``timeout``, or
+        ``drain_timeout`` without one), so that a replay does not overlap them."""
+        if not self._started:
+            return
+        with self._lock:
+            self._end()
+            self._ready.clear()
+        wait = self._drain_timeout if self._timeout is None else self._timeout
+        self._join(min(wait, self._drain_timeout))
+
+    # -- the pool ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._started = True
+        with self._lock:
+            for _ in range(self._size):
+                self._spawn()
+        if self._timeout is not None:
+            threading.Thread(
+                target=self._watch, name=f"cdcflow-consume-watchdog-{self._label}", daemon=True
+            ).start()
+
+    def _spawn(self) -> None:
+        """Start a worker thread (under the lock)."""
+        worker = _Worker()
+        # Daemon threads: an abandoned call must not keep the process (a Spark worker) alive.
+        worker.thread = threading.Thread(
+            target=self._run, args=(worker,), name=f"cdcflow-consume-{self._label}", daemon=True
+        )
+        self._workers.append(worker)
+        worker.thread.start()
+
+    def _run(self, worker: _Worker) -> None:
+        while True:
+            with self._lock:
+                self._work.wait_for(lambda: bool(self._ready) or self._ended)
+                if self._ended:
+                    return
+                key = self._ready.popleft()
+                call = self._queues[key].popleft()
+                worker.call = call
+                # A retry waits its delay here, holding the key: nothing passes it.
+                while not self._ended and (wait := call.not_before - time.monotonic()) > 0:
+                    self._ending.wait(wait)
+                if self._ended:
+                    return
+                if self._timeout is not None:
+                    worker.deadline = time.monotonic() + self._timeout
+                self._counts["calls"] += 1
+            error: Exception | None = None
+            try:
+                self._fn(call.element)
+            except Exception as exc:
+                error = exc
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail the task
+                with self._lock:
+                    if not worker.abandoned:
+                        self._fail(exc)
+                return
+            with self._lock:
+                if worker.abandoned:
+                    return  # the watchdog gave this call up and decided about its element
+                worker.call = worker.deadline = None
+                if error is None:
+                    self._counts["acked"] += 1
+                    self._finish(call)
+                    continue
+            self._nack(call, error)
+
+    def _finish(self, call: _Call) -> None:
+        """``call``'s element is acked or skipped: release its key (under the lock)."""
+        self._pending -= 1
+        queue = self._queues[call.key]
+        if queue:
+            self._ready.append(call.key)
+            self._work.notify()
+        else:
+            del self._queues[call.key]
+        self._room.notify_all()
+
+    def _nack(self, call: _Call, error: Exception) -> None:
+        """Ask the policy about a failed call (not under the lock: the handler is user code)."""
+        call.failures += 1
+        try:
+            decision = self._policy.decide(error, call.element, self._token, call.failures)
+        except BaseException as exc:
+            with self._lock:
+                self._fail(exc)
+            return
+        where = (
+            f"Consume {self._label!r} failed on an element of partition {self._token} after "
+            f"{call.failures} attempt(s): {type(error).__name__}: {error}"
+        )
+        with self._lock:
+            if self._ended:
+                return
+            if isinstance(decision, Retry):
+                self._counts["retries"] += 1
+                call.not_before = time.monotonic() + decision.after
+                self._queues[call.key].appendleft(call)
+                self._ready.appendleft(call.key)  # first in line: its key waits for it
+                self._work.notify()
+                return
+            if isinstance(decision, Skip):
+                self._counts["skipped"] += 1
+                if len(self._errors) < _MAX_ERRORS:
+                    self._errors.append(f"{type(error).__name__}: {error}")
+                self._finish(call)
+            else:
+                msg = (
+                    f"{where}. Nothing of this batch was committed; fix the cause and run "
+                    "again to resume (fn is called again for the batch's elements), or skip "
+                    "such elements with Consume(on_error=ErrorPolicy(then='skip'))"
+                )
+                stopped = PipelineStopped(msg)
+                stopped.__cause__ = error
+                self._fail(stopped)
+                return
+        _log.warning("skipped an element: %s", where)
+
+    def _watch(self) -> None:
+        """Give up calls running past the timeout: abandon their thread, start another."""
+        assert self._timeout is not None
+        limit = 4 * self._size + 4
+        while True:
+            with self._lock:
+                if self._ended:
+                    return
+                now = time.monotonic()
+                overdue = [w for w in self._workers if w.deadline is not None and w.deadline <= now]
+                if not overdue:
+                    deadlines = [w.deadline for w in self._workers if w.deadline is not None]
+                    self._ending.wait(min(deadlines, default=now + self._timeout) - now)
+                    continue
+                for worker in overdue:
+                    worker.abandoned = True
+                    self._workers.remove(worker)
+                    self._abandoned.append(worker)
+                    self._counts["timeouts"] += 1
+                    self._spawn()
+                self._abandoned = [
+                    w for w in self._abandoned if w.thread is not None and w.thread.is_alive()
+                ]
+                if len(self._abandoned) > limit:
+                    msg = (
+                        f"Consume {self._label!r}: {len(self._abandoned)} calls are stuck past "
+                        f"timeout={self._timeout:g}s; the task fails and the batch is "
+                        "replayed. Find why fn hangs, or raise timeout"
+                    )
+                    self._fail(SinkError(msg))
+                    return
+            for worker in overdue:
+                assert worker.call is not None
+                error = TimeoutError(f"the call did not return within {self._timeout:g}s")
+                self._nack(worker.call, error)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        """Remember the first error that ends the writer, and end it (under the lock)."""
+        if self._failure is None:
+            self._failure = error
+        self._end()
+
+    def _end(self) -> None:
+        """Workers stop taking calls; waiting ones give up (under the lock)."""
+        self._ended = True
+        self._work.notify_all()
+        self._room.notify_all()
+        self._ending.notify_all()
+
+    def _join(self, timeout: float = 1.0) -> None:
+        """Wait for the pool's threads; idle ones exit at once, running calls take time."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = [w.thread for w in self._workers if w.thread is not None]
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))

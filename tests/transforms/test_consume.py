@@ -1,0 +1,512 @@
+"""Consume: keyed concurrency, acks and nacks under the error policy, timeouts, drain, and
+at-least-once delivery through the engine on every runner."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import random
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.listener import EngineListener
+from cdcflow.engine.loop import Engine, RunOptions, RunSummary
+from cdcflow.engine.runner import Runner
+from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError
+from cdcflow.metadata import MemoryStore
+from cdcflow.model import BatchPlan
+from cdcflow.policy import Decision, ErrorPolicy, Retry, Stop
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms import Collect, Consume, Consumed, DetectPartitions, ReadPartition
+from cdcflow.transforms import idempotency_key as ikey
+from cdcflow.transforms.base import WriterContext
+
+# The functions below run where the tasks run (Spark's Python workers too), which cannot
+# import this test module by name: they travel by value, as a pipeline file's functions do.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+END = T0 + 10 * S
+
+
+def _writer(consume: Consume[Any], token: str = "tok") -> Any:
+    return consume.open_writer(WriterContext("p", "consume", 1, token, 0, 10, "attempt"))
+
+
+def _eventually(check: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+# -- the writer: keyed concurrency ------------------------------------------------------------
+
+
+def test_each_keys_calls_run_in_order_and_never_overlap() -> None:
+    lock = threading.Lock()
+    spans: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
+    running: set[int] = set()
+    peak = 0
+
+    def fn(element: tuple[int, int]) -> None:
+        nonlocal peak
+        key, seq = element
+        with lock:
+            running.add(key)
+            peak = max(peak, len(running))
+        start = time.monotonic()
+        time.sleep(random.random() * 0.003)
+        end = time.monotonic()
+        with lock:
+            running.discard(key)
+            spans[key].append((seq, start, end))
+
+    consume = Consume(fn, max_inflight=16, key=lambda e: e[0])
+    writer = _writer(consume)
+    keys = 40
+    for seq in range(1200):
+        writer.write((random.randrange(keys), seq))
+    message = writer.close()
+    assert message == Consumed(elements=1200, acked=1200, calls=1200)
+    assert peak > 8  # the pool did run many keys at once
+    assert sum(len(calls) for calls in spans.values()) == 1200
+    for calls in spans.values():
+        assert [seq for seq, _, _ in calls] == sorted(seq for seq, _, _ in calls)
+        for (_, _, end), (_, start, _) in itertools.pairwise(calls):
+            assert start >= end  # one call of a key at a time
+
+
+def _sleep_10ms(element: Any) -> None:
+    time.sleep(0.01)
+
+
+def test_max_inflight_runs_calls_concurrently() -> None:
+    took = {}
+    for n in (1, 16):
+        writer = _writer(Consume(_sleep_10ms, max_inflight=n))
+        began = time.perf_counter()
+        for i in range(100):
+            writer.write(i)
+        assert writer.close() == Consumed(elements=100, acked=100, calls=100)
+        took[n] = time.perf_counter() - began
+    assert took[1] >= 1.0
+    assert took[1] / took[16] > 5, took
+
+
+def test_writes_block_while_the_pool_and_its_queue_are_full() -> None:
+    release = threading.Event()
+    writer = _writer(Consume(lambda e: release.wait(10), max_inflight=2))
+    for i in range(2 * 5):  # 2 in flight, 8 waiting
+        writer.write(i)
+    blocked = threading.Thread(target=writer.write, args=(10,))
+    blocked.start()
+    blocked.join(0.2)
+    assert blocked.is_alive()  # backpressure: the reader waits
+    release.set()
+    blocked.join(5)
+    assert not blocked.is_alive()
+    assert writer.close() == Consumed(elements=11, acked=11, calls=11)
+
+
+# -- nacks under the error policy -------------------------------------------------------------
+
+
+def test_nacks_are_retried_then_skipped_and_reported(caplog: pytest.LogCaptureFixture) -> None:
+    lock = threading.Lock()
+    attempts: Counter[int] = Counter()
+    acked: list[int] = []
+
+    def fn(n: int) -> None:
+        with lock:
+            attempts[n] += 1
+            tries = attempts[n]
+        if n % 10 == 7:
+            msg = f"bad {n}"
+            raise ValueError(msg)
+        if n % 10 == 3 and tries <= 2:
+            msg = f"flaky {n}"
+            raise ConnectionError(msg)
+        with lock:
+            acked.append(n)
+
+    policy = ErrorPolicy(retries=2, backoff=0.001, then="skip")
+    writer = _writer(Consume(fn, max_inflight=4, key=lambda n: n % 4, on_error=policy))
+    with caplog.at_level(logging.WARNING, logger="cdcflow.consume"):
+        for n in range(40):
+            writer.write(n)
+        message = writer.close()
+    assert message.elements == 40 and message.acked == 36 and message.skipped == 4
+    assert message.retries == 4 * 2 + 4 * 2  # 3, 13, 23, 33 and 7, 17, 27, 37
+    assert message.calls == 40 + message.retries
+    assert sorted(message.errors) == [f"ValueError: bad {n}" for n in (17, 27, 37, 7)]
+    assert sorted(acked) == [n for n in range(40) if n % 10 != 7]
+    for k in range(4):  # a retried element still came before its key's later elements
+        mine = [n for n in acked if n % 4 == k]
+        assert mine == sorted(mine)
+    skipped = [r.getMessage() for r in caplog.records if "skipped an element" in r.getMessage()]
+    assert len(skipped) == 4 and all("after 3 attempt(s): ValueError" in s for s in skipped)
+
+
+def test_a_retry_waits_its_delay_and_holds_its_key() -> None:
+    calls: list[tuple[str, float]] = []
+
+    def fn(e: str) -> None:
+        calls.append((e, time.monotonic()))
+        if e == "a" and len(calls) == 1:
+            raise ConnectionError("once")
+
+    policy = ErrorPolicy(handler=lambda err, el, tok, n: Retry(after=0.1))
+    writer = _writer(Consume(fn, max_inflight=4, key=lambda e: "same", on_error=policy))
+    writer.write("a")
+    writer.write("b")
+    assert writer.close() == Consumed(elements=2, acked=2, calls=3, retries=1)
+    assert [e for e, _ in calls] == ["a", "a", "b"]
+    assert calls[1][1] - calls[0][1] >= 0.1
+
+
+def test_stop_fails_the_writer_with_pipeline_stopped() -> None:
+    def fn(e: str) -> None:
+        if e == "bad":
+            raise ValueError("no good")
+
+    seen: list[tuple[str, str, int]] = []
+
+    def handler(error: Exception, element: Any, token: str, attempt: int) -> Decision:
+        seen.append((element, token, attempt))
+        return Stop()
+
+    writer = _writer(Consume(fn, on_error=ErrorPolicy(handler=handler)), token="p7")
+    writer.write("bad")
+
+    def write_fails() -> bool:
+        try:
+            writer.write("more")
+        except PipelineStopped:
+            return True
+        return False
+
+    _eventually(write_fails)  # the reader stops soon after the stop
+    with pytest.raises(PipelineStopped, match="partition p7 after 1 attempt") as info:
+        writer.close()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert seen == [("bad", "p7", 1)]
+
+
+def test_a_handler_that_raises_fails_the_writer() -> None:
+    def handler(error: Exception, element: Any, token: str, attempt: int) -> Decision:
+        raise RuntimeError("handler broke")
+
+    writer = _writer(Consume(lambda e: 1 / 0, on_error=ErrorPolicy(handler=handler)))
+    writer.write(1)
+    with pytest.raises(RuntimeError, match="handler broke"):
+        writer.close()
+
+
+# -- timeouts, drain, abort -------------------------------------------------------------------
+
+
+def test_a_call_past_the_timeout_is_abandoned_and_retried() -> None:
+    release = threading.Event()
+    calls: Counter[str] = Counter()
+    returned: list[str] = []
+
+    def fn(e: str) -> None:
+        calls[e] += 1
+        if e == "stuck" and calls[e] == 1:
+            release.wait(10)
+            return
+        returned.append(e)
+
+    policy = ErrorPolicy(retries=1, backoff=0)
+    consume = Consume(fn, max_inflight=1, key=lambda e: "k", timeout="50ms", on_error=policy)
+    writer = _writer(consume)
+    began = time.monotonic()
+    writer.write("stuck")
+    writer.write("next")
+    message = writer.close()
+    assert time.monotonic() - began < 2
+    assert message == Consumed(elements=2, acked=2, calls=3, retries=1, timeouts=1)
+    assert returned == ["stuck", "next"]  # a fresh thread took over, in key order
+    release.set()
+
+
+def test_a_timed_out_call_can_be_skipped() -> None:
+    release = threading.Event()
+    policy = ErrorPolicy(retries=0, then="skip")
+    writer = _writer(Consume(lambda e: release.wait(10), timeout=0.05, on_error=policy))
+    writer.write(1)
+    message = writer.close()
+    release.set()
+    assert message is not None and message.skipped == 1 and message.timeouts == 1
+    assert message.errors == ("TimeoutError: the call did not return within 0.05s",)
+
+
+def test_too_many_stuck_calls_fail_the_task() -> None:
+    release = threading.Event()
+    forever = ErrorPolicy(handler=lambda err, el, tok, n: Retry(0))
+    writer = _writer(Consume(lambda e: release.wait(10), timeout=0.02, on_error=forever))
+    writer.write(1)
+    try:
+        with pytest.raises(SinkError, match=r"9 calls are stuck past timeout=0.02s"):
+            writer.close()
+    finally:
+        release.set()
+
+
+def test_close_drains_every_element_before_it_returns() -> None:
+    done: list[int] = []
+
+    def fn(n: int) -> None:
+        time.sleep(0.05)
+        done.append(n)
+
+    writer = _writer(Consume(fn, max_inflight=4))
+    for n in range(20):
+        writer.write(n)
+    assert len(done) < 20
+    assert writer.close() == Consumed(elements=20, acked=20, calls=20)
+    assert sorted(done) == list(range(20))
+
+
+def test_close_past_the_drain_timeout_fails_the_task() -> None:
+    release = threading.Event()
+    writer = _writer(Consume(lambda e: release.wait(10), drain_timeout=0.1))
+    writer.write(1)
+    try:
+        with pytest.raises(SinkError, match=r"not acknowledged 0\.1s after.*batch is replayed"):
+            writer.close()
+    finally:
+        release.set()
+
+
+def test_abort_drops_waiting_elements() -> None:
+    calls: list[int] = []
+
+    def fn(n: int) -> None:
+        calls.append(n)
+        time.sleep(0.05)
+
+    writer = _writer(Consume(fn))
+    for n in range(5):
+        writer.write(n)
+    writer.abort()
+    so_far = len(calls)
+    time.sleep(0.2)
+    assert so_far == len(calls) <= 2
+    with pytest.raises(SinkError, match="after close"):
+        writer.write(9)
+
+
+def test_a_writer_that_took_nothing_commits_nothing() -> None:
+    writer = _writer(Consume(print))
+    assert writer.close() is None
+
+
+# -- definition and bookkeeping ---------------------------------------------------------------
+
+
+def test_bad_definitions_are_refused_with_the_fix() -> None:
+    with pytest.raises(TypeError, match="takes a function"):
+        Consume("print")  # type: ignore[arg-type]
+    with pytest.raises(PipelineDefinitionError, match="whole number >= 1"):
+        Consume(print, max_inflight=0)
+    with pytest.raises(PipelineDefinitionError, match="finite time > 0"):
+        Consume(print, timeout=0)
+    with pytest.raises(PipelineDefinitionError, match="duration such as"):
+        Consume(print, drain_timeout="soon")
+    dead = ErrorPolicy(then="skip", dead_letter=Collect())
+    with pytest.raises(PipelineDefinitionError, match="no dead-letter sink"):
+        Consume(print, on_error=dead)
+    writer = _writer(Consume(print, key=lambda e: [e]))
+    with pytest.raises(TypeError, match="not hashable"):
+        writer.write(1)
+
+
+def test_commit_counts_each_batch_once_on_the_driver(caplog: pytest.LogCaptureFixture) -> None:
+    consume = Consume(print, max_inflight=2)
+    labelled = "notify" >> consume
+    assert isinstance(labelled, Consume) and consume.default_label() == "Consume(print)"
+    assert consume.describe_params() == "max_inflight=2"
+    one = Consumed(elements=3, acked=2, skipped=1, calls=4, retries=1, errors=("E: x",))
+    with caplog.at_level(logging.WARNING, logger="cdcflow.consume"):
+        labelled.commit(1, [one, one])
+        labelled.commit(1, [one, one])  # a replayed batch: bookkeeping only once
+        labelled.commit(2, [])
+    assert consume.stats() == Consumed(6, 4, 2, 8, 2, 0, ("E: x", "E: x"))
+    assert consume.committed_batches == 2
+    assert "notify skipped 2 element(s) in batch 1, e.g. E: x; E: x" in caplog.text
+    copy = cloudpickle.loads(cloudpickle.dumps(consume))
+    assert copy.stats() == Consumed() and copy.max_inflight == 2
+
+
+# -- through the engine, on every runner -------------------------------------------------------
+
+
+def _stream(writes: int = 120, seed: int = 3) -> ScriptedChangeStream:
+    """Two partitions, one of which splits; single-mod changes to 12 keys."""
+    rng = random.Random(seed)
+    s = ScriptedChangeStream("S", partitions=2, buckets=16, origin=T0)
+    s.split("p0", at=T0 + 4 * S, into=["a", "b"])
+    for i in range(writes):
+        s.write("T", rng.randrange(12), "UPDATE", {"i": i}, at=T0 + rng.randrange(0, 9 * S))
+    return s
+
+
+def _row(r: cf.DataChangeRecord) -> int:
+    return int(r.mods[0].keys["id"])
+
+
+class _Recorder:
+    """Appends one JSON line per returned call to ``path`` (from any process): the record's
+    idempotency key, its row key, the call's monotonic start and end, and the pid. Raises on
+    the record whose value is ``poison``."""
+
+    def __init__(self, path: Path, poison: int | None = None) -> None:
+        self.path, self.poison = str(path), poison
+
+    def __call__(self, r: cf.DataChangeRecord) -> None:
+        if r.mods[0].new_values["i"] == self.poison:
+            msg = f"poison {self.poison}"
+            raise ValueError(msg)
+        start = time.monotonic()
+        time.sleep(random.random() * 0.002)
+        line = {"id": ikey(r), "row": _row(r), "start": start, "end": time.monotonic(),
+                "pid": os.getpid()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def calls(self) -> list[dict[str, Any]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f]
+
+
+class _Consulted:
+    """A pipeline error handler that leaves a mark when it is asked."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __call__(self, error: Exception, element: Any, token: str, attempt: int) -> Decision:
+        with open(self.path, "a") as f:
+            f.write(f"{type(error).__name__}\n")
+        return Stop()
+
+
+def _run(
+    runner: Runner, s: ScriptedChangeStream, consume: Consume[Any], store: Any = None,
+    listener: EngineListener | None = None, policy: ErrorPolicy | None = None,
+) -> RunSummary:
+    p = cf.Pipeline("consume", error_policy=policy)
+    source = DetectPartitions(stream="S", start_at=T0, end_at=END - 1, client=s)
+    p | source | ReadPartition() | consume
+    opts = RunOptions(max_batch_span=2.0, batch_interval=0.0, batch_retries=0)
+    return Engine(p, store or MemoryStore(), runner, opts, listener).run()
+
+
+def test_every_change_is_consumed_once_in_per_key_order(runner: Runner, tmp_path: Path) -> None:
+    s = _stream()
+    recorder = _Recorder(tmp_path / "calls.jsonl")
+    consume = Consume(recorder, max_inflight=8, key=_row)
+    summary = _run(runner, s, consume)
+    expected = s.expected_records(T0, END)
+    assert summary.reason == "end reached" and summary.records == len(expected)
+    calls = recorder.calls()
+    assert Counter(c["id"] for c in calls) == Counter(ikey(r) for r in expected)  # exactly once
+    stats = consume.stats()
+    assert stats == Consumed(elements=len(expected), acked=len(expected), calls=len(expected))
+    assert consume.committed_batches == summary.batches > 3
+    by_row: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for c in sorted(calls, key=lambda c: c["start"]):
+        by_row[c["row"]].append(c)
+    for row, mine in by_row.items():
+        want = [ikey(r) for r in sorted(expected, key=lambda r: r.commit_timestamp.ns)
+                if _row(r) == row]
+        assert [c["id"] for c in mine] == want  # commit order per key
+        assert all(b["start"] >= a["end"] for a, b in itertools.pairwise(mine))
+    pids = {c["pid"] for c in calls}
+    # the pool lives where the task runs: a Spark executor's Python worker
+    assert (pids == {os.getpid()}) == (runner.name == "memory")
+
+
+def test_stop_commits_nothing_of_the_batch_and_replays_it(
+    runner: Runner, tmp_path: Path
+) -> None:
+    s = _stream()
+    expected = sorted(s.expected_records(T0, END), key=lambda r: r.commit_timestamp.ns)
+    poison = int(expected[len(expected) // 2].mods[0].new_values["i"])
+    store, path = MemoryStore(), tmp_path / "calls.jsonl"
+    stopping = Consume(_Recorder(path, poison), on_error=ErrorPolicy(retries=1, backoff=0.001))
+    consulted = tmp_path / "consulted"
+    with pytest.raises(PipelineStopped, match=f"ValueError: poison {poison}"):
+        _run(runner, s, stopping, store, policy=ErrorPolicy(handler=_Consulted(consulted)))
+    assert not consulted.exists()  # Consume's own stop passed through the pipeline's policy
+    pending = store.pending_plan("consume")
+    assert pending is not None
+    stopped_batch = _records_in(pending, expected)
+    assert poison in {int(r.mods[0].new_values["i"]) for r in stopped_batch}
+    committed = stopping.stats()
+    assert committed.acked == committed.elements < len(expected) - len(stopped_batch) + 1
+
+    fixed = Consume(_Recorder(path))
+    assert _run(runner, s, fixed, store).reason == "end reached"
+    counts = Counter(c["id"] for c in _Recorder(path).calls())
+    assert set(counts) == {ikey(r) for r in expected}  # nothing lost
+    again = {i for i, n in counts.items() if n > 1}
+    assert again and again <= {ikey(r) for r in stopped_batch}  # only the replayed batch
+    assert committed.acked + fixed.stats().acked == len(expected)
+
+
+class _CrashAfterSinks(EngineListener):
+    """Fails the run after the sinks of batch ``batch`` committed, before the store did."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.plans: dict[int, BatchPlan] = {}
+
+    def on_planned(self, plan: BatchPlan, replay: bool) -> None:
+        self.plans[plan.batch_id] = plan
+
+    def on_sinks_committed(self, batch_id: int) -> None:
+        if batch_id == self.batch:
+            raise RuntimeError("crash")
+
+
+def _records_in(plan: BatchPlan, records: list[cf.DataChangeRecord]) -> list[cf.DataChangeRecord]:
+    return [
+        r for r in records
+        for sl in plan.slices
+        if sl.token == r.partition_token and sl.start <= r.commit_timestamp.ns < sl.end
+    ]
+
+
+def test_a_replayed_batch_calls_fn_again(runner: Runner, tmp_path: Path) -> None:
+    s = _stream()
+    expected = s.expected_records(T0, END)
+    store, path = MemoryStore(), tmp_path / "calls.jsonl"
+    crash = _CrashAfterSinks(batch=3)
+    with pytest.raises(RuntimeError, match="crash"):
+        _run(runner, s, Consume(_Recorder(path), max_inflight=4, key=_row), store, crash)
+    replayed = _records_in(crash.plans[3], expected)
+    assert replayed, "the crashed batch should hold changes"
+    assert _run(runner, s, Consume(_Recorder(path), max_inflight=4, key=_row), store).reason == (
+        "end reached"
+    )
+    counts = Counter(c["id"] for c in _Recorder(path).calls())
+    assert set(counts) == {ikey(r) for r in expected}
+    assert {i for i, n in counts.items() if n == 2} == {ikey(r) for r in replayed}
+    assert max(counts.values()) == 2  # at least once: the crashed batch's changes twice
