@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pytest
 
 import cdcflow as cf
@@ -19,6 +21,10 @@ from cdcflow.engine.runner import Runner
 from cdcflow.metadata import SQLiteStore
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms.base import SinkContext, SinkWriter, WriterContext
+
+# The sink below runs where the tasks run (Spark's Python workers too), which cannot import
+# this test module by name: it travels by value, as a pipeline file's code does.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
