@@ -44,6 +44,7 @@ from cdcflow.transforms import (
     ReadPartition,
     Sink,
     WriteFiles,
+    WriteTables,
     plugin,
 )
 
@@ -82,6 +83,7 @@ __all__ = [
     "Timestamp",
     "ValueCaptureType",
     "WriteFiles",
+    "WriteTables",
     "__version__",
     "plugin",
 ]

@@ -10,6 +10,7 @@ from cdcflow.transforms.consume import Consume, Consumed, idempotency_key
 from cdcflow.transforms.core import Filter, FlatMap, Map
 from cdcflow.transforms.sinks import Collect, Print, WriteFiles
 from cdcflow.transforms.source import DetectPartitions, ReadChangeStream, ReadPartition
+from cdcflow.transforms.tables import WriteTables
 
 __all__ = [
     "Collect",
@@ -27,6 +28,7 @@ __all__ = [
     "ReadPartition",
     "Sink",
     "WriteFiles",
+    "WriteTables",
     "idempotency_key",
     "plugin",
 ]

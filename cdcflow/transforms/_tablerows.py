@@ -1,0 +1,262 @@
+"""Rows of :class:`~cdcflow.transforms.tables.WriteTables`: a mod as a typed row, a table's
+schema (versions), and its Arrow form.
+
+Values are converted by the record's column type, so wire strings (INT64 as ``"2"``,
+TIMESTAMP as RFC 3339 text, BYTES as base64) and typed values (int, datetime, bytes) give the
+same row. Timestamps are held as integer nanoseconds since the epoch (Arrow ``timestamp(ns)``
+takes them as they are, and no nanosecond is lost).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import date, datetime
+from decimal import Decimal
+from typing import Any, Literal
+
+import attrs
+import orjson
+import pyarrow as pa
+
+from cdcflow.durations import parse_time
+from cdcflow.errors import SinkError
+from cdcflow.model import DataChangeRecord, Mod, Timestamp
+
+__all__: list[str] = []
+
+RowStyle = Literal["flat", "debezium"]
+_DEBEZIUM_OP = {"INSERT": "c", "UPDATE": "u", "DELETE": "d"}
+
+
+@attrs.frozen
+class Column:
+    """One column of a table schema: ``type`` is the change stream's decoded JSON type."""
+
+    name: str
+    type: Any
+    primary_key: bool
+
+    @property
+    def code(self) -> str:
+        return _code(self.type)
+
+
+def _code(type_: Any) -> str:
+    if isinstance(type_, Mapping):
+        annotation = type_.get("type_annotation")
+        if annotation in ("PG_NUMERIC", "PG_JSONB"):
+            return "STRING"  # PostgreSQL NUMERIC has no fixed scale; JSONB is text
+        return str(type_.get("code", "STRING"))
+    return str(type_)
+
+
+def columns_of(record: DataChangeRecord) -> tuple[Column, ...]:
+    """The record's columns in ordinal order."""
+    ordered = sorted(record.column_types, key=lambda c: c.ordinal_position)
+    return tuple(Column(c.name, c.type, c.is_primary_key) for c in ordered)
+
+
+@attrs.frozen
+class Schema:
+    """Version ``version`` of a table's columns (what ``_schema/v<version>.json`` holds)."""
+
+    table: str
+    version: int
+    columns: tuple[Column, ...]
+
+    def fits(self, columns: Iterable[Column]) -> bool:
+        """Whether rows with ``columns`` fit this schema: every column is known with the same
+        type (a record may carry fewer columns, e.g. a DELETE only its keys)."""
+        mine = {c.name: c.type for c in self.columns}
+        return all(c.name in mine and mine[c.name] == c.type for c in columns)
+
+    def evolve(self, columns: Iterable[Column]) -> Schema:
+        """The next version: these columns, then new ones appended; a column seen with another
+        type takes the new type."""
+        merged = {c.name: c for c in self.columns}
+        for c in columns:
+            merged[c.name] = c
+        return Schema(self.table, self.version + 1, tuple(merged.values()))
+
+    def checksum(self) -> str:
+        body = orjson.dumps([attrs.asdict(c) for c in self.columns], option=orjson.OPT_SORT_KEYS)
+        return hashlib.sha256(body).hexdigest()
+
+    def to_json(self, rows: RowStyle) -> bytes:
+        doc = {
+            "table": self.table, "version": self.version, "rows": rows,
+            "columns": [{"name": c.name, "type": c.type, "primary_key": c.primary_key,
+                         "arrow": str(arrow_type(c.type))} for c in self.columns],
+            "key_columns": [c.name for c in self.columns if c.primary_key],
+            "checksum": self.checksum(),
+        }
+        return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+
+    @classmethod
+    def parse(cls, data: bytes) -> Schema:
+        """Raises KeyError, TypeError or ValueError for anything but a schema file, and
+        ValueError when the checksum does not match the columns."""
+        doc = orjson.loads(data)
+        cols = tuple(Column(str(c["name"]), c["type"], bool(c["primary_key"]))
+                     for c in doc["columns"])
+        schema = cls(str(doc["table"]), int(doc["version"]), cols)
+        if schema.checksum() != doc["checksum"]:
+            msg = f"schema checksum mismatch for {schema.table} v{schema.version}"
+            raise ValueError(msg)
+        return schema
+
+    def arrow(self, rows: RowStyle) -> pa.Schema:
+        """The Arrow schema of this version's files (never a null-typed column)."""
+        fields = [pa.field(c.name, arrow_type(c.type)) for c in self.columns]
+        if rows == "flat":
+            return pa.schema([*fields, pa.field("_op", pa.string()),
+                              pa.field("_commit_ts", _TS), pa.field("_txn", pa.string()),
+                              pa.field("_seq", pa.string()), pa.field("_table", pa.string())])
+        source = pa.struct([("table", pa.string()), ("commit_timestamp", _TS),
+                            ("transaction_id", pa.string()), ("record_sequence", pa.string()),
+                            ("partition", pa.string())])
+        row = pa.struct(fields)
+        return pa.schema([("before", row), ("after", row), ("op", pa.string()),
+                          ("source", source), ("ts_ms", pa.int64())])
+
+
+_TS = pa.timestamp("ns", tz="UTC")
+_SCALARS: dict[str, pa.DataType] = {
+    "INT64": pa.int64(), "FLOAT64": pa.float64(), "FLOAT32": pa.float32(),
+    "NUMERIC": pa.decimal128(38, 9), "BOOL": pa.bool_(), "STRING": pa.string(),
+    "BYTES": pa.binary(), "DATE": pa.date32(), "TIMESTAMP": _TS, "JSON": pa.string(),
+}
+
+
+def arrow_type(type_: Any) -> pa.DataType:
+    """The Arrow type of a change stream column type; unknown types are stored as text."""
+    code = _code(type_)
+    if code == "ARRAY":
+        element = type_.get("array_element_type", {"code": "STRING"})
+        return pa.list_(arrow_type(element))
+    return _SCALARS.get(code, pa.string())
+
+
+def convert(value: Any, type_: Any) -> Any:
+    """``value`` (wire or typed) as the Python value Arrow takes for ``type_``; raises
+    ValueError or TypeError when it is not one."""
+    if value is None:
+        return None
+    code = _code(type_)
+    if code == "INT64":
+        return int(value)
+    if code in ("FLOAT64", "FLOAT32"):
+        return float(value)
+    if code == "NUMERIC":
+        return value if isinstance(value, Decimal) else Decimal(str(value))
+    if code == "BOOL":
+        return value if isinstance(value, bool) else str(value).lower() == "true"
+    if code == "BYTES":
+        return bytes(value) if isinstance(value, bytes | bytearray) else base64.b64decode(value)
+    if code == "DATE":
+        return value if isinstance(value, date) else date.fromisoformat(str(value))
+    if code == "TIMESTAMP":
+        return _ns(value)
+    if code == "JSON":
+        return value if isinstance(value, str) else orjson.dumps(value).decode()
+    if code == "ARRAY":
+        items = orjson.loads(value) if isinstance(value, str | bytes) else value
+        element = type_.get("array_element_type", {"code": "STRING"})
+        return [convert(v, element) for v in items]
+    return value if isinstance(value, str) else str(value)
+
+
+def _ns(value: Any) -> int:
+    if isinstance(value, Timestamp):
+        return value.ns
+    return parse_time(value if isinstance(value, datetime) else str(value))
+
+
+def _values(values: Mapping[str, Any], types: Mapping[str, Any], table: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        try:
+            out[name] = convert(value, types.get(name, "STRING"))
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            msg = (f"WriteTables: {table}.{name} = {value!r} is not a {types.get(name)}: "
+                   f"{exc}; fix the value or map the records before the sink")
+            raise SinkError(msg) from exc
+    return out
+
+
+def rows_of(record: DataChangeRecord, style: RowStyle) -> list[dict[str, Any]]:
+    """One row per mod of ``record`` (see WriteTables for both styles)."""
+    types = {c.name: c.type for c in record.column_types}
+    ts = record.commit_timestamp.ns
+    out = []
+    for mod in record.mods:
+        if style == "flat":
+            out.append(_flat(record, mod, types, ts))
+        else:
+            out.append(_debezium(record, mod, types, ts))
+    return out
+
+
+def _flat(record: DataChangeRecord, mod: Mod, types: Mapping[str, Any], ts: int) -> dict[str, Any]:
+    values = mod.old_values if record.mod_type == "DELETE" else mod.new_values
+    row = _values({**values, **mod.keys}, types, record.table_name)
+    row.update(_op=record.mod_type, _commit_ts=ts, _txn=record.server_transaction_id,
+               _seq=record.record_sequence, _table=record.table_name)
+    return row
+
+
+def _debezium(
+    record: DataChangeRecord, mod: Mod, types: Mapping[str, Any], ts: int
+) -> dict[str, Any]:
+    keys = _values(mod.keys, types, record.table_name)
+    before = after = None
+    if record.mod_type != "INSERT":
+        before = {**_values(mod.old_values, types, record.table_name), **keys}
+    if record.mod_type != "DELETE":
+        after = {**_values(mod.new_values, types, record.table_name), **keys}
+    source = {"table": record.table_name, "commit_timestamp": ts,
+              "transaction_id": record.server_transaction_id,
+              "record_sequence": record.record_sequence, "partition": record.partition_token}
+    return {"before": before, "after": after, "op": _DEBEZIUM_OP[record.mod_type],
+            "source": source, "ts_ms": ts // 1_000_000}
+
+
+def arrow_table(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> pa.Table:
+    """``rows`` as a table of ``schema`` (missing columns are null)."""
+    try:
+        return pa.Table.from_pylist(list(rows), schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+        msg = f"WriteTables: rows do not fit the table's schema: {exc}"
+        raise SinkError(msg) from exc
+
+
+def json_value(value: Any) -> Any:
+    """orjson's ``default`` for a jsonl row: decimals as text, bytes as base64."""
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    msg = f"cannot write {type(value).__name__} as JSON"
+    raise TypeError(msg)
+
+
+def jsonl_row(row: Mapping[str, Any], schema: Schema, style: RowStyle) -> dict[str, Any]:
+    """A row for jsonl: timestamps as RFC 3339 text (nanoseconds kept)."""
+    ts_cols = {c.name for c in schema.columns if c.code == "TIMESTAMP"}
+
+    def fix(values: Mapping[str, Any] | None) -> Any:
+        if values is None:
+            return None
+        return {k: (str(Timestamp.from_ns(v)) if k in ts_cols and v is not None else v)
+                for k, v in values.items()}
+
+    if style == "flat":
+        out = fix(row)
+        out["_commit_ts"] = str(Timestamp.from_ns(row["_commit_ts"]))
+        return dict(out)
+    source = dict(row["source"])
+    source["commit_timestamp"] = str(Timestamp.from_ns(source["commit_timestamp"]))
+    return {**row, "before": fix(row["before"]), "after": fix(row["after"]), "source": source}
+

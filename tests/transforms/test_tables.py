@@ -1,0 +1,258 @@
+"""WriteTables: change data per table in files near a target size, exactly once, on a local
+directory, memory:// and a real S3 API server (moto) on loopback."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import date
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.metadata import SQLiteStore
+from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms.base import SinkContext, WriterContext
+from cdcflow.transforms.tables import TaskRows, WriteTables
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S  # 2023-11-14T22:13:20Z
+INT = {"code": "INT64"}
+STR = {"code": "STRING"}
+
+
+def _record(table: str, i: int, mod: str = "INSERT", *, at: int | None = None,
+            extra: dict[str, tuple[Any, Any]] | None = None,
+            wire: bool = False) -> DataChangeRecord:
+    cols = {"id": (INT, i), "name": (STR, f"n{i}"), **(extra or {})}
+    types = [ColumnType(n, t, n == "id", k + 1) for k, (n, (t, _)) in enumerate(cols.items())]
+    values = {n: (str(v) if wire and t == INT else v) for n, (t, v) in cols.items() if n != "id"}
+    key = {"id": str(i) if wire else i}
+    m = Mod(key, {} if mod == "DELETE" else values, values if mod == "DELETE" else {})
+    ts = Timestamp.from_ns(at if at is not None else T0 + i * 1000)
+    return DataChangeRecord("p0", ts, f"{i:08d}",
+                            f"txn-{i}", True, table, types, [m], mod, "OLD_AND_NEW_VALUES", 1, 1)
+
+
+def _sink(url: str, **kw: Any) -> WriteTables:
+    sink = WriteTables(url, **kw)
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    return sink
+
+
+def _commit(sink: WriteTables, batch_id: int, records: Sequence[DataChangeRecord]) -> None:
+    w = sink.open_writer(WriterContext("p", "WriteTables", batch_id, "p0", 0, 1, "a"))
+    for r in records:
+        w.write(r)
+    message = w.close()
+    sink.commit(batch_id, [message] if isinstance(message, TaskRows) else [])
+
+
+def _parts(fs: Any, root: str) -> list[str]:
+    return sorted(p for p in fs.find(root)
+                  if "/part-" in p and not p.rsplit("/", 1)[1].startswith("."))
+
+
+def test_many_small_batches_make_files_near_the_target_size(tmp_path: Path) -> None:
+    sink = _sink(str(tmp_path), file_size="64KiB", flush_interval="1h")
+    for b in range(1, 201):
+        _commit(sink, b, [_record("Orders", b * 100 + j) for j in range(40)])
+    sink.flush()
+    files = sorted((tmp_path / "Orders").glob("part-*.parquet"),
+                   key=lambda f: int(f.name.split("-")[1]))
+    sizes = [f.stat().st_size for f in files]
+    assert 2 <= len(files) < 40, sizes  # not one per batch
+    assert all(s >= 0.6 * 65536 for s in sizes[:-1]), sizes  # near the target
+    assert all(s <= 2.5 * 65536 for s in sizes), sizes
+    table = ds.dataset(tmp_path / "Orders", format="parquet").to_table()
+    assert table.num_rows == 200 * 40
+    assert sorted(table["id"].to_pylist()) == sorted(b * 100 + j for b in range(1, 201)
+                                                      for j in range(40))
+    assert table.schema.field("id").type == pa.int64()
+    assert sink.durable_batch() == 200
+
+
+def test_per_table_directories_schema_first_and_typed_values_from_wire_strings() -> None:
+    url = f"memory://t-{uuid.uuid4().hex}"
+    sink = _sink(url, file_size="1MiB", flush_interval="1h")
+    ts = {"code": "TIMESTAMP"}
+    extra = {"price": ({"code": "NUMERIC"}, "1.5"), "at": (ts, "2024-01-02T03:04:05.123456789Z"),
+             "day": ({"code": "DATE"}, "2024-01-02"), "blob": ({"code": "BYTES"}, "aGk="),
+             "ok": ({"code": "BOOL"}, True), "tags": ({"code": "ARRAY",
+                                                        "array_element_type": INT}, ["1", "2"])}
+    _commit(sink, 1, [_record("A", 1, extra=extra, wire=True), _record("B", 2, wire=True)])
+    assert sink.durable_batch() == 0  # staged, not durable
+    sink.flush()
+    fs = fsspec.filesystem("memory")
+    root = url.removeprefix("memory://")
+    schema = json.loads(fs.cat_file(f"{root}/A/_schema/v1.json"))
+    assert schema["key_columns"] == ["id"] and schema["version"] == 1
+    assert [c["name"] for c in schema["columns"]][:2] == ["id", "name"]
+    assert [p.rsplit("/", 2)[1] for p in _parts(fs, root)] == ["A", "B"]
+    with fs.open(_parts(fs, root)[0], "rb") as f:
+        t = pq.read_table(f)
+    row = t.drop_columns(["at", "_commit_ts"]).to_pylist()[0]
+    assert row["id"] == 1 and row["price"] == Decimal("1.5") and row["ok"] is True
+    assert row["day"] == date(2024, 1, 2) and row["blob"] == b"hi" and row["tags"] == [1, 2]
+    assert t.schema.field("at").type == pa.timestamp("ns", tz="UTC")
+    assert t.column("at").cast(pa.int64())[0].as_py() % 1000 == 789  # nanoseconds kept
+    assert row["_op"] == "INSERT" and row["_table"] == "A" and row["_txn"] == "txn-1"
+    assert not any(pa.types.is_null(f.type) for f in t.schema)
+
+
+def test_a_new_column_closes_the_file_and_writes_the_next_schema_version(tmp_path: Path) -> None:
+    sink = _sink(str(tmp_path), flush_interval="1h")
+    _commit(sink, 1, [_record("T", 1), _record("T", 2)])
+    _commit(sink, 2, [_record("T", 3, extra={"email": (STR, "x@y")})])
+    _commit(sink, 3, [_record("T", 4)])  # fewer columns fit v2
+    sink.flush()
+    names = sorted(p.name for p in (tmp_path / "T").glob("part-*"))
+    assert names == ["part-1-1-1.parquet", "part-2-3-2.parquet"]
+    v2 = json.loads((tmp_path / "T/_schema/v2.json").read_text())
+    assert [c["name"] for c in v2["columns"]] == ["id", "name", "email"]
+    # the schema file is older than any data file of its version
+    assert (tmp_path / "T/_schema/v2.json").stat().st_mtime_ns <= \
+        (tmp_path / "T/part-2-3-2.parquet").stat().st_mtime_ns
+    schema = pq.read_schema(tmp_path / "T/part-2-3-2.parquet")
+    table = ds.dataset(tmp_path / "T", format="parquet", schema=schema).to_table()
+    assert sorted(zip(table["id"].to_pylist(), table["email"].to_pylist(), strict=True)) == \
+        [(1, None), (2, None), (3, "x@y"), (4, None)]
+
+
+def test_date_partitions_and_debezium_rows(tmp_path: Path) -> None:
+    sink = _sink(str(tmp_path), partition_by="hour", rows="debezium", flush_interval="1h")
+    _commit(sink, 1, [_record("T", 1, at=T0), _record("T", 2, at=T0 + 3600 * S)])
+    _commit(sink, 2, [_record("T", 1, "UPDATE", at=T0 + 3600 * S + 1000),
+                      _record("T", 2, "DELETE", at=T0 + 3600 * S + 2000)])
+    sink.flush()
+    dirs = sorted(str(p.parent.relative_to(tmp_path)) for p in tmp_path.rglob("part-*"))
+    assert dirs == ["T/date=2023-11-14/hour=22", "T/date=2023-11-14/hour=23"]
+    rows = ds.dataset(tmp_path / "T", format="parquet", partitioning="hive").to_table().to_pylist()
+    by_op = {r["op"]: r for r in rows}
+    assert set(by_op) == {"c", "u", "d"}
+    assert by_op["c"]["before"] is None and by_op["c"]["after"]["name"] in ("n1", "n2")
+    assert by_op["d"]["after"] is None and by_op["d"]["before"]["id"] == 2
+    assert by_op["u"]["source"]["transaction_id"] == "txn-1"
+    assert by_op["u"]["ts_ms"] == (T0 + 3600 * S + 1000) // 1_000_000
+
+
+def test_a_delete_only_batch_reads_back_with_the_inserts(tmp_path: Path) -> None:
+    sink = _sink(str(tmp_path), file_size=1, flush_interval="1h")  # a file per batch
+    _commit(sink, 1, [_record("T", i) for i in range(3)])
+    _commit(sink, 2, [_record("T", i, "DELETE") for i in range(2)])
+    sink.flush()
+    assert len(list((tmp_path / "T").glob("part-*"))) == 2
+    table = ds.dataset(tmp_path / "T", format="parquet").to_table()
+    assert sorted(zip(table["_op"].to_pylist(), table["id"].to_pylist(), strict=True)) == \
+        [("DELETE", 0), ("DELETE", 1), ("INSERT", 0), ("INSERT", 1), ("INSERT", 2)]
+
+
+def test_jsonl_format(tmp_path: Path) -> None:
+    sink = _sink(str(tmp_path), format="jsonl", flush_interval="1h")
+    _commit(sink, 1, [_record("T", 1)])
+    sink.flush()
+    (f,) = (tmp_path / "T").glob("part-*.jsonl")
+    row = json.loads(f.read_text())
+    assert row["id"] == 1 and row["_commit_ts"].startswith("2023-11-14T22:13:20")
+
+
+def test_flush_interval_cuts_files(tmp_path: Path) -> None:
+    sink = _sink(str(tmp_path), flush_interval="50ms")
+    _commit(sink, 1, [_record("T", 1)])
+    time.sleep(0.06)
+    _commit(sink, 2, [_record("T", 2)])
+    assert [p.name for p in (tmp_path / "T").glob("part-*")] == ["part-1-2-1.parquet"]
+    assert sink.durable_batch() == 2
+    assert json.loads((tmp_path / "_cdcflow/durable.json").read_text())["durable_batch"] == 2
+
+
+# -- crashes in an engine run -------------------------------------------------------------
+
+
+class _Crash(Exception):
+    """Stands for the process dying at that point."""
+
+
+class CrashingTables(WriteTables):
+    def __init__(self, *args: Any, crash_at: tuple[str, int] | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.crash_at = crash_at
+
+    def _checkpoint(self, step: str, batch_id: int) -> None:
+        if self.crash_at is not None and self.crash_at[0] == step and batch_id >= self.crash_at[1]:
+            raise _Crash(f"{step} {batch_id}")
+
+
+def _stream() -> ScriptedChangeStream:
+    s = ScriptedChangeStream("S", partitions=2, origin=T0)
+    for i in range(120):
+        s.write("A" if i % 3 else "B", i, "INSERT", {"v": i}, at=T0 + (i + 1) * S // 12)
+    return s
+
+
+def _run(store_path: Path, sink: WriteTables) -> Any:
+    p = cf.Pipeline("tables")
+    (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 11 * S, client=_stream())
+     | cf.ReadPartition() | sink)
+    store = SQLiteStore(store_path)
+    try:
+        return Engine(p, store, InMemoryRunner(workers=2),
+                      RunOptions(batch_interval=0, max_batch_span=1.0)).run()
+    finally:
+        store.close()
+
+
+CRASHES = [("stage", 5), ("uploaded", 4), ("marked", 6), ("uploaded", 9)]
+
+
+@pytest.mark.parametrize("crash", CRASHES, ids=[f"{s}-{b}" for s, b in CRASHES])
+def test_a_crash_at_any_step_of_a_flush_loses_and_repeats_nothing(
+    tmp_path: Path, crash: tuple[str, int]
+) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(_Crash):
+        _run(tmp_path / "s.db", CrashingTables(str(out), file_size="2KiB", flush_interval="1h",
+                                               crash_at=crash))
+    summary = _run(tmp_path / "s.db", CrashingTables(str(out), file_size="2KiB",
+                                                     flush_interval="1h"))
+    assert summary.reason == "end reached"
+    v = ds.dataset(out, format="parquet", partitioning=None,
+                   exclude_invalid_files=True).to_table(columns=["v", "_table"]).to_pylist()
+    assert sorted(r["v"] for r in v) == list(range(120))
+    assert {r["_table"] for r in v if r["v"] % 3 == 0} == {"B"}
+    assert len(list(out.rglob("part-*"))) > 2
+
+
+def test_after_the_store_commit_a_crash_replays_only_what_was_not_durable(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    from cdcflow.engine.listener import BatchStats, EngineListener
+
+    class Listener(EngineListener):
+        def on_batch(self, stats: BatchStats) -> None:
+            if stats.batch_id == 7:
+                raise _Crash("after store commit 7")
+
+    p = cf.Pipeline("tables")
+    (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 11 * S, client=_stream())
+     | cf.ReadPartition() | WriteTables(str(out), file_size="3KiB", flush_interval="1h"))
+    store = SQLiteStore(tmp_path / "s.db")
+    with pytest.raises(_Crash):
+        Engine(p, store, InMemoryRunner(workers=2),
+               RunOptions(batch_interval=0, max_batch_span=1.0), Listener()).run()
+    assert store.durable_marks("tables")["WriteTables"] < 7  # committed, only staged
+    store.close()
+    _run(tmp_path / "s.db", WriteTables(str(out), file_size="3KiB", flush_interval="1h"))
+    v = ds.dataset(out, format="parquet").to_table(columns=["v"])["v"].to_pylist()
+    assert sorted(v) == list(range(120))
