@@ -4,9 +4,14 @@ directory, memory:// and a real S3 API server (moto) on loopback."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import date
 from decimal import Decimal
 from pathlib import Path
@@ -256,3 +261,86 @@ def test_after_the_store_commit_a_crash_replays_only_what_was_not_durable(tmp_pa
     _run(tmp_path / "s.db", WriteTables(str(out), file_size="3KiB", flush_interval="1h"))
     v = ds.dataset(out, format="parquet").to_table(columns=["v"])["v"].to_pylist()
     assert sorted(v) == list(range(120))
+
+
+# -- a real S3 API server (moto) on loopback, and a SIGKILL mid-run ------------------------
+
+_CHILD = textwrap.dedent('''
+    import sys, time
+    import cdcflow as cf
+    from cdcflow.engine.listener import EngineListener
+    from cdcflow.engine.loop import Engine, RunOptions
+    from cdcflow.metadata import SQLiteStore
+    from cdcflow.runners.in_memory import InMemoryRunner
+    from cdcflow.testing import ScriptedChangeStream
+
+    S, T0 = 1_000_000_000, 1_700_000_000 * 1_000_000_000
+    stream = ScriptedChangeStream("S", partitions=2, origin=T0)
+    for i in range(300):
+        stream.write("A" if i % 3 else "B", i, "INSERT", {"v": i, "s": f"x{i}"},
+                     at=T0 + (i + 1) * S // 15)
+
+    class Slow(EngineListener):
+        def on_batch(self, stats):
+            print("batch", stats.batch_id, flush=True)
+            time.sleep(float(sys.argv[2]))
+
+    p = cf.Pipeline("s3")
+    (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 21 * S, client=stream)
+     | cf.ReadPartition()
+     | cf.WriteTables("s3://bucket/cdc", file_size="2KiB", flush_interval="1h"))
+    store = SQLiteStore(sys.argv[1])
+    Engine(p, store, InMemoryRunner(workers=2),
+           RunOptions(batch_interval=0, max_batch_span=1.0), Slow()).run()
+    store.close()
+    print("done", flush=True)
+''')
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(name, value)
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    fs.mkdir("bucket")
+    yield endpoint
+    server.stop()
+
+
+def test_s3_run_killed_mid_run_and_restarted_writes_every_change_once(
+    s3: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    db = str(tmp_path / "s.db")
+    child = subprocess.Popen([sys.executable, str(script), db, "0.2"], stdout=subprocess.PIPE,
+                             text=True, env=os.environ.copy())
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith("batch") and int(line.split()[1]) >= 8:
+            break
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=10)
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3}, skip_instance_cache=True)
+    before = [p for p in fs.find("bucket/cdc") if "/part-" in p]
+    assert before, "the killed run had written files"
+    done = subprocess.run([sys.executable, str(script), db, "0"], capture_output=True,
+                          text=True, timeout=60, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "done" in done.stdout
+    fs.invalidate_cache()
+    dataset = ds.dataset("bucket/cdc", filesystem=fs, format="parquet",
+                         exclude_invalid_files=False)
+    table = dataset.to_table(columns=["v", "s", "id", "_table"])
+    assert sorted(table["v"].to_pylist()) == list(range(300))
+    assert table.schema.field("v").type == pa.int64()
+    assert table.schema.field("s").type == pa.string()
+    assert len({p for p in fs.find("bucket/cdc") if "/part-" in p}) > len(before)
+    assert fs.exists("bucket/cdc/A/_schema/v1.json")
