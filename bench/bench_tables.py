@@ -1,0 +1,151 @@
+"""WriteTables throughput vs a plain pyarrow/fsspec write of the same rows (the ceiling), to a
+local directory and to an S3 API server (moto) on loopback; and files per hour for 50
+partitions with 1 s batches (a simulated clock: expect at most tables x 3600 / flush_interval).
+
+``python -m bench.bench_tables [--rows N] [--batch K]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
+from cdcflow.transforms import tables as tables_module
+from cdcflow.transforms._tablerows import Schema, columns_of, rows_of
+from cdcflow.transforms.base import SinkContext, WriterContext
+from cdcflow.transforms.tables import TaskRows, WriteTables
+
+__all__ = ["main"]
+
+T0 = 1_700_000_000 * 1_000_000_000
+_COLS = (ColumnType("id", {"code": "INT64"}, True, 1), ColumnType("name", {"code": "STRING"},
+                                                                      False, 2),
+         ColumnType("total", {"code": "NUMERIC"}, False, 3),
+         ColumnType("at", {"code": "TIMESTAMP"}, False, 4))
+
+
+def _records(n: int, table: str = "Orders", token: str = "p0",
+             at: int = T0) -> list[DataChangeRecord]:
+    return [DataChangeRecord(token, Timestamp.from_ns(at + i), f"{i:08d}", f"t{i}", True, table,
+                             _COLS, [Mod({"id": str(i)}, {"name": f"name-{i}", "total": "12.5",
+                                                          "at": "2024-01-01T00:00:00Z"})],
+                             "INSERT", "NEW_ROW", 1, 1) for i in range(n)]
+
+
+def _wt(url: str, records: list[DataChangeRecord], batch: int, **kw: Any) -> float:
+    sink = WriteTables(url, flush_interval="1h", **kw)
+    sink.setup(SinkContext("bench", "WriteTables", "/"))
+    t0 = time.perf_counter()
+    for b, start in enumerate(range(0, len(records), batch), 1):
+        w = sink.open_writer(WriterContext("bench", "WriteTables", b, "p0", 0, 1, "a"))
+        for r in records[start:start + batch]:
+            w.write(r)
+        m = w.close()
+        sink.commit(b, [m] if isinstance(m, TaskRows) else [])
+    sink.flush()
+    sink.close()
+    return time.perf_counter() - t0
+
+
+def _ceiling(url: str, records: list[DataChangeRecord], files: int, **kw: Any) -> float:
+    """The same rows, already built as dicts, written with pyarrow to ``files`` files."""
+    rows = [row for r in records for row in rows_of(r, "flat")]
+    schema = Schema("Orders", 1, columns_of(records[0])).arrow("flat")
+    fs, root = fsspec.core.url_to_fs(url, **kw)
+    fs.makedirs(f"{root}/ceiling", exist_ok=True)
+    t0 = time.perf_counter()
+    step = max(1, len(rows) // max(files, 1))
+    for k, start in enumerate(range(0, len(rows), step)):
+        table = pa.Table.from_pylist(rows[start:start + step], schema=schema)
+        with fs.open(f"{root}/ceiling/part-{k}.parquet", "wb") as f:
+            pq.write_table(table, f)
+    return time.perf_counter() - t0
+
+
+def _side_by_side(name: str, url: str, records: list[DataChangeRecord], batch: int,
+                  **kw: Any) -> None:
+    wt = _wt(url + "/wt", records, batch, file_size="16MiB", storage_options=kw)
+    fs, root = fsspec.core.url_to_fs(url + "/wt", **kw)
+    files = len([p for p in fs.find(root) if "/part-" in p])
+    ceiling = _ceiling(url, records, files, **kw)
+    n = len(records)
+    print(f"{name:6} WriteTables {n / wt:10,.0f} rows/s   pyarrow+fsspec {n / ceiling:10,.0f} "
+          f"rows/s   ratio {ceiling / wt:5.0%}   ({files} files)", flush=True)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _files_per_hour(directory: str, partitions: int = 50, tables: int = 5) -> None:
+    clock = _Clock()
+    saved = tables_module.time
+    tables_module.time = clock  # type: ignore[assignment]
+    try:
+        sink = WriteTables(directory, flush_interval="60s", file_size="64MiB")
+        sink.setup(SinkContext("bench", "WriteTables", "/"))
+        for b in range(1, 3601):
+            clock.now = float(b)
+            messages = []
+            for p in range(partitions):
+                w = sink.open_writer(WriterContext("bench", "WriteTables", b, f"p{p}", 0, 1, "a"))
+                for r in _records(2, table=f"T{p % tables}", token=f"p{p}", at=T0 + b * 10**9):
+                    w.write(r)
+                m = w.close()
+                if isinstance(m, TaskRows):
+                    messages.append(m)
+            sink.commit(b, messages)
+        sink.flush()
+    finally:
+        tables_module.time = saved
+    files = sum(1 for _, _, names in os.walk(directory) for n in names if n.startswith("part-"))
+    print(f"files per hour: {files} for {partitions} partitions, {tables} tables, 1 s batches, "
+          f"flush_interval 60s (bound {tables * 3600 // 60})", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--batch", type=int, default=5_000)
+    args = parser.parse_args()
+    records = _records(args.rows)
+    tmp = tempfile.mkdtemp(prefix="bench-tables-")
+    try:
+        _side_by_side("local", tmp, records, args.batch)
+        try:
+            from moto.server import ThreadedMotoServer
+        except ImportError:
+            print("s3     skipped: pip install 'moto[server]'")
+        else:
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+            server.start()
+            host, port = server.get_host_and_port()
+            for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
+                os.environ.setdefault(k, v)
+            kw = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+            fsspec.filesystem("s3", **kw).mkdir("bench")
+            try:
+                _side_by_side("s3", "s3://bench/cdc", records, args.batch, **kw)
+            finally:
+                server.stop()
+        _files_per_hour(os.path.join(tmp, "hourly"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
