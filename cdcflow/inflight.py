@@ -36,8 +36,9 @@ class Barrier:
 class InflightStats:
     """A snapshot of an :class:`InflightTracker`.
 
-    ``inflight`` and ``inflight_bytes``: items begun and not completed, and their sizes.
-    ``held``: items completed but waiting for an earlier one. ``pending_barriers``:
+    ``inflight``: items begun and not completed. ``inflight_bytes``: the sizes of every
+    unreleased item (in flight or held). ``held``: items completed but waiting for an
+    earlier one. ``pending_barriers``:
     barriers waiting for earlier work. ``released``: entries (items and barriers)
     released so far.
     """
@@ -66,10 +67,11 @@ class InflightTracker:
     Contract:
 
     - :meth:`begin` before handing an item to the pool; it blocks while ``max_inflight``
-      items are in flight or while the in-flight bytes plus ``size`` would exceed
-      ``max_bytes`` (an item larger than the quota is admitted once nothing else is in
-      flight, so it cannot deadlock). Positions passed to :meth:`begin` and :meth:`barrier`
-      must be non-decreasing.
+      items are unreleased (in flight, or completed and held behind an earlier one) or
+      while their bytes plus ``size`` would exceed ``max_bytes`` (an item larger than the
+      quota is admitted once nothing else is unreleased, so it cannot deadlock). Memory is
+      therefore bounded even while one slow item holds up everything after it. Positions
+      passed to :meth:`begin` and :meth:`barrier` must be non-decreasing.
     - :meth:`complete` exactly once per sequence number, from any thread, in any order —
       also for items that failed (pass the error as the result), or :meth:`drain` never
       returns. It returns the newly released ``(seq, result)`` pairs in sequence order.
@@ -115,9 +117,10 @@ class InflightTracker:
             return self._progress
 
     def _has_room(self, size: int) -> bool:
-        if self._inflight == 0:
+        unreleased = self._inflight + self._held
+        if unreleased == 0:
             return True
-        if self._inflight >= self._max_inflight:
+        if unreleased >= self._max_inflight:
             return False
         return self._inflight_bytes + size <= self._max_bytes
 
@@ -173,7 +176,6 @@ class InflightTracker:
             entry.done = True
             entry.result = result
             self._inflight -= 1
-            self._inflight_bytes -= entry.size
             self._held += 1
             released = self._release()
             self._cond.notify_all()
@@ -206,6 +208,7 @@ class InflightTracker:
                 released.append((self._base, Barrier(entry.position)))
             else:
                 self._held -= 1
+                self._inflight_bytes -= entry.size  # its result goes to the caller now
                 released.append((self._base, entry.result))
             self._progress = entry.position
             self._base += 1

@@ -199,3 +199,29 @@ def test_invalid_limits() -> None:
         InflightTracker(max_inflight=0)
     with pytest.raises(ValueError, match="max_bytes"):
         InflightTracker(max_bytes=0)
+
+
+def test_a_slow_head_bounds_what_is_admitted_and_held() -> None:
+    # One slow item at the head: completed items behind it stay held, and they count
+    # against the window and the byte quota until the head completes and releases them.
+    t = InflightTracker(max_inflight=2, max_bytes=100)
+    head = t.begin(1, size=40)
+    second = t.begin(2, size=40)
+    assert t.complete(second, "b") == []  # held behind the head
+    with pytest.raises(TimeoutError):
+        t.begin(3, size=10, timeout=0.05)  # two unreleased: no room, however fast the pool
+    assert t.stats().held == 1 and t.stats().inflight_bytes == 80
+    assert [r for _, r in t.complete(head, "a")] == ["a", "b"]
+    assert t.stats().inflight_bytes == 0
+    t.begin(3, size=10, timeout=0.05)  # room again
+
+
+def test_the_byte_quota_counts_held_results() -> None:
+    t = InflightTracker(max_inflight=10, max_bytes=100)
+    head = t.begin(1, size=10)
+    for i in range(2, 6):
+        t.complete(t.begin(i, size=20), i)  # 10 + 4 * 20 = 90 bytes unreleased
+    with pytest.raises(TimeoutError):
+        t.begin(6, size=20, timeout=0.05)  # 110 > 100
+    t.complete(head, 1)
+    t.begin(6, size=20, timeout=0.05)
