@@ -29,6 +29,7 @@ from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine
 from cdcflow.errors import CdcflowError, StoreURLError, UsageError, UserInputError
 from cdcflow.launch import (
+    LATENCY_PRESETS,
     OptionSpec,
     default_store_url,
     option_specs,
@@ -143,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop after N committed batches")
     run.add_argument("--batch-interval", type=_duration, metavar="DURATION",
                      help="time between batch ends (e.g. 1s)")
+    run.add_argument("--latency", choices=sorted(LATENCY_PRESETS), help=(
+        "a preset: low = 200ms batches and idle partitions read at least every second "
+        "(lower commit-to-sink latency, more work per second); flags and --set win"))
     run.add_argument("--reset", action="store_true",
                      help="forget stored progress of this pipeline and start over")
     run.add_argument("--takeover", action="store_true",
@@ -284,6 +288,8 @@ def _run_options(
     for flag in ("reset", "takeover", "strict"):
         if getattr(args, flag):
             options[flag] = True
+    for key, value in LATENCY_PRESETS.get(args.latency or "", {}).items():
+        options.setdefault(key, value)
     options.setdefault("base_dir", str(base))  # relative sink paths: next to the file
     for flag in _FLAG_ONLY:
         value = getattr(args, flag)

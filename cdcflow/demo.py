@@ -164,6 +164,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=20.0,
                         help="workload transactions per second (default 20)")
     parser.add_argument("--runner", default="memory", help="cdcflow runner (memory or spark)")
+    parser.add_argument("--latency", choices=("normal", "low"), default="normal",
+                        help="cdcflow run --latency preset (low: 200ms batches)")
     parser.add_argument("--partition-alive-seconds", type=int, default=3,
                         help="emulator partition lifetime: split/merge every N..2N s")
     return parser.parse_args(argv)
@@ -226,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run = subprocess.Popen(
                 [sys.executable, "-m", "cdcflow", "run", str(pipeline_file), "--runner",
                  args.runner, "--metadata", store_url, "--for", f"{args.seconds}s", "--reset",
-                 "--metrics-port", str(port)],
+                 "--metrics-port", str(port), "--latency", args.latency],
                 env=env,
             )
             scraped = _wait_and_scrape(run, metrics_url, at=args.seconds * 0.7)

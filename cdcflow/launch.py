@@ -45,6 +45,7 @@ from cdcflow.plugins import load_plugin
 from cdcflow.stuck import StuckDetector, StuckWatch
 
 __all__ = [
+    "LATENCY_PRESETS",
     "OBSERVER_OPTIONS",
     "OptionKind",
     "OptionSpec",
@@ -103,6 +104,12 @@ OBSERVER_OPTIONS: dict[str, OptionSpec] = {
     "stuck_after": OptionSpec("stuck_after", "duration", True, "observer"),
 }
 _DEFAULT_METRICS_HOST = "127.0.0.1"
+
+#: Named option sets for ``cdcflow run --latency``; explicit options win over them.
+LATENCY_PRESETS: dict[str, dict[str, float]] = {
+    "low": {"batch_interval": 0.2, "idle_read_interval": 1.0},
+    "normal": {},
+}
 
 
 def default_store_url(directory: str | Path = ".") -> str:
