@@ -13,6 +13,8 @@
 Importing this package is light: Spark and the Spanner client load only when a run needs them.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from cdcflow.model import (
     ChildPartition,
     ChildPartitionsRecord,
@@ -48,7 +50,21 @@ from cdcflow.transforms import (
     plugin,
 )
 
+if TYPE_CHECKING:
+    from cdcflow.spanner.lookup import LookupRows
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Loaded on first use, so `import cdcflow` loads no Google library.
+    if name == "LookupRows":
+        from cdcflow.spanner.lookup import LookupRows
+
+        return LookupRows
+    msg = f"module 'cdcflow' has no attribute {name!r}"
+    raise AttributeError(msg)
+
 
 __all__ = [
     "ChildPartition",
@@ -63,6 +79,7 @@ __all__ = [
     "Filter",
     "FlatMap",
     "HeartbeatRecord",
+    "LookupRows",
     "Map",
     "Mod",
     "ModType",
