@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-interval", type=_duration, metavar="DURATION",
                      help="time between batch ends (e.g. 1s)")
     run.add_argument("--latency", choices=sorted(LATENCY_PRESETS), help=(
-        "a preset: low = 200ms batches and idle partitions read at least every second "
+        "a preset: low = 200ms batches and idle partitions read at least every 400ms "
         "(lower commit-to-sink latency, more work per second); flags and --set win"))
     run.add_argument("--reset", action="store_true",
                      help="forget stored progress of this pipeline and start over")

@@ -107,7 +107,7 @@ _DEFAULT_METRICS_HOST = "127.0.0.1"
 
 #: Named option sets for ``cdcflow run --latency``; explicit options win over them.
 LATENCY_PRESETS: dict[str, dict[str, float]] = {
-    "low": {"batch_interval": 0.2, "idle_read_interval": 1.0},
+    "low": {"batch_interval": 0.2, "idle_read_interval": 0.4},
     "normal": {},
 }
 
