@@ -74,6 +74,12 @@ def test_a_malformed_url_raises_with_the_valid_form(url: str, why: str) -> None:
     assert "spanner://projects/P/instances/I/databases/D[?table=NAME]" in str(info.value)
 
 
+@pytest.mark.parametrize("budget", [10, 80_001])
+def test_a_mutation_budget_outside_spanners_limit_is_refused(budget: int) -> None:
+    with pytest.raises(ValueError, match=r"between \d+ and Spanner's limit 80000"):
+        SpannerStore(PATH, mutation_budget=budget)
+
+
 # --- on the emulator ------------------------------------------------------------------
 
 def _sql(store: SpannerStore, sql: str) -> list[list[Any]]:
