@@ -18,8 +18,9 @@ update a partition's progress or state     7 columns (key, Watermark, State, the
                                            removed and added: 2 x 4
 delete a partition                         1 + 1 per index entry                        3
 log a plan (batch row, prune range)        10 columns + 1 range                        11
-mark a batch committed                     4 columns                                    4
-write a pipeline record                    10 columns                                  10
+write a pipeline record                    11 columns                                  11
+mark a batch committed                     4 columns + the pipeline record (the        15
+                                           sinks' durable marks)
 =========================================  =======================================  =====
 
 Every transaction is kept under a budget (:data:`DEFAULT_MUTATION_BUDGET`, half the limit,
@@ -57,8 +58,8 @@ INSERT_PARTITION = 12 + _INDEXES * _INDEX_ENTRY
 UPDATE_PARTITION = 7 + 2 * _INDEX_ENTRY
 DELETE_PARTITION = 1 + _INDEXES
 LOG_PLAN = 10 + 1
-MARK_COMMITTED = 4
-PIPELINE_ROW = 10
+PIPELINE_ROW = 11
+MARK_COMMITTED = 4 + PIPELINE_ROW
 
 #: The smallest budget: a final transaction's fixed writes plus a few partitions. Only tests
 #: go near it (a small budget makes the split paths run with a handful of partitions).

@@ -82,7 +82,7 @@ BATCH_COLUMNS = (
 )
 PIPELINE_COLUMNS = (
     "PipelineName", "LeaseOwner", "LeaseRunId", "LeaseToken", "LeaseAcquiredAt",
-    "LeaseRenewedAt", "LeaseExpiresAt", "BatchFloor", "Source", "Resetting",
+    "LeaseRenewedAt", "LeaseExpiresAt", "BatchFloor", "Source", "Resetting", "DurableMarks",
 )
 
 

@@ -273,7 +273,7 @@ def _google_sql_ddl(t: Tables) -> dict[str, str]:
   Records INT64 NOT NULL,
 ) PRIMARY KEY (PipelineName, BatchId)""",
         # What outlives a reset: the lease and the batch id floor; and the source definition
-        # (text, compared as written).
+        # (text, compared as written) and each sink's durable batch (JSON text).
         t.pipelines: f"""CREATE TABLE IF NOT EXISTS {t.pipelines} (
   PipelineName STRING(MAX) NOT NULL,
   LeaseOwner STRING(MAX),
@@ -285,6 +285,7 @@ def _google_sql_ddl(t: Tables) -> dict[str, str]:
   BatchFloor INT64 NOT NULL,
   Source STRING(MAX),
   Resetting BOOL,
+  DurableMarks STRING(MAX),
 ) PRIMARY KEY (PipelineName)""",
     }
 
@@ -341,6 +342,7 @@ def _postgresql_ddl(t: Tables) -> dict[str, str]:
   "BatchFloor" bigint NOT NULL,
   "Source" text,
   "Resetting" boolean,
+  "DurableMarks" text,
   PRIMARY KEY ("PipelineName")
 )""",
     }

@@ -12,6 +12,7 @@ the same as the memory and SQLite stores'.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,8 @@ __all__ = [
     "commit_step",
     "delete",
     "insert",
+    "logged",
+    "mark_durable",
     "plan_step",
     "read_record",
     "release_lease",
@@ -62,16 +65,18 @@ _MUTABLE = ("PipelineName", "PartitionToken", "Watermark", "State", "ScheduledAt
 @attrs.define
 class Record:
     """A pipeline's record: what outlives a reset (the lease, the batch id floor), the
-    source definition, and whether a reset is under way (it took several transactions)."""
+    source definition, each sink's durable batch, and whether a reset is under way (it took
+    several transactions)."""
 
     lease: Lease | None = None
     floor: int = 0
     source: str | None = None
     resetting: bool = False
+    durable: dict[str, int] = attrs.field(factory=dict)
 
     def empty(self) -> bool:
         return self.lease is None and not self.floor and self.source is None and not (
-            self.resetting
+            self.resetting or self.durable
         )
 
 
@@ -115,9 +120,10 @@ def read_record(reader: Any, sql: StoreSql, pipeline: str) -> Record:
     rows = list(reader.read(sql.tables.pipelines, PIPELINE_COLUMNS[1:], _keys([[pipeline]])))
     if not rows:
         return Record()
-    owner, run_id, token, acquired, renewed, expires, floor, source, resetting = rows[0]
+    owner, run_id, token, acquired, renewed, expires, floor, source, resetting, marks = rows[0]
     lease = row_to_lease(owner, run_id, token, acquired, renewed, expires)
-    return Record(lease, int(floor), source, bool(resetting))
+    durable = {str(k): int(v) for k, v in json.loads(marks).items()} if marks else {}
+    return Record(lease, int(floor), source, bool(resetting), durable)
 
 
 def _write_record(txn: Any, sql: StoreSql, pipeline: str, rec: Record) -> None:
@@ -134,6 +140,7 @@ def _write_record(txn: Any, sql: StoreSql, pipeline: str, rec: Record) -> None:
     txn.insert_or_update(table, PIPELINE_COLUMNS, [(
         pipeline, lease.owner if lease else None, lease.run_id if lease else None,
         lease.token if lease else 0, *times, rec.floor, rec.source, rec.resetting or None,
+        json.dumps(rec.durable, sort_keys=True) if rec.durable else None,
     )])
 
 
@@ -227,11 +234,11 @@ def delete(txn: Any, sql: StoreSql, pipeline: str, tokens: Sequence[str]) -> int
 # -- plans and commits ----------------------------------------------------------------------
 
 
-def _logged(txn: Any, sql: StoreSql, pipeline: str, batch_id: int) -> BatchPlan | None:
-    """The plan logged as batch ``batch_id``, if any."""
+def logged(reader: Any, sql: StoreSql, pipeline: str, batch_id: int) -> BatchPlan | None:
+    """The plan logged as batch ``batch_id``, if any (``reader``: snapshot or transaction)."""
     columns = ["BatchId", "EndTimestamp", "SliceTokens", "SliceStarts", "SliceEnds",
                "PlannedAt"]
-    rows = list(txn.read(sql.tables.batches, columns, _keys([[pipeline, batch_id]])))
+    rows = list(reader.read(sql.tables.batches, columns, _keys([[pipeline, batch_id]])))
     return row_to_plan(*rows[0]) if rows else None
 
 
@@ -246,11 +253,12 @@ def plan_step(
     Checks the fence and that ``plan`` may be logged next, validates every transition in
     ``transitions`` (an unknown token or a backward move raises before anything is
     written), writes those of ``apply`` that change something, and when ``final`` logs
-    the plan (keeping the newest ``keep`` entries of the batch log).
+    the plan (keeping the newest ``keep`` entries of the batch log, and every batch above
+    a sink's durable mark: recovery may replay it to that sink).
     """
     rec = _guarded(txn, sql, pipeline, fence)
     ((last, pending, prune_to),) = sql.log_state(pipeline, keep - 1).run(txn)
-    if pending is not None and _rules.is_pending(plan, _logged(txn, sql, pipeline, pending)):
+    if pending is not None and _rules.is_pending(plan, logged(txn, sql, pipeline, pending)):
         return False
     _rules.check_new_plan(pipeline, plan, max(int(last or 0), rec.floor), pending)
     stored = _read_partitions(txn, sql, pipeline, transitions)
@@ -264,6 +272,8 @@ def plan_step(
             changed.append(moved)
     _put(txn, sql, pipeline, changed)
     if final:
+        if prune_to is not None and rec.durable:
+            prune_to = min(prune_to, min(rec.durable.values()))
         if prune_to is not None:
             txn.delete(sql.tables.batches, _prefix(pipeline, prune_to))
         txn.insert(sql.tables.batches, BATCH_COLUMNS, [(
@@ -279,6 +289,7 @@ def commit_step(
     txn: Any, sql: StoreSql, pipeline: str, batch_id: int,
     updates: Sequence[PartitionUpdate], apply: Collection[str],
     children: Sequence[PartitionMetadata], records: int, *, final: bool, fence: int | None,
+    durable: Mapping[str, int] | None = None,
 ) -> bool | None:
     """One transaction of ``commit_batch``: False when the batch is committed already (the
     caller stops), True when this step committed it (``final``), None otherwise.
@@ -286,11 +297,12 @@ def commit_step(
     Checks the fence and that the batch is pending, validates every update in ``updates``
     (an unknown partition or a smaller watermark raises before anything is written),
     writes those whose token is in ``apply`` (watermarks, FINISHED with its time), inserts
-    the absent ``children``, and when ``final`` marks the batch committed.
+    the absent ``children``, and when ``final`` marks the batch committed and raises the
+    sinks' ``durable`` marks.
     """
     from google.cloud.spanner import COMMIT_TIMESTAMP
 
-    _guarded(txn, sql, pipeline, fence)
+    rec = _guarded(txn, sql, pipeline, fence)
     log = list(txn.read(sql.tables.batches, ["CommittedAt"], _keys([[pipeline, batch_id]])))
     if not log:
         raise _rules.not_planned(pipeline, batch_id)
@@ -315,21 +327,44 @@ def commit_step(
         return None
     txn.update(sql.tables.batches, ["PipelineName", "BatchId", "CommittedAt", "Records"],
                [(pipeline, batch_id, COMMIT_TIMESTAMP, records)])
+    if durable and _raised(rec, durable):
+        _write_record(txn, sql, pipeline, rec)
     return True
+
+
+def _raised(rec: Record, marks: Mapping[str, int]) -> bool:
+    """Raise ``rec``'s durable marks to ``marks`` (a mark only moves forward); True if one
+    moved."""
+    before = dict(rec.durable)
+    for label, batch_id in marks.items():
+        if batch_id > rec.durable.get(label, -1):
+            rec.durable[label] = batch_id
+    return rec.durable != before
+
+
+def mark_durable(
+    txn: Any, sql: StoreSql, pipeline: str, marks: Mapping[str, int], fence: int | None
+) -> None:
+    rec = read_record(txn, sql, pipeline)
+    _rules.check_fence(pipeline, rec.lease, fence)
+    if _raised(rec, marks):
+        _write_record(txn, sql, pipeline, rec)
 
 
 def reset_step(txn: Any, sql: StoreSql, pipeline: str, rows: int) -> bool:
     """One transaction of ``reset``, removing at most ``rows`` partitions; True when the
     reset is complete.
 
-    Raises the batch id floor to the largest id ever logged, forgets the source and the
-    batch log, and keeps the lease. While partitions remain after this step, the record
-    says a reset is under way, so that reads and writes refuse the half-reset pipeline.
+    Raises the batch id floor to the largest id ever logged, forgets the source, the sinks'
+    durable marks and the batch log, and keeps the lease. While partitions remain after this
+    step, the record says a reset is under way, so that reads and writes refuse the
+    half-reset pipeline.
     """
     rec = read_record(txn, sql, pipeline)
     ((last, _),) = sql.last_batch_id(pipeline).run(txn)
     rec.floor = max(rec.floor, int(last or 0))
     rec.source = None
+    rec.durable = {}
     txn.delete(sql.tables.batches, _prefix(pipeline))  # one key range: one mutation
     tokens = [row[0] for row in sql.some_tokens(pipeline, rows + 1).run(txn)]
     if len(tokens) <= rows:

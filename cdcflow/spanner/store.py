@@ -12,7 +12,8 @@ created on first use, or by :func:`init_store` (``cdcflow metadata init URL``):
   (TTL) on the nullable ``GcAfter`` column.
 - ``NAME_Batches``: the batch log keyed by ``(PipelineName, BatchId)``.
 - ``NAME_Pipelines``: one record per pipeline: the ownership lease and its fencing token,
-  the batch id floor kept across resets, the source definition.
+  the batch id floor kept across resets, the source definition, each sink's durable batch
+  (two-stage ack; the batch log keeps every batch above the smallest mark).
 
 A database created by the previous version (two tables, the TTL on ``FinishedAt``) is
 upgraded in place the first time a store opens it: the pipelines table is created,
@@ -453,9 +454,11 @@ class SpannerStore:
         records: int = 0,
         *,
         fence: int | None = None,
+        durable: Mapping[str, int] | None = None,
     ) -> bool:
-        """Apply a batch's progress; False if it was already committed (also when an
-        attempt whose answer was lost committed it: it is applied once).
+        """Apply a batch's progress, and raise the sinks' ``durable`` marks with it; False if
+        it was already committed (also when an attempt whose answer was lost committed it:
+        it is applied once).
 
         One transaction, unless the progress exceeds the mutation budget: then the
         partition updates and children are written in several transactions while the batch
@@ -474,7 +477,7 @@ class SpannerStore:
             done = self._transact(
                 "committing the batch", steps.commit_step, pipeline, batch_id,
                 list(updates) if i == 0 else mine, {u.token for u in mine}, born, records,
-                final=i == len(runs) - 1, fence=fence,
+                final=i == len(runs) - 1, fence=fence, durable=dict(durable or {}),
             )
             if done is not None:
                 return done
@@ -520,6 +523,27 @@ class SpannerStore:
 
     def set_source(self, pipeline: str, source: str) -> None:
         self._transact("storing the source definition", steps.set_source, pipeline, source)
+
+    # -- sink durability (two-stage ack) ---------------------------------------------------
+
+    def durable_marks(self, pipeline: str) -> dict[str, int]:
+        """Sink label -> the batch through which that sink's output is durable."""
+        return self._read("reading the durable marks",
+                          lambda snap, sql: steps.read_record(snap, sql, pipeline).durable)
+
+    def mark_durable(
+        self, pipeline: str, marks: Mapping[str, int], *, fence: int | None = None
+    ) -> None:
+        """Raise the sinks' durable marks (a smaller value is ignored); FencedError unless
+        ``fence`` is None or the current lease token. The batch log keeps every batch above
+        the smallest mark, so recovery can replay it to the sinks that lack it."""
+        self._transact("recording durable marks", steps.mark_durable, pipeline, dict(marks),
+                       fence)
+
+    def logged_plan(self, pipeline: str, batch_id: int) -> BatchPlan | None:
+        """The plan of a logged batch (None when it was never logged or is pruned)."""
+        return self._read("reading a logged plan",
+                          lambda snap, sql: steps.logged(snap, sql, pipeline, batch_id))
 
     def close(self) -> None:
         # Database.close() joins a maintenance thread that sleeps for minutes and Client has

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cdcflow.engine.lifecycle import gc_candidates
-from cdcflow.errors import PlanConflictError, StoreError, StoreURLError
+from cdcflow.errors import FencedError, PlanConflictError, StoreError, StoreURLError
 from cdcflow.metadata import open_store
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
@@ -459,6 +459,34 @@ def test_the_batch_log_keeps_the_newest_entries(database: str) -> None:
                 store.commit_batch("p", batch_id, [], [])
         assert [b.batch_id for b in store.batches("p")] == [6, 5, 4]
         assert store.pending_plan("p") == BatchPlan(6, 6, (), 1)
+    finally:
+        store.close()
+
+
+@pytest.mark.emulator
+def test_durable_marks_move_forward_and_keep_the_batches_a_sink_lacks(database: str) -> None:
+    store = SpannerStore(database, batch_log_size=2)
+    try:
+        lease = store.acquire_lease("p", "host:1", "run-1", 60 * 10**9)
+        store.insert_partitions("p", [part("a", 0)])
+        assert store.durable_marks("p") == {}
+        for batch_id in range(1, 6):
+            store.write_plan("p", BatchPlan(batch_id, batch_id * 10, (), 1), {},
+                             fence=lease.token)
+            store.commit_batch("p", batch_id, [PartitionUpdate("a", batch_id * 10)], [],
+                               fence=lease.token, durable={"files": 2, "other": batch_id})
+        assert store.durable_marks("p") == {"files": 2, "other": 5}
+        # The log keeps two entries, and every batch above the smallest mark.
+        assert [b.batch_id for b in store.batches("p")] == [5, 4, 3]
+        assert store.logged_plan("p", 3) == BatchPlan(3, 30, (), 1)
+        assert store.logged_plan("p", 2) is None
+        store.mark_durable("p", {"files": 1}, fence=lease.token)  # never back
+        store.mark_durable("p", {"files": 5, "new": 4}, fence=lease.token)
+        assert store.durable_marks("p") == {"files": 5, "new": 4, "other": 5}
+        with pytest.raises(FencedError):
+            store.mark_durable("p", {"files": 9}, fence=lease.token + 1)
+        store.reset("p")
+        assert store.durable_marks("p") == {} and store.lease("p") == lease
     finally:
         store.close()
 
