@@ -494,8 +494,9 @@ class SpannerStore:
         )
 
     def reset(self, pipeline: str) -> None:
-        """Forget the pipeline's partitions, batch log and source; keep its lease and raise
-        its batch id floor to the last batch id, so batch ids are never reused.
+        """Forget the pipeline's partitions, batch log, source and durable marks; keep its
+        lease and raise its batch id floor to the last batch id, so batch ids are never
+        reused.
 
         More partitions than one transaction can delete take several; until the last, the
         pipeline is marked as resetting and ``partitions`` and the writes refuse it with a
