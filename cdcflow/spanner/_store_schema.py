@@ -1,9 +1,11 @@
-"""Tables, URL, value conversions and bounded RPCs of the Spanner metadata store.
+"""Tables, URL, value conversions, schema creation and bounded RPCs of the Spanner
+metadata store.
 
 The partition table has Beam's PartitionMetadata columns (so Beam's tooling and queries
-read it) plus ``PipelineName`` leading the key, because one store serves many pipelines.
-Positions are TIMESTAMP values that keep their nanoseconds. google-cloud-spanner is imported
-lazily.
+read it) plus ``PipelineName`` leading the key, because one store serves many pipelines,
+and ``GcAfter``, the column of its row deletion policy (see the store's module docstring).
+Positions are TIMESTAMP values that keep their nanoseconds. The statements of both dialects
+are in :mod:`cdcflow.spanner._store_sql`. google-cloud-spanner is imported lazily.
 
 Bounded RPCs. The stock client retries on its own: UNAVAILABLE commits for up to an hour,
 most other calls for 30 s, and streaming reads restart after UNAVAILABLE without bound or
@@ -17,12 +19,20 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from cdcflow.errors import BrokenCall, StoreError
 from cdcflow.metadata import _rules
-from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState, Slice, Timestamp
+from cdcflow.model import (
+    BatchPlan,
+    Lease,
+    PartitionMetadata,
+    PartitionState,
+    Slice,
+    Timestamp,
+)
+from cdcflow.spanner._store_sql import GOOGLE_SQL, POSTGRESQL, Dialect, StoreSql, Tables
 from cdcflow.spanner.retry import is_transient
 
 __all__ = [
@@ -30,19 +40,18 @@ __all__ = [
     "DATABASE_PATH",
     "DEFAULT_TABLE",
     "PARTITION_COLUMNS",
+    "PIPELINE_COLUMNS",
     "TABLE_NAME",
-    "TTL",
     "BrokenCall",
-    "batch_table",
     "bound_rpcs",
     "database_exists",
+    "detect_dialect",
     "ensure_schema",
-    "index_names",
     "opt_ns",
     "parse_spanner_url",
+    "row_to_lease",
     "row_to_partition",
     "row_to_plan",
-    "schema_ddl",
     "to_ns",
     "to_spanner",
     "transient",
@@ -52,17 +61,14 @@ __all__ = [
 #: Table name used when the URL has no ``?table=``.
 DEFAULT_TABLE = "CdcflowPartitions"
 
-#: How long a FINISHED partition's row is kept (Beam's metadata table keeps it one day).
-TTL = "INTERVAL 1 DAY"
-
 _PROJECT = r"[a-z][a-z0-9.:-]{0,62}[a-z0-9]"
 _INSTANCE = r"[a-z][a-z0-9-]{0,62}[a-z0-9]"
 _DATABASE = r"[a-z][a-z0-9_-]{0,28}[a-z0-9]"
 DATABASE_PATH = re.compile(
     rf"^projects/({_PROJECT})/instances/({_INSTANCE})/databases/({_DATABASE})$"
 )
-# At most 96 characters, leaving room for the suffixes of the companion table and indexes
-# (Spanner allows 128).
+# At most 96 characters, leaving room for the suffixes of the companion tables and indexes
+# (``_ByStateWatermark`` is the longest; Spanner allows 128).
 TABLE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,95}$")
 
 PARTITION_COLUMNS = (
@@ -73,6 +79,10 @@ PARTITION_COLUMNS = (
 BATCH_COLUMNS = (
     "PipelineName", "BatchId", "EndTimestamp", "SliceTokens", "SliceStarts", "SliceEnds",
     "SliceCount", "PlannedAt", "CommittedAt", "Records",
+)
+PIPELINE_COLUMNS = (
+    "PipelineName", "LeaseOwner", "LeaseRunId", "LeaseToken", "LeaseAcquiredAt",
+    "LeaseRenewedAt", "LeaseExpiresAt", "BatchFloor", "Source", "Resetting", "DurableMarks",
 )
 
 
@@ -104,106 +114,60 @@ def parse_spanner_url(url: str) -> tuple[str, str]:
     return path, table
 
 
-def batch_table(table: str) -> str:
-    return f"{table}_Batches"
-
-
-def index_names(table: str) -> tuple[str, str]:
-    return f"{table}_ByStateWatermark", f"{table}_ByCreatedAtStart"
-
-
-def schema_ddl(table: str) -> list[str]:
-    """The statements creating the store's tables and indexes (each ``IF NOT EXISTS``)."""
-    by_state, by_created = index_names(table)
-    return [
-        f"""CREATE TABLE IF NOT EXISTS {table} (
-  PipelineName STRING(MAX) NOT NULL,
-  PartitionToken STRING(MAX) NOT NULL,
-  ParentTokens ARRAY<STRING(MAX)> NOT NULL,
-  StartTimestamp TIMESTAMP NOT NULL,
-  EndTimestamp TIMESTAMP NOT NULL,
-  HeartbeatMillis INT64 NOT NULL,
-  State STRING(MAX) NOT NULL,
-  Watermark TIMESTAMP NOT NULL,
-  CreatedAt TIMESTAMP NOT NULL OPTIONS (allow_commit_timestamp=true),
-  ScheduledAt TIMESTAMP OPTIONS (allow_commit_timestamp=true),
-  RunningAt TIMESTAMP OPTIONS (allow_commit_timestamp=true),
-  FinishedAt TIMESTAMP OPTIONS (allow_commit_timestamp=true),
-) PRIMARY KEY (PipelineName, PartitionToken),
-  ROW DELETION POLICY (OLDER_THAN(FinishedAt, {TTL}))""",
-        f"CREATE INDEX IF NOT EXISTS {by_state} ON {table} (State, Watermark)",
-        f"CREATE INDEX IF NOT EXISTS {by_created} ON {table} (CreatedAt, StartTimestamp)",
-        # No TTL on the batch log: batch ids must stay monotonic per pipeline (sinks commit
-        # idempotently per batch id); the store prunes the oldest committed entries instead.
-        f"""CREATE TABLE IF NOT EXISTS {batch_table(table)} (
-  PipelineName STRING(MAX) NOT NULL,
-  BatchId INT64 NOT NULL,
-  EndTimestamp TIMESTAMP NOT NULL,
-  SliceTokens ARRAY<STRING(MAX)> NOT NULL,
-  SliceStarts ARRAY<TIMESTAMP> NOT NULL,
-  SliceEnds ARRAY<TIMESTAMP> NOT NULL,
-  SliceCount INT64 NOT NULL,
-  PlannedAt TIMESTAMP NOT NULL,
-  CommittedAt TIMESTAMP OPTIONS (allow_commit_timestamp=true),
-  Records INT64 NOT NULL,
-) PRIMARY KEY (PipelineName, BatchId)""",
-    ]
-
-
-def _existing(db: Any) -> set[str]:
-    sql = (
-        "SELECT table_name FROM information_schema.tables WHERE table_schema = '' "
-        "UNION ALL SELECT index_name FROM information_schema.indexes "
-        "WHERE table_schema = '' AND index_type = 'INDEX'"
-    )
+def detect_dialect(db: Any) -> Dialect:
+    """The dialect of ``db``, from its information schema (the emulator leaves the field of
+    the admin API's answer unset; this query reads the same in both dialects)."""
     with db.snapshot() as snap:
-        return {row[0] for row in snap.execute_sql(sql)}
-
-
-def _check_columns(db: Any, database: str, table: str, columns: Iterable[str]) -> None:
-    from google.cloud.spanner import param_types
-
-    sql = (
-        "SELECT column_name FROM information_schema.columns "
-        "WHERE table_schema = '' AND table_name = @t"
-    )
-    with db.snapshot() as snap:
-        rows = snap.execute_sql(sql, params={"t": table}, param_types={"t": param_types.STRING})
-        have = {row[0] for row in rows}
-    lacking = [c for c in columns if c not in have]
-    if lacking:
-        msg = (
-            f"table {table} in {database} is not a cdcflow metadata table (it has no column "
-            f"{', '.join(lacking)}); choose another table with ?table=NAME"
-        )
-        raise StoreError(msg)
+        rows = StoreSql(GOOGLE_SQL, Tables.named(DEFAULT_TABLE)).dialect_probe().run(snap)
+    return POSTGRESQL if rows and rows[0][0] == POSTGRESQL else GOOGLE_SQL
 
 
 def ensure_schema(
-    db: Any, admin_api: Any, database: str, table: str, timeout: float
+    db: Any, admin_api: Any, database: str, sql: StoreSql, timeout: float
 ) -> list[str]:
-    """Create the tables and indexes that are missing; return the names created.
+    """Create or upgrade the store's tables and indexes; return what was created.
 
     ``admin_api`` is the client's ``database_admin_api``; ``timeout`` bounds the schema
     change request (waiting for the change to finish takes up to 300 s more). Tables that
-    exist must have the store's columns. Safe to run concurrently and to retry: every
-    statement is ``IF NOT EXISTS``.
+    exist must have the store's columns. A partition table of an earlier version (no
+    ``GcAfter``, its row deletion policy on ``FinishedAt``) gets the column and has its
+    policy moved to it, so the TTL no longer removes finished partitions a resumed run
+    needs. Safe to run concurrently and to retry: every statement is idempotent (``IF NOT
+    EXISTS``, or replaces the policy with the same one).
     """
-    wanted = [table, *index_names(table), batch_table(table)]
-    existing = _existing(db)
-    for name, columns in ((table, PARTITION_COLUMNS), (batch_table(table), BATCH_COLUMNS)):
-        if name in existing:
-            _check_columns(db, database, name, columns)
-    missing = [name for name in wanted if name not in existing]
-    if missing:
-        # The emulator and Cloud Spanner both accept ROW DELETION POLICY on GoogleSQL
-        # databases, so the TTL is always part of the table.
+    t = sql.tables
+    with db.snapshot(multi_use=True) as snap:
+        objects = {name: ttl for name, ttl in sql.schema_objects().run(snap)}
+        columns: dict[str, set[str]] = {}
+        for name, column in sql.columns().run(snap):
+            columns.setdefault(name, set()).add(column)
+    wanted = ((t.partitions, PARTITION_COLUMNS), (t.batches, BATCH_COLUMNS),
+              (t.pipelines, PIPELINE_COLUMNS))
+    for name, needed in wanted:
+        lacking = [c for c in needed if name in objects and c not in columns.get(name, ())]
+        if lacking:
+            msg = (
+                f"table {name} in {database} is not a cdcflow metadata table (it has no "
+                f"column {', '.join(lacking)}); choose another table with ?table=NAME"
+            )
+            raise StoreError(msg)
+    statements = [ddl for name, ddl in sql.create().items() if name not in objects]
+    changes = [name for name in sql.create() if name not in objects]
+    if t.partitions in objects:
+        if "GcAfter" not in columns.get(t.partitions, ()):
+            statements.append(sql.add_gc_after())
+            changes.append(f"{t.partitions}.GcAfter")
+        policy = objects[t.partitions]
+        if policy is None or "GcAfter" not in policy:
+            statements.append(sql.gc_policy(existing=policy is not None))
+            changes.append(f"{t.partitions}'s row deletion policy on GcAfter")
+    if statements:
         operation = admin_api.update_database_ddl(
-            request={"database": database, "statements": schema_ddl(table)},
+            request={"database": database, "statements": statements},
             metadata=_routing(database), retry=None, timeout=timeout,
         )
         operation.result(300)
-    return missing
+    return changes
 
 
 # --- bounded RPCs -----------------------------------------------------------------------
@@ -371,3 +335,11 @@ def row_to_partition(row: Sequence[Any]) -> PartitionMetadata:
         running_at=opt_ns(running),
         finished_at=opt_ns(finished),
     )
+
+
+def row_to_lease(owner: Any, run_id: Any, token: Any, acquired: Any, renewed: Any,
+                 expires: Any) -> Lease | None:
+    """The Lease* columns of a pipeline record as the lease (None: it never had one)."""
+    if owner is None:
+        return None
+    return Lease(owner, run_id, int(token), to_ns(acquired), to_ns(renewed), to_ns(expires))

@@ -2,18 +2,48 @@
 
 URL: ``spanner://projects/P/instances/I/databases/D[?table=NAME]``. The database must exist;
 against the emulator (``SPANNER_EMULATOR_HOST`` set) a missing instance and database are
-created. Two tables are created on first use, or by :func:`init_store` (``cdcflow metadata
-init URL``):
+created. GoogleSQL and PostgreSQL-dialect databases both work: the store reads the dialect
+from the database and speaks it (:mod:`cdcflow.spanner._store_sql`). Three tables are
+created on first use, or by :func:`init_store` (``cdcflow metadata init URL``):
 
 - ``NAME`` (default ``CdcflowPartitions``): Beam's PartitionMetadata columns keyed by
-  ``(PipelineName, PartitionToken)``, commit-timestamp ``*At`` columns, a ROW DELETION
-  POLICY that drops a partition one day after ``FinishedAt``, and Beam's two indexes on
-  ``(State, Watermark)`` and ``(CreatedAt, StartTimestamp)``.
+  ``(PipelineName, PartitionToken)``, commit-timestamp ``*At`` columns, Beam's two indexes
+  on ``(State, Watermark)`` and ``(CreatedAt, StartTimestamp)``, and a row deletion policy
+  (TTL) on the nullable ``GcAfter`` column.
 - ``NAME_Batches``: the batch log keyed by ``(PipelineName, BatchId)``.
+- ``NAME_Pipelines``: one record per pipeline: the ownership lease and its fencing token,
+  the batch id floor kept across resets, the source definition, each sink's durable batch
+  (two-stage ack; the batch log keeps every batch above the smallest mark).
 
-Every write is one read-write transaction. Retries: every operation (opening, schema,
-reads, transactions) goes through one :class:`~cdcflow.backoff.RetryPolicy` whose predicate
-is :func:`~cdcflow.spanner.retry.is_transient` (ABORTED: Spanner aborts one of two
+A database created by the previous version (two tables, the TTL on ``FinishedAt``) is
+upgraded in place the first time a store opens it: the pipelines table is created,
+``GcAfter`` added and the policy moved to it.
+
+The TTL never deletes what resumption needs. Beam's table drops every FINISHED row a day
+after it finished, the leaves of a finished pipeline included, so re-running a completed
+bounded pipeline would start it over. Here the policy is on ``GcAfter``, which no store
+operation sets: the engine collects garbage itself (``delete_partitions``, called with
+``engine.lifecycle.gc_candidates``, which always keeps the partitions that read furthest),
+and deletes them at once. ``GcAfter`` is for operators: setting it on rows (e.g. every row
+of an abandoned pipeline) has Spanner remove them a day later in the background, outside
+any transaction's mutation limit. docs/spanner-store.md explains the choice.
+
+Mutation limit. Spanner refuses a commit of more than 80,000 mutations. Every transaction
+of this store is kept under ``mutation_budget`` (default 40,000) counted by the rule in
+:mod:`cdcflow.spanner._store_limits`. An operation that would exceed it runs as several
+transactions: ``insert_partitions``, ``delete_partitions`` (idempotent per row) and
+``reset`` (which marks the pipeline as resetting until it is done, so a half-reset
+pipeline is refused, not resumed) simply continue where the previous one stopped;
+``write_plan`` and ``commit_batch`` first apply their partition updates in several
+transactions and then log the plan / mark the batch committed in a final one that checks
+the fence and the batch's state again. Those updates are idempotent (states and watermarks
+only move forward, children are inserted if absent) and the batch stays pending until the
+final transaction, so a crash in between is repaired by the replay that a pending batch
+causes anyway. docs/spanner-store.md has the arithmetic and the argument.
+
+Retries: every operation (opening, schema, reads, transactions) goes through one
+:class:`~cdcflow.backoff.RetryPolicy` whose predicate is
+:func:`~cdcflow.spanner.retry.is_transient` (ABORTED: Spanner aborts one of two
 transactions that conflict and the emulator any that overlap; UNAVAILABLE,
 DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED), and every RPC has a deadline of ``call_timeout``
 seconds and none of the stock client's own retries (only the emulator's instance and
@@ -25,10 +55,12 @@ answer was lost), so every write is safe to repeat: ``write_plan`` of the plan t
 pending already succeeds without changes, ``commit_batch`` of a committed batch returns
 False (also when the lost attempt was the one that committed it), inserts skip present
 tokens and deletes skip absent rows (their counts then miss the rows the lost attempt
-changed), ``reset`` and the schema statements are idempotent.
+changed), ``reset`` and the schema statements are idempotent, and a lease acquired by a
+lost attempt is the caller's own (same run id), so the retry takes it again.
 
 The times the store stamps itself (scheduled, running, finished, committed) are Spanner
-commit timestamps. google-cloud-spanner is imported lazily.
+commit timestamps; lease times are Spanner's clock (``CURRENT_TIMESTAMP``), so every host
+judges a lease's expiry by the same clock. google-cloud-spanner is imported lazily.
 """
 
 from __future__ import annotations
@@ -36,7 +68,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -47,16 +79,21 @@ from cdcflow.metadata import _rules
 from cdcflow.model import (
     BatchPlan,
     BatchRecord,
+    Lease,
     PartitionMetadata,
     PartitionState,
     PartitionUpdate,
 )
+from cdcflow.spanner import _store_limits as limits
 from cdcflow.spanner import _store_schema as schema
-from cdcflow.spanner._store_schema import DEFAULT_TABLE, parse_spanner_url, to_ns, to_spanner
+from cdcflow.spanner import _store_txn as steps
+from cdcflow.spanner._store_schema import DEFAULT_TABLE, parse_spanner_url, to_ns
+from cdcflow.spanner._store_sql import Dialect, StoreSql, Tables
 from cdcflow.spanner.retry import status_name
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
+    "DEFAULT_MUTATION_BUDGET",
     "DEFAULT_RETRY",
     "DEFAULT_TABLE",
     "SpannerStore",
@@ -70,21 +107,10 @@ DEFAULT_RETRY = RetryPolicy(attempts=40, initial=0.01, maximum=1.0, deadline=120
 #: Deadline of each RPC in seconds; a call that exceeds it fails with DEADLINE_EXCEEDED and
 #: is retried like any transient error.
 DEFAULT_CALL_TIMEOUT = 30.0
-
-# Stands for "the commit timestamp" among the integer times _rules.transition assigns.
-_COMMIT_NOW = -(1 << 62) - 7
+#: Mutations one transaction may use (Spanner allows 80,000 per commit).
+DEFAULT_MUTATION_BUDGET = limits.DEFAULT_MUTATION_BUDGET
 
 _T = TypeVar("_T")
-
-
-def _at(ns: int | None, commit_ts: Any, ceiling: int | None = None) -> Any:
-    """A time for a commit-timestamp column: the commit timestamp for _COMMIT_NOW, else the
-    value, lowered to ``ceiling`` (Spanner's clock) since such columns refuse future times."""
-    if ns is None:
-        return None
-    if ns == _COMMIT_NOW:
-        return commit_ts
-    return to_spanner(ns if ceiling is None else min(ns, ceiling))
 
 
 class SpannerStore:
@@ -94,8 +120,10 @@ class SpannerStore:
     ``google.cloud.spanner.Client`` built for the project (which honours
     ``SPANNER_EMULATOR_HOST``). The batch log keeps the newest ``batch_log_size`` entries
     per pipeline. ``retry`` is the policy of every operation and ``call_timeout`` the
-    deadline of every RPC (see the module docstring). ``aborted_attempts`` counts
-    transaction attempts that Spanner aborted and this store retried.
+    deadline of every RPC; ``mutation_budget`` bounds the mutations of every transaction
+    (see the module docstring). ``aborted_attempts`` counts transaction attempts that
+    Spanner aborted and this store retried; ``transactions`` counts the read-write
+    transactions it committed.
     """
 
     def __init__(
@@ -107,6 +135,7 @@ class SpannerStore:
         batch_log_size: int = _rules.DEFAULT_BATCH_LOG_SIZE,
         retry: RetryPolicy = DEFAULT_RETRY,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        mutation_budget: int = DEFAULT_MUTATION_BUDGET,
     ) -> None:
         if not call_timeout > 0:
             msg = f"SpannerStore(call_timeout={call_timeout}): use a positive number of seconds"
@@ -121,13 +150,18 @@ class SpannerStore:
         self._project, self._instance_id, self._database_id = m.groups()
         self.database_path = database
         self.table = table
-        self.batch_table = schema.batch_table(table)
+        self.tables = Tables.named(table)
+        self.batch_table = self.tables.batches
+        self.pipeline_table = self.tables.pipelines
         self.retry = retry
         self.call_timeout = float(call_timeout)
+        self.mutation_budget = limits.check_budget(mutation_budget)
         self.aborted_attempts = 0
+        self.transactions = 0
         self._batch_log_size = _rules.check_log_size(batch_log_size)
         self._client = client
         self._db: Any = None
+        self._sql: StoreSql | None = None
         self._schema_ready = False
 
     @classmethod
@@ -212,6 +246,7 @@ class SpannerStore:
                 raise StoreError(msg)
             db = self._create_on_emulator()
         schema.bound_rpcs(db, self.call_timeout)
+        self._sql = StoreSql(schema.detect_dialect(db), self.tables)
         return db
 
     def _create_on_emulator(self) -> Any:
@@ -231,259 +266,184 @@ class SpannerStore:
             db.create().result(120)
         return db
 
+    @property
+    def dialect(self) -> Dialect:
+        """The database's dialect, ``GOOGLE_STANDARD_SQL`` or ``POSTGRESQL`` (connects)."""
+        return self._statements().dialect
+
+    def _statements(self) -> StoreSql:
+        self._database()
+        assert self._sql is not None
+        return self._sql
+
     def ensure_schema(self) -> list[str]:
-        """Create the tables and indexes that are missing; return the names created."""
+        """Create the tables and indexes that are missing and upgrade those of an earlier
+        version; return what was created (tables, indexes, columns, the policy)."""
         db = self._database()
+        sql = self._statements()
         admin = self._client.database_admin_api
 
         def busy(e: BaseException) -> bool:
             # Another store is changing the schema right now (the emulator refuses a second
-            # concurrent schema change with FAILED_PRECONDITION); every statement is IF NOT
-            # EXISTS, so trying again after it finished is safe.
+            # concurrent schema change with FAILED_PRECONDITION); every statement is
+            # idempotent, so trying again after it finished is safe.
             return schema.transient(e) or (
                 status_name(e) == "FAILED_PRECONDITION" and "in progress" in str(e)
             )
 
         created = self._retrying(
             "creating the metadata tables",
-            lambda: schema.ensure_schema(
-                db, admin, self.database_path, self.table, self.call_timeout
-            ),
+            lambda: schema.ensure_schema(db, admin, self.database_path, sql, self.call_timeout),
             retry_if=busy,
-            fix="the store needs a GoogleSQL-dialect database and permission to change its "
-                "schema",
+            fix="the store needs permission to change the database's schema",
         )
         self._schema_ready = True
         return created
 
-    def _ready(self) -> Any:
+    def _ready(self) -> tuple[Any, StoreSql]:
         db = self._database()
         if not self._schema_ready:
             self.ensure_schema()
-        return db
+        return db, self._statements()
 
     # -- transactions and queries ------------------------------------------------------
 
-    def _transact(self, what: str, func: Callable[..., _T], *args: Any) -> _T:
-        """``func(transaction, *args)`` in one read-write transaction, under the policy.
+    def _transact(self, what: str, func: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """``func(transaction, sql, *args, **kwargs)`` in one read-write transaction, under
+        the policy.
 
         ``func`` may run several times (a retry after ABORTED, or after an unknown
         outcome), so it must read what it depends on within the transaction. The client's
         own abort loop is switched off (``timeout_secs=0``). Metadata writes are excluded
         from change streams that allow it.
         """
-        db = self._ready()
+        db, sql = self._ready()
 
         def once() -> _T:
             result: _T = db.run_in_transaction(
-                func, *args, timeout_secs=0, exclude_txn_from_change_streams=True
+                func, sql, *args, timeout_secs=0, exclude_txn_from_change_streams=True,
+                **kwargs,
             )
             return result
 
-        return self._retrying(what, once)
+        result = self._retrying(what, once)
+        self.transactions += 1
+        return result
 
-    def _query(self, what: str, sql: str, pipeline: str | None = None,
-               limit: int | None = None) -> list[Any]:
-        db = self._ready()
-        from google.cloud.spanner import param_types
+    def _read(self, what: str, func: Callable[[Any, StoreSql], _T]) -> _T:
+        """``func(snapshot, sql)`` on one consistent snapshot, under the policy."""
+        db, sql = self._ready()
 
-        params: dict[str, Any] = {}
-        types: dict[str, Any] = {}
-        if pipeline is not None:
-            params["p"], types["p"] = pipeline, param_types.STRING
-        if limit is not None:
-            params["n"], types["n"] = limit, param_types.INT64
-
-        def once() -> list[Any]:
-            with db.snapshot() as snap:
-                return list(snap.execute_sql(sql, params=params, param_types=types))
+        def once() -> _T:
+            with db.snapshot(multi_use=True) as snap:
+                return func(snap, sql)
 
         return self._retrying(what, once)
 
-    @staticmethod
-    def _keys(pipeline: str, tokens: Iterable[str]) -> Any:
-        from google.cloud.spanner import KeySet
-
-        return KeySet(keys=[[pipeline, t] for t in tokens])  # type: ignore[no-untyped-call]
-
-    def _read_partitions(
-        self, txn: Any, pipeline: str, tokens: Iterable[str]
-    ) -> dict[str, PartitionMetadata]:
-        keys = list(dict.fromkeys(tokens))
-        if not keys:
-            return {}
-        rows = txn.read(self.table, schema.PARTITION_COLUMNS[1:], self._keys(pipeline, keys))
-        return {row[0]: schema.row_to_partition(row) for row in rows}
-
-    def _put(self, txn: Any, pipeline: str, rows: Sequence[PartitionMetadata]) -> None:
-        """Write the mutable columns of existing partitions."""
-        from google.cloud.spanner import COMMIT_TIMESTAMP
-
-        if rows:
-            txn.update(
-                self.table,
-                ["PipelineName", "PartitionToken", "Watermark", "State", "ScheduledAt",
-                 "RunningAt", "FinishedAt"],
-                [(pipeline, p.token, to_spanner(p.watermark), str(p.state),
-                  _at(p.scheduled_at, COMMIT_TIMESTAMP), _at(p.running_at, COMMIT_TIMESTAMP),
-                  _at(p.finished_at, COMMIT_TIMESTAMP)) for p in rows],
-            )
+    def _rows(self, what: str, query: Callable[[StoreSql], Any]) -> list[Any]:
+        rows: list[Any] = self._read(what, lambda snap, sql: query(sql).run(snap))
+        return rows
 
     # -- reads ---------------------------------------------------------------------------
 
     def partitions(self, pipeline: str) -> list[PartitionMetadata]:
-        """All stored partitions of the pipeline, ordered by (start, token)."""
-        sql = (
-            f"SELECT {', '.join(schema.PARTITION_COLUMNS[1:])} FROM {self.table} "
-            "WHERE PipelineName = @p ORDER BY StartTimestamp, PartitionToken"
-        )
-        rows = self._query("reading the partitions", sql, pipeline)
-        return [schema.row_to_partition(row) for row in rows]
+        """All stored partitions of the pipeline, ordered by (start, token).
+
+        Raises StoreError while a reset of the pipeline is unfinished (see ``reset``)."""
+        rows = self._rows("reading the partitions",
+                          lambda sql: sql.partitions(pipeline, schema.PARTITION_COLUMNS[1:]))
+        if any(row[-1] for row in rows):
+            raise steps.resetting_error(pipeline)
+        return [schema.row_to_partition(row[:-1]) for row in rows]
 
     def pending_plan(self, pipeline: str) -> BatchPlan | None:
-        sql = (
-            "SELECT BatchId, EndTimestamp, SliceTokens, SliceStarts, SliceEnds, PlannedAt "
-            f"FROM {self.batch_table} WHERE PipelineName = @p AND CommittedAt IS NULL "
-            "ORDER BY BatchId DESC LIMIT 1"
-        )
-        rows = self._query("reading the pending plan", sql, pipeline)
+        rows = self._rows("reading the pending plan", lambda sql: sql.pending_plan(pipeline))
         return schema.row_to_plan(*rows[0]) if rows else None
 
     def last_batch_id(self, pipeline: str) -> int:
-        sql = f"SELECT MAX(BatchId) FROM {self.batch_table} WHERE PipelineName = @p"
-        rows = self._query("reading the last batch id", sql, pipeline)
-        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+        """The largest batch id the pipeline ever logged, resets included (0: none)."""
+        ((last, floor),) = self._rows("reading the last batch id",
+                                      lambda sql: sql.last_batch_id(pipeline))
+        return max(int(last or 0), int(floor or 0))
 
     def batches(self, pipeline: str, limit: int = 20) -> list[BatchRecord]:
         """The newest ``limit`` entries of the batch log, newest first."""
-        sql = (
-            "SELECT BatchId, EndTimestamp, PlannedAt, CommittedAt, SliceCount, Records "
-            f"FROM {self.batch_table} WHERE PipelineName = @p ORDER BY BatchId DESC LIMIT @n"
-        )
+        rows = self._rows("reading the batch log",
+                          lambda sql: sql.batches(pipeline, max(0, limit)))
         return [
             BatchRecord(int(b), to_ns(end), to_ns(planned), schema.opt_ns(committed), int(n),
                         int(r))
-            for b, end, planned, committed, n, r in self._query(
-                "reading the batch log", sql, pipeline, max(0, limit)
-            )
+            for b, end, planned, committed, n, r in rows
         ]
 
     def pipelines(self) -> list[str]:
-        sql = (
-            f"SELECT PipelineName FROM {self.table} UNION DISTINCT "
-            f"SELECT PipelineName FROM {self.batch_table}"
-        )
-        return sorted(row[0] for row in self._query("listing the pipelines", sql))
+        """Pipelines with partitions, a batch log or a record (a lease, a batch id floor, a
+        source definition), sorted."""
+        return sorted(row[0] for row in self._rows("listing the pipelines",
+                                                    lambda sql: sql.pipelines()))
+
+    def lease(self, pipeline: str) -> Lease | None:
+        """The pipeline's current lease (alive or not), None if it never had one."""
+        return self._read("reading the lease",
+                          lambda snap, sql: steps.read_record(snap, sql, pipeline).lease)
+
+    def source(self, pipeline: str) -> str | None:
+        """The stored source definition (None before the first run or after a reset)."""
+        return self._read("reading the source definition",
+                          lambda snap, sql: steps.read_record(snap, sql, pipeline).source)
 
     # -- writes --------------------------------------------------------------------------
 
     def insert_partitions(self, pipeline: str, partitions: Sequence[PartitionMetadata]) -> int:
-        """Insert the partitions whose tokens are absent; return how many were inserted."""
-        if not partitions:
-            return 0
-        return self._transact("inserting partitions", self._insert, pipeline, partitions)
+        """Insert the partitions whose tokens are absent; return how many were inserted.
 
-    def _insert(self, txn: Any, pipeline: str, partitions: Sequence[PartitionMetadata]) -> int:
-        from google.cloud.spanner import COMMIT_TIMESTAMP, param_types
-
-        tokens = list(dict.fromkeys(p.token for p in partitions))
-        if not tokens:
-            return 0
-        # One round trip: the tokens already stored and Spanner's clock, which bounds the
-        # caller's times (a client clock running ahead must not make the write fail).
-        sql = (
-            f"SELECT CURRENT_TIMESTAMP(), ARRAY(SELECT PartitionToken FROM {self.table} "
-            "WHERE PipelineName = @p AND PartitionToken IN UNNEST(@t))"
-        )
-        strings = param_types.Array(param_types.STRING)  # type: ignore[no-untyped-call]
-        ((now, stored),) = list(txn.execute_sql(
-            sql, params={"p": pipeline, "t": tokens},
-            param_types={"p": param_types.STRING, "t": strings},
-        ))
-        present, ceiling, rows = set(stored), to_ns(now), []
+        Many partitions take several transactions (each inserts a part, skipping present
+        tokens, so a retry after a crash inserts what is left)."""
+        unique: dict[str, PartitionMetadata] = {}
         for p in partitions:
-            if p.token in present:
-                continue
-            present.add(p.token)
-            rows.append((
-                pipeline, p.token, list(p.parent_tokens), to_spanner(p.start), to_spanner(p.end),
-                p.heartbeat_millis, str(p.state), to_spanner(p.watermark),
-                _at(p.created_at, COMMIT_TIMESTAMP, ceiling),
-                _at(p.scheduled_at, COMMIT_TIMESTAMP, ceiling),
-                _at(p.running_at, COMMIT_TIMESTAMP, ceiling),
-                _at(p.finished_at, COMMIT_TIMESTAMP, ceiling),
-            ))
-        if rows:
-            txn.insert(self.table, schema.PARTITION_COLUMNS, rows)
-        return len(rows)
+            unique.setdefault(p.token, p)
+        runs = limits.chunks([(p, limits.INSERT_PARTITION) for p in unique.values()],
+                             self.mutation_budget)
+        return sum(
+            self._transact("inserting partitions", steps.insert, pipeline, run)
+            for run in runs if run
+        )
 
     def write_plan(
         self,
         pipeline: str,
         plan: BatchPlan,
         transitions: Mapping[str, PartitionState],
+        *,
+        fence: int | None = None,
     ) -> None:
-        """Log the plan and apply the state transitions in one transaction (write-ahead).
+        """Log the plan and apply the state transitions (write-ahead).
 
         PlanConflictError if a batch is pending or ``plan.batch_id`` is not above every
-        logged id, unless the pending plan equals ``plan`` (then nothing changes: a retry
-        after a lost answer); StoreError for an unknown partition or a backward transition.
-        A plan without ``planned_at`` is stamped with this host's clock, once, before any
-        attempt, so that retries write the same plan.
+        logged id (or the floor), unless the pending plan equals ``plan`` (then nothing
+        changes: a retry after a lost answer); StoreError for an unknown partition or a
+        backward transition; FencedError unless ``fence`` is None or the current lease
+        token. A plan without ``planned_at`` is stamped with this host's clock, once,
+        before any attempt, so that retries write the same plan.
+
+        One transaction, unless the transitions exceed the mutation budget: then they are
+        applied in several transactions, each checking the fence and the log again, and
+        the plan is logged by the last (see the module docstring).
         """
         if not plan.planned_at:
             plan = attrs.evolve(plan, planned_at=time.time_ns())
-        self._transact("writing the plan", self._write_plan, pipeline, plan, dict(transitions))
-
-    def _write_plan(
-        self, txn: Any, pipeline: str, plan: BatchPlan, transitions: dict[str, PartitionState]
-    ) -> None:
-        from google.cloud.spanner import KeyRange, KeySet, param_types
-
-        # The newest logged id, the pending one, and the oldest id that the batch log keeps
-        # once this plan is added (older entries, all committed, are pruned).
-        sql = (
-            "SELECT MAX(BatchId), MAX(IF(CommittedAt IS NULL, BatchId, NULL)), "
-            f"(SELECT BatchId FROM {self.batch_table} WHERE PipelineName = @p "
-            "ORDER BY BatchId DESC LIMIT 1 OFFSET @k) "
-            f"FROM {self.batch_table} WHERE PipelineName = @p"
-        )
-        ((last, pending, prune_to),) = list(txn.execute_sql(
-            sql, params={"p": pipeline, "k": self._batch_log_size - 1},
-            param_types={"p": param_types.STRING, "k": param_types.INT64},
-        ))
-        if pending is not None and _rules.is_pending(plan, self._logged(txn, pipeline, pending)):
-            return
-        _rules.check_new_plan(pipeline, plan, int(last or 0), pending)
-        stored = self._read_partitions(txn, pipeline, transitions)
-        changed = []
-        for token, state in transitions.items():
-            current = stored.get(token)
-            if current is None:
-                raise _rules.unknown_partition(pipeline, token)
-            moved = _rules.transition(pipeline, current, state, _COMMIT_NOW)
-            if moved != current:
-                changed.append(moved)
-        self._put(txn, pipeline, changed)
-        if prune_to is not None:
-            old = KeyRange(start_closed=[pipeline], end_closed=[pipeline, prune_to])  # type: ignore[no-untyped-call]
-            txn.delete(self.batch_table, KeySet(ranges=[old]))  # type: ignore[no-untyped-call]
-        txn.insert(self.batch_table, schema.BATCH_COLUMNS, [(
-            pipeline, plan.batch_id, to_spanner(plan.end),
-            [s.token for s in plan.slices], [to_spanner(s.start) for s in plan.slices],
-            [to_spanner(s.end) for s in plan.slices], len(plan.slices),
-            to_spanner(plan.planned_at), None, 0,
-        )])
-
-    def _logged(self, txn: Any, pipeline: str, batch_id: int) -> BatchPlan | None:
-        """The plan logged as batch ``batch_id``, if any."""
-        from google.cloud.spanner import KeySet
-
-        key = KeySet(keys=[[pipeline, batch_id]])  # type: ignore[no-untyped-call]
-        columns = ["BatchId", "EndTimestamp", "SliceTokens", "SliceStarts", "SliceEnds",
-                   "PlannedAt"]
-        rows = list(txn.read(self.batch_table, columns, key))
-        return schema.row_to_plan(*rows[0]) if rows else None
+        moves = dict(transitions)
+        runs = limits.chunks([(t, limits.UPDATE_PARTITION) for t in moves],
+                             self.mutation_budget - limits.LOG_PLAN)
+        for i, run in enumerate(runs):
+            # The first step validates every transition, so a refusal changes nothing.
+            checked = moves if i == 0 else {t: moves[t] for t in run}
+            go_on = self._transact(
+                "writing the plan", steps.plan_step, self._batch_log_size, pipeline, plan,
+                checked, set(run), final=i == len(runs) - 1, fence=fence,
+            )
+            if not go_on:
+                return
 
     def commit_batch(
         self,
@@ -492,74 +452,99 @@ class SpannerStore:
         updates: Sequence[PartitionUpdate],
         children: Sequence[PartitionMetadata],
         records: int = 0,
+        *,
+        fence: int | None = None,
+        durable: Mapping[str, int] | None = None,
     ) -> bool:
-        """Apply a batch's progress in one transaction; False if it was already committed
-        (also when an attempt whose answer was lost committed it: it is applied once)."""
-        return self._transact(
-            "committing the batch", self._commit_batch, pipeline, batch_id, updates, children,
-            records,
-        )
+        """Apply a batch's progress, and raise the sinks' ``durable`` marks with it; False if
+        it was already committed (also when an attempt whose answer was lost committed it:
+        it is applied once).
 
-    def _commit_batch(
-        self,
-        txn: Any,
-        pipeline: str,
-        batch_id: int,
-        updates: Sequence[PartitionUpdate],
-        children: Sequence[PartitionMetadata],
-        records: int,
-    ) -> bool:
-        from google.cloud.spanner import COMMIT_TIMESTAMP, KeySet
-
-        key = KeySet(keys=[[pipeline, batch_id]])  # type: ignore[no-untyped-call]
-        log = list(txn.read(self.batch_table, ["CommittedAt"], key))
-        if not log:
-            raise _rules.not_planned(pipeline, batch_id)
-        if log[0][0] is not None:
-            return False
-        rows = self._read_partitions(txn, pipeline, (u.token for u in updates))
-        before = dict(rows)
-        for u in updates:
-            current = rows.get(u.token)
-            if current is None:
-                raise _rules.unknown_partition(pipeline, u.token)
-            if u.watermark < current.watermark:
-                raise _rules.regression(pipeline, u.token, current.watermark, u.watermark)
-            current = attrs.evolve(current, watermark=u.watermark)
-            if u.finished:
-                current = _rules.transition(pipeline, current, PartitionState.FINISHED,
-                                            _COMMIT_NOW)
-            rows[u.token] = current
-        self._put(txn, pipeline, [p for t, p in rows.items() if p != before[t]])
-        self._insert(txn, pipeline, children)
-        txn.update(self.batch_table, ["PipelineName", "BatchId", "CommittedAt", "Records"],
-                   [(pipeline, batch_id, COMMIT_TIMESTAMP, records)])
-        return True
+        One transaction, unless the progress exceeds the mutation budget: then the
+        partition updates and children are written in several transactions while the batch
+        stays pending, and the last marks it committed (see the module docstring). Every
+        transaction checks the fence, so a fenced-out run stops at its next step and the
+        batch stays pending for the run that owns the pipeline.
+        """
+        items: list[tuple[PartitionUpdate | PartitionMetadata, int]] = [
+            (u, limits.UPDATE_PARTITION) for u in updates
+        ]
+        items += [(c, limits.INSERT_PARTITION) for c in children]
+        runs = limits.chunks(items, self.mutation_budget - limits.MARK_COMMITTED)
+        for i, run in enumerate(runs):
+            mine = [u for u in run if isinstance(u, PartitionUpdate)]
+            born = [c for c in run if isinstance(c, PartitionMetadata)]
+            done = self._transact(
+                "committing the batch", steps.commit_step, pipeline, batch_id,
+                list(updates) if i == 0 else mine, {u.token for u in mine}, born, records,
+                final=i == len(runs) - 1, fence=fence, durable=dict(durable or {}),
+            )
+            if done is not None:
+                return done
+        msg = "the last step of commit_batch marks the batch"
+        raise AssertionError(msg)
 
     def delete_partitions(self, pipeline: str, tokens: Sequence[str]) -> int:
         """Remove the named partitions; return how many existed."""
-        if not tokens:
-            return 0
-        return self._transact("deleting partitions", self._delete, pipeline, tokens)
-
-    def _delete(self, txn: Any, pipeline: str, tokens: Sequence[str]) -> int:
-        present = self._read_partitions(txn, pipeline, tokens)
-        if present:
-            txn.delete(self.table, self._keys(pipeline, present))
-        return len(present)
+        runs = limits.chunks([(t, limits.DELETE_PARTITION) for t in dict.fromkeys(tokens)],
+                             self.mutation_budget)
+        return sum(
+            self._transact("deleting partitions", steps.delete, pipeline, run)
+            for run in runs if run
+        )
 
     def reset(self, pipeline: str) -> None:
-        """Forget everything stored for the pipeline."""
-        self._transact("resetting the pipeline", self._reset, pipeline)
+        """Forget the pipeline's partitions, batch log, source and durable marks; keep its
+        lease and raise its batch id floor to the last batch id, so batch ids are never
+        reused.
 
-    def _reset(self, txn: Any, pipeline: str) -> None:
-        from google.cloud.spanner import KeyRange, KeySet
+        More partitions than one transaction can delete take several; until the last, the
+        pipeline is marked as resetting and ``partitions`` and the writes refuse it with a
+        StoreError saying to run the reset again (it goes on where it stopped)."""
+        rows = (self.mutation_budget - limits.PIPELINE_ROW - 1) // limits.DELETE_PARTITION
+        while not self._transact("resetting the pipeline", steps.reset_step, pipeline, rows):
+            pass
 
-        # A key range over the PipelineName prefix is one mutation, whatever the row count.
-        prefix = KeyRange(start_closed=[pipeline], end_closed=[pipeline])  # type: ignore[no-untyped-call]
-        everything = KeySet(ranges=[prefix])  # type: ignore[no-untyped-call]
-        txn.delete(self.table, everything)
-        txn.delete(self.batch_table, everything)
+    # -- ownership and the source definition -----------------------------------------------
+
+    def acquire_lease(
+        self, pipeline: str, owner: str, run_id: str, ttl_ns: int, *, replace: int | None = None
+    ) -> Lease:
+        """Take the pipeline's lease (see the protocol); LeaseHeldError names a live holder."""
+        return self._transact("taking the lease", steps.acquire_lease, pipeline, owner,
+                              run_id, ttl_ns, replace)
+
+    def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease:
+        """Extend ``lease`` by ``ttl_ns``; FencedError when it is no longer current."""
+        return self._transact("renewing the lease", steps.renew_lease, pipeline, lease, ttl_ns)
+
+    def release_lease(self, pipeline: str, lease: Lease) -> None:
+        """End ``lease`` (expiry 0, token kept) if it is current; else do nothing."""
+        self._transact("releasing the lease", steps.release_lease, pipeline, lease)
+
+    def set_source(self, pipeline: str, source: str) -> None:
+        self._transact("storing the source definition", steps.set_source, pipeline, source)
+
+    # -- sink durability (two-stage ack) ---------------------------------------------------
+
+    def durable_marks(self, pipeline: str) -> dict[str, int]:
+        """Sink label -> the batch through which that sink's output is durable."""
+        return self._read("reading the durable marks",
+                          lambda snap, sql: steps.read_record(snap, sql, pipeline).durable)
+
+    def mark_durable(
+        self, pipeline: str, marks: Mapping[str, int], *, fence: int | None = None
+    ) -> None:
+        """Raise the sinks' durable marks (a smaller value is ignored); FencedError unless
+        ``fence`` is None or the current lease token. The batch log keeps every batch above
+        the smallest mark, so recovery can replay it to the sinks that lack it."""
+        self._transact("recording durable marks", steps.mark_durable, pipeline, dict(marks),
+                       fence)
+
+    def logged_plan(self, pipeline: str, batch_id: int) -> BatchPlan | None:
+        """The plan of a logged batch (None when it was never logged or is pruned)."""
+        return self._read("reading a logged plan",
+                          lambda snap, sql: steps.logged(snap, sql, pipeline, batch_id))
 
     def close(self) -> None:
         # Database.close() joins a maintenance thread that sleeps for minutes and Client has
@@ -572,7 +557,7 @@ class SpannerStore:
 
 
 def init_store(url: str) -> str:
-    """Create the tables and indexes of the store at ``url`` if missing (idempotent).
+    """Create or upgrade the tables and indexes of the store at ``url`` (idempotent).
 
     Returns a one-line account of what was done, for ``cdcflow metadata init URL``.
     """
@@ -581,6 +566,7 @@ def init_store(url: str) -> str:
         created = store.ensure_schema()
     finally:
         store.close()
+    t = store.tables
     if created:
         return f"created {', '.join(created)} in {store.database_path}"
-    return f"{store.table} and {store.batch_table} already exist in {store.database_path}"
+    return f"{t.partitions}, {t.batches} and {t.pipelines} already exist in {store.database_path}"

@@ -9,9 +9,11 @@ state through ``open_store(url)`` after ``close()``, plus the pytest marks it ne
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -36,17 +38,38 @@ def _sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> MetadataStore:
     return open_store(sqlite_url(tmp_path / "state" / "metadata.db"))
 
 
+def _dropped_after(request: pytest.FixtureRequest, emulator: Any, name: str) -> None:
+    # The emulator holds at most 100 databases per instance, fewer than the tests create.
+    def drop() -> None:
+        with contextlib.suppress(Exception):  # never created: nothing to drop
+            emulator.client().instance("test-instance").database(name).drop()
+
+    request.addfinalizer(drop)
+
+
 def _spanner(request: pytest.FixtureRequest, tmp_path: Path) -> MetadataStore:
     # A fresh emulator database per test isolates the tests; the store creates its tables.
     emulator = request.getfixturevalue("spanner_emulator")
-    database = emulator.database_path(f"meta-{uuid.uuid4().hex[:20]}")
-    return open_store(f"spanner://{database}")
+    name = f"meta-{uuid.uuid4().hex[:20]}"
+    _dropped_after(request, emulator, name)
+    return open_store(f"spanner://{emulator.database_path(name)}")
+
+
+def _spanner_pg(request: pytest.FixtureRequest, tmp_path: Path) -> MetadataStore:
+    # The store never creates a PostgreSQL-dialect database; it finds an empty one (as a
+    # user's database beside their data) and creates its tables in that dialect.
+    emulator = request.getfixturevalue("spanner_emulator")
+    name = f"meta-pg-{uuid.uuid4().hex[:20]}"
+    _dropped_after(request, emulator, name)
+    emulator.create_database(name, dialect="POSTGRESQL")
+    return open_store(f"spanner://{emulator.database_path(name)}")
 
 
 STORE_FACTORIES: dict[str, StoreCase] = {
     "memory": StoreCase(_memory),
     "sqlite": StoreCase(_sqlite),
     "spanner": StoreCase(_spanner, (pytest.mark.emulator,)),
+    "spanner-pg": StoreCase(_spanner_pg, (pytest.mark.emulator,)),
 }
 
 

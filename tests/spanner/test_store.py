@@ -1,25 +1,25 @@
-"""SpannerStore specifics on the emulator: URLs, schema, init, concurrency, nanoseconds,
-retries (failures injected where the store calls its Database object).
+"""SpannerStore specifics on the emulator: URLs, schema (both dialects, the upgrade of the
+previous version's tables, the TTL column), init, concurrency, nanoseconds.
 
-The MetadataStore contract itself runs against this store in test_contract.py.
+The MetadataStore contract itself runs against this store in tests/metadata (both
+dialects); retries are in test_store_retries.py, the mutation budget in
+test_store_limits.py.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from google.api_core.exceptions import Aborted, PermissionDenied, ServiceUnavailable
 
-from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import PlanConflictError, StoreError, StoreURLError
+from cdcflow.engine.lifecycle import gc_candidates
+from cdcflow.errors import FencedError, PlanConflictError, StoreError, StoreURLError
 from cdcflow.metadata import open_store
 from cdcflow.model import (
+    INITIAL_PARTITION_TOKEN,
     MAX_NS,
     BatchPlan,
     PartitionMetadata,
@@ -27,7 +27,11 @@ from cdcflow.model import (
     PartitionUpdate,
     Slice,
 )
-from cdcflow.spanner._store_schema import BrokenCall, bound_rpcs, transient
+from cdcflow.spanner._store_schema import (
+    BATCH_COLUMNS,
+    PARTITION_COLUMNS,
+    to_spanner,
+)
 from cdcflow.spanner.emulator import Emulator, emulator_client
 from cdcflow.spanner.store import DEFAULT_TABLE, SpannerStore, init_store, parse_spanner_url
 
@@ -35,8 +39,8 @@ PATH = "projects/p-1/instances/inst-1/databases/db_1"
 
 
 def part(token: str, start: int, **kw: Any) -> PartitionMetadata:
-    return PartitionMetadata(token=token, parent_tokens=(), start=start, end=MAX_NS,
-                             watermark=start, state="CREATED", **kw)
+    fields: dict[str, Any] = {"parent_tokens": (), "end": MAX_NS, "state": "CREATED", **kw}
+    return PartitionMetadata(token=token, start=start, watermark=start, **fields)
 
 
 # --- URLs (no emulator) ---------------------------------------------------------------
@@ -70,26 +74,13 @@ def test_a_malformed_url_raises_with_the_valid_form(url: str, why: str) -> None:
     assert "spanner://projects/P/instances/I/databases/D[?table=NAME]" in str(info.value)
 
 
+@pytest.mark.parametrize("budget", [10, 80_001])
+def test_a_mutation_budget_outside_spanners_limit_is_refused(budget: int) -> None:
+    with pytest.raises(ValueError, match=r"between \d+ and Spanner's limit 80000"):
+        SpannerStore(PATH, mutation_budget=budget)
+
+
 # --- on the emulator ------------------------------------------------------------------
-
-@pytest.fixture
-def database(spanner_emulator: Emulator) -> str:
-    """The path of a database that does not exist yet (the store creates it)."""
-    return spanner_emulator.database_path(f"meta-{uuid.uuid4().hex[:20]}")
-
-
-@pytest.fixture
-def stores() -> Iterator[Callable[[str], SpannerStore]]:
-    opened: list[SpannerStore] = []
-
-    def _open(url: str) -> SpannerStore:
-        opened.append(SpannerStore.from_url(url))
-        return opened[-1]
-
-    yield _open
-    for s in opened:
-        s.close()
-
 
 def _sql(store: SpannerStore, sql: str) -> list[list[Any]]:
     with store._database().snapshot() as snap:
@@ -102,11 +93,13 @@ def test_init_creates_beam_compatible_tables_and_is_idempotent(
 ) -> None:
     url = f"spanner://{database}?table=Meta"
     assert init_store(url) == (
-        f"created Meta, Meta_ByStateWatermark, Meta_ByCreatedAtStart, Meta_Batches in {database}"
+        "created Meta, Meta_ByStateWatermark, Meta_ByCreatedAtStart, Meta_Batches, "
+        f"Meta_Pipelines in {database}"
     )
-    assert init_store(url) == f"Meta and Meta_Batches already exist in {database}"
+    assert init_store(url) == f"Meta, Meta_Batches and Meta_Pipelines already exist in {database}"
 
     store = stores(url)
+    assert store.dialect == "GOOGLE_STANDARD_SQL"
     columns = _sql(store, "SELECT column_name, spanner_type, is_nullable FROM "
                           "information_schema.columns WHERE table_name = 'Meta' "
                           "ORDER BY ordinal_position")
@@ -123,12 +116,14 @@ def test_init_creates_beam_compatible_tables_and_is_idempotent(
         ["ScheduledAt", "TIMESTAMP", "YES"],
         ["RunningAt", "TIMESTAMP", "YES"],
         ["FinishedAt", "TIMESTAMP", "YES"],
+        ["GcAfter", "TIMESTAMP", "YES"],
     ]
     commit_ts = _sql(store, "SELECT table_name, column_name FROM information_schema."
                             "column_options WHERE option_name = 'allow_commit_timestamp' AND "
                             "option_value = 'TRUE' ORDER BY table_name, column_name")
-    assert commit_ts == [["Meta", "CreatedAt"], ["Meta", "FinishedAt"], ["Meta", "RunningAt"],
-                         ["Meta", "ScheduledAt"], ["Meta_Batches", "CommittedAt"]]
+    assert commit_ts == [["Meta", "CreatedAt"], ["Meta", "FinishedAt"], ["Meta", "GcAfter"],
+                         ["Meta", "RunningAt"], ["Meta", "ScheduledAt"],
+                         ["Meta_Batches", "CommittedAt"]]
     indexes = _sql(store, "SELECT index_name, column_name FROM information_schema."
                           "index_columns WHERE table_name = 'Meta' "
                           "ORDER BY index_name, ordinal_position")
@@ -139,7 +134,48 @@ def test_init_creates_beam_compatible_tables_and_is_idempotent(
     ]
     ttl = _sql(store, "SELECT table_name, row_deletion_policy_expression FROM "
                       "information_schema.tables WHERE table_schema = '' ORDER BY table_name")
-    assert ttl == [["Meta", "OLDER_THAN(FinishedAt, INTERVAL 1 DAY)"], ["Meta_Batches", None]]
+    assert ttl == [["Meta", "OLDER_THAN(GcAfter, INTERVAL 1 DAY)"], ["Meta_Batches", None],
+                   ["Meta_Pipelines", None]]
+
+
+@pytest.mark.emulator
+def test_a_postgresql_database_gets_the_same_tables_in_its_dialect(
+    spanner_emulator: Emulator, name: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    spanner_emulator.create_database(name, dialect="POSTGRESQL")
+    database = spanner_emulator.database_path(name)
+    url = f"spanner://{database}?table=Meta"
+    assert init_store(url).startswith("created Meta, Meta_ByStateWatermark, ")
+    store = stores(url)
+    assert store.dialect == "POSTGRESQL"
+    columns = _sql(store, "SELECT column_name, spanner_type, is_nullable FROM "
+                          "information_schema.columns WHERE table_name = 'Meta' "
+                          "ORDER BY ordinal_position")
+    assert columns == [
+        ["PipelineName", "character varying", "NO"],
+        ["PartitionToken", "character varying", "NO"],
+        ["ParentTokens", "character varying[]", "NO"],
+        ["StartTimestamp", "timestamp with time zone", "NO"],
+        ["EndTimestamp", "timestamp with time zone", "NO"],
+        ["HeartbeatMillis", "bigint", "NO"],
+        ["State", "character varying", "NO"],
+        ["Watermark", "timestamp with time zone", "NO"],
+        ["CreatedAt", "spanner.commit_timestamp", "NO"],
+        ["ScheduledAt", "spanner.commit_timestamp", "YES"],
+        ["RunningAt", "spanner.commit_timestamp", "YES"],
+        ["FinishedAt", "spanner.commit_timestamp", "YES"],
+        ["GcAfter", "spanner.commit_timestamp", "YES"],
+    ]
+    ttl = _sql(store, "SELECT table_name, row_deletion_policy_expression FROM "
+                      "information_schema.tables WHERE table_schema = 'public' "
+                      "ORDER BY table_name")
+    # The emulator writes the interval as it likes ('24 HOURS'); the column is what counts.
+    assert [name for name, _ in ttl] == ["Meta", "Meta_Batches", "Meta_Pipelines"]
+    assert ttl[0][1].endswith('ON "GcAfter"') and ttl[1][1] is None and ttl[2][1] is None
+    # Positions keep their nanoseconds in timestamptz too.
+    start = 1_714_564_800_123_456_789
+    store.insert_partitions("p", [part("a", start)])
+    assert store.partitions("p")[0].start == start
 
 
 @pytest.mark.emulator
@@ -153,15 +189,136 @@ def test_tables_are_created_on_first_use_and_table_names_separate_stores(
     assert [p.token for p in first.partitions("p")] == ["a"]
     tables = _sql(first, "SELECT table_name FROM information_schema.tables "
                          "WHERE table_schema = '' ORDER BY table_name")
-    assert tables == [[DEFAULT_TABLE], [f"{DEFAULT_TABLE}_Batches"], ["Other"],
-                      ["Other_Batches"]]
+    assert tables == [[DEFAULT_TABLE], [f"{DEFAULT_TABLE}_Batches"],
+                      [f"{DEFAULT_TABLE}_Pipelines"], ["Other"], ["Other_Batches"],
+                      ["Other_Pipelines"]]
+
+
+# The tables of the previous version: no pipelines table, no GcAfter, and a row deletion
+# policy that dropped every FINISHED partition a day after it finished.
+_PREVIOUS_SCHEMA = [
+    """CREATE TABLE Meta (
+  PipelineName STRING(MAX) NOT NULL,
+  PartitionToken STRING(MAX) NOT NULL,
+  ParentTokens ARRAY<STRING(MAX)> NOT NULL,
+  StartTimestamp TIMESTAMP NOT NULL,
+  EndTimestamp TIMESTAMP NOT NULL,
+  HeartbeatMillis INT64 NOT NULL,
+  State STRING(MAX) NOT NULL,
+  Watermark TIMESTAMP NOT NULL,
+  CreatedAt TIMESTAMP NOT NULL OPTIONS (allow_commit_timestamp=true),
+  ScheduledAt TIMESTAMP OPTIONS (allow_commit_timestamp=true),
+  RunningAt TIMESTAMP OPTIONS (allow_commit_timestamp=true),
+  FinishedAt TIMESTAMP OPTIONS (allow_commit_timestamp=true),
+) PRIMARY KEY (PipelineName, PartitionToken),
+  ROW DELETION POLICY (OLDER_THAN(FinishedAt, INTERVAL 1 DAY))""",
+    "CREATE INDEX Meta_ByStateWatermark ON Meta (State, Watermark)",
+    "CREATE INDEX Meta_ByCreatedAtStart ON Meta (CreatedAt, StartTimestamp)",
+    """CREATE TABLE Meta_Batches (
+  PipelineName STRING(MAX) NOT NULL,
+  BatchId INT64 NOT NULL,
+  EndTimestamp TIMESTAMP NOT NULL,
+  SliceTokens ARRAY<STRING(MAX)> NOT NULL,
+  SliceStarts ARRAY<TIMESTAMP> NOT NULL,
+  SliceEnds ARRAY<TIMESTAMP> NOT NULL,
+  SliceCount INT64 NOT NULL,
+  PlannedAt TIMESTAMP NOT NULL,
+  CommittedAt TIMESTAMP OPTIONS (allow_commit_timestamp=true),
+  Records INT64 NOT NULL,
+) PRIMARY KEY (PipelineName, BatchId)""",
+]
+
+
+@pytest.mark.emulator
+def test_the_tables_of_the_previous_version_are_upgraded_in_place(
+    spanner_emulator: Emulator, name: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    from google.cloud.spanner import COMMIT_TIMESTAMP
+
+    old = spanner_emulator.create_database(name, _PREVIOUS_SCHEMA)
+    # A pipeline the previous version ran: a finished leaf and two committed batches.
+    with old.batch() as batch:
+        batch.insert("Meta", PARTITION_COLUMNS, [(
+            "p", "leaf", [], to_spanner(10), to_spanner(100), 1000, "FINISHED",
+            to_spanner(100), COMMIT_TIMESTAMP, COMMIT_TIMESTAMP, COMMIT_TIMESTAMP,
+            COMMIT_TIMESTAMP,
+        )])
+        batch.insert("Meta_Batches", BATCH_COLUMNS, [
+            ("p", batch_id, to_spanner(100), [], [], [], 0, to_spanner(1), COMMIT_TIMESTAMP, 0)
+            for batch_id in (1, 2)
+        ])
+    database = spanner_emulator.database_path(name)
+    url = f"spanner://{database}?table=Meta"
+    assert init_store(url) == (
+        f"created Meta_Pipelines, Meta.GcAfter, Meta's row deletion policy on GcAfter in "
+        f"{database}"
+    )
+    assert init_store(url) == f"Meta, Meta_Batches and Meta_Pipelines already exist in {database}"
+    store = stores(url)
+    ttl = _sql(store, "SELECT table_name, row_deletion_policy_expression FROM "
+                      "information_schema.tables WHERE table_schema = '' ORDER BY table_name")
+    assert ttl == [["Meta", "OLDER_THAN(GcAfter, INTERVAL 1 DAY)"], ["Meta_Batches", None],
+                   ["Meta_Pipelines", None]]
+    # The old rows read as before, and the ownership part works on them.
+    (leaf,) = store.partitions("p")
+    assert (leaf.token, leaf.state, leaf.watermark) == ("leaf", "FINISHED", 100)
+    assert store.last_batch_id("p") == 2 and store.pipelines() == ["p"]
+    lease = store.acquire_lease("p", "host:1", "run-1", 60 * 10**9)
+    store.reset("p")
+    assert store.last_batch_id("p") == 2 and store.lease("p") == lease
+    store.insert_partitions("p", [part("a", 5)])
+    store.write_plan("p", BatchPlan(3, 50, (Slice("a", 5, 50),), planned_at=1),
+                     {"a": PartitionState.RUNNING}, fence=lease.token)
+    assert store.commit_batch("p", 3, [PartitionUpdate("a", 50)], [], fence=lease.token)
+    # A store that opens the upgraded database changes nothing more.
+    assert stores(url).ensure_schema() == []
+
+
+@pytest.mark.emulator
+def test_no_store_operation_marks_a_row_for_the_ttl(
+    database: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    # A bounded pipeline run to its end as the engine drives it: the root reports two
+    # children, which read to the end; garbage collection removes what gc_candidates names.
+    # Beam's policy (FinishedAt + 1 day) would then remove the leaves too, and a later run
+    # would find an empty store and start over; the policy on GcAfter cannot.
+    store = stores(f"spanner://{database}")
+    lease = store.acquire_lease("p", "host:1", "run-1", 60 * 10**9)
+    store.set_source("p", '{"stream": "S"}')
+    root = part(INITIAL_PARTITION_TOKEN, 10, end=100)
+    store.insert_partitions("p", [root])
+    store.write_plan("p", BatchPlan(1, 50, (Slice(root.token, 10, 50),), planned_at=1),
+                     {root.token: PartitionState.RUNNING}, fence=lease.token)
+    store.commit_batch("p", 1, [PartitionUpdate(root.token, 10, finished=True)],
+                       [part("a", 10, end=100, parent_tokens=(root.token,)),
+                        part("b", 10, end=100, parent_tokens=(root.token,))],
+                       fence=lease.token)
+    store.write_plan("p", BatchPlan(2, 100, (Slice("a", 10, 100), Slice("b", 10, 100)), 2),
+                     {"a": PartitionState.RUNNING, "b": PartitionState.RUNNING},
+                     fence=lease.token)
+    store.commit_batch("p", 2, [PartitionUpdate("a", 100, finished=True),
+                                PartitionUpdate("b", 100, finished=True)], [],
+                       fence=lease.token)
+    expired = gc_candidates(store.partitions("p"), time.time_ns() + 10**12, 0)
+    assert expired == [root.token]
+    assert store.delete_partitions("p", expired) == 1
+    store.renew_lease("p", lease, 60 * 10**9)
+    store.release_lease("p", lease)
+    store.reset("other")
+
+    leaves = store.partitions("p")
+    assert [(p.token, p.state) for p in leaves] == [("a", "FINISHED"), ("b", "FINISHED")]
+    assert all(p.finished_at is not None for p in leaves)
+    assert _sql(store, f"SELECT COUNT(*) FROM {DEFAULT_TABLE} WHERE GcAfter IS NOT NULL") == [[0]]
+    policy = _sql(store, "SELECT row_deletion_policy_expression FROM information_schema.tables "
+                         f"WHERE table_name = '{DEFAULT_TABLE}'")
+    assert policy == [["OLDER_THAN(GcAfter, INTERVAL 1 DAY)"]]
 
 
 @pytest.mark.emulator
 def test_a_foreign_table_of_the_same_name_is_refused(
-    spanner_emulator: Emulator, stores: Callable[[str], SpannerStore]
+    spanner_emulator: Emulator, name: str, stores: Callable[[str], SpannerStore]
 ) -> None:
-    name = f"meta-{uuid.uuid4().hex[:20]}"
     spanner_emulator.create_database(
         name, ["CREATE TABLE Orders (Id INT64 NOT NULL) PRIMARY KEY (Id)"]
     )
@@ -307,6 +464,34 @@ def test_the_batch_log_keeps_the_newest_entries(database: str) -> None:
 
 
 @pytest.mark.emulator
+def test_durable_marks_move_forward_and_keep_the_batches_a_sink_lacks(database: str) -> None:
+    store = SpannerStore(database, batch_log_size=2)
+    try:
+        lease = store.acquire_lease("p", "host:1", "run-1", 60 * 10**9)
+        store.insert_partitions("p", [part("a", 0)])
+        assert store.durable_marks("p") == {}
+        for batch_id in range(1, 6):
+            store.write_plan("p", BatchPlan(batch_id, batch_id * 10, (), 1), {},
+                             fence=lease.token)
+            store.commit_batch("p", batch_id, [PartitionUpdate("a", batch_id * 10)], [],
+                               fence=lease.token, durable={"files": 2, "other": batch_id})
+        assert store.durable_marks("p") == {"files": 2, "other": 5}
+        # The log keeps two entries, and every batch above the smallest mark.
+        assert [b.batch_id for b in store.batches("p")] == [5, 4, 3]
+        assert store.logged_plan("p", 3) == BatchPlan(3, 30, (), 1)
+        assert store.logged_plan("p", 2) is None
+        store.mark_durable("p", {"files": 1}, fence=lease.token)  # never back
+        store.mark_durable("p", {"files": 5, "new": 4}, fence=lease.token)
+        assert store.durable_marks("p") == {"files": 5, "new": 4, "other": 5}
+        with pytest.raises(FencedError):
+            store.mark_durable("p", {"files": 9}, fence=lease.token + 1)
+        store.reset("p")
+        assert store.durable_marks("p") == {} and store.lease("p") == lease
+    finally:
+        store.close()
+
+
+@pytest.mark.emulator
 def test_a_missing_database_outside_the_emulator_names_the_fix(
     spanner_emulator: Emulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -318,164 +503,3 @@ def test_a_missing_database_outside_the_emulator_names_the_fix(
     store = SpannerStore(path, client=emulator_client(spanner_emulator.host))
     with pytest.raises(StoreError, match="does not exist; create it"):
         store.partitions("p")
-
-
-# --- retries -----------------------------------------------------------------------------
-
-
-class Failing:
-    """Stands in for one method of the store's Database: the first ``times`` calls raise
-    ``error``, before calling the real method (the request never reached Spanner) or, with
-    ``lost``, after it (Spanner applied it, but the answer was lost)."""
-
-    def __init__(self, store: SpannerStore, method: str, *, times: int = 1, lost: bool = False,
-                 error: Callable[[], Exception] = lambda: ServiceUnavailable("connection reset")
-                 ) -> None:
-        self.db = store._database()
-        self.real = getattr(self.db, method)
-        self.times, self.lost, self.error = times, lost, error
-        self.calls = 0
-        setattr(self.db, method, self)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.calls > self.times:
-            return self.real(*args, **kwargs)
-        if self.lost:
-            self.real(*args, **kwargs)
-        raise self.error()
-
-
-def _fast(**kwargs: Any) -> RetryPolicy:
-    return RetryPolicy(initial=0.001, maximum=0.01, **kwargs)
-
-
-@pytest.fixture
-def started(database: str, stores: Callable[[str], SpannerStore]) -> SpannerStore:
-    """A store with partition a RUNNING and batch 1 pending (a's slice [10, 100))."""
-    store = stores(f"spanner://{database}")
-    store.retry = _fast()
-    store.insert_partitions("p", [part("a", 10)])
-    store.write_plan("p", BatchPlan(1, 100, (Slice("a", 10, 100),), planned_at=1),
-                     {"a": PartitionState.RUNNING})
-    return store
-
-
-@pytest.mark.emulator
-@pytest.mark.parametrize("lost", [False, True], ids=["refused", "answer-lost"])
-def test_a_transient_failure_of_commit_batch_is_retried_and_commits_once(
-    started: SpannerStore, lost: bool
-) -> None:
-    failing = Failing(started, "run_in_transaction", lost=lost)
-    committed = started.commit_batch(
-        "p", 1, [PartitionUpdate("a", 100)], [part("child", 100)], records=7
-    )
-    assert failing.calls == 2
-    # After a lost answer the retry finds the batch committed by the first attempt.
-    assert committed is not lost
-    (log,) = started.batches("p")
-    assert log.committed_at is not None and log.records == 7
-    rows = {p.token: p for p in started.partitions("p")}
-    assert sorted(rows) == ["a", "child"] and rows["a"].watermark == 100
-    assert not started.commit_batch("p", 1, [PartitionUpdate("a", 100)], [], records=9)
-    assert started.batches("p") == [log]
-
-
-@pytest.mark.emulator
-@pytest.mark.parametrize("lost", [False, True], ids=["refused", "answer-lost"])
-def test_a_transient_failure_of_write_plan_is_retried_and_plans_once(
-    database: str, stores: Callable[[str], SpannerStore], lost: bool
-) -> None:
-    store = stores(f"spanner://{database}")
-    store.retry = _fast()
-    store.insert_partitions("p", [part("a", 10)])
-    failing = Failing(store, "run_in_transaction", lost=lost)
-    planned = BatchPlan(1, 100, (Slice("a", 10, 100),), planned_at=0)  # stamped by the store
-    store.write_plan("p", planned, {"a": PartitionState.RUNNING})  # no PlanConflictError
-    assert failing.calls == 2
-    pending = store.pending_plan("p")
-    assert pending is not None and pending.slices == planned.slices and pending.planned_at > 0
-    assert [b.batch_id for b in store.batches("p")] == [1]
-    (a,) = store.partitions("p")
-    assert a.state == PartitionState.RUNNING and a.running_at is not None
-
-
-@pytest.mark.emulator
-def test_reads_are_retried_too(started: SpannerStore) -> None:
-    failing = Failing(started, "snapshot", times=2)
-    assert [p.token for p in started.partitions("p")] == ["a"]
-    assert failing.calls == 3
-
-
-@pytest.mark.emulator
-def test_aborted_transactions_are_retried_and_counted(started: SpannerStore) -> None:
-    Failing(started, "run_in_transaction", times=3, error=lambda: Aborted("conflict"))
-    assert started.commit_batch("p", 1, [PartitionUpdate("a", 50)], [])
-    assert started.aborted_attempts == 3
-
-
-@pytest.mark.emulator
-def test_the_store_gives_up_when_the_policy_does(started: SpannerStore) -> None:
-    slept: list[float] = []
-    started.retry = RetryPolicy(attempts=3, sleep=slept.append)
-    failing = Failing(started, "run_in_transaction", times=99)
-    with pytest.raises(StoreError, match=r"the Spanner store .*: committing the batch kept "
-                                         r"failing after 3 attempts \(UNAVAILABLE: connection"):
-        started.commit_batch("p", 1, [PartitionUpdate("a", 100)], [])
-    assert failing.calls == 3 and len(slept) == 2
-    assert started.batches("p")[0].committed_at is None
-    assert started.aborted_attempts == 0
-
-
-@pytest.mark.emulator
-def test_a_permanent_error_is_not_retried(started: SpannerStore) -> None:
-    failing = Failing(started, "run_in_transaction", times=99,
-                      error=lambda: PermissionDenied("caller lacks spanner.databases.write"))
-    with pytest.raises(StoreError, match=r": committing the batch failed: .* lacks spanner"):
-        started.commit_batch("p", 1, [PartitionUpdate("a", 100)], [])
-    assert failing.calls == 1
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
-def test_an_unreachable_spanner_fails_after_the_policy_not_the_stock_retries(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Database.exists() alone would retry UNAVAILABLE for up to an hour.
-    monkeypatch.delenv("SPANNER_EMULATOR_HOST", raising=False)
-    slept: list[float] = []
-    store = SpannerStore(PATH, client=emulator_client(f"127.0.0.1:{_closed_port()}"),
-                         retry=RetryPolicy(attempts=3, sleep=slept.append), call_timeout=5)
-    began = time.monotonic()
-    with pytest.raises(StoreError, match=r"the Spanner store .*: connecting kept failing after "
-                                         r"3 attempts \(UNAVAILABLE"):
-        store.partitions("p")
-    assert len(slept) == 2 and time.monotonic() - began < 10
-
-
-def test_rpcs_of_a_bounded_database_fail_instead_of_retrying_on_their_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The stock client retries session creation for 30 s, commits for an hour, and restarts
-    # streaming reads after UNAVAILABLE forever.
-    monkeypatch.delenv("SPANNER_EMULATOR_HOST", raising=False)
-    db = emulator_client(f"127.0.0.1:{_closed_port()}").instance("inst-1").database("db_1")
-    bound_rpcs(db, 2.0)
-    session = f"{PATH}/sessions/s"
-    began = time.monotonic()
-    with pytest.raises(BrokenCall) as read, db.snapshot() as snap:
-        list(snap.execute_sql("SELECT 1"))
-    with pytest.raises(BrokenCall) as stream:
-        next(iter(db.spanner_api.execute_streaming_sql(request={"session": session,
-                                                                "sql": "SELECT 1"})))
-    with pytest.raises(BrokenCall) as commit:
-        db.spanner_api.commit(request={"session": session,
-                                       "single_use_transaction": {"read_write": {}}})
-    for failed in (read.value, stream.value, commit.value):
-        assert isinstance(failed.error, ServiceUnavailable) and transient(failed)
-    assert time.monotonic() - began < 10
