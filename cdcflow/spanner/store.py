@@ -320,6 +320,14 @@ class SpannerStore:
         db, sql = self._ready()
 
         def once() -> _T:
+            # The client library marks a per-thread "transaction running" flag before it
+            # checks out a session, outside its try/finally: a session checkout that fails
+            # (a reset connection) leaves the flag set, and every later transaction on this
+            # thread fails with "Spanner does not support nested transactions". This store
+            # never nests transactions, so the flag is stale whenever we get here.
+            local = getattr(db, "_local", None)
+            if local is not None:
+                local.transaction_running = False
             result: _T = db.run_in_transaction(
                 func, sql, *args, timeout_secs=0, exclude_txn_from_change_streams=True,
                 **kwargs,

@@ -318,15 +318,6 @@ def test_store_read_backs_off_while_connections_are_refused(
     assert burned < 0.5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a SpannerStore write during a refused-connection outage fails at once with "
-        "'Spanner does not support nested transactions' (the client library's per-thread "
-        "transaction flag) instead of waiting the outage out under the retry policy; "
-        "reproduce: FaultProxy.drop(3) under SpannerStore.insert_partitions()"
-    ),
-)
 def test_store_commit_waits_out_a_refused_connection(
     spanner_emulator: Emulator, proxy: FaultProxy
 ) -> None:
