@@ -18,7 +18,8 @@ decoded once into a plan (the shared column types and one converter per column),
 most of the work saved on tables with many columns. The table name and mod type are read
 before anything else of a record: a record the shaper's filter does not want is never
 decoded further, and becomes a HeartbeatRecord at its commit timestamp (so a reader's
-position still advances past it).
+position still advances past it; the GoogleSQL decoder yields one per position for a run
+of dropped records, which share the commit timestamp of their transaction).
 
 :func:`records_from_stock_row` converts a row the stock client decoded (the slow path)
 into the same records; tests and the benchmark compare both.
