@@ -11,6 +11,11 @@ is read three ways, side by side:
   stream (its transport and decoder, producing model records);
 * ``raw grpc``: receiving and parsing the PartialResultSets, nothing else (the ceiling).
 
+Then, decoding only (rows assembled beforehand, no server): the same records spread over
+ten tables decoded in full with typed values, in full with wire values, and with a
+filter that wants one of the ten tables (the pushed-down filter skips the other tables'
+records after reading their table name).
+
 ``python -m bench.bench_decode [--records N] [--rows-per-message K] [--rounds R]``.
 """
 
@@ -23,13 +28,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from decimal import Decimal
 from typing import Any
 
 import attrs
 
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
 
-__all__ = ["FakeSpanner", "Result", "main", "make_records", "run"]
+__all__ = ["FakeSpanner", "Result", "decode_only", "main", "make_records", "run"]
 
 STREAM = "BenchStream"
 DATABASE = "projects/bench/instances/bench/databases/bench"
@@ -46,33 +52,37 @@ _COLUMNS = (
 )
 
 
-def make_records(n: int, token: str = "bench-token") -> list[DataChangeRecord]:
-    """N UPDATE records of three mods each, commit timestamps 1 µs apart (plus 7 ns)."""
+def make_records(n: int, token: str = "bench-token", tables: int = 1) -> list[DataChangeRecord]:
+    """N UPDATE records of three mods each, commit timestamps 1 µs apart (plus 7 ns), with
+    typed values (what the decoder gives); with ``tables`` > 1 record i is of table
+    ``Orders{i % tables}``."""
     out = []
     for i in range(n):
         ts = Timestamp.from_ns(_START_NS + i * 1000 + 7)
         mods = [
             Mod(
-                {"OrderId": str(i * 3 + j)},
-                {"Customer": f"customer-{i % 97}", "Amount": f"{i}.{j}5", "Status": "SHIPPED",
-                 "UpdatedAt": ts.rfc3339(), "Attributes": '{"gift":true,"notes":"leave at door"}'},
-                {"Customer": f"customer-{i % 97}", "Amount": f"{i}.{j}0", "Status": "PAID",
-                 "UpdatedAt": None, "Attributes": None},
+                {"OrderId": i * 3 + j},
+                {"Customer": f"customer-{i % 97}", "Amount": Decimal(f"{i}.{j}5"),
+                 "Status": "SHIPPED", "UpdatedAt": ts,
+                 "Attributes": {"gift": True, "notes": "leave at door"}},
+                {"Customer": f"customer-{i % 97}", "Amount": Decimal(f"{i}.{j}0"),
+                 "Status": "PAID", "UpdatedAt": None, "Attributes": None},
             )
             for j in range(3)
         ]
+        table = "Orders" if tables == 1 else f"Orders{i % tables}"
         out.append(DataChangeRecord(
-            token, ts, "00000000", f"txn-{i}", True, "Orders", _COLUMNS, mods, "UPDATE",
+            token, ts, "00000000", f"txn-{i}", True, table, _COLUMNS, mods, "UPDATE",
             "OLD_AND_NEW_VALUES", 1, 1, "", False,
         ))
     return out
 
 
-def encoded_messages(n: int, rows_per_message: int) -> list[bytes]:
+def encoded_messages(n: int, rows_per_message: int, tables: int = 1) -> list[bytes]:
     """The serialized PartialResultSets of the change stream query's answer."""
     from cdcflow.spanner import wire
 
-    values = [wire.encode_googlesql([r]) for r in make_records(n)]
+    values = [wire.encode_googlesql([r]) for r in make_records(n, tables=tables)]
     prs = wire.partial_result_sets(
         wire.row_type(wire.googlesql_column_type()), values, rows_per_message=rows_per_message
     )
@@ -342,6 +352,60 @@ def table(results: Sequence[Result], title: str) -> str:
     return "\n".join(lines)
 
 
+def decode_only(n: int, *, tables: int = 10, rows_per_message: int = 50, rounds: int = 3
+                ) -> list[Result]:
+    """Decode N records spread over ``tables`` tables from assembled rows: in full (typed,
+    then wire values) and with a filter that wants one table. Every result counts the N
+    records decoded; the filtered one checks that it kept exactly that table's."""
+    from google.cloud.spanner_v1.types import PartialResultSet
+
+    from cdcflow.model import DataChangeRecord
+    from cdcflow.spanner.decode import row_decoder
+    from cdcflow.spanner.shape import RecordShaper
+    from cdcflow.spanner.transport import assemble_rows
+    from cdcflow.stream import RecordFilter
+
+    parse = PartialResultSet.pb().FromString
+    messages = [parse(m) for m in encoded_messages(n, rows_per_message, tables=tables)]
+    rows = list(assemble_rows(iter(messages)))
+    column = rows[0][0].fields[0].type_
+
+    def decode(shaper: RecordShaper) -> list[Any]:
+        decoder = row_decoder(column, shaper)
+        return [r for _, row in rows for r in decoder(row[0], "bench-token")]
+
+    wanted = RecordShaper(filter=RecordFilter.build(tables=["Orders0"]))
+    cases = [
+        ("full decode (typed values)", RecordShaper()),
+        ("full decode (wire values)", RecordShaper(typed=False)),
+        (f"decode with 1 of {tables} tables wanted", wanted),
+    ]
+    results = []
+    for name, shaper in cases:
+        out, secs = _best(lambda shaper=shaper: decode(shaper), rounds)
+        results.append(Result(name, len(out), secs))
+        if shaper is wanted:
+            kept = [r for r in out if isinstance(r, DataChangeRecord)]
+            if len(kept) != len(range(0, n, tables)) or {r.table_name for r in kept} != {
+                "Orders0"
+            }:
+                msg = "the filtered decode kept the wrong records; the benchmark is invalid"
+                raise AssertionError(msg)
+    return results
+
+
+def decode_table(results: Sequence[Result], title: str) -> str:
+    lines = [title, f"{'decoder':34} {'records':>9} {'seconds':>8} {'records/s':>11}"]
+    for r in results:
+        lines.append(f"{r.name:34} {r.records:9d} {r.seconds:8.3f} {r.rate:11,.0f}")
+    typed, wire, wanted = results
+    lines.append(
+        f"typed / wire values: {typed.rate / wire.rate:.2f}   "
+        f"1 table wanted / full typed decode: {wanted.rate / typed.rate:.1f}x"
+    )
+    return "\n".join(lines)
+
+
 def _serve(port: int, n: int, rows_per_message: int) -> None:
     server = FakeSpanner(encoded_messages(n, rows_per_message), port=port).start()
     print("READY", flush=True)
@@ -370,6 +434,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(table(results, f"decode: {args.records} three-mod data change records, "
                              f"{rpm} per PartialResultSet"))
         print()
+    print(decode_table(
+        decode_only(args.records, rounds=args.rounds),
+        f"decode only: {args.records} three-mod records over 10 tables, rows assembled",
+    ))
+    print()
 
 
 if __name__ == "__main__":

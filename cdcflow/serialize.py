@@ -4,8 +4,10 @@
 makes one JSONL line of it. Conversions: :class:`~cdcflow.model.Timestamp` and other
 datetimes -> RFC 3339 text with nine fractional digits (UTC); ``date``/``time`` -> ISO text;
 ``Decimal`` -> text (Spanner NUMERIC keeps its precision); ``bytes`` -> base64 text (as
-Spanner's JSON does for BYTES); enums -> their value; tuples and lists -> lists; sets ->
-sorted lists; attrs/dataclass instances and mappings -> dicts. Anything else raises
+Spanner's JSON does for BYTES); floats that are not finite -> ``"NaN"``, ``"Infinity"``,
+``"-Infinity"`` (Spanner's JSON for them; JSON has no such numbers); enums -> their
+value; tuples and lists -> lists; sets -> sorted lists; attrs/dataclass instances and
+mappings -> dicts. Anything else raises
 SinkError: map it to a dict with ``Map`` first.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 from datetime import date, datetime, time
 from decimal import Decimal
@@ -68,6 +71,8 @@ def _struct_dict(value: Any) -> dict[str, Any]:
 def to_json_value(value: Any) -> Any:
     """Convert ``value`` to plain JSON values (see the module docstring for the rules)."""
     if isinstance(value, _SCALARS) and not isinstance(value, enum.Enum):
+        if isinstance(value, float) and not math.isfinite(value):
+            return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
         return value
     if isinstance(value, datetime):
         return Timestamp.from_datetime(value).rfc3339()

@@ -2,18 +2,32 @@
 
 This module imports nothing of google-cloud-spanner. The real implementation lives in
 ``cdcflow.spanner.client``; ``cdcflow.testing.ScriptedChangeStream`` is its in-memory twin.
+:class:`RecordFilter` is what a source pushes down into a client's decoder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
+from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import ChangeRecord
 
-__all__ = ["ChangeStreamClient", "ChangeStreamQuery", "StreamInfo"]
+__all__ = [
+    "MOD_TYPES",
+    "ChangeStreamClient",
+    "ChangeStreamQuery",
+    "ConfigurableClient",
+    "RecordFilter",
+    "StreamInfo",
+]
+
+#: The mod types a data change record can have.
+MOD_TYPES = ("INSERT", "UPDATE", "DELETE")
+#: Value capture types whose UPDATE mods carry old values (``skip_unchanged`` needs them).
+_OLD_VALUE_CAPTURE = frozenset({"OLD_AND_NEW_VALUES", "NEW_ROW_AND_OLD_VALUES"})
 
 
 @attrs.frozen
@@ -40,6 +54,153 @@ class StreamInfo:
     retention_ns: int | None = None
 
 
+def _names(option: str, value: Iterable[str] | None) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+        msg = f"{option}={value!r}: pass a list of names, e.g. {option}=['Orders']"
+        raise PipelineDefinitionError(msg)
+    return frozenset(value)
+
+
+@attrs.frozen
+class RecordFilter:
+    """Which data change records and columns a reader keeps; build it with :meth:`build`.
+
+    Applied by the decoder before a record becomes a Python object where the wire shape
+    allows it (the table name and mod type are read first). A record none of whose mods
+    is kept is not delivered; a client yields a HeartbeatRecord at its commit timestamp
+    instead, so the reader's position still advances past it.
+
+    - ``tables``: keep only these tables (None: all); ``exclude_tables``: drop these.
+    - ``columns``: per table, keep only these columns in ``new_values``, ``old_values`` and
+      ``column_types``; key columns are always kept (``keys`` is never pruned).
+    - ``mod_types``: keep only records of these mod types (None: all).
+    - ``skip_unchanged``: drop UPDATE mods whose new values equal their old values in every
+      column that is kept (compared in the wire form). Only streams whose value capture
+      type records old values (OLD_AND_NEW_VALUES, NEW_ROW_AND_OLD_VALUES) can tell; with
+      the others every UPDATE is kept. With ``columns``, an UPDATE that changed only
+      columns that are not kept counts as unchanged.
+    """
+
+    tables: frozenset[str] | None = None
+    exclude_tables: frozenset[str] = frozenset()
+    columns: tuple[tuple[str, frozenset[str]], ...] = ()
+    mod_types: frozenset[str] | None = None
+    skip_unchanged: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        tables: Iterable[str] | None = None,
+        exclude_tables: Iterable[str] | None = None,
+        columns: Mapping[str, Iterable[str]] | None = None,
+        mod_types: Iterable[str] | None = None,
+        skip_unchanged: bool = False,
+    ) -> RecordFilter | None:
+        """The filter for these options, or None when they keep everything.
+
+        Raises PipelineDefinitionError (naming the option) for options that contradict
+        each other or are malformed; names are checked against the stream by
+        :meth:`check` when a reader starts.
+        """
+        wanted = _names("tables", tables)
+        excluded = _names("exclude_tables", exclude_tables) or frozenset()
+        if wanted is not None and excluded:
+            msg = "tables=... and exclude_tables=...: use one of them"
+            raise PipelineDefinitionError(msg)
+        if wanted is not None and not wanted:
+            msg = "tables=[]: name at least one table (or leave tables out to read all)"
+            raise PipelineDefinitionError(msg)
+        kept: list[tuple[str, frozenset[str]]] = []
+        for table, names in sorted((columns or {}).items()):
+            cols = _names(f"columns[{table!r}]", names)
+            assert cols is not None
+            if (wanted is not None and table not in wanted) or table in excluded:
+                msg = f"columns={{{table!r}: ...}}: table {table!r} is not read (see tables=...)"
+                raise PipelineDefinitionError(msg)
+            kept.append((table, cols))
+        types = None
+        if mod_types is not None:
+            types = _names("mod_types", mod_types)
+            assert types is not None
+            unknown = sorted(types - set(MOD_TYPES))
+            if unknown or not types:
+                msg = f"mod_types={sorted(types)!r}: use some of {', '.join(MOD_TYPES)}"
+                raise PipelineDefinitionError(msg)
+            if types == set(MOD_TYPES):
+                types = None
+        if wanted is None and not excluded and not kept and types is None and not skip_unchanged:
+            return None
+        return cls(wanted, excluded, tuple(kept), types, bool(skip_unchanged))
+
+    def wants(self, table: str, mod_type: str) -> bool:
+        """Whether records of ``table`` with ``mod_type`` are read at all."""
+        if self.tables is not None and table not in self.tables:
+            return False
+        if table in self.exclude_tables:
+            return False
+        return self.mod_types is None or mod_type in self.mod_types
+
+    def kept_columns(self, table: str) -> frozenset[str] | None:
+        """The non-key columns of ``table`` to keep (None: all)."""
+        for name, cols in self.columns:
+            if name == table:
+                return cols
+        return None
+
+    def checks_unchanged(self, mod_type: str, value_capture_type: str) -> bool:
+        """Whether mods of such a record are dropped when their values did not change."""
+        return (
+            self.skip_unchanged and mod_type == "UPDATE"
+            and value_capture_type in _OLD_VALUE_CAPTURE
+        )
+
+    def names(self) -> dict[str, frozenset[str]]:
+        """Every table the filter names, with the columns it names in it."""
+        named = {t: frozenset[str]() for t in (self.tables or ())}
+        named.update((t, frozenset[str]()) for t in self.exclude_tables)
+        named.update(self.columns)
+        return named
+
+    def check(self, stream: str, tracked: Mapping[str, Collection[str]]) -> None:
+        """Raise PipelineDefinitionError (one line, listing what exists) unless every table
+        and column the filter names is one ``stream`` tracks (``tracked``: table -> its
+        columns, keys included)."""
+        for table, cols in sorted(self.names().items()):
+            if table not in tracked:
+                have = ", ".join(sorted(tracked)) or "none"
+                msg = (
+                    f"change stream {stream!r} does not track table {table!r} (its tables: "
+                    f"{have}); fix tables=/exclude_tables=/columns= of the source"
+                )
+                raise PipelineDefinitionError(msg)
+            unknown = sorted(cols - set(tracked[table]))
+            if unknown:
+                have = ", ".join(sorted(tracked[table])) or "none"
+                msg = (
+                    f"change stream {stream!r} does not track column {unknown[0]!r} of "
+                    f"{table!r} (its columns: {have}); fix columns= of the source"
+                )
+                raise PipelineDefinitionError(msg)
+
+    def describe(self) -> str:
+        """A short text for logs and graphs, e.g. ``tables=Orders mod_types=INSERT``."""
+        parts = []
+        if self.tables is not None:
+            parts.append(f"tables={','.join(sorted(self.tables))}")
+        if self.exclude_tables:
+            parts.append(f"exclude_tables={','.join(sorted(self.exclude_tables))}")
+        for table, cols in self.columns:
+            parts.append(f"columns[{table}]={','.join(sorted(cols))}")
+        if self.mod_types is not None:
+            parts.append(f"mod_types={','.join(t for t in MOD_TYPES if t in self.mod_types)}")
+        if self.skip_unchanged:
+            parts.append("skip_unchanged")
+        return " ".join(parts)
+
+
 @runtime_checkable
 class ChangeStreamClient(Protocol):
     """Reads change-stream partitions.
@@ -58,3 +219,18 @@ class ChangeStreamClient(Protocol):
     def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ConfigurableClient(Protocol):
+    """A client that takes read options (both cdcflow clients do).
+
+    ``with_options`` returns a client reading the same stream with mod values typed from
+    the column types (``typed=True``) or in Spanner's wire form, keeping only what
+    ``filter`` wants; its ``describe_stream`` also checks the filter's names against the
+    stream (PipelineDefinitionError naming what exists).
+    """
+
+    def with_options(
+        self, *, typed: bool = True, filter: RecordFilter | None = None
+    ) -> ChangeStreamClient: ...

@@ -100,3 +100,30 @@ def test_unsupported_values_name_the_fix() -> None:
         to_json_dict({(1, 2): 3})
     with pytest.raises(SinkError, match="Map"):
         dumps_line({"big": 1 << 70})
+
+
+def test_typed_mod_values_of_every_spanner_type() -> None:
+    """What the decoder makes of Spanner's wire form serializes back to that form's text
+    (numbers stay numbers, non-finite floats become Spanner's text for them)."""
+    from cdcflow.spanner import wire
+    from cdcflow.spanner.decode import row_decoder
+    from cdcflow.spanner.transport import assemble_rows
+
+    columns = [ColumnType(name, {"code": code}, name == "I", i) for i, (name, code) in enumerate(
+        [("I", "INT64"), ("F", "FLOAT64"), ("G", "FLOAT64"), ("N", "NUMERIC"), ("B", "BYTES"),
+         ("D", "DATE"), ("T", "TIMESTAMP"), ("J", "JSON")], 1)]
+    wire_values = {"F": "NaN", "G": "-Infinity", "N": "12345678901234567890.123456789",
+                   "B": "AP8=", "D": "2024-02-29", "T": "2024-05-01T12:00:00.123456789Z",
+                   "J": '{"a":[1,null]}'}
+    record = attrs.evolve(_record(), column_types=columns,
+                          mods=[Mod({"I": "-9223372036854775808"}, wire_values)])
+    messages = wire.partial_result_sets(wire.row_type(wire.googlesql_column_type()),
+                                        [wire.encode_googlesql([record])])
+    ((row_type, row),) = list(assemble_rows(iter(messages)))
+    (typed,) = row_decoder(row_type.fields[0].type_)(row[0], "tok")
+    assert isinstance(typed, DataChangeRecord)
+    assert typed.mods[0].new_values["J"] == {"a": [1, None]}  # typed, not wire text
+    line = orjson.loads(dumps_line(typed))
+    assert line["mods"][0]["keys"] == {"I": -(2**63)}
+    assert line["mods"][0]["new_values"] == {**wire_values, "J": {"a": [1, None]}}
+    assert to_json_value(float("inf")) == "Infinity" and to_json_value(1.5) == 1.5

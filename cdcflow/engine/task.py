@@ -106,7 +106,8 @@ def make_client(source: DetectPartitions) -> ChangeStreamClient:
 
     assert source.database is not None
     return cached_client(
-        source.database, priority=source.priority, query_timeout=source.query_timeout
+        source.database, priority=source.priority, query_timeout=source.query_timeout,
+        typed=source.typed, filter=source.filter,
     )
 
 

@@ -16,6 +16,14 @@ at ``T`` whose identity (kind, record sequence, server transaction id) was alrea
 yielded. The identity test does not depend on the server returning records at one
 timestamp in the same order twice.
 
+Values and filters. Mod values are typed from the records' column types (``typed=True``,
+see :mod:`cdcflow.spanner.values`) or kept in the wire form; a
+:class:`~cdcflow.stream.RecordFilter` is applied while decoding (see
+:mod:`cdcflow.spanner.shape`): a record it drops becomes a HeartbeatRecord at its commit
+timestamp. :meth:`SpannerChangeStreamClient.describe_stream` checks the filter's table and
+column names against what the stream tracks (information_schema) and raises
+PipelineDefinitionError listing them.
+
 Clients hold gRPC channels, so tasks get theirs from :func:`cached_client` (one per
 process and arguments). Pickling a client pickles only its arguments; unpickling
 returns the process's cached client.
@@ -51,6 +59,8 @@ from cdcflow.model import (
 )
 from cdcflow.spanner.decode import row_decoder
 from cdcflow.spanner.retry import is_transient, status_name
+from cdcflow.spanner.shape import RecordShaper
+from cdcflow.spanner.tracked import tracked_columns
 from cdcflow.spanner.transport import (
     GrpcTransport,
     Param,
@@ -58,7 +68,7 @@ from cdcflow.spanner.transport import (
     assemble_rows,
     endpoint,
 )
-from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery, StreamInfo
+from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery, RecordFilter, StreamInfo
 
 _log = logging.getLogger("cdcflow.spanner")
 
@@ -105,6 +115,7 @@ class SpannerChangeStreamClient:
     ``google.cloud.spanner.Client`` (built for the database's project; it honours
     ``SPANNER_EMULATOR_HOST`` and Application Default Credentials). Nothing connects until
     the first call. ``transport`` is the seam for tests: set it to wrap the default one.
+    ``typed`` and ``filter``: see the module docstring.
     """
 
     def __init__(
@@ -115,6 +126,8 @@ class SpannerChangeStreamClient:
         query_timeout: float = 600.0,
         retry: RetryPolicy | None = None,
         spanner_client: Any = None,
+        typed: bool = True,
+        filter: RecordFilter | None = None,
     ) -> None:
         if not _DATABASE.match(database):
             msg = (
@@ -133,6 +146,9 @@ class SpannerChangeStreamClient:
         self.priority = priority
         self.query_timeout = float(query_timeout)
         self.retry = retry or RetryPolicy()
+        self.typed = typed
+        self.filter = filter
+        self._shaper = RecordShaper(typed, filter)
         self._spanner_client = spanner_client
         self._transport: Transport | None = None
         self._dialect: Dialect | None = None
@@ -153,7 +169,20 @@ class SpannerChangeStreamClient:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Channels and sessions do not travel: the receiving process uses its own client.
-        return (_restore, (self.database, self.priority, self.query_timeout))
+        return (_restore, (self.database, self.priority, self.query_timeout, self.typed,
+                           self.filter))
+
+    def with_options(
+        self, *, typed: bool = True, filter: RecordFilter | None = None
+    ) -> SpannerChangeStreamClient:
+        """A client of the same database with these read options; it shares this one's
+        transport (closing either closes it)."""
+        other = SpannerChangeStreamClient(
+            self.database, priority=self.priority, query_timeout=self.query_timeout,
+            retry=self.retry, spanner_client=self._spanner_client, typed=typed, filter=filter,
+        )
+        other._transport = self._transport
+        return other
 
     def close(self) -> None:
         if self._transport is not None:
@@ -237,7 +266,9 @@ class SpannerChangeStreamClient:
     def describe_stream(self, stream: str) -> StreamInfo:
         """The stream's name as the database spells it, partition mode, dialect, retention.
 
-        Raises StreamNotFoundError when the database or the stream does not exist.
+        Raises StreamNotFoundError when the database or the stream does not exist, and
+        PipelineDefinitionError when the client's filter names a table or column the
+        stream does not track.
         """
         with self._lock:
             cached = self._streams.get(stream)
@@ -286,9 +317,16 @@ class SpannerChangeStreamClient:
             dialect=dialect,
             retention_ns=_retention_ns(options.get("retention_period")),
         )
+        if self.filter is not None and self.filter.names():
+            self.filter.check(name, self.tracked_columns(name))
         with self._lock:
             self._streams[stream] = info
         return info
+
+    def tracked_columns(self, stream: str) -> dict[str, set[str]]:
+        """Table -> columns (keys included) that change stream ``stream`` (its name as the
+        database spells it) tracks, from information_schema."""
+        return tracked_columns(lambda sql: self._rows(sql, {}), stream, self.dialect())
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -331,7 +369,7 @@ class SpannerChangeStreamClient:
         decode = None
         for row_type, row in assemble_rows(responses):
             if decode is None:
-                decode = row_decoder(row_type.fields[0].type_)
+                decode = row_decoder(row_type.fields[0].type_, self._shaper)
             yield from decode(row[0], label)
 
     def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
@@ -484,25 +522,36 @@ def _check_identifier(stream: str) -> None:
         raise StreamNotFoundError(msg)
 
 
-_cache: dict[tuple[int, str, str, float], SpannerChangeStreamClient] = {}
+_CacheKey = tuple[int, str, str, float, bool, RecordFilter | None]
+_cache: dict[_CacheKey, SpannerChangeStreamClient] = {}
 _cache_lock = threading.Lock()
 
 
 def cached_client(
-    database: str, *, priority: str = "MEDIUM", query_timeout: float = 600.0
+    database: str,
+    *,
+    priority: str = "MEDIUM",
+    query_timeout: float = 600.0,
+    typed: bool = True,
+    filter: RecordFilter | None = None,
 ) -> ChangeStreamClient:
     """The process's client for these arguments, created on first use (nothing connects
     until it reads). Keyed by process id too, so a forked worker never reuses a channel."""
-    key = (os.getpid(), database, priority.upper(), float(query_timeout))
+    key = (os.getpid(), database, priority.upper(), float(query_timeout), typed, filter)
     with _cache_lock:
         client = _cache.get(key)
         if client is None:
             client = SpannerChangeStreamClient(
-                database, priority=priority, query_timeout=query_timeout
+                database, priority=priority, query_timeout=query_timeout, typed=typed,
+                filter=filter,
             )
             _cache[key] = client
         return client
 
 
-def _restore(database: str, priority: str, query_timeout: float) -> ChangeStreamClient:
-    return cached_client(database, priority=priority, query_timeout=query_timeout)
+def _restore(
+    database: str, priority: str, query_timeout: float, typed: bool = True,
+    filter: RecordFilter | None = None,
+) -> ChangeStreamClient:
+    return cached_client(database, priority=priority, query_timeout=query_timeout,
+                         typed=typed, filter=filter)

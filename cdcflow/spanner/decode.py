@@ -10,9 +10,16 @@ A change stream query returns one column per row, in one of three shapes:
 The decoders here read the protobuf ``Value`` of that column directly (the values the
 stock client yields with ``lazy_decode=True``) and build model records from plain Python
 values, parsing every JSON text with orjson. Struct fields are found by name from the
-result metadata, so added fields do not break decoding. Identical ``column_types`` are
-decoded once and shared (records are immutable), which is most of the work saved on
-tables with many columns.
+result metadata, so added fields do not break decoding.
+
+Mods are shaped by a :class:`~cdcflow.spanner.shape.RecordShaper` (by default: values
+typed from the column types, nothing filtered). Identical ``column_types`` of a table are
+decoded once into a plan (the shared column types and one converter per column), which is
+most of the work saved on tables with many columns. The table name and mod type are read
+before anything else of a record: a record the shaper's filter does not want is never
+decoded further, and becomes a HeartbeatRecord at its commit timestamp (so a reader's
+position still advances past it; the GoogleSQL decoder yields one per position for a run
+of dropped records, which share the commit timestamp of their transaction).
 
 :func:`records_from_stock_row` converts a row the stock client decoded (the slow path)
 into the same records; tests and the benchmark compare both.
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Callable, Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -43,6 +50,8 @@ from cdcflow.model import (
     PartitionStartRecord,
     Timestamp,
 )
+from cdcflow.spanner.shape import RecordShaper, TablePlan, default_shaper
+from cdcflow.spanner.values import parse_timestamp
 
 __all__ = [
     "DecodeError",
@@ -57,62 +66,7 @@ __all__ = [
 #: Decodes the first column of one result row (a protobuf ``Value``) into records.
 RowDecoder = Callable[[Any], list[ChangeRecord]]
 
-_CACHE_LIMIT = 4096
-_ts_cache: dict[str, Timestamp] = {}
-_second_cache: dict[str, tuple[int, int, int, int, int, int]] = {}
-_datetime_new = datetime.__new__
-_column_cache: dict[bytes, tuple[ColumnType, ...]] = {}
 _loads = orjson.loads
-
-
-def _parse_fast(text: str) -> Timestamp | None:
-    """RFC 3339 in UTC (``Z`` or ``+00:00``) with 0..9 fractional digits, else None."""
-    n = len(text)
-    if text[-1] == "Z":
-        end = n - 1
-    elif text.endswith("+00:00"):
-        end = n - 6
-    else:
-        return None
-    if end == 19:
-        frac = "000000000"
-    elif end > 20 and text[19] == "." and end - 20 <= 9:
-        frac = text[20:end]
-        if len(frac) < 9:
-            frac = (frac + "000000000")[:9]
-    else:
-        return None
-    head = _second_cache.get(text[:19])
-    if head is None:
-        if n < 20 or text[4] != "-" or text[10] not in "Tt ":
-            return None
-        head = (
-            int(text[0:4]), int(text[5:7]), int(text[8:10]),
-            int(text[11:13]), int(text[14:16]), int(text[17:19]),
-        )
-        if len(_second_cache) >= _CACHE_LIMIT:
-            _second_cache.clear()
-        _second_cache[text[:19]] = head
-    # Timestamp's constructor validates keyword arguments in Python; this is the same
-    # object built directly (a datetime plus the nanoseconds below the microsecond).
-    ts: Timestamp = _datetime_new(Timestamp, *head, int(frac[:6]), UTC)
-    ts._nanosecond = int(frac[6:])
-    return ts
-
-
-def parse_timestamp(text: str) -> Timestamp:
-    """RFC 3339 text (any number of fractional digits, ``Z`` or an offset) to a Timestamp.
-
-    Many records share a commit timestamp (and a second), so recent values are cached.
-    """
-    ts = _ts_cache.get(text)
-    if ts is not None:
-        return ts
-    ts = (_parse_fast(text) if len(text) >= 20 else None) or Timestamp.parse(text)
-    if len(_ts_cache) >= _CACHE_LIMIT:
-        _ts_cache.clear()
-    _ts_cache[text] = ts
-    return ts
 
 
 def _json_obj(text: str) -> Any:
@@ -153,7 +107,9 @@ class _StructDecoder:
     step; any other order (fields added by a newer server) goes through name lookups.
     """
 
-    def __init__(self, column_type: Any) -> None:
+    def __init__(self, column_type: Any, shaper: RecordShaper = default_shaper) -> None:
+        self._shaper = shaper
+        self._last_stand_in: tuple[str, str] | None = None
         outer = _element_struct(column_type)
         top = _field_index(outer)
         types = {f.name: f.type_ for f in outer.fields}
@@ -196,7 +152,9 @@ class _StructDecoder:
                 children = fields[cp_i] if cp_i >= 0 else None
             if data is not None:
                 for rec in data.list_value.values:
-                    out.append(self._data(rec.list_value.values, token))
+                    decoded = self._data(rec.list_value.values, token)
+                    if decoded is not None:
+                        out.append(decoded)
             if heartbeats is not None:
                 for rec in heartbeats.list_value.values:
                     ts = parse_timestamp(rec.list_value.values[0].string_value)
@@ -206,81 +164,89 @@ class _StructDecoder:
                     out.append(self._child_partitions(rec.list_value.values, token))
         return out
 
-    def _columns(self, value: Any) -> tuple[ColumnType, ...]:
-        key = value.SerializeToString()
-        cols = _column_cache.get(key)
-        if cols is None:
+    def _plan(self, table: str, value: Any) -> TablePlan:
+        key = ("struct", table, value.SerializeToString())
+        plan = self._shaper.cached(key)
+        if plan is None:
             name_i, type_i, pk_i, pos_i = self._col
-            built = []
+            columns = []
             for col in value.list_value.values:
                 f = col.list_value.values
-                built.append(ColumnType(
+                columns.append(ColumnType(
                     f[name_i].string_value, _json_obj(f[type_i].string_value),
                     f[pk_i].bool_value, int(f[pos_i].string_value),
                 ))
-            cols = tuple(built)
-            if len(_column_cache) >= _CACHE_LIMIT:
-                _column_cache.clear()
-            _column_cache[key] = cols
-        return cols
+            plan = self._shaper.plan(key, table, columns)
+        return plan
 
-    def _mods(self, value: Any) -> list[Mod]:
+    def _mods(self, value: Any, plan: TablePlan, check_unchanged: bool) -> list[Mod]:
         loads = _loads
         mods = []
+        shape = plan.mod
         if self._fast_mods:
             for mod in value.list_value.values:
                 k, n, o = mod.list_value.values
                 # NULL JSON arrives as string_value "" (an empty map for the model).
-                mods.append(Mod(
+                shaped = shape(
                     loads(k.string_value or "{}"), loads(n.string_value or "{}"),
-                    loads(o.string_value or "{}"),
-                ))
+                    loads(o.string_value or "{}"), check_unchanged,
+                )
+                if shaped is not None:
+                    mods.append(shaped)
             return mods
         ki, ni, oi = self._mod_keys, self._mod_new, self._mod_old
         for mod in value.list_value.values:
             m = mod.list_value.values
-            mods.append(Mod(
+            shaped = shape(
                 _json_obj(m[ki].string_value),
                 _json_obj(m[ni].string_value) if ni >= 0 else {},
                 _json_obj(m[oi].string_value) if oi >= 0 else {},
-            ))
+                check_unchanged,
+            )
+            if shaped is not None:
+                mods.append(shaped)
         return mods
 
-    def _data(self, f: Any, token: str) -> DataChangeRecord:
-        if self._fast_data:
-            (ts, seq, txn, last, table, cols, mods, mod_type, vct, n_rec, n_part, tag,
-             system) = f
-            return DataChangeRecord(
-                token, parse_timestamp(ts.string_value), seq.string_value, txn.string_value,
-                last.bool_value, table.string_value, self._columns(cols), self._mods(mods),
-                mod_type.string_value, vct.string_value,
-                int(n_rec.string_value), int(n_part.string_value), tag.string_value,
-                system.bool_value,
-            )
+    def _stand_in(self, token: str, ts: Any) -> HeartbeatRecord | None:
+        """A dropped record's position as a heartbeat, once per position in a row: the
+        records of a transaction share one commit timestamp."""
+        key = (token, ts.string_value)
+        if key == self._last_stand_in:
+            return None
+        self._last_stand_in = key
+        return HeartbeatRecord(token, parse_timestamp(key[1]))
+
+    def _data(self, f: Any, token: str) -> DataChangeRecord | HeartbeatRecord | None:
+        shaper = self._shaper
         d = self._d
-        tag_i = d.get("transaction_tag", -1)
-        sys_i = d.get("is_system_transaction", -1)
+        # The table name and mod type first: a record the filter drops costs only these.
+        table_name = f[d["table_name"]].string_value
+        mod_type_name = f[d["mod_type"]].string_value
+        if not shaper.wants(table_name, mod_type_name):
+            return self._stand_in(token, f[d["commit_timestamp"]])
+        if self._fast_data:
+            (ts, seq, txn, last, _, cols, mods, _, vct, n_rec, n_part, tag, system) = f
+        else:
+            ts, seq, txn, last, _, cols, mods, _, vct, n_rec, n_part = (
+                f[d[name]] for name in _DATA_LAYOUT[:11]
+            )
+            tag_i = d.get("transaction_tag", -1)
+            sys_i = d.get("is_system_transaction", -1)
+            tag = f[tag_i] if tag_i >= 0 else None
+            system = f[sys_i] if sys_i >= 0 else None
+        capture = vct.string_value
+        shaped = self._mods(
+            mods, plan := self._plan(table_name, cols),
+            shaper.checks_unchanged(mod_type_name, capture),
+        )
+        if shaper.dropped(shaped):
+            return self._stand_in(token, ts)
         return DataChangeRecord(
-            partition_token=token,
-            commit_timestamp=parse_timestamp(f[d["commit_timestamp"]].string_value),
-            record_sequence=f[d["record_sequence"]].string_value,
-            server_transaction_id=f[d["server_transaction_id"]].string_value,
-            is_last_record_in_transaction_in_partition=f[
-                d["is_last_record_in_transaction_in_partition"]
-            ].bool_value,
-            table_name=f[d["table_name"]].string_value,
-            column_types=self._columns(f[d["column_types"]]),
-            mods=self._mods(f[d["mods"]]),
-            mod_type=f[d["mod_type"]].string_value,
-            value_capture_type=f[d["value_capture_type"]].string_value,
-            number_of_records_in_transaction=int(
-                f[d["number_of_records_in_transaction"]].string_value
-            ),
-            number_of_partitions_in_transaction=int(
-                f[d["number_of_partitions_in_transaction"]].string_value
-            ),
-            transaction_tag=f[tag_i].string_value if tag_i >= 0 else "",
-            is_system_transaction=f[sys_i].bool_value if sys_i >= 0 else False,
+            token, parse_timestamp(ts.string_value), seq.string_value, txn.string_value,
+            last.bool_value, table_name, plan.columns, shaped, mod_type_name, capture,
+            int(n_rec.string_value), int(n_part.string_value),
+            tag.string_value if tag is not None else "",
+            system.bool_value if system is not None else False,
         )
 
     def _child_partitions(self, f: Any, token: str) -> ChildPartitionsRecord:
@@ -309,23 +275,39 @@ def _columns_from_json(items: Iterable[Mapping[str, Any]]) -> tuple[ColumnType, 
     )
 
 
-def _data_from_json(r: Mapping[str, Any], token: str) -> DataChangeRecord:
+def _data_from_json(
+    r: Mapping[str, Any], token: str, shaper: RecordShaper
+) -> DataChangeRecord | HeartbeatRecord:
+    table = r["table_name"]
+    mod_type = r["mod_type"]
+    ts = parse_timestamp(r["commit_timestamp"])
+    if not shaper.wants(table, mod_type):
+        return HeartbeatRecord(token, ts)
+    raw_columns = r["column_types"]
+    key = ("json", table, orjson.dumps(raw_columns))
+    plan = shaper.cached(key) or shaper.plan(key, table, _columns_from_json(raw_columns))
+    capture = r["value_capture_type"]
+    mods = shaper.mods(
+        plan,
+        ((m.get("keys") or {}, m.get("new_values") or {}, m.get("old_values") or {})
+         for m in r["mods"]),
+        mod_type, capture,
+    )
+    if shaper.dropped(mods):
+        return HeartbeatRecord(token, ts)
     return DataChangeRecord(
         partition_token=token,
-        commit_timestamp=parse_timestamp(r["commit_timestamp"]),
+        commit_timestamp=ts,
         record_sequence=r["record_sequence"],
         server_transaction_id=r["server_transaction_id"],
         is_last_record_in_transaction_in_partition=bool(
             r["is_last_record_in_transaction_in_partition"]
         ),
-        table_name=r["table_name"],
-        column_types=_columns_from_json(r["column_types"]),
-        mods=[
-            Mod(m.get("keys") or {}, m.get("new_values") or {}, m.get("old_values") or {})
-            for m in r["mods"]
-        ],
-        mod_type=r["mod_type"],
-        value_capture_type=r["value_capture_type"],
+        table_name=table,
+        column_types=plan.columns,
+        mods=mods,
+        mod_type=mod_type,
+        value_capture_type=capture,
         number_of_records_in_transaction=int(r["number_of_records_in_transaction"]),
         number_of_partitions_in_transaction=int(r["number_of_partitions_in_transaction"]),
         transaction_tag=r.get("transaction_tag") or "",
@@ -333,17 +315,20 @@ def _data_from_json(r: Mapping[str, Any], token: str) -> DataChangeRecord:
     )
 
 
-def decode_json_record(obj: Mapping[str, Any], token: str) -> list[ChangeRecord]:
+def decode_json_record(
+    obj: Mapping[str, Any], token: str, shaper: RecordShaper = default_shaper
+) -> list[ChangeRecord]:
     """One PostgreSQL change record (the parsed JSONB object) to model records.
 
     Keys are the GoogleSQL record names (``data_change_record``, ``heartbeat_record``,
     ``child_partitions_record``; and for MUTABLE_KEY_RANGE ``partition_start_record``,
     ``partition_end_record``, ``partition_event_record``); an object may hold several.
+    Data change records are shaped by ``shaper`` (default: typed values, no filter).
     """
     out: list[ChangeRecord] = []
     r = obj.get("data_change_record")
     if r:
-        out.append(_data_from_json(r, token))
+        out.append(_data_from_json(r, token, shaper))
     r = obj.get("heartbeat_record")
     if r:
         out.append(HeartbeatRecord(token, parse_timestamp(r["timestamp"])))
@@ -376,9 +361,12 @@ def decode_json_record(obj: Mapping[str, Any], token: str) -> list[ChangeRecord]
     return out
 
 
-def _decode_jsonb(value: Any, token: str) -> list[ChangeRecord]:
-    text = value.string_value
-    return decode_json_record(_loads(text), token) if text else []
+def _jsonb_decoder(shaper: RecordShaper) -> Callable[[Any, str], list[ChangeRecord]]:
+    def decode(value: Any, token: str) -> list[ChangeRecord]:
+        text = value.string_value
+        return decode_json_record(_loads(text), token, shaper) if text else []
+
+    return decode
 
 
 # --- MUTABLE_KEY_RANGE protobuf records -----------------------------------------------------
@@ -417,47 +405,60 @@ def _proto_columns(columns: Any) -> tuple[ColumnType, ...]:
     )
 
 
-def _mod_values(values: Any, columns: tuple[ColumnType, ...]) -> dict[str, Any]:
-    return {columns[v.column_metadata_index].name: _plain(v.value) for v in values}
+def _mod_values(values: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    return {names[v.column_metadata_index]: _plain(v.value) for v in values}
 
 
-def decode_proto_record(record: Any, token: str) -> ChangeRecord:
-    """A ``google.spanner.v1.ChangeStreamRecord`` (raw protobuf or proto-plus) to a record."""
+def _enum_name(message: Any, field: str) -> Any:
+    enum = message.DESCRIPTOR.fields_by_name[field].enum_type
+    return enum.values_by_number[getattr(message, field)].name
+
+
+def _proto_data(r: Any, token: str, shaper: RecordShaper) -> DataChangeRecord | HeartbeatRecord:
+    mod_type = _enum_name(r, "mod_type")
+    if not shaper.wants(r.table, mod_type):
+        return HeartbeatRecord(token, _proto_ts(r.commit_timestamp))
+    key = ("proto", r.table, b"".join(c.SerializeToString() for c in r.column_metadata))
+    plan = shaper.cached(key) or shaper.plan(key, r.table, _proto_columns(r.column_metadata))
+    names = plan.names
+    capture = _enum_name(r, "value_capture_type")
+    mods = shaper.mods(
+        plan,
+        ((_mod_values(m.keys, names), _mod_values(m.new_values, names),
+          _mod_values(m.old_values, names)) for m in r.mods),
+        mod_type, capture,
+    )
+    if shaper.dropped(mods):
+        return HeartbeatRecord(token, _proto_ts(r.commit_timestamp))
+    return DataChangeRecord(
+        partition_token=token,
+        commit_timestamp=_proto_ts(r.commit_timestamp),
+        record_sequence=r.record_sequence,
+        server_transaction_id=r.server_transaction_id,
+        is_last_record_in_transaction_in_partition=r.is_last_record_in_transaction_in_partition,
+        table_name=r.table,
+        column_types=plan.columns,
+        mods=mods,
+        mod_type=mod_type,
+        value_capture_type=capture,
+        number_of_records_in_transaction=r.number_of_records_in_transaction,
+        number_of_partitions_in_transaction=r.number_of_partitions_in_transaction,
+        transaction_tag=r.transaction_tag,
+        is_system_transaction=r.is_system_transaction,
+    )
+
+
+def decode_proto_record(
+    record: Any, token: str, shaper: RecordShaper = default_shaper
+) -> ChangeRecord:
+    """A ``google.spanner.v1.ChangeStreamRecord`` (raw protobuf or proto-plus) to a record;
+    a data change record is shaped by ``shaper`` (default: typed values, no filter)."""
     pb = getattr(type(record), "pb", None)
     if pb is not None and not hasattr(record, "WhichOneof"):
         record = pb(record)
     kind = record.WhichOneof("record")
     if kind == "data_change_record":
-        r = record.data_change_record
-        columns = _proto_columns(r.column_metadata)
-        desc = r.DESCRIPTOR
-        mod_type = desc.fields_by_name["mod_type"].enum_type.values_by_number[r.mod_type].name
-        vct = desc.fields_by_name["value_capture_type"].enum_type.values_by_number[
-            r.value_capture_type
-        ].name
-        return DataChangeRecord(
-            partition_token=token,
-            commit_timestamp=_proto_ts(r.commit_timestamp),
-            record_sequence=r.record_sequence,
-            server_transaction_id=r.server_transaction_id,
-            is_last_record_in_transaction_in_partition=r.is_last_record_in_transaction_in_partition,
-            table_name=r.table,
-            column_types=columns,
-            mods=[
-                Mod(
-                    _mod_values(m.keys, columns),
-                    _mod_values(m.new_values, columns),
-                    _mod_values(m.old_values, columns),
-                )
-                for m in r.mods
-            ],
-            mod_type=mod_type,
-            value_capture_type=vct,
-            number_of_records_in_transaction=r.number_of_records_in_transaction,
-            number_of_partitions_in_transaction=r.number_of_partitions_in_transaction,
-            transaction_tag=r.transaction_tag,
-            is_system_transaction=r.is_system_transaction,
-        )
+        return _proto_data(record.data_change_record, token, shaper)
     if kind == "heartbeat_record":
         return HeartbeatRecord(token, _proto_ts(record.heartbeat_record.timestamp))
     if kind == "partition_start_record":
@@ -485,11 +486,14 @@ def _proto_message_class() -> Any:
     return ChangeStreamRecord.pb()
 
 
-def _decode_proto_value(value: Any, token: str) -> list[ChangeRecord]:
-    if value.WhichOneof("kind") != "string_value":
-        return []
-    raw = base64.b64decode(value.string_value)
-    return [decode_proto_record(_proto_message_class().FromString(raw), token)]
+def _proto_decoder(shaper: RecordShaper) -> Callable[[Any, str], list[ChangeRecord]]:
+    def decode(value: Any, token: str) -> list[ChangeRecord]:
+        if value.WhichOneof("kind") != "string_value":
+            return []
+        raw = base64.b64decode(value.string_value)
+        return [decode_proto_record(_proto_message_class().FromString(raw), token, shaper)]
+
+    return decode
 
 
 # --- choosing a decoder ---------------------------------------------------------------------
@@ -501,18 +505,21 @@ _CODE_PROTO = 13
 _CODE_BYTES = 7
 
 
-def row_decoder(column_type: Any) -> Callable[[Any, str], list[ChangeRecord]]:
+def row_decoder(
+    column_type: Any, shaper: RecordShaper = default_shaper
+) -> Callable[[Any, str], list[ChangeRecord]]:
     """The decoder for a result set's ChangeRecord column, given its ``Type`` (protobuf).
 
-    The returned callable takes the column's ``Value`` and the partition token.
+    The returned callable takes the column's ``Value`` and the partition token; data
+    change records are shaped by ``shaper`` (default: typed values, no filter).
     """
     code = column_type.code
     if code == _CODE_ARRAY and column_type.array_element_type.code == _CODE_STRUCT:
-        return _StructDecoder(column_type)
+        return _StructDecoder(column_type, shaper)
     if code == _CODE_JSON:
-        return _decode_jsonb
+        return _jsonb_decoder(shaper)
     if code in (_CODE_PROTO, _CODE_BYTES):
-        return _decode_proto_value
+        return _proto_decoder(shaper)
     msg = f"unexpected change stream column type {column_type}; upgrade cdcflow"
     raise DecodeError(msg)
 
@@ -537,20 +544,23 @@ def _stock_ts(value: datetime | str) -> Timestamp:
     return Timestamp.from_datetime(value)
 
 
-def records_from_stock_row(row: list[Any], token: str) -> list[ChangeRecord]:
+def records_from_stock_row(
+    row: list[Any], token: str, shaper: RecordShaper = default_shaper
+) -> list[ChangeRecord]:
     """Records from a row the stock client decoded (``snapshot.execute_sql`` defaults).
 
     GoogleSQL rows are nested lists in metadata order; PostgreSQL rows hold a JsonObject.
-    This is the reference the fast decoders are tested against.
+    Data change records are shaped by ``shaper`` (default: typed values, no filter). This
+    is the reference the fast decoders are tested against.
     """
     value = row[0]
     if not isinstance(value, list):
         obj = _plain_json(value)
-        return decode_json_record(obj, token) if obj else []
+        return decode_json_record(obj, token, shaper) if obj else []
     out: list[ChangeRecord] = []
     for data, heartbeats, children in value:
         for d in data:
-            out.append(DataChangeRecord(
+            out.append(shaper.shape(DataChangeRecord(
                 partition_token=token,
                 commit_timestamp=_stock_ts(d[0]),
                 record_sequence=d[1],
@@ -569,7 +579,7 @@ def records_from_stock_row(row: list[Any], token: str) -> list[ChangeRecord]:
                 number_of_partitions_in_transaction=d[10],
                 transaction_tag=d[11] if len(d) > 11 else "",
                 is_system_transaction=d[12] if len(d) > 12 else False,
-            ))
+            )))
         for h in heartbeats:
             out.append(HeartbeatRecord(token, _stock_ts(h[0])))
         for c in children:

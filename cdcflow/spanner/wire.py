@@ -4,6 +4,10 @@ The inverse of :mod:`cdcflow.spanner.decode`, for tests, benchmarks and fake ser
 GoogleSQL ``ChangeRecord`` STRUCT rows, PostgreSQL JSONB rows, MUTABLE_KEY_RANGE
 ``ChangeStreamRecord`` protos, and the ``PartialResultSet`` messages that carry them
 (optionally split into chunks, as Spanner does with large values).
+
+Mod values may be Python values or wire values: each is put in Spanner's wire form for its
+column's type first (see :func:`cdcflow.spanner.values.encoder_for`; a str for a JSON column
+is taken as JSON text), so a typed record round-trips through an encoder and the decoder.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from cdcflow.model import (
     ChildPartitionsRecord,
     DataChangeRecord,
     HeartbeatRecord,
+    Mod,
     PartitionEndRecord,
     PartitionEventRecord,
     PartitionStartRecord,
     Timestamp,
 )
+from cdcflow.spanner.values import encode_values, encoders
 
 __all__ = [
     "encode_googlesql",
@@ -139,6 +145,16 @@ def _json(x: Any) -> str:
     return orjson.dumps(x, option=orjson.OPT_SORT_KEYS).decode()
 
 
+def _wire_mods(record: DataChangeRecord) -> list[Mod]:
+    """The record's mods with every value in the wire form of its column's type."""
+    convs = encoders(record.column_types)
+    return [
+        Mod(encode_values(m.keys, convs), encode_values(m.new_values, convs),
+            encode_values(m.old_values, convs))
+        for m in record.mods
+    ]
+
+
 def _struct_of(record: ChangeRecord) -> list[Any]:
     """The STRUCT<data, heartbeat, child> for one record, as nested Python lists."""
     if isinstance(record, DataChangeRecord):
@@ -150,8 +166,8 @@ def _struct_of(record: ChangeRecord) -> list[Any]:
             record.table_name,
             [[c.name, _json(c.type), c.is_primary_key, c.ordinal_position]
              for c in record.column_types],
-            [[_json(dict(m.keys)), _json(dict(m.new_values)), _json(dict(m.old_values))]
-             for m in record.mods],
+            [[_json(m.keys), _json(m.new_values), _json(m.old_values)]
+             for m in _wire_mods(record)],
             record.mod_type,
             record.value_capture_type,
             record.number_of_records_in_transaction,
@@ -193,9 +209,8 @@ def _json_of(record: ChangeRecord) -> dict[str, Any]:
                 for c in record.column_types
             ],
             "mods": [
-                {"keys": dict(m.keys), "new_values": dict(m.new_values),
-                 "old_values": dict(m.old_values)}
-                for m in record.mods
+                {"keys": m.keys, "new_values": m.new_values, "old_values": m.old_values}
+                for m in _wire_mods(record)
             ],
             "mod_type": record.mod_type,
             "value_capture_type": record.value_capture_type,
@@ -297,7 +312,7 @@ def encode_proto(record: ChangeRecord) -> Any:
             col.is_primary_key = c.is_primary_key
             col.ordinal_position = c.ordinal_position
             index[c.name] = i
-        for m in record.mods:
+        for m in _wire_mods(record):
             mod = r.mods.add()
             for target, values in (
                 (mod.keys, m.keys), (mod.new_values, m.new_values), (mod.old_values, m.old_values)

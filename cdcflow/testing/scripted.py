@@ -38,6 +38,15 @@ Reads follow the change stream contract:
 Positions (``at=``) are integer nanoseconds since the epoch, or anything
 :func:`cdcflow.durations.parse_time` takes (RFC 3339 text, a datetime).
 
+Values. Each column gets the Spanner type of the values written to it (int -> INT64,
+Decimal -> NUMERIC, datetime -> TIMESTAMP, dict -> JSON, ...; see
+:mod:`cdcflow.testing.columns`), reported in ``column_types``. Values are encoded in
+Spanner's wire form and decoded by the real decoder's converters, so reads give exactly
+what a read of Spanner gives: typed values by default, the wire form with
+``stream.with_options(typed=False)``, which also takes a
+:class:`~cdcflow.stream.RecordFilter` (what ``DetectPartitions(typed=..., tables=...)``
+passes on).
+
 Fault injection: :meth:`ScriptedChangeStream.fail_reads` makes the next reads raise, to
 test retries. The counters live in each copy of the object: a runner that pickles its
 program (every runner does) counts in its own copy.
@@ -51,7 +60,6 @@ import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
-from types import TracebackType
 from typing import Any, Literal
 
 import attrs
@@ -71,35 +79,15 @@ from cdcflow.model import (
     ModType,
     Timestamp,
 )
-from cdcflow.stream import ChangeStreamQuery, StreamInfo
+from cdcflow.spanner.shape import RecordShaper, default_shaper
+from cdcflow.spanner.values import encode_values, encoders
+from cdcflow.stream import ChangeStreamQuery, RecordFilter, StreamInfo
+from cdcflow.testing.columns import ScriptedView, column_types
+from cdcflow.testing.transaction import ScriptedChange, ScriptedTransaction, _Txn
 
 __all__ = ["ScriptedChange", "ScriptedChangeStream", "ScriptedTransaction"]
 
 TimeLike = int | str | datetime
-_MOD_TYPES = ("INSERT", "UPDATE", "DELETE")
-
-
-@attrs.frozen
-class ScriptedChange:
-    """One scripted row change, the ground truth independent of partitions.
-
-    ``transaction`` is the server transaction id the change's records carry; ``index`` is
-    the change's place in script order (ties in commit time keep it).
-    """
-
-    commit_ns: int
-    transaction: str
-    index: int
-    table: str
-    keys: Mapping[str, Any]
-    mod_type: ModType
-    new_values: Mapping[str, Any]
-    old_values: Mapping[str, Any]
-
-    @property
-    def key(self) -> tuple[str, tuple[tuple[str, Any], ...]]:
-        """A hashable identity of the row: (table, sorted key items)."""
-        return self.table, tuple(sorted(self.keys.items()))
 
 
 @attrs.define
@@ -110,63 +98,6 @@ class _Partition:
     parents: tuple[str, ...]
     end: int = MAX_NS
     children: tuple[str, ...] = ()
-
-
-@attrs.define
-class _Txn:
-    at: int
-    seq: int
-    tag: str
-    changes: list[tuple[str, dict[str, Any], ModType, dict[str, Any], dict[str, Any]]]
-
-
-class ScriptedTransaction:
-    """Collects the mods of one transaction; committed when the ``with`` block exits."""
-
-    def __init__(self, stream: ScriptedChangeStream, at: int, tag: str) -> None:
-        self._stream = stream
-        self._txn = _Txn(at=at, seq=-1, tag=tag, changes=[])
-        self._done = False
-
-    def write(
-        self,
-        table: str,
-        key: Mapping[str, Any] | Any,
-        mod_type: ModType = "INSERT",
-        new_values: Mapping[str, Any] | None = None,
-        old_values: Mapping[str, Any] | None = None,
-    ) -> ScriptedTransaction:
-        """Add a mod. ``key`` is a dict of primary-key columns, or a value for column "id"."""
-        if self._done:
-            msg = "this transaction was already committed; start a new stream.transaction()"
-            raise RuntimeError(msg)
-        if mod_type not in _MOD_TYPES:
-            msg = f"mod_type must be one of {', '.join(_MOD_TYPES)}, got {mod_type!r}"
-            raise ValueError(msg)
-        keys = dict(key) if isinstance(key, Mapping) else {"id": key}
-        self._txn.changes.append(
-            (table, keys, mod_type, dict(new_values or {}), dict(old_values or {}))
-        )
-        return self
-
-    def commit(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._txn.changes:
-            self._stream._add_txn(self._txn)
-
-    def __enter__(self) -> ScriptedTransaction:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None:
-            self.commit()
 
 
 class ScriptedChangeStream:
@@ -331,6 +262,7 @@ class ScriptedChangeStream:
         if txn.at < self.origin:
             msg = f"a transaction at {txn.at} is before the stream's origin {self.origin}"
             raise ValueError(msg)
+        column_types(txn.changes)  # values of types no column can hold fail here
         txn.seq = len(self._txns)
         self._txns.append(txn)
         self._compiled = None
@@ -392,13 +324,34 @@ class ScriptedChangeStream:
         Ordered by (commit timestamp, transaction, partition token, record sequence): the
         order of any single partition, and of any single key, is this order's restriction.
         """
+        return self._expected(start, end, default_shaper)
+
+    def _expected(
+        self, start: TimeLike | None, end: TimeLike | None, shaper: RecordShaper
+    ) -> list[DataChangeRecord]:
         lo = self.origin if start is None else _ns(start)
         hi = MAX_NS if end is None else _ns(end)
         compiled = self._records()
-        out = [
-            r for recs in compiled.values() for r in recs if lo <= r.commit_timestamp.ns < hi
-        ]
-        return sorted(out, key=_record_order)
+        shaped = (
+            shaper.shape(r) for recs in compiled.values() for r in recs
+            if lo <= r.commit_timestamp.ns < hi
+        )
+        return sorted((r for r in shaped if isinstance(r, DataChangeRecord)), key=_record_order)
+
+    def tables(self) -> dict[str, set[str]]:
+        """Table -> column names, of everything written so far (what a filter may name)."""
+        out: dict[str, set[str]] = {}
+        for txn in self._txns:
+            for table, keys, _, new, old in txn.changes:
+                out.setdefault(table, set()).update(keys, new, old)
+        return out
+
+    def with_options(
+        self, *, typed: bool = True, filter: RecordFilter | None = None
+    ) -> ScriptedView:
+        """This stream read with mod values typed (default) or in the wire form, and only
+        what ``filter`` keeps (see :class:`~cdcflow.testing.columns.ScriptedView`)."""
+        return ScriptedView(self, typed, filter)
 
     # -- ChangeStreamClient -----------------------------------------------------------------
 
@@ -408,6 +361,9 @@ class ScriptedChangeStream:
 
     def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
         """Yield the records of ``query`` (see the module docstring for what they are)."""
+        return self._read(query, default_shaper)
+
+    def _read(self, query: ChangeStreamQuery, shaper: RecordShaper) -> Iterator[ChangeRecord]:
         self._check_stream(query.stream)
         if query.start >= query.end:
             return iter(())
@@ -416,7 +372,9 @@ class ScriptedChangeStream:
             fail = self._fail_left > 0 and self._fail_token in (None, query.partition_token)
             if fail:
                 self._fail_left -= 1
-        records = self._root(query) if query.partition_token is None else self._part(query)
+        records = _shaped(
+            self._root(query) if query.partition_token is None else self._part(query), shaper
+        )
         return _failing(records, self._fail_after, self._fail_error) if fail else records
 
     def close(self) -> None:
@@ -505,19 +463,28 @@ class ScriptedChangeStream:
             return self._compiled
 
     def _compile(self) -> dict[str, list[DataChangeRecord]]:
+        """Per partition, its records with mod values in the wire form."""
         out: dict[str, list[DataChangeRecord]] = {}
         for txn in sorted(self._txns, key=lambda t: (t.at, t.seq)):
             groups: dict[tuple[str, str, ModType], list[Mod]] = {}
             columns: dict[tuple[str, str, ModType], dict[str, ColumnType]] = {}
+            types = column_types(txn.changes)
             for table, keys, mod_type, new, old in txn.changes:
                 token = self._owner(_bucket(keys, self.buckets), txn.at)
                 group = (token, table, mod_type)
                 groups.setdefault(group, []).append(Mod(keys, new, old))
                 cols = columns.setdefault(group, {})
-                for name, value in [*keys.items(), *new.items(), *old.items()]:
+                for name in [*keys, *new, *old]:
                     if name not in cols:
-                        cols[name] = ColumnType(name, {"code": _type_code(value)},
-                                                name in keys, len(cols) + 1)
+                        cols[name] = ColumnType(name, types[table][name], name in keys,
+                                                len(cols) + 1)
+            for group, mods in groups.items():
+                convs = encoders(tuple(columns[group].values()))
+                groups[group] = [
+                    Mod(encode_values(m.keys, convs), encode_values(m.new_values, convs),
+                        encode_values(m.old_values, convs))
+                    for m in mods
+                ]
             by_partition: dict[str, list[tuple[str, str, ModType]]] = {}
             for group in groups:
                 by_partition.setdefault(group[0], []).append(group)
@@ -570,20 +537,9 @@ def _record_order(r: DataChangeRecord) -> tuple[int, str, str, str]:
     return r.commit_timestamp.ns, r.server_transaction_id, r.partition_token, r.record_sequence
 
 
-def _type_code(value: Any) -> str:
-    if isinstance(value, bool):
-        return "BOOL"
-    if isinstance(value, int):
-        return "INT64"
-    if isinstance(value, float):
-        return "FLOAT64"
-    if isinstance(value, bytes):
-        return "BYTES"
-    if isinstance(value, datetime):
-        return "TIMESTAMP"
-    if isinstance(value, dict | list):
-        return "JSON"
-    return "STRING"
+def _shaped(records: Iterator[ChangeRecord], shaper: RecordShaper) -> Iterator[ChangeRecord]:
+    for record in records:
+        yield shaper.shape(record) if isinstance(record, DataChangeRecord) else record
 
 
 def _failing(

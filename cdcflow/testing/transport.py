@@ -16,10 +16,12 @@ messages)::
     got = list(client.read(ChangeStreamQuery("S", "tok", start, end)))
 
 Contract. Metadata queries (``information_schema``) describe one database of ``dialect``
-holding one change stream ``stream`` in ``partition_mode``. A change stream query returns
-every record whose position lies in the query's ``[start_timestamp, end_timestamp]``
-(both inclusive, as the TVF's are; no end means no upper bound), in the order given,
-whatever the partition token: script one partition per transport. Every query is recorded
+holding one change stream ``stream`` in ``partition_mode``, which tracks every column of
+the tables its data change records name (with the columns their ``column_types`` list).
+A change stream query returns every record whose position lies in the query's
+``[start_timestamp, end_timestamp]`` (both inclusive, as the TVF's are; no end means no
+upper bound), in the order given, whatever the partition token: script one partition per
+transport. Every query is recorded
 in :attr:`ScriptedTransport.queries`. With ``fail_after=[n, ...]`` the k-th change stream
 query raises ``error`` (default: ``UNAVAILABLE``, which the client retries) after its n-th
 message, if it has more than n; queries past the list run clean.
@@ -34,7 +36,7 @@ from typing import Any, Literal
 
 import attrs
 
-from cdcflow.model import ChangeRecord, Timestamp, record_position
+from cdcflow.model import ChangeRecord, DataChangeRecord, Timestamp, record_position
 from cdcflow.spanner import wire
 from cdcflow.spanner.transport import Param
 
@@ -133,7 +135,29 @@ class ScriptedTransport:
             if self.retention is not None:
                 options.append(["retention_period", self.retention])
             return wire.string_rows(["option_name", "option_value"], options)
+        tracked = self._tracked()
+        if "change_stream_tables" in sql:
+            return wire.string_rows(["table_schema", "table_name", "all_columns"],
+                                    [["", t, "YES"] for t in sorted(tracked)])
+        if "change_stream_columns" in sql or "`ALL`" in sql or '"all"' in sql:
+            return wire.string_rows(["table_schema", "table_name", "column_name"], [])
+        if "index_columns" in sql or "information_schema.columns" in sql:
+            keys_only = "index_columns" in sql
+            return wire.string_rows(["table_schema", "table_name", "column_name"], [
+                ["", t, c] for t, cols in sorted(tracked.items()) for c, key in cols.items()
+                if key or not keys_only
+            ])
         return wire.string_rows(["change_stream_name"], [[self.stream]])
+
+    def _tracked(self) -> dict[str, dict[str, bool]]:
+        """Table -> column -> is it a key, from the data change records served."""
+        out: dict[str, dict[str, bool]] = {}
+        for r in self.records:
+            if isinstance(r, DataChangeRecord):
+                cols = out.setdefault(r.table_name, {})
+                for c in r.column_types:
+                    cols[c.name] = cols.get(c.name, False) or c.is_primary_key
+        return out
 
     def _change_stream(self, sql: str, params: Mapping[str, Param]) -> Iterator[Any]:
         # GoogleSQL names its parameters (@s, @e, @t); PostgreSQL numbers them ($1, $2, $3).

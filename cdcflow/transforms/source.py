@@ -4,12 +4,13 @@ primitives runners execute), and ReadChangeStream, the composite of both."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 
 from cdcflow.durations import parse_duration, parse_time
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import MAX_NS, DataChangeRecord, PartitionMetadata
-from cdcflow.stream import ChangeStreamClient
+from cdcflow.stream import ChangeStreamClient, ConfigurableClient, RecordFilter
 from cdcflow.transforms.base import PCollection, PrimitiveTransform, PTransform
 
 __all__ = ["DetectPartitions", "ReadChangeStream", "ReadPartition"]
@@ -28,6 +29,21 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
     a datetime. ``end_at`` (inclusive; None reads forever): when every partition has been
     read up to it, the run ends. ``client`` replaces the Spanner reader (tests use
     :class:`cdcflow.testing.ScriptedChangeStream`); it is pickled into every task.
+
+    Values in mods are typed from the records' column types (INT64 -> int, NUMERIC ->
+    Decimal, TIMESTAMP -> Timestamp, JSON -> parsed, ...; see
+    :mod:`cdcflow.spanner.values`); ``typed=False`` keeps Spanner's wire form (INT64 as
+    text, JSON as JSON text, ...).
+
+    Filters, applied while records are decoded (see :class:`~cdcflow.stream.RecordFilter`):
+    ``tables`` / ``exclude_tables`` (names as the database spells them), ``columns``
+    (``{"Orders": ["Status", "Total"]}``: keep only these columns of that table; keys are
+    always kept), ``mod_types`` (e.g. ``["INSERT", "UPDATE"]``) and ``skip_unchanged``
+    (drop UPDATE mods whose kept values did not change; needs a stream whose value
+    capture type records old values: OLD_AND_NEW_VALUES or NEW_ROW_AND_OLD_VALUES). A
+    record nothing of which is kept is not delivered, but its position still counts as
+    read. Names the stream does not track stop the run at its start with a one-line error
+    that lists the stream's tables or columns.
     """
 
     kind = "Source"
@@ -42,6 +58,12 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         client: ChangeStreamClient | None = None,
         priority: str = "MEDIUM",
         query_timeout: str | float = "10m",
+        typed: bool = True,
+        tables: Iterable[str] | None = None,
+        exclude_tables: Iterable[str] | None = None,
+        columns: Mapping[str, Iterable[str]] | None = None,
+        mod_types: Iterable[str] | None = None,
+        skip_unchanged: bool = False,
     ) -> None:
         if client is None and (database is None or not _DATABASE.match(database)):
             msg = (
@@ -64,13 +86,34 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
                     parse_time(value)
                 except ValueError as e:
                     raise PipelineDefinitionError(f"DetectPartitions({name}=...): {e}") from None
+        try:
+            record_filter = RecordFilter.build(
+                tables=tables, exclude_tables=exclude_tables, columns=columns,
+                mod_types=mod_types, skip_unchanged=skip_unchanged,
+            )
+        except PipelineDefinitionError as e:
+            raise PipelineDefinitionError(f"DetectPartitions({e})") from None
+        self._client_name = type(client).__name__
+        if client is not None and (not typed or record_filter is not None):
+            if not isinstance(client, ConfigurableClient):
+                msg = (
+                    f"DetectPartitions(client={self._client_name}): this client takes no read "
+                    "options (typed=False, tables=, columns=, mod_types=, skip_unchanged=); "
+                    "give it a with_options method, or filter downstream with Filter/Map"
+                )
+                raise PipelineDefinitionError(msg)
+            client = client.with_options(typed=typed, filter=record_filter)
         self.database = database
         self.stream = stream
         self.start_at = start_at
         self.end_at = end_at
+        #: What tasks read with: the given client, with the read options applied.
         self.client = client
         self.priority = priority.upper()
         self.query_timeout = parse_duration(query_timeout)
+        self.typed = bool(typed)
+        #: The pushed-down filter (None: every record of every table).
+        self.filter = record_filter
 
     def start_ns(self, now_ns: int) -> int:
         """The first position to read, for a pipeline that has no stored state yet."""
@@ -84,7 +127,7 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         """What stored progress depends on: where the stream is and where reading starts
         and ends, as given (``start_at="now"`` stays "now"). A run compares it with the
         definition stored by the run that started the pipeline."""
-        where = self.database if self.client is None else f"<{type(self.client).__name__}>"
+        where = self.database if self.client is None else f"<{self._client_name}>"
         return {
             "database": where,
             "stream": self.stream,
@@ -93,9 +136,12 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         }
 
     def describe_params(self) -> str:
-        where = self.database or type(self.client).__name__
+        where = self.database or self._client_name
         end = f", end_at={self.end_at!s}" if self.end_at is not None else ""
-        return f"{where} stream={self.stream} start_at={self.start_at!s}{end}"
+        options = "" if self.typed else " typed=False"
+        if self.filter is not None:
+            options += f" {self.filter.describe()}"
+        return f"{where} stream={self.stream} start_at={self.start_at!s}{end}{options}"
 
 
 class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
@@ -141,9 +187,10 @@ class ReadChangeStream(PTransform[None, DataChangeRecord]):
 
         pipeline | ReadChangeStream(database, "OrdersStream", start_at="now") | ...
 
-    The arguments are those of the two primitives (see them), checked when the composite
-    is built. Their labels nest under the composite's (``ReadChangeStream/DetectPartitions``
-    and ``ReadChangeStream/ReadPartition`` by default), and labels key stored progress: a
+    The arguments are those of the two primitives (see them; typed values and filters
+    are DetectPartitions'), checked when the composite is built. Their labels nest under
+    the composite's (``ReadChangeStream/DetectPartitions`` and
+    ``ReadChangeStream/ReadPartition`` by default), and labels key stored progress: a
     pipeline that switches between this and the two primitives starts over.
     """
 
@@ -160,10 +207,18 @@ class ReadChangeStream(PTransform[None, DataChangeRecord]):
         client: ChangeStreamClient | None = None,
         priority: str = "MEDIUM",
         query_timeout: str | float = "10m",
+        typed: bool = True,
+        tables: Iterable[str] | None = None,
+        exclude_tables: Iterable[str] | None = None,
+        columns: Mapping[str, Iterable[str]] | None = None,
+        mod_types: Iterable[str] | None = None,
+        skip_unchanged: bool = False,
     ) -> None:
         self.detect = DetectPartitions(
             database, stream, start_at, end_at,
-            client=client, priority=priority, query_timeout=query_timeout,
+            client=client, priority=priority, query_timeout=query_timeout, typed=typed,
+            tables=tables, exclude_tables=exclude_tables, columns=columns,
+            mod_types=mod_types, skip_unchanged=skip_unchanged,
         )
         self.read = ReadPartition(
             heartbeat, max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes

@@ -29,7 +29,7 @@ COLUMNS = [ColumnType("Id", {"code": "INT64"}, True, 1),
 
 def data(seq: int, ts: int, name: str = "x") -> DataChangeRecord:
     return DataChangeRecord("tok", ts, f"{seq:08d}", f"txn{seq}", True, "Orders", COLUMNS,
-                            [Mod({"Id": str(seq)}, {"Name": name})], "INSERT",
+                            [Mod({"Id": seq}, {"Name": name})], "INSERT",
                             "NEW_VALUES", 1, 1)
 
 

@@ -3,6 +3,11 @@ ReadPartition."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import cdcflow as cf
@@ -117,3 +122,125 @@ def test_reads_what_the_two_primitives_read() -> None:
     expected = order(stream.expected_records(T0, end + 1))
     assert len(expected) == 12
     assert order(composite.items) == order(primitives.items) == expected
+
+
+# --- typed values and pushed-down filters ---------------------------------------------------
+
+
+def test_read_options_reach_the_source_and_its_client() -> None:
+    stream = scripted()
+    source = ReadChangeStream(
+        stream="Orders", start_at=T0, client=stream, typed=False, tables=["Orders"],
+        columns={"Orders": ["n"]}, mod_types=["INSERT"], skip_unchanged=True,
+    )
+    detect = source.detect
+    assert detect.typed is False and detect.filter is not None
+    assert detect.filter.describe() == (
+        "tables=Orders columns[Orders]=n mod_types=INSERT skip_unchanged")
+    assert detect.client is not stream and detect.client.base is stream  # type: ignore[union-attr]
+    assert detect.definition()["database"] == "<ScriptedChangeStream>"  # as without options
+    assert detect.describe_params().endswith(
+        "typed=False tables=Orders columns[Orders]=n mod_types=INSERT skip_unchanged")
+    plain = DetectPartitions(DB, "Orders")
+    assert (plain.typed, plain.filter, plain.client) == (True, None, None)
+    assert DetectPartitions(stream="Orders", client=stream).client is stream
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"tables": "Orders"}, r"DetectPartitions\(tables='Orders': pass a list"),
+        ({"tables": ["A"], "exclude_tables": ["B"]}, "use one of them"),
+        ({"mod_types": ["UPSERT"]}, "INSERT, UPDATE, DELETE"),
+        ({"columns": {"Items": ["x"]}, "tables": ["Orders"]}, "'Items' is not read"),
+    ],
+)
+def test_bad_read_options_fail_when_built(kwargs: dict[str, object], fragment: str) -> None:
+    with pytest.raises(PipelineDefinitionError, match=fragment):
+        ReadChangeStream(DB, "Orders", **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_client_without_read_options_is_refused_only_when_they_are_asked() -> None:
+    class Plain:
+        def describe_stream(self, stream: str) -> object: ...
+        def read(self, query: object) -> object: ...
+        def close(self) -> None: ...
+
+    DetectPartitions(stream="Orders", client=Plain())  # type: ignore[arg-type]
+    with pytest.raises(PipelineDefinitionError, match=r"Plain.*takes no read options"):
+        DetectPartitions(stream="Orders", client=Plain(), typed=False)  # type: ignore[arg-type]
+
+
+def test_a_filtered_pipeline_gets_only_what_it_wants_and_still_ends() -> None:
+    stream = ScriptedChangeStream("Orders", partitions=2, origin=T0)
+    for i in range(12):
+        stream.write("Orders" if i % 3 else "Audit", {"id": i}, "INSERT", {"n": i},
+                     at=T0 + (i + 1) * 50 * MS)
+        stream.write("Orders", {"id": 100 + i}, "UPDATE", {"n": i}, old_values={"n": i},
+                     at=T0 + (i + 1) * 50 * MS + 1)
+    end = T0 + 700 * MS
+    out = Collect()
+    pipeline = cf.Pipeline("filtered")
+    (pipeline
+     | ReadChangeStream(stream="Orders", start_at=T0, end_at=end, client=stream,
+                        exclude_tables=["Audit"], skip_unchanged=True)
+     | out)
+    summary = cdcflow.testing.run(pipeline, max_batch_span="100ms")
+    assert summary.reason == "end reached"
+    got = out.items
+    assert [r.mods[0].keys["id"] for r in sorted(got, key=lambda r: r.commit_timestamp)] == [
+        i for i in range(12) if i % 3]
+    assert all(isinstance(r.mods[0].keys["id"], int) for r in got)  # typed by default
+    detect = pipeline.transform("ReadChangeStream/DetectPartitions")
+    assert order(got) == order(detect.client.expected_records(T0, end + 1))  # type: ignore[union-attr]
+
+
+def test_an_unknown_table_stops_the_run_at_its_start() -> None:
+    pipeline = cf.Pipeline("unknown")
+    (pipeline
+     | ReadChangeStream(stream="Orders", start_at=T0, end_at=T0 + MS, client=scripted(),
+                        tables=["Order"])
+     | Collect())
+    with pytest.raises(PipelineDefinitionError, match=r"does not track table 'Order' \(its "
+                                                      r"tables: Orders\)"):
+        cdcflow.testing.run(pipeline)
+
+
+def test_typed_false_delivers_the_wire_form() -> None:
+    stream = scripted()
+    out = Collect()
+    pipeline = cf.Pipeline("wire")
+    (pipeline
+     | ReadChangeStream(stream="Orders", start_at=T0, end_at=T0 + 600 * MS, client=stream,
+                        typed=False)
+     | out)
+    cdcflow.testing.run(pipeline, max_batch_span="100ms")
+    assert sorted(r.mods[0].keys["id"] for r in out.items) == sorted(str(i) for i in range(12))
+
+
+def test_unknown_names_are_one_line_and_exit_2_through_the_cli(tmp_path: Path) -> None:
+    body = f"""
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+stream = ScriptedChangeStream("Orders", origin={T0})
+stream.write("Orders", {{"id": 1}}, "INSERT", {{"total": 1}}, at={T0 + MS})
+pipeline = cf.Pipeline("typo")
+(pipeline
+ | cf.ReadChangeStream(stream="Orders", start_at={T0}, end_at={T0 + 2 * MS}, client=stream,
+                       columns={{"Orders": ["totl"]}})
+ | cf.Print())
+"""
+    path = tmp_path / "pipe.py"
+    path.write_text(body)
+    env = {**os.environ, "NO_COLOR": "1"}
+    env.pop("CDCFLOW_DEBUG", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "cdcflow", "run", str(path)], capture_output=True, text=True,
+        timeout=120, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.splitlines() == [
+        "cdcflow: error: change stream 'Orders' does not track column 'totl' of 'Orders' (its "
+        "columns: id, total); fix columns= of the source"
+    ]

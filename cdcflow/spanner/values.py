@@ -1,0 +1,307 @@
+"""Column values: Spanner's wire form to Python and back, one converter per column type.
+
+A change record's mods hold each column value in Spanner's JSON wire form: INT64 and
+NUMERIC as text, FLOAT32/FLOAT64 as numbers (``"NaN"``, ``"Infinity"``, ``"-Infinity"``
+as text), BYTES as base64 text, DATE as ``YYYY-MM-DD``, TIMESTAMP as RFC 3339 text, JSON
+as JSON text, ARRAY as a list of such values, NULL as None. :func:`decoder_for` gives the
+converter from that form to Python for a column type (the ``type`` of a
+:class:`~cdcflow.model.ColumnType`, e.g. ``{"code": "INT64"}``):
+
+========================  ==============================================
+type code                 Python value
+========================  ==============================================
+INT64 (PG_OID too), ENUM  int
+FLOAT64, FLOAT32          float
+NUMERIC (PG_NUMERIC too)  decimal.Decimal (``NaN`` included)
+BOOL                      bool
+STRING                    str
+BYTES, PROTO              bytes
+DATE                      datetime.date
+TIMESTAMP (timestamptz)   :class:`~cdcflow.model.Timestamp` (UTC, nanoseconds kept)
+JSON (PG_JSONB too)       the parsed value (dict, list, str, int, float, bool, None)
+ARRAY<T>                  list of T's values (NULL elements stay None)
+anything else             the wire value, unchanged (INTERVAL, UUID, future types)
+========================  ==============================================
+
+The PostgreSQL dialect reports the same codes, with a ``type_annotation`` (PG_NUMERIC,
+PG_JSONB, PG_OID) that does not change the wire form. :func:`encoder_for` is the inverse
+(Python or wire value to wire value), for wire encoders and in-memory twins. This module
+imports nothing of google-cloud-spanner.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, date, datetime
+from decimal import Decimal
+from typing import Any
+
+import orjson
+
+from cdcflow.model import ColumnType, Timestamp
+
+__all__ = [
+    "Converter",
+    "decode_values",
+    "decoder_for",
+    "decoders",
+    "encode_values",
+    "encoder_for",
+    "encoders",
+    "parse_timestamp",
+    "type_code",
+]
+
+#: Converts one non-NULL value of a column (never called with None).
+Converter = Callable[[Any], Any]
+
+# google.spanner.v1.TypeCode numbers, for type JSON that spells a code as a number.
+_CODE_NAMES = {
+    1: "BOOL", 2: "INT64", 3: "FLOAT64", 4: "TIMESTAMP", 5: "DATE", 6: "STRING", 7: "BYTES",
+    8: "ARRAY", 9: "STRUCT", 10: "NUMERIC", 11: "JSON", 13: "PROTO", 14: "ENUM", 15: "FLOAT32",
+    16: "INTERVAL", 17: "UUID",
+}
+_loads = orjson.loads
+
+
+# --- timestamps -----------------------------------------------------------------------------
+
+_CACHE_LIMIT = 4096
+_ts_cache: dict[str, Timestamp] = {}
+_second_cache: dict[str, tuple[int, int, int, int, int, int]] = {}
+_datetime_new = datetime.__new__
+
+
+def _parse_fast(text: str) -> Timestamp | None:
+    """RFC 3339 in UTC (``Z`` or ``+00:00``) with 0..9 fractional digits, else None."""
+    n = len(text)
+    if text[-1] == "Z":
+        end = n - 1
+    elif text.endswith("+00:00"):
+        end = n - 6
+    else:
+        return None
+    if end == 19:
+        frac = "000000000"
+    elif end > 20 and text[19] == "." and end - 20 <= 9:
+        frac = text[20:end]
+        if len(frac) < 9:
+            frac = (frac + "000000000")[:9]
+    else:
+        return None
+    head = _second_cache.get(text[:19])
+    if head is None:
+        if n < 20 or text[4] != "-" or text[10] not in "Tt ":
+            return None
+        head = (
+            int(text[0:4]), int(text[5:7]), int(text[8:10]),
+            int(text[11:13]), int(text[14:16]), int(text[17:19]),
+        )
+        if len(_second_cache) >= _CACHE_LIMIT:
+            _second_cache.clear()
+        _second_cache[text[:19]] = head
+    # Timestamp's constructor validates keyword arguments in Python; this is the same
+    # object built directly (a datetime plus the nanoseconds below the microsecond).
+    ts: Timestamp = _datetime_new(Timestamp, *head, int(frac[:6]), UTC)
+    ts._nanosecond = int(frac[6:])
+    return ts
+
+
+def parse_timestamp(text: str) -> Timestamp:
+    """RFC 3339 text (any number of fractional digits, ``Z`` or an offset) to a Timestamp.
+
+    Many records share a commit timestamp (and a second), so recent values are cached.
+    """
+    ts = _ts_cache.get(text)
+    if ts is not None:
+        return ts
+    ts = (_parse_fast(text) if len(text) >= 20 else None) or Timestamp.parse(text)
+    if len(_ts_cache) >= _CACHE_LIMIT:
+        _ts_cache.clear()
+    _ts_cache[text] = ts
+    return ts
+
+
+# --- wire -> Python -------------------------------------------------------------------------
+
+
+def _numeric(value: Any) -> Decimal:
+    # Decimal(float) would keep the binary expansion; the wire form is text anyway.
+    return Decimal(value) if isinstance(value, str) else Decimal(str(value))
+
+
+def _bytes(value: Any) -> bytes:
+    return binascii.a2b_base64(value)
+
+
+def _json(value: Any) -> Any:
+    # JSON columns arrive as JSON text; a server that nests the value already parsed it.
+    return _loads(value) if isinstance(value, str) else value
+
+
+_DECODERS: dict[str, Converter] = {
+    "INT64": int,
+    "ENUM": int,
+    "FLOAT64": float,  # float() reads "NaN", "Infinity" and "-Infinity" too
+    "FLOAT32": float,
+    "NUMERIC": _numeric,
+    "BYTES": _bytes,
+    "PROTO": _bytes,
+    "DATE": date.fromisoformat,
+    "TIMESTAMP": parse_timestamp,
+    "JSON": _json,
+}
+
+
+def type_code(column_type: Any) -> str | None:
+    """The type code name of a column type (``{"code": "INT64"}`` -> ``"INT64"``)."""
+    if not isinstance(column_type, Mapping):
+        return None
+    code = column_type.get("code")
+    if isinstance(code, int):
+        return _CODE_NAMES.get(code)
+    return code if isinstance(code, str) else None
+
+
+def _array_of(element: Converter) -> Converter:
+    def convert(values: Any) -> list[Any]:
+        return [None if v is None else element(v) for v in values]
+
+    return convert
+
+
+def decoder_for(column_type: Any) -> Converter | None:
+    """The converter from the wire form for ``column_type``, or None when the wire value
+    already is the Python value (BOOL, STRING, arrays of them, unknown codes)."""
+    code = type_code(column_type)
+    if code == "ARRAY":
+        element = decoder_for(column_type.get("array_element_type"))
+        return None if element is None else _array_of(element)
+    return _DECODERS.get(code) if code is not None else None
+
+
+def decoders(columns: Sequence[ColumnType]) -> dict[str, Converter]:
+    """Column name -> converter, for the columns whose values need one."""
+    out = {}
+    for column in columns:
+        convert = decoder_for(column.type)
+        if convert is not None:
+            out[column.name] = convert
+    return out
+
+
+def decode_values(values: Mapping[str, Any], converters: Mapping[str, Converter]
+                  ) -> dict[str, Any]:
+    """``values`` with every non-NULL value converted by its column's converter (columns
+    without one keep their value): a new dict, or ``values`` itself (a plain dict) when
+    there are no converters. Raises what a converter raises."""
+    if not converters:
+        return values if type(values) is dict else dict(values)
+    get = converters.get
+    out = {}
+    for name, value in values.items():
+        if value is not None:
+            convert = get(name)
+            if convert is not None:
+                value = convert(value)
+        out[name] = value
+    return out
+
+
+# --- Python -> wire -------------------------------------------------------------------------
+
+
+def _enc_int(value: Any) -> Any:
+    return value if isinstance(value, str) else str(int(value))
+
+
+def _enc_float(value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    f = float(value)
+    if f != f:
+        return "NaN"
+    if f in (float("inf"), float("-inf")):
+        return "Infinity" if f > 0 else "-Infinity"
+    return f
+
+
+def _enc_numeric(value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Decimal):
+        return format(value, "f")
+    return str(value)
+
+
+def _enc_bytes(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    return value
+
+
+def _enc_date(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.date().isoformat()
+    return value.isoformat() if isinstance(value, date) else value
+
+
+def _enc_timestamp(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return Timestamp.from_datetime(value).rfc3339()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Timestamp.from_ns(value).rfc3339()
+    return value
+
+
+def _enc_json(value: Any) -> Any:
+    # A str is taken as JSON text already (the wire form); to send a JSON string value,
+    # pass its JSON text ('"abc"').
+    if isinstance(value, str):
+        return value
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+_ENCODERS: dict[str, Converter] = {
+    "INT64": _enc_int,
+    "ENUM": _enc_int,
+    "FLOAT64": _enc_float,
+    "FLOAT32": _enc_float,
+    "NUMERIC": _enc_numeric,
+    "BYTES": _enc_bytes,
+    "PROTO": _enc_bytes,
+    "DATE": _enc_date,
+    "TIMESTAMP": _enc_timestamp,
+    "JSON": _enc_json,
+}
+
+
+def encoder_for(column_type: Any) -> Converter | None:
+    """The converter to the wire form for ``column_type`` (None: values pass unchanged).
+
+    It takes Python values and wire values alike (``5`` and ``"5"`` both give ``"5"`` for
+    INT64), so encoding is idempotent; a str for a JSON column is taken as JSON text.
+    """
+    code = type_code(column_type)
+    if code == "ARRAY":
+        element = encoder_for(column_type.get("array_element_type"))
+        return None if element is None else _array_of(element)
+    return _ENCODERS.get(code) if code is not None else None
+
+
+def encoders(columns: Sequence[ColumnType]) -> dict[str, Converter]:
+    """Column name -> converter to the wire form, for the columns that need one."""
+    out = {}
+    for column in columns:
+        convert = encoder_for(column.type)
+        if convert is not None:
+            out[column.name] = convert
+    return out
+
+
+def encode_values(values: Mapping[str, Any], converters: Mapping[str, Converter]
+                  ) -> dict[str, Any]:
+    """``values`` in the wire form (see :func:`encoder_for`), as a new dict."""
+    return decode_values(values, converters) if converters else dict(values)
