@@ -14,9 +14,11 @@ ONE read per record: all of the record's keys in one ``KeySet``, at a read times
 to the record's commit timestamp. Elements are processed one at a time (DoFns are
 element-wise), which is why the batching unit is the record and not a group of records.
 
-Values come back in the change stream's wire form (INT64 and NUMERIC as text, TIMESTAMP as
-RFC 3339 text, BYTES as base64, JSON as its text, FLOAT64 as a number), the same form the
-record's own mods hold, so a looked-up row and a NEW_ROW stream's row read alike.
+Values. The read gives the change stream's wire form (INT64 and NUMERIC as text, TIMESTAMP
+as RFC 3339 text, BYTES as base64, JSON as its text, FLOAT64 as a number). With
+``typed=True`` (the default, as the reader's) they are then typed from the column types
+like the stream's own mods; ``typed=False`` keeps the wire form, for a source read with
+``typed=False``. Either way a looked-up row and a NEW_ROW stream's row read alike.
 
 RPCs. Reads go out without the stock client's retry loop and with a deadline of
 ``call_timeout`` seconds; transient errors (:func:`~cdcflow.spanner.retry.is_transient`)
@@ -45,6 +47,7 @@ from cdcflow.errors import ChangeStreamError, ConfigurationError, TransientError
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
 from cdcflow.spanner.retry import is_transient, status_name
 from cdcflow.spanner.transport import GrpcTransport, Param, assemble_rows
+from cdcflow.spanner.values import decode_values, decoders
 from cdcflow.transforms.base import DoFn, ParDo
 
 __all__ = ["DEFAULT_LOOKUP_RETRY", "LookupRows"]
@@ -377,9 +380,10 @@ class _LookupFn(DoFn[DataChangeRecord, DataChangeRecord]):
     """Looks up the full rows of one record per call; see :class:`LookupRows`."""
 
     def __init__(self, database: str, columns: tuple[str, ...] | None, priority: str,
-                 call_timeout: float, retry: RetryPolicy) -> None:
+                 call_timeout: float, retry: RetryPolicy, typed: bool = True) -> None:
         self.database = database
         self.columns = columns
+        self.typed = typed
         self.priority = priority
         self.call_timeout = call_timeout
         self.retry = retry
@@ -431,7 +435,15 @@ class _LookupFn(DoFn[DataChangeRecord, DataChangeRecord]):
         by_key = {tuple(_hashable(v) for v in row[:width]): dict(zip(selected, row, strict=True))
                   for row in rows}
         ordinals = {c: i + 1 for i, c in enumerate(table.columns)}
-        return (_looked_up(element, table, selected, by_key, types, ordinals),)
+        found = _looked_up(element, table, selected, by_key, types, ordinals)
+        if self.typed and found is not element:
+            # The stream's records hold typed values (the reader's default): so do these.
+            convert = decoders(found.column_types)
+            found = attrs.evolve(found, mods=tuple(
+                attrs.evolve(m, new_values=decode_values(m.new_values, convert))
+                for m in found.mods
+            ))
+        return (found,)
 
     def __repr__(self) -> str:
         return f"LookupRows({self.database})"
@@ -462,6 +474,7 @@ class LookupRows(ParDo[DataChangeRecord, DataChangeRecord]):
         priority: str = "MEDIUM",
         call_timeout: float = 30.0,
         retry: RetryPolicy = DEFAULT_LOOKUP_RETRY,
+        typed: bool = True,
     ) -> None:
         if not isinstance(database, str) or not _DATABASE.match(database):
             msg = (
@@ -482,7 +495,9 @@ class LookupRows(ParDo[DataChangeRecord, DataChangeRecord]):
             raise ConfigurationError(msg)
         self.database = database
         self.columns = None if columns is None else tuple(columns)
-        super().__init__(_LookupFn(database, self.columns, priority, float(call_timeout), retry))
+        super().__init__(
+            _LookupFn(database, self.columns, priority, float(call_timeout), retry, typed)
+        )
 
     def default_label(self) -> str:
         return "LookupRows"

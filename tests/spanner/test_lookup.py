@@ -170,12 +170,13 @@ def _stale_row(db: Any, key: int, ts: Timestamp) -> dict[str, Any] | None:
 
 
 def _typed(values: dict[str, Any]) -> dict[str, Any]:
-    """Wire values of the shop's columns as the stock client types them."""
+    """The shop's columns as the stock client types them (from typed or wire values)."""
+    details = values["Details"]
     return {
         "Customer": values["Customer"], "Status": values["Status"],
         "Quantity": None if values["Quantity"] is None else int(values["Quantity"]),
         "Price": values["Price"],
-        "Details": None if values["Details"] is None else json.loads(values["Details"]),
+        "Details": json.loads(details) if isinstance(details, str) else details,
     }
 
 
@@ -230,7 +231,7 @@ def test_every_looked_up_row_is_the_row_at_its_commit_timestamp(
         for mod, before in zip(record.mods, original.mods, strict=True):
             key = int(mod.keys[SHOP_KEY])
             assert set(mod.new_values) == set(SHOP_COLUMNS)
-            # The stream's own values are in the same (wire) form as the looked-up ones.
+            # The stream's own values are in the same (typed) form as the looked-up ones.
             assert {c: mod.new_values[c] for c in before.new_values} == dict(before.new_values)
             expected = _stale_row(db, key, record.commit_timestamp)
             assert expected is not None
