@@ -59,6 +59,7 @@ __all__ = [
     "decode_json_record",
     "decode_proto_record",
     "parse_timestamp",
+    "plain_value",
     "records_from_stock_row",
     "row_decoder",
 ]
@@ -376,7 +377,7 @@ def _proto_ts(ts: Any) -> Timestamp:
     return Timestamp.from_ns(ts.seconds * 1_000_000_000 + ts.nanos)
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     """A protobuf ``Value`` as plain Python (Spanner's JSON encoding of a column value)."""
     kind = value.WhichOneof("kind")
     if kind == "string_value":
@@ -388,8 +389,8 @@ def _plain(value: Any) -> Any:
     if kind == "number_value":
         return value.number_value
     if kind == "list_value":
-        return [_plain(v) for v in value.list_value.values]
-    return {k: _plain(v) for k, v in value.struct_value.fields.items()}
+        return [plain_value(v) for v in value.list_value.values]
+    return {k: plain_value(v) for k, v in value.struct_value.fields.items()}
 
 
 def _type_json(type_pb: Any) -> Any:
@@ -406,7 +407,7 @@ def _proto_columns(columns: Any) -> tuple[ColumnType, ...]:
 
 
 def _mod_values(values: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    return {names[v.column_metadata_index]: _plain(v.value) for v in values}
+    return {names[v.column_metadata_index]: plain_value(v.value) for v in values}
 
 
 def _enum_name(message: Any, field: str) -> Any:

@@ -45,6 +45,7 @@ import attrs
 from cdcflow.backoff import RetryPolicy
 from cdcflow.errors import ChangeStreamError, ConfigurationError, TransientError
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
+from cdcflow.spanner.decode import plain_value
 from cdcflow.spanner.retry import is_transient, status_name
 from cdcflow.spanner.transport import GrpcTransport, Param, assemble_rows
 from cdcflow.spanner.values import decode_values, decoders
@@ -127,22 +128,6 @@ def _key_tuple(keys: Mapping[str, Any], key_columns: Sequence[str]) -> tuple[Any
 
 def _hashable(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
-
-
-def _plain(value: Any) -> Any:
-    """A protobuf ``Value`` as _plain Python: Spanner's JSON encoding of a column value."""
-    kind = value.WhichOneof("kind")
-    if kind == "string_value":
-        return value.string_value
-    if kind == "null_value" or kind is None:
-        return None
-    if kind == "bool_value":
-        return value.bool_value
-    if kind == "number_value":
-        return value.number_value
-    if kind == "list_value":
-        return [_plain(v) for v in value.list_value.values]
-    return {k: _plain(v) for k, v in value.struct_value.fields.items()}
 
 
 def _looked_up(
@@ -295,7 +280,7 @@ class _Reader:
         self, table: str, columns: Sequence[str], keys: Sequence[tuple[Any, ...]], ns: int
     ) -> tuple[list[list[Any]], dict[str, Any]]:
         """Rows of ``keys`` (wire form, key order) as of ``ns``, in one Read call; returns
-        the rows (_plain values, ``columns`` order) and each column's decoded JSON type."""
+        the rows (plain values, ``columns`` order) and each column's decoded JSON type."""
 
         def once() -> tuple[list[list[Any]], dict[str, Any]]:
             rows: list[list[Any]] = []
@@ -303,7 +288,7 @@ class _Reader:
             for row_type, row in assemble_rows(self._stream(table, columns, keys, ns)):
                 if not types:
                     types = {f.name: _type_json(f.type_) for f in row_type.fields}
-                rows.append([_plain(v) for v in row])
+                rows.append([plain_value(v) for v in row])
             return rows, types
 
         result: tuple[list[list[Any]], dict[str, Any]] = self._call(

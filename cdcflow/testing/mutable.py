@@ -33,7 +33,6 @@ from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     MAX_NS,
     ChangeRecord,
-    HeartbeatRecord,
     MoveInEvent,
     MoveOutEvent,
     PartitionEndRecord,
@@ -43,7 +42,14 @@ from cdcflow.model import (
     record_position,
 )
 from cdcflow.stream import ChangeStreamQuery
-from cdcflow.testing.scripted import ScriptedChangeStream, TimeLike, _bucket, _ns, _Partition
+from cdcflow.testing.scripted import (
+    ScriptedChangeStream,
+    TimeLike,
+    _bucket,
+    _ns,
+    _Partition,
+    with_heartbeats,
+)
 
 __all__ = ["ScriptedMutableStream"]
 
@@ -189,18 +195,6 @@ class ScriptedMutableStream(ScriptedChangeStream):
         lo_e = bisect.bisect_left(events, query.start, key=record_position)
         merged = heapq.merge(data[lo_d:], events[lo_e:], key=record_position)
         hb = max(1, query.heartbeat_millis) * 1_000_000
-        last = query.start
-        for rec in merged:
-            ts = record_position(rec)
-            if ts >= stop:
-                break
-            while ts - last > hb:
-                last += hb
-                yield HeartbeatRecord(token, Timestamp.from_ns(last))
-            yield rec
-            last = ts
-        while last + hb < stop:
-            last += hb
-            yield HeartbeatRecord(token, Timestamp.from_ns(last))
+        yield from with_heartbeats(merged, token, query.start, stop, hb)
         if p.end < query.end and p.end != MAX_NS:
             yield PartitionEndRecord(token, Timestamp.from_ns(p.end), "e0000000")

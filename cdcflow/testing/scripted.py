@@ -58,7 +58,7 @@ import bisect
 import itertools
 import threading
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
 
@@ -78,6 +78,7 @@ from cdcflow.model import (
     Mod,
     ModType,
     Timestamp,
+    record_position,
 )
 from cdcflow.spanner.shape import RecordShaper, default_shaper
 from cdcflow.spanner.values import encode_values, encoders
@@ -419,21 +420,11 @@ class ScriptedChangeStream:
             raise ChangeStreamError(msg)
         hb = max(1, query.heartbeat_millis) * 1_000_000
         stop = min(query.end, p.end)
-        last = query.start
         recs = self._records().get(token, [])
         first = bisect.bisect_left(recs, query.start, key=lambda r: r.commit_timestamp.ns)
-        for rec in itertools.islice(recs, first, None):
-            ts = rec.commit_timestamp.ns
-            if ts >= stop:
-                break
-            while ts - last > hb:
-                last += hb
-                yield HeartbeatRecord(token, Timestamp.from_ns(last))
-            yield rec
-            last = ts
-        while last + hb < stop:
-            last += hb
-            yield HeartbeatRecord(token, Timestamp.from_ns(last))
+        yield from with_heartbeats(
+            itertools.islice(recs, first, None), token, query.start, stop, hb
+        )
         if p.end < query.end:
             yield ChildPartitionsRecord(
                 partition_token=token,
@@ -551,3 +542,23 @@ def _failing(
         yield record
     msg = "scripted failure: UNAVAILABLE (injected by ScriptedChangeStream.fail_reads)"
     raise error(msg)
+
+
+def with_heartbeats(
+    records: Iterable[ChangeRecord], token: str, start: int, stop: int, every_ns: int
+) -> Iterator[ChangeRecord]:
+    """``records`` (in position order) up to ``stop``, with a HeartbeatRecord whenever
+    ``every_ns`` pass without one, as a partition's query returns them."""
+    last = start
+    for rec in records:
+        ts = record_position(rec)
+        if ts >= stop:
+            break
+        while ts - last > every_ns:
+            last += every_ns
+            yield HeartbeatRecord(token, Timestamp.from_ns(last))
+        yield rec
+        last = ts
+    while last + every_ns < stop:
+        last += every_ns
+        yield HeartbeatRecord(token, Timestamp.from_ns(last))

@@ -20,6 +20,7 @@ from google.protobuf.struct_pb2 import Value
 import cdcflow as cf
 from cdcflow.errors import ChangeStreamError, ConfigurationError
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, ModType, Timestamp
+from cdcflow.spanner.decode import plain_value
 from cdcflow.spanner.emulator import Emulator
 from cdcflow.spanner.lookup import (
     DEFAULT_LOOKUP_RETRY,
@@ -27,7 +28,6 @@ from cdcflow.spanner.lookup import (
     _key_tuple,
     _looked_up,
     _LookupFn,
-    _plain,
     _TableColumns,
     _wire_value,
 )
@@ -91,14 +91,14 @@ def test_wire_value_matches_what_spanner_sends() -> None:
 
 
 def test_plain_reads_protobuf_values_as_the_wire_form() -> None:
-    assert _plain(Value(string_value="42")) == "42"
-    assert _plain(Value(number_value=1.5)) == 1.5
-    assert _plain(Value(bool_value=False)) is False
-    assert _plain(Value(null_value=0)) is None
+    assert plain_value(Value(string_value="42")) == "42"
+    assert plain_value(Value(number_value=1.5)) == 1.5
+    assert plain_value(Value(bool_value=False)) is False
+    assert plain_value(Value(null_value=0)) is None
     nested = Value()
     nested.list_value.values.add(string_value="a")
     nested.list_value.values.add(number_value=2)
-    assert _plain(nested) == ["a", 2.0]
+    assert plain_value(nested) == ["a", 2.0]
 
 
 def test_looked_up_replaces_new_values_keeps_keys_and_old_values() -> None:
