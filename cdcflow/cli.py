@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
@@ -514,8 +513,6 @@ def read_ddl(path: Path) -> list[str]:
 
 
 def _cmd_emulator_start(args: argparse.Namespace) -> int:
-    import socket
-
     from cdcflow.spanner.emulator import Emulator, EmulatorNotFoundError, check_database_name
 
     if args.ddl_file is not None and not args.database:
@@ -543,13 +540,7 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
             emu.create_database(args.database, ddl, instance=args.instance)
             print(f"# database {emu.database_path(args.database, args.instance)}", flush=True)
         print(f"# emulator log: {emu.log_path}; Ctrl-C stops it", file=sys.stderr, flush=True)
-        while True:  # runs until Ctrl-C (or the emulator dies)
-            time.sleep(1)
-            try:
-                socket.create_connection(("127.0.0.1", emu.port), timeout=2).close()
-            except OSError:
-                msg = f"the emulator stopped answering on {emu.host}; see {emu.log_path}"
-                raise CdcflowError(msg) from None
+        emu.wait_while_answering()  # until Ctrl-C, or raises if the emulator dies
     except KeyboardInterrupt:
         print("\nstopping the emulator", file=sys.stderr)
         return EXIT_OK

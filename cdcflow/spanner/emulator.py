@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from cdcflow.errors import CdcflowError, ConfigurationError, EmulatorNotFoundError
 
@@ -236,6 +236,17 @@ class Emulator:
             msg = f"the emulator refused database {database!r} or its DDL: {text}; fix the DDL"
             raise ConfigurationError(msg) from None
         return db
+
+    def wait_while_answering(self, every: float = 1.0) -> NoReturn:
+        """Block while the emulator accepts connections; raise CdcflowError naming its log
+        once it stops answering (a KeyboardInterrupt ends the wait as usual)."""
+        while True:
+            time.sleep(every)
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=2).close()
+            except OSError:
+                msg = f"the emulator stopped answering on {self.host}; see {self.log_path}"
+                raise CdcflowError(msg) from None
 
     def database_path(self, database: str, instance: str = "test-instance") -> str:
         return f"projects/{self.project}/instances/{instance}/databases/{database}"
