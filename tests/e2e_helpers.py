@@ -25,6 +25,7 @@ __all__ = [
     "Case",
     "check_exactly_once",
     "committed_batches",
+    "end_after",
     "partitions_read",
     "run_workload",
     "unique",
@@ -155,6 +156,14 @@ def run_workload(case: Case, seconds: float, rate: float = 15.0) -> tuple[Worklo
     workload = Workload(case.database, rate=rate, seed=random.randrange(1 << 30))
     workload.run(seconds=seconds)
     return workload, start
+
+
+def end_after(workload: Workload) -> Timestamp:
+    """A window end past every change the workload committed: now, or just after its last
+    commit when that is later (under load the emulator's commit timestamps run a few ms
+    ahead of the host's clock, so "now" taken right after a commit can precede it)."""
+    last = max((c.commit_ns for c in workload.changes), default=0)
+    return Timestamp.from_ns(max(Timestamp.now().ns, last + 1_000_000))
 
 
 def partitions_read(case: Case) -> int:

@@ -25,6 +25,7 @@ from tests.e2e_helpers import (
     Case,
     check_exactly_once,
     committed_batches,
+    end_after,
     partitions_read,
     run_workload,
 )
@@ -48,7 +49,7 @@ def test_every_change_exactly_once_in_key_order(
 ) -> None:
     case = Case(spanner_emulator, tmp_path, dialect=dialect, capture=capture, store=store)
     workload, start = run_workload(case, seconds=6)
-    case.window(start, Timestamp.now())
+    case.window(start, end_after(workload))
     case.run()
     assert check_exactly_once(case, workload) > 30
     assert partitions_read(case) >= 2
@@ -102,7 +103,7 @@ def test_sigkilled_runs_resume_without_loss_or_duplicates(
 def test_spark_local_cluster_exactly_once(spanner_emulator: Emulator, tmp_path: Path) -> None:
     case = Case(spanner_emulator, tmp_path)
     workload, start = run_workload(case, seconds=5)
-    case.window(start, Timestamp.now())
+    case.window(start, end_after(workload))
     case.run("--runner", "spark", "--master", "local-cluster[2,1,1024]", timeout=420)
     assert check_exactly_once(case, workload) > 30
 
@@ -113,7 +114,7 @@ def test_spark_driver_sigkilled_resumes_exactly_once(
 ) -> None:
     case = Case(spanner_emulator, tmp_path)
     workload, start = run_workload(case, seconds=8)
-    case.window(start, Timestamp.now())
+    case.window(start, end_after(workload))
     killed = _run_with_kills(case, 2, "--runner", "spark", "--master", "local[2]",
                              "--set", "max_batch_span=500ms")
     assert killed == 2
