@@ -22,7 +22,7 @@ import orjson
 
 from cdcflow.errors import DecodeError
 from cdcflow.model import ColumnType, DataChangeRecord, HeartbeatRecord, Mod, Timestamp
-from cdcflow.spanner.values import decoder_for, decoders, type_code
+from cdcflow.spanner.values import decode_values, decoder_for, decoders, type_code
 from cdcflow.stream import RecordFilter
 
 __all__ = ["RecordShaper", "TablePlan", "default_shaper"]
@@ -76,8 +76,8 @@ class TablePlan:
             return Mod(keys, new, old)
         try:
             return Mod(
-                _typed(keys, convs), _typed(new, convs) if new else new,
-                _typed(old, convs) if old else old,
+                decode_values(keys, convs), decode_values(new, convs) if new else new,
+                decode_values(old, convs) if old else old,
             )
         except Exception as exc:  # a value that does not have its column's wire form
             raise self._error(keys, new, old) from exc
@@ -99,19 +99,6 @@ class TablePlan:
                     )
                     return DecodeError(msg)
         return DecodeError(f"cannot type the values of a {self._table!r} mod; use typed=False")
-
-
-def _typed(values: Mapping[str, Any], convs: Mapping[str, Any]) -> dict[str, Any]:
-    # decode_values, inlined: this runs for every mod
-    get = convs.get
-    out = {}
-    for name, value in values.items():
-        if value is not None:
-            convert = get(name)
-            if convert is not None:
-                value = convert(value)
-        out[name] = value
-    return out
 
 
 class RecordShaper:
