@@ -24,16 +24,13 @@ import attrs
 
 from cdcflow.engine.lifecycle import BatchOutcome
 from cdcflow.engine.runner import TaskResult
+from cdcflow.metadata import _rules
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import PartitionMetadata, PartitionState
 
 __all__ = ["IdleSchedule", "PartitionView"]
 
 _NS = 1_000_000_000
-_ORDER = {
-    PartitionState.CREATED: 0, PartitionState.SCHEDULED: 1, PartitionState.RUNNING: 2,
-    PartitionState.FINISHED: 3,
-}
 
 
 class PartitionView:
@@ -41,6 +38,7 @@ class PartitionView:
     engine writes (:meth:`planned`, :meth:`committed`, :meth:`deleted`)."""
 
     def __init__(self, store: MetadataStore, pipeline: str) -> None:
+        self._pipeline = pipeline
         self._parts = {p.token: p for p in store.partitions(pipeline)}
 
     def __len__(self) -> int:
@@ -59,31 +57,27 @@ class PartitionView:
     def planned(self, transitions: Mapping[str, PartitionState], now_ns: int) -> None:
         """Apply the state transitions written with a plan (as the store stamps them)."""
         for token, state in transitions.items():
-            self._parts[token] = _moved(self._parts[token], state, now_ns)
+            self._parts[token] = self._moved(self._parts[token], state, now_ns)
 
     def committed(self, outcome: BatchOutcome, now_ns: int) -> None:
         """Apply a committed batch: watermarks, finished partitions, new children."""
         for u in outcome.updates:
             p = attrs.evolve(self._parts[u.token], watermark=u.watermark)
-            self._parts[u.token] = _moved(p, PartitionState.FINISHED, now_ns) if u.finished else p
+            self._parts[u.token] = (
+                self._moved(p, PartitionState.FINISHED, now_ns) if u.finished else p
+            )
         for child in outcome.children:
             self._parts.setdefault(child.token, child)
+
+    def _moved(
+        self, p: PartitionMetadata, state: PartitionState, now_ns: int
+    ) -> PartitionMetadata:
+        # The stores' own rule, so the view stamps states exactly as they do.
+        return _rules.transition(self._pipeline, p, state, now_ns)
 
     def deleted(self, tokens: Iterable[str]) -> None:
         for token in tokens:
             self._parts.pop(token, None)
-
-
-def _moved(p: PartitionMetadata, state: PartitionState, now_ns: int) -> PartitionMetadata:
-    if _ORDER[state] <= _ORDER[p.state]:
-        return p
-    level = _ORDER[state]
-    return attrs.evolve(
-        p, state=state,
-        scheduled_at=p.scheduled_at if p.scheduled_at is not None or level < 1 else now_ns,
-        running_at=p.running_at if p.running_at is not None or level < 2 else now_ns,
-        finished_at=p.finished_at if p.finished_at is not None or level < 3 else now_ns,
-    )
 
 
 class IdleSchedule:
