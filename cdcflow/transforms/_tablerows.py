@@ -27,7 +27,14 @@ from cdcflow.model import DataChangeRecord, Mod, Timestamp
 __all__: list[str] = []
 
 RowStyle = Literal["flat", "debezium"]
-_DEBEZIUM_OP = {"INSERT": "c", "UPDATE": "u", "DELETE": "d"}
+#: A row's op (:func:`row_op`) in Debezium's envelope; "r" (read) marks a snapshot row.
+_DEBEZIUM_OP = {"INSERT": "c", "UPDATE": "u", "DELETE": "d", "SNAPSHOT": "r"}
+
+
+def row_op(record: DataChangeRecord) -> str:
+    """The op of a record's rows: its mod type, or "SNAPSHOT" for a row of the initial
+    snapshot (an INSERT of the row as it was before the stream started)."""
+    return "SNAPSHOT" if record.is_snapshot else record.mod_type
 
 
 @attrs.frozen
@@ -65,6 +72,9 @@ class Schema:
     table: str
     version: int
     columns: tuple[Column, ...]
+    #: The commit timestamp (ns) of the earliest row of this version's shape, when known: a
+    #: row committed before it cannot show that a column was dropped since.
+    since: int = 0
 
     def fits(self, columns: Iterable[Column]) -> bool:
         """Whether rows with ``columns`` fit this schema: every column is known with the same
@@ -72,13 +82,16 @@ class Schema:
         mine = {c.name: c.type for c in self.columns}
         return all(c.name in mine and mine[c.name] == c.type for c in columns)
 
-    def evolve(self, columns: Iterable[Column]) -> Schema:
-        """The next version: these columns, then new ones appended; a column seen with another
-        type takes the new type."""
+    def evolve(self, columns: Iterable[Column], dropped: Iterable[str] = (),
+               since: int = 0) -> Schema:
+        """The next version: these columns without ``dropped``, then new ones appended; a
+        column seen with another type takes the new type."""
         merged = {c.name: c for c in self.columns}
+        for name in dropped:
+            merged.pop(name, None)
         for c in columns:
             merged[c.name] = c
-        return Schema(self.table, self.version + 1, tuple(merged.values()))
+        return Schema(self.table, self.version + 1, tuple(merged.values()), since)
 
     def checksum(self) -> str:
         body = orjson.dumps([attrs.asdict(c) for c in self.columns], option=orjson.OPT_SORT_KEYS)
@@ -90,6 +103,7 @@ class Schema:
             "columns": [{"name": c.name, "type": c.type, "primary_key": c.primary_key,
                          "arrow": str(arrow_type(c.type))} for c in self.columns],
             "key_columns": [c.name for c in self.columns if c.primary_key],
+            "since": self.since,
             "checksum": self.checksum(),
         }
         return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
@@ -101,7 +115,7 @@ class Schema:
         doc = orjson.loads(data)
         cols = tuple(Column(str(c["name"]), c["type"], bool(c["primary_key"]))
                      for c in doc["columns"])
-        schema = cls(str(doc["table"]), int(doc["version"]), cols)
+        schema = cls(str(doc["table"]), int(doc["version"]), cols, int(doc.get("since", 0)))
         if schema.checksum() != doc["checksum"]:
             msg = f"schema checksum mismatch for {schema.table} v{schema.version}"
             raise ValueError(msg)
@@ -202,7 +216,7 @@ def rows_of(record: DataChangeRecord, style: RowStyle) -> list[dict[str, Any]]:
 def _flat(record: DataChangeRecord, mod: Mod, types: Mapping[str, Any], ts: int) -> dict[str, Any]:
     values = mod.old_values if record.mod_type == "DELETE" else mod.new_values
     row = _values({**values, **mod.keys}, types, record.table_name)
-    row.update(_op=record.mod_type, _commit_ts=ts, _txn=record.server_transaction_id,
+    row.update(_op=row_op(record), _commit_ts=ts, _txn=record.server_transaction_id,
                _seq=record.record_sequence, _table=record.table_name)
     return row
 
@@ -219,7 +233,7 @@ def _debezium(
     source = {"table": record.table_name, "commit_timestamp": ts,
               "transaction_id": record.server_transaction_id,
               "record_sequence": record.record_sequence, "partition": record.partition_token}
-    return {"before": before, "after": after, "op": _DEBEZIUM_OP[record.mod_type],
+    return {"before": before, "after": after, "op": _DEBEZIUM_OP[row_op(record)],
             "source": source, "ts_ms": ts // 1_000_000}
 
 

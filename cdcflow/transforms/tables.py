@@ -8,7 +8,8 @@ Layout under ``url``::
     _cdcflow/durable.json                                     {"durable_batch": D, ...}
 
 A *key* is one (table, date partition) directory. Each key has at most one open file,
-staged on local disk; a file holds **whole batches** of its key, ``first..last``, and
+staged in the driver's spool (memory, spilling to local disk past ``spool_memory``; see
+``_tablespool``); a file holds **whole batches** of its key, ``first..last``, and
 ``k`` is the schema version its rows follow (``v<k>.json`` is written before any file of
 version ``k``).
 
@@ -17,7 +18,8 @@ Why this is exactly-once (the two-stage ack of ``cdcflow.engine.durability``):
 1. ``commit(b)`` stages batch ``b``'s rows in the open file of each key it touches. A key's
    file is cut (written out) at a batch boundary when it reaches ``file_size``, when
    ``flush_interval`` has passed since it was opened, before its table's schema changes, or
-   at ``flush()``. A cut is one PUT of the final name (locally: a temporary name, then an
+   at ``flush()``. A cut file is queued for the upload thread, which writes files in cut
+   order; an upload is one PUT of the final name (locally: a temporary name, then an
    atomic rename): an object store has no atomic rename, but a PUT is atomic, so the final
    name is either absent or whole.
 2. The names are deterministic and say which batches a key has made durable: the largest
@@ -27,22 +29,34 @@ Why this is exactly-once (the two-stage ack of ``cdcflow.engine.durability``):
    already), and stages the others. Files of a key are contiguous in batch order, so a
    replay neither repeats nor drops a row, whatever the cut points of the replay (which
    may differ: ``flush_interval`` is wall-clock time).
-3. ``durable_batch()`` is ``B`` only when every key's open file holds batches above ``B``
-   (the minimum over open files of ``first - 1``; with nothing open, the last batch
-   staged). After a cut it is also written to ``_cdcflow/durable.json`` (after the data),
-   so a restart finds a lower bound of it in the output itself.
+3. ``durable_batch()`` is ``B`` only when every key's open file and every file waiting
+   for its upload holds batches above ``B`` (the minimum of their ``first - 1``; with
+   none, the last batch staged). When the upload queue empties it is also written to
+   ``_cdcflow/durable.json`` (after the data), so a restart finds a lower bound of it in
+   the output itself.
 
-A schema change (a record with a column the table's current schema lacks, or another type)
-cuts every open file of the table, writes ``v<k+1>.json`` (the columns so far plus the new
-ones), then stages the batch in new files. Records with fewer columns (a DELETE's keys, an
-UPDATE's changed columns) fit the current schema; the missing columns are null.
+Tasks build their rows column-wise (``_tablebuild``): per (table, column list) one Arrow
+RecordBatch or one block of JSON lines, so the driver only conforms a batch to the table's
+current schema version and appends it.
+
+A schema change cuts every open file of the table, waits for the uploads (the drain),
+writes ``v<k+1>.json``, then stages the batch in new files. It is a record with a column
+the table's current schema lacks, or another type (``ADD COLUMN``: the columns so far plus
+the new ones), or a dropped column (``DROP COLUMN``: a record that carries every column
+the stream tracks, an INSERT, lacks it; the record is newer than the version's ``since``,
+the commit timestamp of its earliest row; and no record of the batch carries it). Records
+with fewer columns (a DELETE's keys, an UPDATE's changed columns) fit the current schema;
+the missing columns are null. Changes are seen per batch, and a split or merged partition
+is read on in the next batch from its end, so a record may follow newer ones by up to a
+batch span: an older record of a shape without the newest columns fits (and is not taken
+for a drop, by ``since``); an older record carrying a dropped column starts one more
+version with the column (nothing is lost; the next INSERT drops it again).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -50,28 +64,18 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import attrs
 import fsspec
 import orjson
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from cdcflow.durations import parse_duration
 from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
-from cdcflow.transforms._tablerows import (
-    Column,
-    RowStyle,
-    Schema,
-    arrow_table,
-    columns_of,
-    json_value,
-    jsonl_row,
-    rows_of,
-)
+from cdcflow.transforms._tablebuild import TaskRows, Writer, _Group, conform
+from cdcflow.transforms._tablerows import Column, RowStyle, Schema
+from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
-__all__ = ["WriteTables", "parse_size"]
+__all__ = ["TaskRows", "WriteTables", "parse_size"]
 
 _PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl)$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -88,157 +92,6 @@ def parse_size(text: str | int) -> int:
         msg = f"not a size: {text!r}; write e.g. 64MiB, 500KB or 1GiB"
         raise PipelineDefinitionError(msg)
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-
-
-@attrs.frozen
-class _Group:
-    """Rows of one (table, partition directory) from one task, and their columns."""
-
-    table: str
-    directory: str
-    columns: tuple[Column, ...]
-    rows: list[dict[str, Any]]
-
-
-@attrs.frozen
-class TaskRows:
-    """A writer's commit message: its rows inline, or the path of a local spool file."""
-
-    groups: tuple[_Group, ...] = ()
-    spool: str | None = None
-
-    def load(self) -> tuple[_Group, ...]:
-        if self.spool is None:
-            return self.groups
-        groups: list[_Group] = []
-        try:
-            with open(self.spool, "rb") as f:
-                while True:
-                    try:
-                        groups.extend(pickle.load(f))
-                    except EOFError:
-                        break
-        except OSError as exc:
-            msg = (f"WriteTables cannot read the task's spool {self.spool}: {exc}; tasks spool "
-                   "to local disk: on a cluster set spool_size=None (rows travel inline)")
-            raise SinkError(msg) from exc
-        return tuple(groups)
-
-
-class _Writer:
-    """Turns a task's records into rows; spools them to a local file past ``spool_size``."""
-
-    def __init__(self, style: RowStyle, partition_by: str, spool_size: int | None) -> None:
-        self.style: RowStyle = style
-        self.partition_by = partition_by
-        self.spool_size = spool_size
-        self.groups: dict[tuple[str, str], tuple[dict[str, Column], list[dict[str, Any]]]] = {}
-        self.bytes = 0
-        self.spool: str | None = None
-
-    def write(self, element: DataChangeRecord) -> None:
-        if not isinstance(element, DataChangeRecord):
-            msg = (f"WriteTables takes DataChangeRecords, got {type(element).__name__}; "
-                   "put it right after ReadPartition (or a Filter)")
-            raise SinkError(msg)
-        key = (element.table_name, _directory(element.commit_timestamp, self.partition_by))
-        cols, rows = self.groups.setdefault(key, ({}, []))
-        for c in columns_of(element):
-            cols[c.name] = c
-        new = rows_of(element, self.style)
-        rows.extend(new)
-        self.bytes += sum(64 + 16 * len(r) for r in new)
-        if self.spool_size is not None and self.bytes >= self.spool_size:
-            self._spill()
-
-    def _batch(self) -> list[_Group]:
-        out = [_Group(t, d, tuple(cols.values()), rows)
-               for (t, d), (cols, rows) in self.groups.items() if rows]
-        self.groups, self.bytes = {}, 0
-        return out
-
-    def _spill(self) -> None:
-        if self.spool is None:
-            fd, self.spool = tempfile.mkstemp(prefix="cdcflow-tables-", suffix=".spool")
-            os.close(fd)
-        with open(self.spool, "ab") as f:
-            pickle.dump(self._batch(), f, protocol=pickle.HIGHEST_PROTOCOL)
-
-    def close(self) -> TaskRows | None:
-        if self.spool is not None:
-            self._spill()
-            return TaskRows(spool=self.spool)
-        groups = self._batch()
-        return TaskRows(groups=tuple(groups)) if groups else None
-
-    def abort(self) -> None:
-        self.groups = {}
-        if self.spool is not None:
-            with contextlib.suppress(OSError):
-                os.remove(self.spool)
-
-
-def _directory(ts: Timestamp, partition_by: str) -> str:
-    if partition_by == "day":
-        return f"date={ts:%Y-%m-%d}"
-    if partition_by == "hour":
-        return f"date={ts:%Y-%m-%d}/hour={ts:%H}"
-    return ""
-
-
-class _Open:
-    """A key's open file, staged on local disk (bounded memory): parquet row groups are
-    written to a local file as pending rows pass ``row_group`` bytes."""
-
-    def __init__(self, path: str, schema: Schema, arrow: pa.Schema, fmt: str, style: RowStyle,
-                 first: int, row_group: int) -> None:
-        self.path, self.schema, self.arrow, self.format = path, schema, arrow, fmt
-        self.style: RowStyle = style
-        self.first = self.last = first
-        self.opened = time.monotonic()
-        self.row_group = row_group
-        self.pending: list[pa.Table] = []
-        self.pending_bytes = 0
-        self.raw_written = 0
-        self.parquet: pq.ParquetWriter | None = None
-
-    def append(self, rows: list[dict[str, Any]], batch_id: int) -> None:
-        self.last = batch_id
-        if self.format == "jsonl":
-            with open(self.path, "ab") as f:
-                for row in rows:
-                    f.write(orjson.dumps(jsonl_row(row, self.schema, self.style),
-                                         default=json_value, option=orjson.OPT_APPEND_NEWLINE))
-            return
-        table = arrow_table(rows, self.arrow)
-        self.pending.append(table)
-        self.pending_bytes += table.nbytes
-        if self.pending_bytes >= self.row_group:
-            self._write_row_group()
-
-    def _write_row_group(self) -> None:
-        if not self.pending:
-            return
-        if self.parquet is None:
-            meta = {b"cdcflow.schema_version": str(self.schema.version).encode()}
-            self.parquet = pq.ParquetWriter(self.path, self.arrow.with_metadata(meta))
-        self.parquet.write_table(pa.concat_tables(self.pending))
-        self.raw_written += self.pending_bytes
-        self.pending, self.pending_bytes = [], 0
-
-    def size(self) -> int:
-        """The file's size if cut now (pending parquet rows estimated at the ratio so far)."""
-        on_disk = os.path.getsize(self.path) if os.path.exists(self.path) else 0
-        ratio = on_disk / self.raw_written if self.raw_written else 0.5
-        return on_disk + int(self.pending_bytes * ratio)
-
-    def finish(self) -> str:
-        """Close the local file and return its path."""
-        if self.format == "parquet":
-            self._write_row_group()
-            if self.parquet is not None:
-                self.parquet.close()
-        return self.path
 
 
 class WriteTables(Sink[DataChangeRecord, TaskRows]):
@@ -258,9 +111,20 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     keeps this many bytes of rows in memory and spools the rest to a local temporary file
     whose path it sends to the driver; ``None`` sends every row in the commit message
     (needed on a cluster whose executors do not share the driver's disk).
+    ``timestamp_unit``: Parquet timestamps in ``"ns"`` (TIMESTAMP(NANOS), every digit
+    Spanner gives) or ``"us"`` (TIMESTAMP(MICROS), for readers that refuse nanoseconds,
+    such as Spark 4; the digits below a microsecond are dropped).
 
-    Staging happens on the driver in ``local_dir`` (a temporary directory by default).
-    A storage failure raises :class:`~cdcflow.errors.SinkIOError` (the batch is retried).
+    The driver's spool (see ``_tablespool``): staged rows and cut files waiting for
+    upload stay in memory up to ``spool_memory`` (the high watermark); past it the largest
+    open files, then the queued cut files, spill to a local directory (under ``local_dir``,
+    a temporary directory by default, removed at close) until memory is back at half of
+    it (the low watermark). Uploads run on one background thread, in cut order, so a slow
+    store does not stall reading: ``commit`` waits only when memory and disk together pass
+    ``spool_memory + spool_disk``, until the uploads drain the spool to half of that.
+    A storage failure during an upload is retried with backoff (the file stays spooled
+    and the durable mark does not pass it); ``commit`` raises
+    :class:`~cdcflow.errors.SinkIOError` (the batch is retried) only while it must wait.
     """
 
     def __init__(
@@ -274,7 +138,10 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         *,
         storage_options: Mapping[str, Any] | None = None,
         spool_size: str | int | None = "16MiB",
+        spool_memory: str | int = "256MiB",
+        spool_disk: str | int = "8GiB",
         local_dir: str | None = None,
+        timestamp_unit: Literal["ns", "us"] = "ns",
     ) -> None:
         self.url = os.fspath(url)
         if not self.url:
@@ -282,7 +149,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             raise PipelineDefinitionError(msg)
         for name, value, allowed in (("format", format, ("parquet", "jsonl")),
                                      ("partition_by", partition_by, ("none", "day", "hour")),
-                                     ("rows", rows, ("flat", "debezium"))):
+                                     ("rows", rows, ("flat", "debezium")),
+                                     ("timestamp_unit", timestamp_unit, ("ns", "us"))):
             if value not in allowed:
                 msg = f"WriteTables({name}={value!r}): use one of {', '.join(allowed)}"
                 raise PipelineDefinitionError(msg)
@@ -293,29 +161,38 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self.rows: RowStyle = rows
         self.storage_options = dict(storage_options or {})
         self.spool_size = None if spool_size is None else parse_size(spool_size)
+        self.spool_memory = parse_size(spool_memory)
+        self.spool_disk = parse_size(spool_disk)
         self.local_dir = local_dir
+        self.timestamp_unit = timestamp_unit
         self._reset()
 
     def _reset(self) -> None:
         self._fs: Any = None
         self._root = ""
         self._stage_dir: str | None = None
-        self._open: dict[tuple[str, str], _Open] = {}
-        self._flushed: dict[tuple[str, str], int] = {}  # a key's largest `last` in storage
+        self._open: dict[Key, OpenFile] = {}
+        self._flushed: dict[Key, int] = {}  # a key's largest `last` in storage
         self._schemas: dict[str, Schema] = {}
         self._staged_through = 0
         self._durable: int | None = None
+        self._ratio = 0.5  # encoded / in-memory bytes of the last parquet file cut
+        self._files = 0
+        self._uploads: Uploader | None = None
+
+    _DRIVER_STATE = ("_fs", "_open", "_flushed", "_schemas", "_uploads")
 
     def __getstate__(self) -> dict[str, Any]:
         # Tasks need the configuration only; the driver's staging state stays on the driver.
         state = self.__dict__.copy()
-        for name in ("_fs", "_open", "_flushed", "_schemas"):
+        for name in self._DRIVER_STATE:
             state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fs, self._open, self._flushed, self._schemas = None, {}, {}, {}
+        self._uploads = None
 
     def describe_params(self) -> str:
         return f"{self.url} ({self.format}, {self.rows})"
@@ -323,7 +200,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     # -- tasks -------------------------------------------------------------------------------
 
     def open_writer(self, ctx: WriterContext) -> SinkWriter[DataChangeRecord, TaskRows]:
-        return _Writer(self.rows, self.partition_by, self.spool_size)
+        return Writer(self.rows, self.format, self.partition_by, self.spool_size)
 
     # -- driver ------------------------------------------------------------------------------
 
@@ -339,12 +216,19 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             raise SinkError(msg) from exc
         self._root = self._root.rstrip("/")
         self._stage_dir = tempfile.mkdtemp(prefix="cdcflow-tables-", dir=self.local_dir)
+        self._uploads = Uploader(self._upload, self._uploaded)
 
     def _storage(self) -> Any:
         if self._fs is None:
             msg = "WriteTables was not set up: the engine must call setup() before commits"
             raise SinkError(msg)
         return self._fs
+
+    def _queue(self) -> Uploader:
+        if self._uploads is None:
+            msg = "WriteTables was not set up: the engine must call setup() before commits"
+            raise SinkError(msg)
+        return self._uploads
 
     def _path(self, *parts: str) -> str:
         return "/".join([self._root, *[p for p in parts if p]])
@@ -389,9 +273,20 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             data = self._read(self._path("_cdcflow", "durable.json"))
             self._durable = int(orjson.loads(data)["durable_batch"]) if data else 0
             self._staged_through = max(self._staged_through, self._durable)
-        if not self._open:
-            return max(self._durable, self._staged_through)
-        return min(o.first for o in self._open.values()) - 1
+        if self._uploads is not None:
+            self._uploads.check()
+        return self._mark()
+
+    def _mark(self) -> int:
+        """The batch through which everything is in storage: below the first batch of every
+        open file and of every cut file not yet uploaded."""
+        firsts = [o.first for o in list(self._open.values())]
+        if self._uploads is not None:
+            with self._uploads.lock:
+                firsts += [c.first for c in self._uploads.queue]
+        if not firsts:
+            return max(self._durable or 0, self._staged_through)
+        return min(firsts) - 1
 
     def last_committed_batch(self) -> int:
         fs = self._storage()
@@ -403,7 +298,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         lasts = [int(m.group(2)) for n in names if (m := _PART.search(n))]
         return max([self.durable_batch(), *lasts])
 
-    def _key_flushed(self, key: tuple[str, str]) -> int:
+    def _key_flushed(self, key: Key) -> int:
         if key not in self._flushed:
             pattern = self._path(key[0], key[1], "part-*")
             try:
@@ -437,74 +332,189 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
 
     def commit(self, batch_id: int, messages: Sequence[TaskRows]) -> None:
         """Stage ``batch_id`` (skipped at or below the durable batch, and per key at or below
-        the key's last file); cut the files that are due."""
+        the key's last file); cut the files that are due; keep the spool in bounds."""
         if batch_id <= self.durable_batch() or batch_id <= self._staged_through:
             return
         self._checkpoint("stage", batch_id)
-        by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        columns: dict[str, dict[str, Column]] = {}
+        by_key: dict[Key, list[_Group]] = {}
         for message in messages:
             for g in message.load():
-                by_key.setdefault((g.table, g.directory), []).extend(g.rows)
-                cols = columns.setdefault(g.table, {})
-                for c in g.columns:
-                    cols[c.name] = c
+                by_key.setdefault((g.table, g.directory), []).append(g)
             if message.spool is not None:
                 with contextlib.suppress(OSError):
                     os.remove(message.spool)
-        for table, cols in columns.items():
-            self._evolve(table, tuple(cols.values()), batch_id)
-        for key, rows in by_key.items():
-            if batch_id <= self._key_flushed(key):
-                continue  # this key's file holding the batch exists: a replay
-            self._stage(key, rows, batch_id)
+        # A key whose file holding the batch exists is a replay: its rows are skipped before
+        # they can start a schema version (a replayed batch from before a DROP COLUMN
+        # would otherwise add the dropped column back).
+        by_key = {k: gs for k, gs in by_key.items() if batch_id > self._key_flushed(k)}
+        by_table: dict[str, list[_Group]] = {}
+        for key, groups in by_key.items():
+            by_table.setdefault(key[0], []).extend(groups)
+        for table, groups in by_table.items():
+            self._evolve(table, groups, batch_id)
+        for key, groups in by_key.items():
+            self._stage(key, groups, batch_id)
         self._staged_through = batch_id
-        due = [k for k, o in self._open.items() if o.size() >= self.file_size
-               or time.monotonic() - o.opened >= self.flush_interval]
+        now = time.monotonic()
+        due = [k for k, o in self._open.items() if o.size(self._ratio) >= self.file_size
+               or now - o.opened >= self.flush_interval]
         self._cut(due, batch_id)
+        self._bound(batch_id)
 
-    def _evolve(self, table: str, columns: tuple[Column, ...], batch_id: int) -> None:
+    def _evolve(self, table: str, groups: Sequence[_Group], batch_id: int) -> None:
+        """Write the table's next schema version first if this batch's rows need one: a
+        column the current version lacks (or has with another type), or a column dropped
+        (a row carrying every tracked column lacks it, that row is newer than the version,
+        and no row of the batch carries it)."""
+        # Rows with every column first, so a version lists its columns in table order.
+        groups = sorted(groups, key=lambda g: (g.full_ns is None, -len(g.columns)))
+        merged: dict[str, Column] = {}
+        for g in groups:
+            for c in g.columns:
+                merged.setdefault(c.name, c)
+        columns = tuple(merged.values())
+        since = min(g.first_ns for g in groups)
         current = self._schema(table)
-        if current is not None and current.fits(columns):
-            return
-        new = (Schema(table, 1, columns) if current is None else current.evolve(columns))
+        if current is None:
+            new = Schema(table, 1, columns, since)
+        else:
+            changed = [g for g in groups if not current.fits(g.columns)]
+            dropped: set[str] = set()
+            for g in groups:
+                if g.full_ns is not None and g.full_ns > current.since:
+                    names = {c.name for c in g.columns}
+                    lacks = {c.name for c in current.columns
+                             if not c.primary_key and c.name not in names}
+                    if lacks:
+                        dropped |= lacks
+                        changed.append(g)
+            dropped -= set(merged)
+            if not dropped and current.fits(columns):
+                return
+            since = min(g.first_ns for g in changed)
+            new = current.evolve(columns, dropped, since)
+        # Drain: every earlier row of the table is in storage before the new version.
         self._cut([k for k in self._open if k[0] == table], batch_id)
+        self.drain()
         self._put(self._path(table, "_schema", f"v{new.version}.json"), new.to_json(self.rows))
         self._schemas[table] = new
 
-    def _stage(self, key: tuple[str, str], rows: list[dict[str, Any]], batch_id: int) -> None:
+    def _stage(self, key: Key, groups: list[_Group], batch_id: int) -> None:
         file = self._open.get(key)
         if file is None:
             schema = self._schemas[key[0]]
             assert self._stage_dir is not None
-            local = os.path.join(self._stage_dir, f"{len(os.listdir(self._stage_dir))}.part")
-            file = _Open(local, schema, schema.arrow(self.rows), self.format, self.rows,
-                         batch_id, max(1 << 20, min(self.file_size // 4, 32 << 20)))
+            self._files += 1
+            local = os.path.join(self._stage_dir, f"{self._files}.part")
+            arrow = None if self.format == "jsonl" else schema.arrow(self.rows)
+            file = OpenFile(key, schema, arrow, local, batch_id, time.monotonic(),
+                            self._parquet_options())
             self._open[key] = file
-        file.append(rows, batch_id)
+        for g in groups:
+            data = g.data if file.arrow is None else conform(g.data, file.arrow)
+            file.append(data, g.nbytes, batch_id)
 
-    def _cut(self, keys: Sequence[tuple[str, str]], batch_id: int) -> None:
-        """Write out the open files of ``keys``, then record the durable batch."""
-        if not keys:
-            return
+    def _parquet_options(self) -> dict[str, Any]:
+        # "us": Parquet TIMESTAMP(MICROS), which every reader takes (Spark refuses NANOS);
+        # the nanoseconds below a microsecond are dropped.
+        if self.timestamp_unit == "us":
+            return {"coerce_timestamps": "us", "allow_truncated_timestamps": True}
+        return {}
+
+    def _cut(self, keys: Sequence[Key], batch_id: int) -> None:
+        """Close the open files of ``keys`` and queue them for upload."""
+        uploads = self._queue()
         for key in keys:
             file = self._open[key]
-            local = file.finish()
             name = f"part-{file.first}-{file.last}-{file.schema.version}.{self.format}"
-            self._put(self._path(key[0], key[1], name), local=local)
-            os.remove(local)
-            self._flushed[key] = file.last
+            raw = file.memory + file.spilled_raw
+            cut = file.finish(name, batch_id)
+            if file.arrow is not None and raw:
+                self._ratio = max(0.05, cut.size / raw)
+            uploads.submit(cut)
             del self._open[key]
-        self._checkpoint("uploaded", batch_id)
-        durable = self.durable_batch()
+
+    def _bound(self, batch_id: int) -> None:
+        """Keep the spool under its watermarks (see the class docstring)."""
+        uploads = self._queue()
+        assert self._stage_dir is not None
+        low = self.spool_memory // 2
+        if self._memory() > self.spool_memory:
+            for file in sorted(self._open.values(), key=lambda o: -o.memory):
+                if self._memory() <= low:
+                    break
+                file.spill()
+            if self._memory() > low:
+                uploads.spill(self._stage_dir, max(0, low - self._open_memory()))
+        limit = self.spool_memory + self.spool_disk
+        if self._memory() + self._disk() <= limit:
+            return
+        target = limit // 2
+        open_bytes = self._open_memory() + sum(o.disk for o in self._open.values())
+        if open_bytes > target:  # the open files alone hold it: cut the largest
+            self._cut([o.key for o in sorted(self._open.values(),
+                                             key=lambda o: -(o.memory + o.disk))][:max(
+                                                 1, len(self._open) // 2)], batch_id)
+        if not uploads.wait(lambda: self._memory() + self._disk() <= target
+                            or (uploads.error is not None and uploads.failures >= 3),
+                            timeout=600):
+            pass
+        if uploads.error is not None and self._memory() + self._disk() > limit:
+            msg = (f"WriteTables: the spool is full ({limit} bytes) while uploads fail "
+                   f"({uploads.error}); raise spool_disk or fix the storage")
+            raise SinkIOError(msg)
+
+    def _open_memory(self) -> int:
+        return sum(o.memory for o in self._open.values())
+
+    def _memory(self) -> int:
+        return self._open_memory() + self._queue().memory
+
+    def _disk(self) -> int:
+        return sum(o.disk for o in self._open.values()) + self._queue().disk
+
+    def spool_usage(self) -> dict[str, int]:
+        """Bytes of the driver's spool now: ``memory`` and ``disk`` (open files and files
+        waiting for upload), and ``uploads`` (files queued)."""
+        uploads = self._queue()
+        return {"memory": self._memory(), "disk": self._disk(), "uploads": len(uploads.queue)}
+
+    def _upload(self, cut: Cut) -> None:
+        """Runs on the upload thread: one file to storage."""
+        self._put(self._path(cut.key[0], cut.key[1], cut.name), data=cut.data, local=cut.local)
+
+    def _uploaded(self, cut: Cut) -> None:
+        """Runs on the upload thread after ``cut`` is in storage: the key's durable point,
+        then (when no upload is left) the durable mark in ``_cdcflow/durable.json``."""
+        if cut.local is not None:
+            with contextlib.suppress(OSError):
+                os.remove(cut.local)
+        self._flushed[cut.key] = max(self._flushed.get(cut.key, 0), cut.last)
+        uploads = self._queue()
+        with uploads.lock:
+            more = bool(uploads.queue)
+        if more:
+            return
+        self._checkpoint("uploaded", cut.batch_id)
+        durable = self._mark()
         doc = {"durable_batch": durable, "at": str(Timestamp.now())}
         self._put(self._path("_cdcflow", "durable.json"), orjson.dumps(doc))
-        self._durable = durable
-        self._checkpoint("marked", batch_id)
+        self._durable = max(self._durable or 0, durable)
+        self._checkpoint("marked", cut.batch_id)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every cut file is in storage (and the durable mark written after
+        it); raises SinkIOError while uploads fail past ``timeout``."""
+        uploads = self._queue()
+        if not uploads.wait(lambda: not uploads.queue and not uploads.busy(), timeout):
+            msg = (f"WriteTables: uploads did not finish ({uploads.error or 'still running'});"
+                   " the batch is retried")
+            raise SinkIOError(msg)
 
     def flush(self) -> None:
-        """Write every open file (the run ends gracefully)."""
+        """Write every open file and wait for the uploads (the run ends gracefully)."""
         self._cut(list(self._open), self._staged_through)
+        self.drain()
 
     def abort(self, batch_id: int, messages: Sequence[TaskRows]) -> None:
         for message in messages:
@@ -513,13 +523,15 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                     os.remove(message.spool)
 
     def close(self) -> None:
+        if self._uploads is not None:
+            self._uploads.close()
         for file in self._open.values():
-            if file.parquet is not None:
-                file.parquet.close()
+            file.discard()
         if self._stage_dir is not None:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
 
     def _checkpoint(self, step: str, batch_id: int) -> None:
-        """Called at each step of a commit ("stage", "uploaded", "marked"): a seam for crash
-        tests; does nothing."""
+        """Called at each step of a commit ("stage" on the driver; "uploaded" and "marked"
+        on the upload thread, after the last queued file): a seam for crash tests; does
+        nothing."""
         return None

@@ -121,7 +121,7 @@ def test_a_new_column_closes_the_file_and_writes_the_next_schema_version(tmp_pat
     sink = _sink(str(tmp_path), flush_interval="1h")
     _commit(sink, 1, [_record("T", 1), _record("T", 2)])
     _commit(sink, 2, [_record("T", 3, extra={"email": (STR, "x@y")})])
-    _commit(sink, 3, [_record("T", 4)])  # fewer columns fit v2
+    _commit(sink, 3, [_record("T", 4, "UPDATE")])  # an update's fewer columns fit v2
     sink.flush()
     names = sorted(p.name for p in (tmp_path / "T").glob("part-*"))
     assert names == ["part-1-1-1.parquet", "part-2-3-2.parquet"]
@@ -178,6 +178,7 @@ def test_flush_interval_cuts_files(tmp_path: Path) -> None:
     _commit(sink, 1, [_record("T", 1)])
     time.sleep(0.06)
     _commit(sink, 2, [_record("T", 2)])
+    sink.drain()  # the cut file is uploaded in the background
     assert [p.name for p in (tmp_path / "T").glob("part-*")] == ["part-1-2-1.parquet"]
     assert sink.durable_batch() == 2
     assert json.loads((tmp_path / "_cdcflow/durable.json").read_text())["durable_batch"] == 2

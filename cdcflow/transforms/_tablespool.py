@@ -1,0 +1,257 @@
+"""The spool of WriteTables: open files (staged rows of a key) and cut files waiting for
+their upload, held in memory up to a high watermark and spilled to a local directory past
+it, and the uploader thread that writes cut files to storage in the order they were cut.
+
+Accounting (bytes): ``memory`` is the Arrow/JSON bytes of open files' unspilled rows plus
+the encoded bytes of cut files held in memory; ``disk`` is what the spill directory holds.
+:class:`Uploader` keeps both, under one lock with the queue, so the driver thread and the
+upload thread see one picture.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cdcflow.errors import SinkIOError
+from cdcflow.transforms._tablerows import Schema
+
+__all__: list[str] = []
+
+Key = tuple[str, str]  # (table, date partition directory)
+
+
+@attrs.define
+class Cut:
+    """A closed file waiting for its upload: its bytes, or a local file in the spill dir."""
+
+    key: Key
+    name: str  # the final name under the key's directory
+    first: int
+    last: int
+    batch_id: int  # the commit that cut it
+    data: bytes | None
+    local: str | None
+    size: int
+
+
+class OpenFile:
+    """A key's open file: whole batches ``first..last`` of schema ``schema``.
+
+    Rows arrive as RecordBatches (parquet) or JSON-line blocks (jsonl) and stay in memory
+    until :meth:`spill` writes them to ``local`` (a parquet row group, or appended lines).
+    """
+
+    def __init__(self, key: Key, schema: Schema, arrow: pa.Schema | None, local: str,
+                 first: int, opened: float, parquet: Mapping[str, Any] | None = None) -> None:
+        self.key, self.schema, self.arrow, self.local = key, schema, arrow, local
+        self.parquet = dict(parquet or {})  # options of pyarrow's parquet writers
+        self.first = self.last = first
+        self.opened = opened  # the driver's monotonic clock
+        self.chunks: list[Any] = []
+        self.memory = 0  # bytes of chunks
+        self.disk = 0  # bytes in `local`
+        self.spilled_raw = 0  # chunk bytes that became `disk` (the encoding ratio)
+        self._writer: pq.ParquetWriter | None = None
+
+    def append(self, data: pa.RecordBatch | bytes, nbytes: int, batch_id: int) -> None:
+        self.chunks.append(data)
+        self.memory += nbytes
+        self.last = batch_id
+
+    def size(self, ratio: float) -> int:
+        """The file's size if cut now; rows still in memory count at the encoding ``ratio``
+        (encoded / in-memory bytes) of what was spilled, else at ``ratio``."""
+        if self.arrow is None:
+            return self.disk + self.memory
+        if self.spilled_raw:
+            ratio = self.disk / self.spilled_raw
+        return self.disk + int(self.memory * ratio)
+
+    def spill(self) -> int:
+        """Write the rows in memory to the local file; return the bytes freed."""
+        if not self.chunks:
+            return 0
+        freed = self.memory
+        if self.arrow is None:
+            with open(self.local, "ab") as f:
+                f.write(b"".join(self.chunks))
+        else:
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(self.local, self._meta(), **self.parquet)
+            self._writer.write_table(self._table())
+        self.chunks, self.memory = [], 0
+        self.spilled_raw += freed
+        self.disk = os.path.getsize(self.local)
+        return freed
+
+    def _meta(self) -> pa.Schema:
+        assert self.arrow is not None
+        return self.arrow.with_metadata({b"cdcflow.schema_version":
+                                         str(self.schema.version).encode()})
+
+    def _table(self) -> pa.Table:
+        return pa.Table.from_batches(self.chunks, schema=self._meta())
+
+    def finish(self, name: str, batch_id: int) -> Cut:
+        """Close the file: its bytes if it never spilled, else the completed local file."""
+        if self._writer is None and self.disk == 0:
+            if self.arrow is None:
+                data = b"".join(self.chunks)
+            else:
+                sink = pa.BufferOutputStream()
+                pq.write_table(self._table(), sink, **self.parquet)
+                data = sink.getvalue().to_pybytes()
+            self.chunks, self.memory = [], 0
+            return Cut(self.key, name, self.first, self.last, batch_id, data, None, len(data))
+        self.spill()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        size = os.path.getsize(self.local)
+        return Cut(self.key, name, self.first, self.last, batch_id, None, self.local, size)
+
+    def discard(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+        with contextlib.suppress(OSError):
+            os.remove(self.local)
+
+
+class Uploader:
+    """One thread that uploads cut files in FIFO order (so a key's files land in batch
+    order: a replay after a crash relies on a key's largest ``last`` in storage, which must
+    never pass a file that is missing).
+
+    ``put(cut)`` uploads one file and raises SinkIOError (or OSError) on a storage failure:
+    the cut stays at the head of the queue and is retried with backoff, and ``error`` says
+    why until it succeeds. Any other exception stops the thread and is re-raised by
+    :meth:`check` in the driver. ``done(cut)`` runs after each upload, outside the lock.
+    """
+
+    def __init__(self, put: Callable[[Cut], None], done: Callable[[Cut], None]) -> None:
+        self._put, self._done = put, done
+        self.lock = threading.Condition()
+        self.queue: collections.deque[Cut] = collections.deque()
+        self.memory = 0  # bytes of queued cuts held in memory
+        self.disk = 0  # bytes of queued cuts in local files
+        self.error: BaseException | None = None  # the last storage failure, while retrying
+        self.failures = 0
+        self._fatal: BaseException | None = None
+        self._stop = False
+        self._active = False  # a cut is being uploaded (or its `done` is running)
+        self._thread: threading.Thread | None = None
+
+    def submit(self, cut: Cut) -> None:
+        with self.lock:
+            self.queue.append(cut)
+            if cut.data is not None:
+                self.memory += cut.size
+            else:
+                self.disk += cut.size
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cdcflow-uploads",
+                                                daemon=True)
+                self._thread.start()
+            self.lock.notify_all()
+
+    def spill(self, directory: str, target: int) -> None:
+        """Move queued cuts held in memory to local files (newest first, the last to be
+        uploaded) until their memory is at most ``target``."""
+        with self.lock:
+            for cut in reversed(self.queue):
+                if self.memory <= target:
+                    return
+                if cut.data is None or cut is self.queue[0]:
+                    continue  # the head may be uploading right now
+                path = os.path.join(directory, f"cut-{cut.first}-{cut.last}-{id(cut)}")
+                with open(path, "wb") as f:
+                    f.write(cut.data)
+                cut.data, cut.local = None, path
+                self.memory -= cut.size
+                self.disk += cut.size
+
+    def check(self) -> None:
+        """Re-raise what stopped the upload thread (not a storage failure: those retry)."""
+        if self._fatal is not None:
+            raise self._fatal
+
+    def wait(self, until: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Wait (holding the lock between checks) until ``until()`` or ``timeout``; re-raise
+        a fatal error of the thread. Returns ``until()``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while not until():
+                self.check()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self.lock.wait(0.5 if left is None else min(left, 0.5))
+            self.check()
+            return until()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            with self.lock:
+                while not self.queue and not self._stop:
+                    self.lock.wait()
+                if self._stop:
+                    return
+                cut = self.queue[0]
+                self._active = True
+            try:
+                self._put(cut)
+            except (OSError, SinkIOError) as exc:
+                with self.lock:
+                    self.error, self.failures = exc, self.failures + 1
+                    self.lock.notify_all()
+                    self.lock.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            except BaseException as exc:  # handed to the driver by check()
+                with self.lock:
+                    self._fatal = exc
+                    self.lock.notify_all()
+                return
+            backoff = 0.05
+            with self.lock:
+                self.queue.popleft()
+                if cut.data is not None:
+                    self.memory -= cut.size
+                else:
+                    self.disk -= cut.size
+                self.error, self.failures = None, 0
+            try:
+                self._done(cut)
+            except BaseException as exc:  # handed to the driver by check()
+                with self.lock:
+                    self._fatal = exc
+                    self.lock.notify_all()
+                return
+            with self.lock:
+                self._active = False
+                self.lock.notify_all()
+
+    def busy(self) -> bool:
+        """Whether an upload (or what follows it) is running; call holding ``lock``."""
+        return self._active
+
+    def close(self) -> None:
+        """Stop the thread after the upload in progress (queued cuts are abandoned: they
+        are not durable, and a restart replays them)."""
+        with self.lock:
+            self._stop = True
+            self.lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)

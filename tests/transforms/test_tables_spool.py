@@ -1,0 +1,152 @@
+"""WriteTables' spool: slow uploads do not stall commits until the spool is full; past the
+memory high watermark staged rows spill to local disk; the output is exactly once.
+
+Storage is the real fsspec memory filesystem, slowed down only at the fsspec seam (its
+``pipe_file``/``put_file``, what the sink's uploads call)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from cdcflow.errors import SinkIOError
+from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
+from cdcflow.transforms.base import SinkContext, WriterContext
+from cdcflow.transforms.tables import TaskRows, WriteTables
+
+T0 = 1_700_000_000 * 1_000_000_000
+LATENCY = 0.15
+
+
+class SlowMemory(MemoryFileSystem):
+    """The memory filesystem with a fixed latency per upload (and a switch to fail)."""
+
+    protocol = "slowmem"
+    failing = False
+    uploads = 0
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return str(MemoryFileSystem._strip_protocol(path.removeprefix("slowmem://")))
+
+    def pipe_file(self, path: str, value: bytes, *args: Any, **kw: Any) -> None:
+        self._slow()
+        super().pipe_file(path, value, *args, **kw)
+
+    def put_file(self, lpath: str, rpath: str, *args: Any, **kw: Any) -> None:
+        self._slow()
+        super().put_file(lpath, rpath, *args, **kw)
+
+    def _slow(self) -> None:
+        time.sleep(LATENCY)
+        if SlowMemory.failing:
+            msg = "injected: the store is down"
+            raise OSError(msg)
+        SlowMemory.uploads += 1
+
+
+fsspec.register_implementation("slowmem", SlowMemory, clobber=True)
+COLS = (ColumnType("id", {"code": "INT64"}, True, 1),
+        ColumnType("payload", {"code": "STRING"}, False, 2))
+
+
+def _records(batch: int, n: int, tables: int) -> list[DataChangeRecord]:
+    return [DataChangeRecord("p0", Timestamp.from_ns(T0 + batch * 10**9 + i), f"{i:08d}",
+                             f"t{batch}-{i}", True, f"T{i % tables}", COLS,
+                             [Mod({"id": batch * 100_000 + i}, {"payload": uuid.uuid4().hex * 6})],
+                             "INSERT", "NEW_ROW", 1, 1) for i in range(n)]
+
+
+def _commit(sink: WriteTables, batch: int, records: Sequence[DataChangeRecord]) -> None:
+    w = sink.open_writer(WriterContext("p", "WriteTables", batch, "p0", 0, 1, "a"))
+    for r in records:
+        w.write(r)
+    message = w.close()
+    sink.commit(batch, [message] if isinstance(message, TaskRows) else [])
+
+
+def _ids(root: str) -> list[int]:
+    fs = fsspec.filesystem("memory")
+    ids: list[int] = []
+    for path in fs.find(root):
+        if "/part-" in path:
+            with fs.open(path, "rb") as f:
+                ids += pq.read_table(f).column("id").to_pylist()
+    return ids
+
+
+@pytest.fixture
+def root() -> str:
+    return f"/spool-{uuid.uuid4().hex}"
+
+
+def test_slow_uploads_spill_to_disk_without_stalling_commits(root: str, tmp_path: Any) -> None:
+    sink = WriteTables(f"slowmem://{root}", file_size="16KiB", flush_interval="1h",
+                       spool_memory="64KiB", spool_disk="64MiB", local_dir=str(tmp_path))
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    stage = sink._stage_dir
+    assert stage is not None and stage.startswith(str(tmp_path))
+    spilled, slowest, queued, t0 = False, 0.0, 0, time.monotonic()
+    for b in range(1, 41):
+        start = time.monotonic()
+        _commit(sink, b, _records(b, 60, tables=3))
+        if b > 1:  # batch 1 writes the tables' schema files, synchronously (schema first)
+            slowest = max(slowest, time.monotonic() - start)
+        usage = sink.spool_usage()
+        spilled = spilled or (usage["disk"] > 0 and any(os.scandir(stage)))
+        queued = max(queued, usage["uploads"])
+        assert usage["memory"] <= 64 * 1024 + 60 * 400  # high watermark + one batch's rows
+    committed = time.monotonic() - t0
+    assert spilled, "past the memory high watermark, staged rows spill to local disk"
+    assert queued > 3  # uploads lag behind...
+    assert slowest < LATENCY  # ...and no commit waited for one
+    assert committed < (queued + sink.spool_usage()["uploads"]) * LATENCY
+    assert sink.durable_batch() < 40  # what is only spooled is not durable
+    sink.flush()
+    assert sink.spool_usage() == {"memory": 0, "disk": 0, "uploads": 0}
+    assert sink.durable_batch() == 40
+    sink.close()
+    assert not os.path.exists(stage)  # the spill directory is removed
+    ids = _ids(root)
+    assert sorted(ids) == sorted(b * 100_000 + i for b in range(1, 41) for i in range(60))
+
+
+def test_a_full_spool_waits_for_the_uploads_and_failing_uploads_retry(root: str) -> None:
+    sink = WriteTables(f"slowmem://{root}", file_size="8KiB", flush_interval="1h",
+                       spool_memory="32KiB", spool_disk="32KiB")
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    _commit(sink, 1, _records(1, 60, tables=1))  # writes the schema file
+    SlowMemory.failing = True
+    try:
+        with pytest.raises(SinkIOError, match="spool is full"):
+            for b in range(2, 200):
+                _commit(sink, b, _records(b, 60, tables=1))
+        assert sink.durable_batch() == 0
+    finally:
+        SlowMemory.failing = False
+    # The batch that raised was staged before the spool said it was full; the engine's
+    # retry of it changes nothing, and the next batch goes on once uploads recover.
+    last = b + 1
+    for batch in (b, last):
+        deadline = time.monotonic() + 30
+        while True:  # the engine retries a commit that raised SinkIOError, with backoff
+            try:
+                _commit(sink, batch, _records(batch, 60, tables=1))
+                break
+            except SinkIOError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    sink.flush()
+    sink.close()
+    ids = _ids(root)
+    assert sorted(ids) == sorted(b * 100_000 + i for b in range(1, last + 1) for i in range(60))
+    assert pa.array(ids).unique().to_pylist() == list(dict.fromkeys(ids))  # no duplicate

@@ -1,0 +1,74 @@
+"""WriteTables schema versions from column sets: a dropped column starts a version only when
+a record carrying every tracked column (an INSERT) lacks it and is newer than the version;
+a replayed batch from before a change does not start one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.transforms.test_tables import STR, T0, _commit, _record, _sink
+
+EMAIL = {"email": (STR, "x@y")}
+
+
+def _versions(out: Path) -> list[list[str]]:
+    docs = [json.loads(p.read_text()) for p in sorted((out / "T" / "_schema").glob("v*.json"))]
+    return [[c["name"] for c in d["columns"]] for d in docs]
+
+
+def _names(out: Path) -> list[str]:
+    return sorted((p.name for p in (out / "T").glob("part-*")),
+                  key=lambda n: int(n.split("-")[1]))
+
+
+def test_an_insert_without_a_column_drops_it_an_update_does_not(tmp_path: Path) -> None:
+    sink = _sink(str(tmp_path), flush_interval="1h")
+    _commit(sink, 1, [_record("T", 1, extra=EMAIL)])
+    _commit(sink, 2, [_record("T", 1, "UPDATE")])  # an update lists the columns it wrote
+    _commit(sink, 3, [_record("T", 1, "DELETE", extra=EMAIL)])
+    assert _versions(tmp_path) == [["id", "name", "email"]]
+    _commit(sink, 4, [_record("T", 5)])  # an INSERT lists every column: email was dropped
+    _commit(sink, 5, [_record("T", 6, "UPDATE")])
+    sink.flush()
+    assert _versions(tmp_path) == [["id", "name", "email"], ["id", "name"]]
+    assert _names(tmp_path) == ["part-1-3-1.parquet", "part-4-5-2.parquet"]
+
+
+def test_an_older_insert_read_late_is_no_drop(tmp_path: Path) -> None:
+    # a split partition read on in the next batch: its INSERT predates the new column
+    sink = _sink(str(tmp_path), flush_interval="1h")
+    _commit(sink, 1, [_record("T", 1, at=T0)])
+    _commit(sink, 2, [_record("T", 2, at=T0 + 2000, extra=EMAIL)])
+    _commit(sink, 3, [_record("T", 3, at=T0 + 1000)])
+    _commit(sink, 4, [_record("T", 4, at=T0 + 3000, extra=EMAIL)])
+    sink.flush()
+    assert _versions(tmp_path) == [["id", "name"], ["id", "name", "email"]]
+
+
+def test_a_batch_with_both_shapes_keeps_the_column_until_no_row_carries_it(
+    tmp_path: Path
+) -> None:
+    sink = _sink(str(tmp_path), flush_interval="1h")
+    _commit(sink, 1, [_record("T", 1, at=T0, extra=EMAIL)])
+    _commit(sink, 2, [_record("T", 2, at=T0 + 1000, extra=EMAIL),
+                      _record("T", 3, at=T0 + 2000)])
+    assert _versions(tmp_path) == [["id", "name", "email"]]
+    _commit(sink, 3, [_record("T", 4, at=T0 + 3000)])
+    assert _versions(tmp_path) == [["id", "name", "email"], ["id", "name"]]
+
+
+def test_a_replayed_batch_from_before_a_drop_adds_no_version(tmp_path: Path) -> None:
+    sink = _sink(str(tmp_path), flush_interval="1h")
+    first = [_record("T", 1, at=T0, extra=EMAIL), _record("U", 9, at=T0)]
+    _commit(sink, 1, first)
+    _commit(sink, 2, [_record("T", 2, at=T0 + 1000)])  # drops email: T's batch 1 is written
+    sink.drain()
+    assert sink.durable_batch() == 0  # U's open file holds batch 1
+    sink.close()  # a crash: the run replays from batch 1
+    again = _sink(str(tmp_path), flush_interval="1h")
+    _commit(again, 1, first)
+    _commit(again, 2, [_record("T", 2, at=T0 + 1000)])
+    again.flush()
+    assert _versions(tmp_path) == [["id", "name", "email"], ["id", "name"]]
+    assert _names(tmp_path) == ["part-1-1-1.parquet", "part-2-2-2.parquet"]
