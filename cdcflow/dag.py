@@ -20,14 +20,14 @@ import networkx as nx
 from cdcflow import graphviz
 from cdcflow.errors import DuplicateLabelError, PipelineDefinitionError
 from cdcflow.policy import ErrorPolicy
-from cdcflow.transforms.base import PCollection, PrimitiveTransform, PTransform
+from cdcflow.transforms.base import BatchStep, PCollection, PrimitiveTransform, PTransform
 
 __all__ = ["PRIMITIVE_KINDS", "Dag"]
 
 U = TypeVar("U")
 
 #: The primitive kinds every runner executes (see cdcflow.transforms.base).
-PRIMITIVE_KINDS = ("Source", "Read", "ParDo", "Sink")
+PRIMITIVE_KINDS = ("Source", "Read", "ParDo", "BatchStep", "Sink")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
@@ -167,12 +167,13 @@ class Dag:
                     "right after DetectPartitions"
                 )
                 raise PipelineDefinitionError(msg)
-            if t.kind in ("ParDo", "Sink") and up_kind == "Source":
+            if t.kind in ("ParDo", "BatchStep", "Sink") and up_kind == "Source":
                 msg = (
                     f"{label!r} is applied to DetectPartitions' output (partitions, not "
                     "records): put ReadPartition() between them"
                 )
                 raise PipelineDefinitionError(msg)
+        self._validate_batch_steps()
         sources = self.labels_of_kind("Source")
         if len(sources) != 1:
             msg = (
@@ -190,6 +191,30 @@ class Dag:
                 "with a sink such as WriteFiles(path), Print() or Collect()"
             )
             raise PipelineDefinitionError(msg)
+
+    def _validate_batch_steps(self) -> None:
+        # The engine folds one BatchStep per path on the driver after the tasks; a second
+        # one downstream would need the first one's outputs carried into another fold.
+        for label in self.labels_of_kind("BatchStep"):
+            before = sorted(
+                a for a in nx.ancestors(self.graph, label)
+                if self.transform(a).kind == "BatchStep"
+            )
+            if before:
+                msg = (
+                    f"{label!r} is a BatchStep downstream of the BatchStep {before[0]!r}; a "
+                    "pipeline may have at most one BatchStep on any path: merge the two "
+                    "steps into one, or turn the later one into a ParDo (Map/FlatMap)"
+                )
+                raise PipelineDefinitionError(msg)
+            path: list[PrimitiveTransform[Any, Any]] = []
+            up = self.upstream(label)
+            while up is not None:
+                path.insert(0, self.transform(up))
+                up = self.upstream(up)
+            step = self.transform(label)
+            assert isinstance(step, BatchStep)
+            step.check_upstream(path)
 
     def describe(self, format: str = "text") -> str:
         """The DAG as indented text or as Graphviz DOT."""

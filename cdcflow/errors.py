@@ -20,6 +20,7 @@ __all__ = [
     "DuplicateLabelError",
     "EmulatorNotFoundError",
     "FencedError",
+    "IncompleteTransactionError",
     "LeaseHeldError",
     "OutputConflictError",
     "PipelineDefinitionError",
@@ -106,6 +107,11 @@ class DecodeError(ChangeStreamError, ValueError):
 
     Also a ValueError, which it was before it joined this hierarchy.
     """
+
+
+class IncompleteTransactionError(ChangeStreamError):
+    """A transaction GroupTransactions was about to emit has not the records and partitions
+    its records announce (records were lost, or delivered twice)."""
 
 
 class TransientError(CdcflowError):

@@ -19,6 +19,7 @@ import attrs
 __all__ = [
     "INITIAL_PARTITION_TOKEN",
     "MAX_NS",
+    "SNAPSHOT_TOKEN_PREFIX",
     "BatchPlan",
     "BatchRecord",
     "ChangeRecord",
@@ -41,12 +42,20 @@ __all__ = [
     "Slice",
     "Timestamp",
     "ValueCaptureType",
+    "is_snapshot_token",
     "record_position",
+    "snapshot_table",
+    "snapshot_token",
 ]
 
 #: Token of the synthetic root partition; its query passes a NULL partition token and
 #: returns the stream's first child partitions (the name Beam's metadata table uses).
 INITIAL_PARTITION_TOKEN = "Parent0"
+
+#: Prefix of the tokens of snapshot partitions: ``snapshot/<table>`` reads the table as of
+#: the instant before the stream's start (see :func:`snapshot_token`). Change stream
+#: tokens never contain a '/'.
+SNAPSHOT_TOKEN_PREFIX = "snapshot/"
 
 #: Largest position, "no end": the largest signed 64-bit value (2262-04-11), so positions
 #: fit every store's integer column and Spark's LongType.
@@ -289,6 +298,10 @@ class DataChangeRecord:
     number_of_partitions_in_transaction: int
     transaction_tag: str = ""
     is_system_transaction: bool = False
+    #: True for a row of the initial snapshot (``snapshot=`` of the source): an INSERT of
+    #: the row as it was at ``commit_timestamp``, the instant before the stream's start.
+    #: Not a field of Spanner's records.
+    is_snapshot: bool = False
 
 
 @attrs.frozen
@@ -374,6 +387,24 @@ def record_position(record: ChangeRecord) -> int:
     if isinstance(record, ChildPartitionsRecord | PartitionStartRecord):
         return record.start_timestamp.ns
     return record.end_timestamp.ns
+
+
+def snapshot_token(table: str) -> str:
+    """The token of the snapshot partition of ``table``."""
+    return SNAPSHOT_TOKEN_PREFIX + table
+
+
+def is_snapshot_token(token: str) -> bool:
+    """Whether ``token`` names a snapshot partition (one table's initial snapshot)."""
+    return token.startswith(SNAPSHOT_TOKEN_PREFIX)
+
+
+def snapshot_table(token: str) -> str:
+    """The table a snapshot partition reads; raises ValueError for any other token."""
+    if not is_snapshot_token(token):
+        msg = f"{token!r} is not a snapshot token (those start {SNAPSHOT_TOKEN_PREFIX!r})"
+        raise ValueError(msg)
+    return token[len(SNAPSHOT_TOKEN_PREFIX):]
 
 
 class PartitionState(enum.StrEnum):

@@ -13,7 +13,7 @@ from typing import Literal, Protocol, runtime_checkable
 import attrs
 
 from cdcflow.errors import PipelineDefinitionError
-from cdcflow.model import ChangeRecord
+from cdcflow.model import ChangeRecord, DataChangeRecord
 
 __all__ = [
     "MOD_TYPES",
@@ -21,6 +21,7 @@ __all__ = [
     "ChangeStreamQuery",
     "ConfigurableClient",
     "RecordFilter",
+    "SnapshotClient",
     "StreamInfo",
 ]
 
@@ -234,3 +235,30 @@ class ConfigurableClient(Protocol):
     def with_options(
         self, *, typed: bool = True, filter: RecordFilter | None = None
     ) -> ChangeStreamClient: ...
+
+
+@runtime_checkable
+class SnapshotClient(Protocol):
+    """A client that also reads tables as of a timestamp: the initial snapshot of a source
+    with ``snapshot=`` (both cdcflow clients do). A separate protocol, so that clients
+    that only read change streams still satisfy :class:`ChangeStreamClient`.
+
+    ``snapshot_tables(stream)``: the tables ``stream`` tracks, as change records name
+    them, sorted.
+
+    ``snapshot(stream, table, read_timestamp_ns)``: every row of ``table`` as of exactly
+    ``read_timestamp_ns`` (a stale read: every commit at or before it, none after), in
+    DataChangeRecords of mod type INSERT with ``is_snapshot=True``, ``commit_timestamp``
+    the read timestamp, ``server_transaction_id`` ``"snapshot"``, ``record_sequence`` the
+    chunk number (zero-padded; a record holds up to a chunk of rows), and the columns
+    ``stream`` tracks, typed and filtered with the client's read options like change
+    records. A record the filter keeps nothing of is not yielded. Partition token of the
+    records: :func:`cdcflow.model.snapshot_token` of the table. Transient errors are
+    retried before the first row; later ones raise (the engine replays the batch).
+    """
+
+    def snapshot_tables(self, stream: str) -> list[str]: ...
+
+    def snapshot(
+        self, stream: str, table: str, read_timestamp_ns: int
+    ) -> Iterator[DataChangeRecord]: ...

@@ -76,6 +76,12 @@ class MetadataStore(Protocol):
     a smaller value is ignored); ``durable_marks`` returns them. The batch log keeps every
     batch above the smallest mark (pruning skips them), so recovery can replay them to the
     sinks that had not made them durable (``logged_plan``). ``reset`` forgets the marks.
+
+    Batch steps: ``commit_batch(state=...)`` stores the pipeline's BatchStep state (opaque
+    bytes, the engine's pickle) in the same transaction as the batch's progress, replacing
+    the stored one; ``state=None`` leaves it as it is. ``step_state`` returns it (None when
+    none was stored). Committing an already committed batch does not store its state.
+    ``reset`` forgets it.
     """
 
     @property
@@ -116,7 +122,12 @@ class MetadataStore(Protocol):
         *,
         fence: int | None = None,
         durable: Mapping[str, int] | None = None,
+        state: bytes | None = None,
     ) -> bool: ...
+
+    def step_state(self, pipeline: str) -> bytes | None:
+        """The BatchStep state stored with the last committed batch that carried one."""
+        ...
 
     def delete_partitions(self, pipeline: str, tokens: Sequence[str]) -> int: ...
 

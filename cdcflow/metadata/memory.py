@@ -46,11 +46,12 @@ class _Pipeline:
     floor: int = 0  # the largest batch id before the last reset
     source: str | None = None
     durable: dict[str, int] = attrs.field(factory=dict)  # sink label -> durable batch
+    step_state: bytes | None = None  # the BatchSteps' state as of the last commit
 
     def empty(self) -> bool:
         return not (
             self.partitions or self.batches or self.lease or self.floor or self.source
-            or self.durable
+            or self.durable or self.step_state is not None
         )
 
     def pending(self) -> _Batch | None:
@@ -186,19 +187,20 @@ class MemoryStore:
         *,
         fence: int | None = None,
         durable: Mapping[str, int] | None = None,
+        state: bytes | None = None,
     ) -> bool:
         with self._lock:
-            state = self._pipelines.get(pipeline)
-            _rules.check_fence(pipeline, state.lease if state else None, fence)
-            batch = state.batches.get(batch_id) if state else None
-            if state is None or batch is None:
+            rec = self._pipelines.get(pipeline)
+            _rules.check_fence(pipeline, rec.lease if rec else None, fence)
+            batch = rec.batches.get(batch_id) if rec else None
+            if rec is None or batch is None:
                 raise _rules.not_planned(pipeline, batch_id)
             if batch.committed_at is not None:
                 return False
             now = self._clock()
             changed: dict[str, PartitionMetadata] = {}
             for u in updates:
-                current = changed.get(u.token) or state.partitions.get(u.token)
+                current = changed.get(u.token) or rec.partitions.get(u.token)
                 if current is None:
                     raise _rules.unknown_partition(pipeline, u.token)
                 if u.watermark < current.watermark:
@@ -207,12 +209,14 @@ class MemoryStore:
                 if u.finished:
                     current = _rules.transition(pipeline, current, PartitionState.FINISHED, now)
                 changed[u.token] = current
-            state.partitions.update(changed)
+            rec.partitions.update(changed)
             for child in children:
-                state.partitions.setdefault(child.token, child)
+                rec.partitions.setdefault(child.token, child)
             batch.committed_at = now
             batch.records = records
-            _rules.raise_marks(state.durable, durable or {})
+            _rules.raise_marks(rec.durable, durable or {})
+            if state is not None:
+                rec.step_state = bytes(state)
             return True
 
     def _prune(self, state: _Pipeline) -> None:
@@ -305,6 +309,11 @@ class MemoryStore:
             state = self._get(pipeline)
             _rules.check_fence(pipeline, state.lease, fence)
             _rules.raise_marks(state.durable, marks)
+
+    def step_state(self, pipeline: str) -> bytes | None:
+        with self._lock:
+            state = self._pipelines.get(pipeline)
+            return state.step_state if state else None
 
     def logged_plan(self, pipeline: str, batch_id: int) -> BatchPlan | None:
         with self._lock:

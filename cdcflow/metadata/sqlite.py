@@ -36,7 +36,7 @@ from cdcflow.model import (
 __all__ = ["SCHEMA_VERSION", "SQLiteStore", "sqlite_url"]
 
 #: Version of the table layout this module writes; a file with a newer version is refused.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _PREFIX = "sqlite:///"
 _MAX_ID = (1 << 63) - 1
@@ -82,7 +82,8 @@ CREATE TABLE IF NOT EXISTS pipelines (
     lease_expires  INTEGER,
     batch_floor    INTEGER NOT NULL DEFAULT 0,  -- the largest batch id before the last reset
     source         TEXT,                        -- JSON source definition; NULL: unknown
-    durable        TEXT                         -- JSON {sink label: durable batch id}
+    durable        TEXT,                        -- JSON {sink label: durable batch id}
+    step_state     BLOB                         -- version 3: the BatchSteps' state
 ) WITHOUT ROWID
 """
 
@@ -194,6 +195,9 @@ class SQLiteStore:
                         c.execute(statement)
             if version is None or version < SCHEMA_VERSION:
                 c.execute(_PIPELINES)  # version 1 -> 2: a table added, nothing rewritten
+                columns = {row[1] for row in c.execute("PRAGMA table_info(pipelines)")}
+                if "step_state" not in columns:  # version 2 -> 3: a column added
+                    c.execute("ALTER TABLE pipelines ADD COLUMN step_state BLOB")
                 c.execute("INSERT INTO cdcflow_schema (version) VALUES (?)", (SCHEMA_VERSION,))
             elif version > SCHEMA_VERSION:
                 msg = (
@@ -370,6 +374,7 @@ class SQLiteStore:
         *,
         fence: int | None = None,
         durable: Mapping[str, int] | None = None,
+        state: bytes | None = None,
     ) -> bool:
         with self._write() as c:
             _rules.check_fence(pipeline, self._lease(c, pipeline), fence)
@@ -400,6 +405,10 @@ class SQLiteStore:
             )
             if durable:
                 self._raise_marks(c, pipeline, durable)
+            if state is not None:
+                self._ensure_row(c, pipeline)
+                c.execute("UPDATE pipelines SET step_state = ? WHERE pipeline = ?",
+                          (state, pipeline))
             return True
 
     def delete_partitions(self, pipeline: str, tokens: Sequence[str]) -> int:
@@ -438,15 +447,15 @@ class SQLiteStore:
             floor = self._last_batch_id(c, pipeline)
             self._ensure_row(c, pipeline)
             c.execute(
-                "UPDATE pipelines SET batch_floor = ?, source = NULL, durable = NULL "
-                "WHERE pipeline = ?",
+                "UPDATE pipelines SET batch_floor = ?, source = NULL, durable = NULL, "
+                "step_state = NULL WHERE pipeline = ?",
                 (floor, pipeline),
             )
             c.execute("DELETE FROM partitions WHERE pipeline = ?", (pipeline,))
             c.execute("DELETE FROM batches WHERE pipeline = ?", (pipeline,))
             c.execute(  # a record that holds nothing is no stored state
                 "DELETE FROM pipelines WHERE pipeline = ? AND lease_owner IS NULL AND "
-                "batch_floor = 0 AND source IS NULL AND durable IS NULL",
+                "batch_floor = 0 AND source IS NULL AND durable IS NULL AND step_state IS NULL",
                 (pipeline,),
             )
 
@@ -529,6 +538,13 @@ class SQLiteStore:
         with self._write() as c:
             _rules.check_fence(pipeline, self._lease(c, pipeline), fence)
             self._raise_marks(c, pipeline, marks)
+
+    def step_state(self, pipeline: str) -> bytes | None:
+        with self._read() as c:
+            row = c.execute(
+                "SELECT step_state FROM pipelines WHERE pipeline = ?", (pipeline,)
+            ).fetchone()
+        return None if row is None or row[0] is None else bytes(row[0])
 
     def logged_plan(self, pipeline: str, batch_id: int) -> BatchPlan | None:
         with self._read() as c:

@@ -60,6 +60,18 @@ DELETE_PARTITION = 1 + _INDEXES
 LOG_PLAN = 10 + 1
 PIPELINE_ROW = 11
 MARK_COMMITTED = 4 + PIPELINE_ROW
+#: The BatchSteps' state is stored in chunks of at most this many bytes (a BYTES cell holds
+#: at most 10 MiB), each chunk a row of three columns; replacing it also deletes the chunks
+#: beyond the new last one (one range).
+STATE_CHUNK_BYTES = 8 << 20
+STATE_CHUNK = 3
+#: The largest state a commit stores: Spanner refuses commits over 100 MB in all.
+MAX_STATE_BYTES = 64 << 20
+
+
+def state_mutations(size: int) -> int:
+    """Mutations of storing a state of ``size`` bytes."""
+    return 1 + STATE_CHUNK * max(1, -(-size // STATE_CHUNK_BYTES))
 
 #: The smallest budget: a final transaction's fixed writes plus a few partitions. Only tests
 #: go near it (a small budget makes the split paths run with a handful of partitions).

@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_TABLE",
     "PARTITION_COLUMNS",
     "PIPELINE_COLUMNS",
+    "STEP_STATE_COLUMNS",
     "TABLE_NAME",
     "BrokenCall",
     "bound_rpcs",
@@ -84,6 +85,9 @@ PIPELINE_COLUMNS = (
     "PipelineName", "LeaseOwner", "LeaseRunId", "LeaseToken", "LeaseAcquiredAt",
     "LeaseRenewedAt", "LeaseExpiresAt", "BatchFloor", "Source", "Resetting", "DurableMarks",
 )
+
+
+STEP_STATE_COLUMNS = ("PipelineName", "Chunk", "Data")
 
 
 def parse_spanner_url(url: str) -> tuple[str, str]:
@@ -142,7 +146,7 @@ def ensure_schema(
         for name, column in sql.columns().run(snap):
             columns.setdefault(name, set()).add(column)
     wanted = ((t.partitions, PARTITION_COLUMNS), (t.batches, BATCH_COLUMNS),
-              (t.pipelines, PIPELINE_COLUMNS))
+              (t.pipelines, PIPELINE_COLUMNS), (t.step_state, STEP_STATE_COLUMNS))
     for name, needed in wanted:
         lacking = [c for c in needed if name in objects and c not in columns.get(name, ())]
         if lacking:

@@ -49,15 +49,18 @@ class Tables:
     pipelines: str
     by_state: str
     by_created: str
+    step_state: str
 
     @classmethod
     def named(cls, table: str) -> Tables:
         return cls(table, f"{table}_Batches", f"{table}_Pipelines",
-                   f"{table}_ByStateWatermark", f"{table}_ByCreatedAtStart")
+                   f"{table}_ByStateWatermark", f"{table}_ByCreatedAtStart",
+                   f"{table}_StepState")
 
     def all(self) -> tuple[str, ...]:
         """Every name, in creation order."""
-        return (self.partitions, self.by_state, self.by_created, self.batches, self.pipelines)
+        return (self.partitions, self.by_state, self.by_created, self.batches, self.pipelines,
+                self.step_state)
 
 
 @attrs.frozen
@@ -287,6 +290,14 @@ def _google_sql_ddl(t: Tables) -> dict[str, str]:
   Resetting BOOL,
   DurableMarks STRING(MAX),
 ) PRIMARY KEY (PipelineName)""",
+        # The BatchSteps' state as of the last committed batch, cut into chunks below the
+        # 10 MiB limit of a BYTES cell (added after the first release: an older database
+        # gets it when a store opens it).
+        t.step_state: f"""CREATE TABLE IF NOT EXISTS {t.step_state} (
+  PipelineName STRING(MAX) NOT NULL,
+  Chunk INT64 NOT NULL,
+  Data BYTES(MAX) NOT NULL,
+) PRIMARY KEY (PipelineName, Chunk)""",
     }
 
 
@@ -344,5 +355,11 @@ def _postgresql_ddl(t: Tables) -> dict[str, str]:
   "Resetting" boolean,
   "DurableMarks" text,
   PRIMARY KEY ("PipelineName")
+)""",
+        t.step_state: f"""CREATE TABLE IF NOT EXISTS "{t.step_state}" (
+  "PipelineName" text NOT NULL,
+  "Chunk" bigint NOT NULL,
+  "Data" bytea NOT NULL,
+  PRIMARY KEY ("PipelineName", "Chunk")
 )""",
     }

@@ -12,6 +12,7 @@ the same as the memory and SQLite stores'.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -27,10 +28,12 @@ from cdcflow.model import (
     PartitionState,
     PartitionUpdate,
 )
+from cdcflow.spanner._store_limits import STATE_CHUNK_BYTES
 from cdcflow.spanner._store_schema import (
     BATCH_COLUMNS,
     PARTITION_COLUMNS,
     PIPELINE_COLUMNS,
+    STEP_STATE_COLUMNS,
     row_to_lease,
     row_to_partition,
     row_to_plan,
@@ -54,6 +57,7 @@ __all__ = [
     "reset_step",
     "resetting_error",
     "set_source",
+    "step_state",
 ]
 
 # Stands for "the commit timestamp" among the integer times _rules.transition assigns.
@@ -289,7 +293,7 @@ def commit_step(
     txn: Any, sql: StoreSql, pipeline: str, batch_id: int,
     updates: Sequence[PartitionUpdate], apply: Collection[str],
     children: Sequence[PartitionMetadata], records: int, *, final: bool, fence: int | None,
-    durable: Mapping[str, int] | None = None,
+    durable: Mapping[str, int] | None = None, state: bytes | None = None,
 ) -> bool | None:
     """One transaction of ``commit_batch``: False when the batch is committed already (the
     caller stops), True when this step committed it (``final``), None otherwise.
@@ -297,8 +301,8 @@ def commit_step(
     Checks the fence and that the batch is pending, validates every update in ``updates``
     (an unknown partition or a smaller watermark raises before anything is written),
     writes those whose token is in ``apply`` (watermarks, FINISHED with its time), inserts
-    the absent ``children``, and when ``final`` marks the batch committed and raises the
-    sinks' ``durable`` marks.
+    the absent ``children``, and when ``final`` marks the batch committed, raises the
+    sinks' ``durable`` marks and replaces the BatchSteps' ``state`` (when not None).
     """
     from google.cloud.spanner import COMMIT_TIMESTAMP
 
@@ -329,7 +333,31 @@ def commit_step(
                [(pipeline, batch_id, COMMIT_TIMESTAMP, records)])
     if durable and _raised(rec, durable):
         _write_record(txn, sql, pipeline, rec)
+    if state is not None:
+        _write_state(txn, sql, pipeline, state)
     return True
+
+
+def _write_state(txn: Any, sql: StoreSql, pipeline: str, state: bytes) -> None:
+    """Replace the pipeline's step state: its chunks, then no chunk past the last."""
+    from google.cloud.spanner import KeyRange, KeySet
+
+    parts = [state[i:i + STATE_CHUNK_BYTES] for i in range(0, len(state), STATE_CHUNK_BYTES)]
+    parts = parts or [b""]
+    # The client takes and gives BYTES values base64-encoded.
+    txn.insert_or_update(sql.tables.step_state, STEP_STATE_COLUMNS,
+                         [(pipeline, i, base64.b64encode(part)) for i, part in enumerate(parts)])
+    beyond = KeyRange(  # type: ignore[no-untyped-call]
+        start_closed=[pipeline, len(parts)], end_closed=[pipeline])
+    txn.delete(sql.tables.step_state, KeySet(ranges=[beyond]))  # type: ignore[no-untyped-call]
+
+
+def step_state(reader: Any, sql: StoreSql, pipeline: str) -> bytes | None:
+    """The pipeline's step state, its chunks joined in order (None: none stored)."""
+    rows = list(reader.read(sql.tables.step_state, ["Chunk", "Data"], _prefix(pipeline)))
+    if not rows:
+        return None
+    return b"".join(base64.b64decode(data) for _, data in sorted(rows, key=lambda r: int(r[0])))
 
 
 def _raised(rec: Record, marks: Mapping[str, int]) -> bool:
@@ -366,6 +394,7 @@ def reset_step(txn: Any, sql: StoreSql, pipeline: str, rows: int) -> bool:
     rec.source = None
     rec.durable = {}
     txn.delete(sql.tables.batches, _prefix(pipeline))  # one key range: one mutation
+    txn.delete(sql.tables.step_state, _prefix(pipeline))
     tokens = [row[0] for row in sql.some_tokens(pipeline, rows + 1).run(txn)]
     if len(tokens) <= rows:
         # Reading them locked the range, so the range delete removes exactly these.

@@ -3,7 +3,7 @@
 URL: ``spanner://projects/P/instances/I/databases/D[?table=NAME]``. The database must exist;
 against the emulator (``SPANNER_EMULATOR_HOST`` set) a missing instance and database are
 created. GoogleSQL and PostgreSQL-dialect databases both work: the store reads the dialect
-from the database and speaks it (:mod:`cdcflow.spanner._store_sql`). Three tables are
+from the database and speaks it (:mod:`cdcflow.spanner._store_sql`). Four tables are
 created on first use, or by :func:`init_store` (``cdcflow metadata init URL``):
 
 - ``NAME`` (default ``CdcflowPartitions``): Beam's PartitionMetadata columns keyed by
@@ -14,6 +14,9 @@ created on first use, or by :func:`init_store` (``cdcflow metadata init URL``):
 - ``NAME_Pipelines``: one record per pipeline: the ownership lease and its fencing token,
   the batch id floor kept across resets, the source definition, each sink's durable batch
   (two-stage ack; the batch log keeps every batch above the smallest mark).
+- ``NAME_StepState``: the BatchSteps' state of each pipeline as of its last committed
+  batch, in chunks of 8 MiB keyed by ``(PipelineName, Chunk)`` (created on open in a
+  database of an earlier version).
 
 A database created by the previous version (two tables, the TTL on ``FinishedAt``) is
 upgraded in place the first time a store opens it: the pipelines table is created,
@@ -463,10 +466,15 @@ class SpannerStore:
         *,
         fence: int | None = None,
         durable: Mapping[str, int] | None = None,
+        state: bytes | None = None,
     ) -> bool:
-        """Apply a batch's progress, and raise the sinks' ``durable`` marks with it; False if
-        it was already committed (also when an attempt whose answer was lost committed it:
-        it is applied once).
+        """Apply a batch's progress, and raise the sinks' ``durable`` marks and replace the
+        BatchSteps' ``state`` with it; False if it was already committed (also when an
+        attempt whose answer was lost committed it: it is applied once).
+
+        The state is stored in chunks of 8 MiB (a BYTES cell holds at most 10 MiB) in the
+        final transaction; a state over 64 MiB is refused with a StoreError before anything
+        is written (Spanner refuses commits over 100 MB).
 
         One transaction, unless the progress exceeds the mutation budget: then the
         partition updates and children are written in several transactions while the batch
@@ -478,7 +486,18 @@ class SpannerStore:
             (u, limits.UPDATE_PARTITION) for u in updates
         ]
         items += [(c, limits.INSERT_PARTITION) for c in children]
-        runs = limits.chunks(items, self.mutation_budget - limits.MARK_COMMITTED)
+        reserved = limits.MARK_COMMITTED
+        if state is not None:
+            if len(state) > limits.MAX_STATE_BYTES:
+                msg = (
+                    f"pipeline {pipeline!r}: the batch steps' state is {len(state)} bytes, over "
+                    f"the Spanner store's limit of {limits.MAX_STATE_BYTES}; a step keeps what "
+                    "the low watermark has not passed, so lower max_batch_span (or find the "
+                    "partition that lags)"
+                )
+                raise StoreError(msg)
+            reserved += limits.state_mutations(len(state))
+        runs = limits.chunks(items, self.mutation_budget - reserved)
         for i, run in enumerate(runs):
             mine = [u for u in run if isinstance(u, PartitionUpdate)]
             born = [c for c in run if isinstance(c, PartitionMetadata)]
@@ -486,6 +505,7 @@ class SpannerStore:
                 "committing the batch", steps.commit_step, pipeline, batch_id,
                 list(updates) if i == 0 else mine, {u.token for u in mine}, born, records,
                 final=i == len(runs) - 1, fence=fence, durable=dict(durable or {}),
+                state=state,
             )
             if done is not None:
                 return done
@@ -509,7 +529,7 @@ class SpannerStore:
         More partitions than one transaction can delete take several; until the last, the
         pipeline is marked as resetting and ``partitions`` and the writes refuse it with a
         StoreError saying to run the reset again (it goes on where it stopped)."""
-        rows = (self.mutation_budget - limits.PIPELINE_ROW - 1) // limits.DELETE_PARTITION
+        rows = (self.mutation_budget - limits.PIPELINE_ROW - 2) // limits.DELETE_PARTITION
         while not self._transact("resetting the pipeline", steps.reset_step, pipeline, rows):
             pass
 
@@ -549,6 +569,11 @@ class SpannerStore:
         self._transact("recording durable marks", steps.mark_durable, pipeline, dict(marks),
                        fence)
 
+    def step_state(self, pipeline: str) -> bytes | None:
+        """The BatchSteps' state stored with the last committed batch that carried one."""
+        return self._read("reading the step state",
+                          lambda snap, sql: steps.step_state(snap, sql, pipeline))
+
     def logged_plan(self, pipeline: str, batch_id: int) -> BatchPlan | None:
         """The plan of a logged batch (None when it was never logged or is pruned)."""
         return self._read("reading a logged plan",
@@ -577,4 +602,5 @@ def init_store(url: str) -> str:
     t = store.tables
     if created:
         return f"created {', '.join(created)} in {store.database_path}"
-    return f"{t.partitions}, {t.batches} and {t.pipelines} already exist in {store.database_path}"
+    return (f"{t.partitions}, {t.batches}, {t.pipelines} and {t.step_state} already exist in "
+            f"{store.database_path}")

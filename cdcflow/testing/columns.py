@@ -159,6 +159,8 @@ class _Scripted(Protocol):
               ) -> Iterator[ChangeRecord]: ...
     def _expected(self, start: TimeLike | None, end: TimeLike | None, shaper: RecordShaper
                   ) -> list[DataChangeRecord]: ...
+    def _snapshot(self, stream: str, table: str, read_timestamp_ns: int, shaper: RecordShaper
+                  ) -> Iterator[DataChangeRecord]: ...
 
 
 class ScriptedView:
@@ -194,6 +196,11 @@ class ScriptedView:
 
     def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
         return self.base._read(query, self._shaper)
+
+    def snapshot(self, stream: str, table: str, read_timestamp_ns: int
+                 ) -> Iterator[DataChangeRecord]:
+        """The stream's snapshot of ``table``, shaped with these options."""
+        return self.base._snapshot(stream, table, read_timestamp_ns, self._shaper)
 
     def close(self) -> None:
         self.base.close()

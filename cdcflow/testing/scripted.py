@@ -47,6 +47,10 @@ what a read of Spanner gives: typed values by default, the wire form with
 :class:`~cdcflow.stream.RecordFilter` (what ``DetectPartitions(typed=..., tables=...)``
 passes on).
 
+Snapshots: ``snapshot_rows={"T": [({"id": 1}, {"v": "a"}), ...]}`` are rows at the origin;
+``snapshot`` reads a table as of a timestamp (:mod:`cdcflow.testing.tablestate`), as a
+source with ``snapshot=`` does, and ``rows_at`` is the ground truth.
+
 Fault injection: :meth:`ScriptedChangeStream.fail_reads` makes the next reads raise, to
 test retries. The counters live in each copy of the object: a runner that pickles its
 program (every runner does) counts in its own copy.
@@ -60,7 +64,7 @@ import threading
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import attrs
 
@@ -79,16 +83,19 @@ from cdcflow.model import (
     ModType,
     Timestamp,
     record_position,
+    snapshot_token,
 )
 from cdcflow.spanner.shape import RecordShaper, default_shaper
 from cdcflow.spanner.values import encode_values, encoders
 from cdcflow.stream import ChangeStreamQuery, RecordFilter, StreamInfo
 from cdcflow.testing.columns import ScriptedView, column_types
+from cdcflow.testing.tablestate import Row, initial_rows, rows_at, snapshot_of
 from cdcflow.testing.transaction import ScriptedChange, ScriptedTransaction, _Txn
 
 __all__ = ["ScriptedChange", "ScriptedChangeStream", "ScriptedTransaction"]
 
 TimeLike = int | str | datetime
+_R = TypeVar("_R", bound=ChangeRecord)
 
 
 @attrs.define
@@ -107,8 +114,9 @@ class ScriptedChangeStream:
     ``partitions``: how many initial partitions (tokens ``p0``, ``p1``, ...) or their
     tokens; they exist from ``origin`` (ns) on. ``buckets``: key-hash buckets shared among
     partitions (a partition needs at least one, so it bounds how finely they split).
-    ``partition_mode`` is what :meth:`describe_stream` reports. Builder methods return the
-    stream, so calls chain.
+    ``partition_mode`` is what :meth:`describe_stream` reports. ``snapshot_rows``: table ->
+    rows ``(key, values)`` that exist at ``origin`` (see the module docstring). Builder
+    methods return the stream, so calls chain.
     """
 
     def __init__(
@@ -122,6 +130,7 @@ class ScriptedChangeStream:
         partition_mode: Literal["IMMUTABLE_KEY_RANGE", "MUTABLE_KEY_RANGE"] = (
             "IMMUTABLE_KEY_RANGE"
         ),
+        snapshot_rows: Mapping[str, Iterable[tuple[Any, Mapping[str, Any]]]] | None = None,
     ) -> None:
         tokens = [f"p{i}" for i in range(partitions)] if isinstance(partitions, int) else list(
             partitions
@@ -141,6 +150,7 @@ class ScriptedChangeStream:
         for token, chunk in zip(tokens, _chunks(tuple(range(buckets)), len(tokens)), strict=True):
             self._parts[token] = _Partition(token, self.origin, chunk, ())
         self._txns: list[_Txn] = []
+        self._initial: dict[str, list[Row]] = initial_rows(snapshot_rows)
         self._compiled: dict[str, list[DataChangeRecord]] | None = None
         self._fail_left = 0
         self._fail_after = 0
@@ -342,6 +352,9 @@ class ScriptedChangeStream:
     def tables(self) -> dict[str, set[str]]:
         """Table -> column names, of everything written so far (what a filter may name)."""
         out: dict[str, set[str]] = {}
+        for table, rows in self._initial.items():
+            for keys, values in rows:
+                out.setdefault(table, set()).update(keys, values)
         for txn in self._txns:
             for table, keys, _, new, old in txn.changes:
                 out.setdefault(table, set()).update(keys, new, old)
@@ -354,7 +367,32 @@ class ScriptedChangeStream:
         what ``filter`` keeps (see :class:`~cdcflow.testing.columns.ScriptedView`)."""
         return ScriptedView(self, typed, filter)
 
-    # -- ChangeStreamClient -----------------------------------------------------------------
+    def rows_at(self, table: str, at: TimeLike) -> list[dict[str, Any]]:
+        """``table``'s rows as of ``at`` (keys and values in one dict), sorted by key."""
+        rows = rows_at(self._initial.get(table, ()), self._txns, table, _ns(at))
+        return [{**values, **keys} for keys, values in rows]
+
+    # -- ChangeStreamClient and SnapshotClient ------------------------------------------------
+
+    def snapshot_tables(self, stream: str) -> list[str]:
+        """The tables this stream tracks: those with rows or changes (sorted)."""
+        self._check_stream(stream)
+        return sorted(self.tables())
+
+    def snapshot(self, stream: str, table: str, read_timestamp_ns: int
+                 ) -> Iterator[DataChangeRecord]:
+        """``table`` as of ``read_timestamp_ns`` (see :class:`~cdcflow.stream.SnapshotClient`);
+        :meth:`fail_reads` with ``token="snapshot/<table>"`` makes it fail."""
+        return self._snapshot(stream, table, read_timestamp_ns, default_shaper)
+
+    def _snapshot(
+        self, stream: str, table: str, read_timestamp_ns: int, shaper: RecordShaper
+    ) -> Iterator[DataChangeRecord]:
+        self._check_stream(stream)
+        fail = self._read_fails(snapshot_token(table))
+        rows = rows_at(self._initial.get(table, ()), self._txns, table, read_timestamp_ns)
+        records = snapshot_of(table, rows, read_timestamp_ns, shaper)
+        return _failing(records, self._fail_after, self._fail_error) if fail else records
 
     def describe_stream(self, stream: str) -> StreamInfo:
         self._check_stream(stream)
@@ -368,11 +406,7 @@ class ScriptedChangeStream:
         self._check_stream(query.stream)
         if query.start >= query.end:
             return iter(())
-        with self._lock:
-            self.reads += 1
-            fail = self._fail_left > 0 and self._fail_token in (None, query.partition_token)
-            if fail:
-                self._fail_left -= 1
+        fail = self._read_fails(query.partition_token)
         records = _shaped(
             self._root(query) if query.partition_token is None else self._part(query), shaper
         )
@@ -380,6 +414,15 @@ class ScriptedChangeStream:
 
     def close(self) -> None:
         return None
+
+    def _read_fails(self, token: str | None) -> bool:
+        """Count a read of ``token``; whether it is one :meth:`fail_reads` makes fail."""
+        with self._lock:
+            self.reads += 1
+            fail = self._fail_left > 0 and self._fail_token in (None, token)
+            if fail:
+                self._fail_left -= 1
+            return fail
 
     def _check_stream(self, stream: str) -> None:
         if stream != self.stream:
@@ -533,9 +576,7 @@ def _shaped(records: Iterator[ChangeRecord], shaper: RecordShaper) -> Iterator[C
         yield shaper.shape(record) if isinstance(record, DataChangeRecord) else record
 
 
-def _failing(
-    records: Iterator[ChangeRecord], after: int, error: type[Exception]
-) -> Iterator[ChangeRecord]:
+def _failing(records: Iterator[_R], after: int, error: type[Exception]) -> Iterator[_R]:
     for i, record in enumerate(records):
         if i >= after:
             break

@@ -5,14 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 from cdcflow.errors import PluginError
-from cdcflow.transforms.base import DoFn, ParDo, PTransform, Sink
+from cdcflow.transforms.base import BatchStep, DoFn, ParDo, PTransform, Sink
 from cdcflow.transforms.consume import Consume, Consumed, idempotency_key
 from cdcflow.transforms.core import Filter, FlatMap, Map
 from cdcflow.transforms.sinks import Collect, Print, WriteFiles
 from cdcflow.transforms.source import DetectPartitions, ReadChangeStream, ReadPartition
 from cdcflow.transforms.tables import WriteTables
+from cdcflow.transforms.transactions import (
+    GroupTransactions,
+    IncompleteTransactionError,
+    Transaction,
+)
 
 __all__ = [
+    "BatchStep",
     "Collect",
     "Consume",
     "Consumed",
@@ -20,6 +26,8 @@ __all__ = [
     "DoFn",
     "Filter",
     "FlatMap",
+    "GroupTransactions",
+    "IncompleteTransactionError",
     "Map",
     "PTransform",
     "ParDo",
@@ -27,6 +35,7 @@ __all__ = [
     "ReadChangeStream",
     "ReadPartition",
     "Sink",
+    "Transaction",
     "WriteFiles",
     "WriteTables",
     "idempotency_key",

@@ -1,10 +1,12 @@
 """Transform kinds: PTransform (composite), and the primitives runners execute.
 
-Runners know four primitive kinds and raise on anything else:
+Runners know five primitive kinds and raise on anything else:
 
 - ``Source`` (DetectPartitions): where partitions come from.
 - ``Read`` (ReadPartition): reads partitions; emits DataChangeRecords.
 - ``ParDo``: element-wise user code (a :class:`DoFn`); Map, FlatMap, Filter are ParDos.
+- ``BatchStep``: sees the elements of every task of a batch at once, on the driver, and
+  keeps state across batches in the batch commit (GroupTransactions is one).
 - ``Sink``: terminal; writers in tasks, commit on the driver, once per batch.
 
 A composite transform overrides :meth:`PTransform.expand` and applies other transforms.
@@ -17,7 +19,10 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
+from cdcflow.model import Timestamp
+
 __all__ = [
+    "BatchStep",
     "DoFn",
     "PCollection",
     "PTransform",
@@ -38,6 +43,7 @@ E = TypeVar("E")  # a sink's element type
 M = TypeVar("M")  # a sink's commit message type
 E_contra = TypeVar("E_contra", contravariant=True)
 M_co = TypeVar("M_co", covariant=True)
+S = TypeVar("S")  # a batch step's state
 
 
 class _Graph(Protocol):
@@ -146,6 +152,50 @@ class ParDo(PrimitiveTransform[InT, OutT]):
         return type(self.fn).__name__
 
 
+class BatchStep(PrimitiveTransform[InT, OutT], Generic[InT, OutT, S]):
+    """A step that sees every element of a batch at once and keeps state across batches.
+
+    Tasks run the chain up to the step and return the elements that reached it; on the
+    driver, after the batch's tasks and before its sinks commit, the engine calls
+    :meth:`process_batch` once per batch with the elements of every task (concatenated in
+    the order of the batch's slices, each task's in record order), the step's state as of
+    the previous committed batch, and the low watermark the batch will have once it
+    commits. The outputs run through the step's downstream ParDos and sinks on the driver
+    and commit with the batch; the new state is stored in the same store transaction as
+    the batch's progress, so a replayed batch starts from the same state.
+
+    Contract: ``process_batch`` is deterministic given ``state``, ``elements`` and
+    ``low_watermark`` (a replay must produce the same outputs and state) and must not
+    change ``state`` in place (return a new one, or the same one unchanged). The state is
+    pickled into every batch commit: keep it small (what is still incomplete, not
+    history). A pipeline has at most one BatchStep on any path, downstream of
+    ReadPartition.
+    """
+
+    kind = "BatchStep"
+
+    def check_upstream(self, path: Sequence[PrimitiveTransform[Any, Any]]) -> None:
+        """Called by pipeline validation with the transforms from DetectPartitions down to
+        this step's input (DetectPartitions first, ReadPartition second). A step may adapt
+        to them or raise PipelineDefinitionError naming the fix. The default accepts any."""
+        return None
+
+    def initial_state(self) -> S:
+        """The state before the first batch (and after a reset)."""
+        msg = f"{type(self).__name__} must override initial_state()"
+        raise NotImplementedError(msg)
+
+    def process_batch(
+        self, state: S, elements: Sequence[InT], low_watermark: Timestamp
+    ) -> tuple[S, Iterable[OutT]]:
+        """Fold one batch: the new state and the outputs to emit downstream, in order.
+
+        ``low_watermark``: every change committed before it has been read once this batch
+        commits (all partitions' elements up to it are in this or an earlier batch)."""
+        msg = f"{type(self).__name__} must override process_batch(state, elements, low_watermark)"
+        raise NotImplementedError(msg)
+
+
 @attrs.frozen
 class WriterContext:
     """Where a sink writer runs: one task, i.e. one slice of one batch."""
@@ -229,8 +279,9 @@ class Sink(PrimitiveTransform[E, None], Generic[E, M]):
         """Make batch ``batch_id`` durable and visible.
 
         ``messages`` are the non-None results of ``close`` of the batch's writers, in the
-        order of the batch's slices; a batch where no writer had output gives an empty
-        sequence. Called again with the same id when the batch is replayed: the second
+        order of the batch's slices, then those of the writers that ran on the driver (a
+        sink downstream of a :class:`BatchStep`); a batch where no writer had output gives
+        an empty sequence. Called again with the same id when the batch is replayed: the second
         call must not repeat output.
         """
         msg = (

@@ -6,11 +6,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime
+from typing import Literal
 
 from cdcflow.durations import parse_duration, parse_time
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import MAX_NS, DataChangeRecord, PartitionMetadata
-from cdcflow.stream import ChangeStreamClient, ConfigurableClient, RecordFilter
+from cdcflow.stream import ChangeStreamClient, ConfigurableClient, RecordFilter, SnapshotClient
 from cdcflow.transforms.base import PCollection, PrimitiveTransform, PTransform
 
 __all__ = ["DetectPartitions", "ReadChangeStream", "ReadPartition"]
@@ -44,6 +45,17 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
     record nothing of which is kept is not delivered, but its position still counts as
     read. Names the stream does not track stop the run at its start with a one-line error
     that lists the stream's tables or columns.
+
+    ``snapshot``: before streaming, read these tables (``True``: every table the stream
+    tracks, less those the filter leaves out) as of ``start - 1 ns`` and emit each row as
+    an INSERT with ``is_snapshot=True`` and ``commit_timestamp = start - 1 ns``; the
+    changes follow from ``start`` on, after every snapshot row (no gap, no overlap: see
+    docs/architecture.md, "Snapshot then stream"). Each table is one partition of the
+    pipeline (``snapshot/<table>``), read in one task on the first batch; the filters
+    apply to snapshot rows too. ``data_boost``: read the snapshot with Spanner Data Boost
+    (independent compute; needs the spanner.databases.useDataBoost permission).
+    ``snapshot`` is part of the stored definition: a resumed run that changes it warns
+    (or, with ``--strict``, refuses).
     """
 
     kind = "Source"
@@ -64,6 +76,8 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         columns: Mapping[str, Iterable[str]] | None = None,
         mod_types: Iterable[str] | None = None,
         skip_unchanged: bool = False,
+        snapshot: bool | Iterable[str] = False,
+        data_boost: bool = False,
     ) -> None:
         if client is None and (database is None or not _DATABASE.match(database)):
             msg = (
@@ -103,6 +117,14 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
                 )
                 raise PipelineDefinitionError(msg)
             client = client.with_options(typed=typed, filter=record_filter)
+        tables_to_snapshot = _snapshot_tables(snapshot, record_filter)
+        if tables_to_snapshot and client is not None and not isinstance(client, SnapshotClient):
+            msg = (
+                f"DetectPartitions(client={self._client_name}, snapshot=...): this client cannot "
+                "read tables; give it snapshot_tables and snapshot methods "
+                "(cdcflow.stream.SnapshotClient), or leave snapshot out"
+            )
+            raise PipelineDefinitionError(msg)
         self.database = database
         self.stream = stream
         self.start_at = start_at
@@ -114,6 +136,10 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         self.typed = bool(typed)
         #: The pushed-down filter (None: every record of every table).
         self.filter = record_filter
+        #: Tables to snapshot before streaming: names, True (every tracked table the
+        #: filter keeps) or () for none.
+        self.snapshot: tuple[str, ...] | Literal[True] = tables_to_snapshot
+        self.data_boost = bool(data_boost)
 
     def start_ns(self, now_ns: int) -> int:
         """The first position to read, for a pipeline that has no stored state yet."""
@@ -128,12 +154,35 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         and ends, as given (``start_at="now"`` stays "now"). A run compares it with the
         definition stored by the run that started the pipeline."""
         where = self.database if self.client is None else f"<{self._client_name}>"
-        return {
+        out = {
             "database": where,
             "stream": self.stream,
             "start_at": _time_text(self.start_at),
             "end_at": None if self.end_at is None else _time_text(self.end_at),
         }
+        if self.snapshot:
+            # Only when set, so pipelines stored before the option existed read the same.
+            out["snapshot"] = "*" if self.snapshot is True else ",".join(self.snapshot)
+        return out
+
+    def snapshot_tables(self, tracked: Iterable[str]) -> list[str]:
+        """The tables to snapshot, given those the stream tracks (sorted). Raises
+        PipelineDefinitionError naming the tracked tables when ``snapshot`` names another."""
+        known = set(tracked)
+        if self.snapshot is True:
+            f = self.filter
+            return sorted(t for t in known if f is None or f.wants(t, "INSERT"))
+        if not self.snapshot:
+            return []
+        unknown = [t for t in self.snapshot if t not in known]
+        if unknown:
+            have = ", ".join(sorted(known)) or "none"
+            msg = (
+                f"DetectPartitions(snapshot=...): change stream {self.stream!r} does not track "
+                f"table {unknown[0]!r} (its tables: {have}); snapshot only tables it tracks"
+            )
+            raise PipelineDefinitionError(msg)
+        return list(self.snapshot)
 
     def describe_params(self) -> str:
         where = self.database or self._client_name
@@ -141,6 +190,9 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         options = "" if self.typed else " typed=False"
         if self.filter is not None:
             options += f" {self.filter.describe()}"
+        if self.snapshot:
+            tables = "all" if self.snapshot is True else ",".join(self.snapshot)
+            options += f" snapshot={tables}" + (" data_boost" if self.data_boost else "")
         return f"{where} stream={self.stream} start_at={self.start_at!s}{end}{options}"
 
 
@@ -150,8 +202,11 @@ class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
     ``heartbeat``: how often an idle partition reports progress. ``max_inflight`` > 1 runs
     the downstream transforms of up to that many records concurrently inside a task; output
     still reaches sinks in record order and progress advances only through the contiguously
-    completed prefix. ``max_inflight_bytes`` bounds the memory of records in flight: reading
-    blocks while it is exceeded.
+    completed prefix. ``max_inflight_bytes`` is the byte quota of each process running the
+    pipeline's tasks (the driver, or a Spark executor's Python worker), shared by all of
+    its tasks: a record is charged when it is read and given back when every sink has
+    taken it, and reading blocks while the quota is used up. None (the default) uses the
+    process's default, 256 MiB or the ``CDCFLOW_MAX_INFLIGHT_BYTES`` environment variable.
     """
 
     kind = "Read"
@@ -161,7 +216,7 @@ class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
         heartbeat: str | float = "1s",
         *,
         max_inflight: int = 1,
-        max_inflight_bytes: int = 64 << 20,
+        max_inflight_bytes: int | None = None,
     ) -> None:
         seconds = parse_duration(heartbeat)
         if not 0.001 <= seconds <= 300:
@@ -170,7 +225,7 @@ class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
         if max_inflight < 1:
             msg = f"ReadPartition(max_inflight={max_inflight}): use 1 or more"
             raise PipelineDefinitionError(msg)
-        if max_inflight_bytes < 1:
+        if max_inflight_bytes is not None and max_inflight_bytes < 1:
             msg = f"ReadPartition(max_inflight_bytes={max_inflight_bytes}): use 1 or more"
             raise PipelineDefinitionError(msg)
         self.heartbeat_millis = max(1, round(seconds * 1000))
@@ -203,7 +258,7 @@ class ReadChangeStream(PTransform[None, DataChangeRecord]):
         *,
         heartbeat: str | float = "1s",
         max_inflight: int = 1,
-        max_inflight_bytes: int = 64 << 20,
+        max_inflight_bytes: int | None = None,
         client: ChangeStreamClient | None = None,
         priority: str = "MEDIUM",
         query_timeout: str | float = "10m",
@@ -213,12 +268,15 @@ class ReadChangeStream(PTransform[None, DataChangeRecord]):
         columns: Mapping[str, Iterable[str]] | None = None,
         mod_types: Iterable[str] | None = None,
         skip_unchanged: bool = False,
+        snapshot: bool | Iterable[str] = False,
+        data_boost: bool = False,
     ) -> None:
         self.detect = DetectPartitions(
             database, stream, start_at, end_at,
             client=client, priority=priority, query_timeout=query_timeout, typed=typed,
             tables=tables, exclude_tables=exclude_tables, columns=columns,
-            mod_types=mod_types, skip_unchanged=skip_unchanged,
+            mod_types=mod_types, skip_unchanged=skip_unchanged, snapshot=snapshot,
+            data_boost=data_boost,
         )
         self.read = ReadPartition(
             heartbeat, max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes
@@ -226,6 +284,38 @@ class ReadChangeStream(PTransform[None, DataChangeRecord]):
 
     def expand(self, pcoll: PCollection[None]) -> PCollection[DataChangeRecord]:
         return pcoll | self.detect | self.read
+
+
+def _snapshot_tables(
+    value: bool | Iterable[str], record_filter: RecordFilter | None
+) -> tuple[str, ...] | Literal[True]:
+    """``snapshot=`` checked: True, or the table names in order without repeats (() for
+    none). Names the filter leaves out are refused: their rows would all be dropped."""
+    if value is True:
+        return True
+    if value is False:
+        return ()
+    if isinstance(value, str) or not all(isinstance(t, str) and t for t in value):
+        msg = (
+            f"DetectPartitions(snapshot={value!r}): pass True or a list of table names, "
+            "e.g. snapshot=['Singers']"
+        )
+        raise PipelineDefinitionError(msg)
+    names = tuple(dict.fromkeys(value))
+    if not names:
+        msg = "DetectPartitions(snapshot=[]): name at least one table, or leave snapshot out"
+        raise PipelineDefinitionError(msg)
+    for table in names:
+        if record_filter is not None and (
+            (record_filter.tables is not None and table not in record_filter.tables)
+            or table in record_filter.exclude_tables
+        ):
+            msg = (
+                f"DetectPartitions(snapshot=[{table!r}, ...]): table {table!r} is not read "
+                "(see tables=/exclude_tables=); snapshot only tables the source reads"
+            )
+            raise PipelineDefinitionError(msg)
+    return names
 
 
 def _time_text(value: TimeLike) -> str:

@@ -94,9 +94,10 @@ def test_init_creates_beam_compatible_tables_and_is_idempotent(
     url = f"spanner://{database}?table=Meta"
     assert init_store(url) == (
         "created Meta, Meta_ByStateWatermark, Meta_ByCreatedAtStart, Meta_Batches, "
-        f"Meta_Pipelines in {database}"
+        f"Meta_Pipelines, Meta_StepState in {database}"
     )
-    assert init_store(url) == f"Meta, Meta_Batches and Meta_Pipelines already exist in {database}"
+    assert init_store(url) == (
+        f"Meta, Meta_Batches, Meta_Pipelines and Meta_StepState already exist in {database}")
 
     store = stores(url)
     assert store.dialect == "GOOGLE_STANDARD_SQL"
@@ -135,7 +136,7 @@ def test_init_creates_beam_compatible_tables_and_is_idempotent(
     ttl = _sql(store, "SELECT table_name, row_deletion_policy_expression FROM "
                       "information_schema.tables WHERE table_schema = '' ORDER BY table_name")
     assert ttl == [["Meta", "OLDER_THAN(GcAfter, INTERVAL 1 DAY)"], ["Meta_Batches", None],
-                   ["Meta_Pipelines", None]]
+                   ["Meta_Pipelines", None], ["Meta_StepState", None]]
 
 
 @pytest.mark.emulator
@@ -170,8 +171,9 @@ def test_a_postgresql_database_gets_the_same_tables_in_its_dialect(
                       "information_schema.tables WHERE table_schema = 'public' "
                       "ORDER BY table_name")
     # The emulator writes the interval as it likes ('24 HOURS'); the column is what counts.
-    assert [name for name, _ in ttl] == ["Meta", "Meta_Batches", "Meta_Pipelines"]
-    assert ttl[0][1].endswith('ON "GcAfter"') and ttl[1][1] is None and ttl[2][1] is None
+    assert [name for name, _ in ttl] == ["Meta", "Meta_Batches", "Meta_Pipelines",
+                                         "Meta_StepState"]
+    assert ttl[0][1].endswith('ON "GcAfter"') and all(t[1] is None for t in ttl[1:])
     # Positions keep their nanoseconds in timestamptz too.
     start = 1_714_564_800_123_456_789
     store.insert_partitions("p", [part("a", start)])
@@ -190,8 +192,8 @@ def test_tables_are_created_on_first_use_and_table_names_separate_stores(
     tables = _sql(first, "SELECT table_name FROM information_schema.tables "
                          "WHERE table_schema = '' ORDER BY table_name")
     assert tables == [[DEFAULT_TABLE], [f"{DEFAULT_TABLE}_Batches"],
-                      [f"{DEFAULT_TABLE}_Pipelines"], ["Other"], ["Other_Batches"],
-                      ["Other_Pipelines"]]
+                      [f"{DEFAULT_TABLE}_Pipelines"], [f"{DEFAULT_TABLE}_StepState"],
+                      ["Other"], ["Other_Batches"], ["Other_Pipelines"], ["Other_StepState"]]
 
 
 # The tables of the previous version: no pipelines table, no GcAfter, and a row deletion
@@ -250,15 +252,16 @@ def test_the_tables_of_the_previous_version_are_upgraded_in_place(
     database = spanner_emulator.database_path(name)
     url = f"spanner://{database}?table=Meta"
     assert init_store(url) == (
-        f"created Meta_Pipelines, Meta.GcAfter, Meta's row deletion policy on GcAfter in "
-        f"{database}"
+        f"created Meta_Pipelines, Meta_StepState, Meta.GcAfter, Meta's row deletion policy on "
+        f"GcAfter in {database}"
     )
-    assert init_store(url) == f"Meta, Meta_Batches and Meta_Pipelines already exist in {database}"
+    assert init_store(url) == (
+        f"Meta, Meta_Batches, Meta_Pipelines and Meta_StepState already exist in {database}")
     store = stores(url)
     ttl = _sql(store, "SELECT table_name, row_deletion_policy_expression FROM "
                       "information_schema.tables WHERE table_schema = '' ORDER BY table_name")
     assert ttl == [["Meta", "OLDER_THAN(GcAfter, INTERVAL 1 DAY)"], ["Meta_Batches", None],
-                   ["Meta_Pipelines", None]]
+                   ["Meta_Pipelines", None], ["Meta_StepState", None]]
     # The old rows read as before, and the ownership part works on them.
     (leaf,) = store.partitions("p")
     assert (leaf.token, leaf.state, leaf.watermark) == ("leaf", "FINISHED", 100)
