@@ -23,9 +23,23 @@ Metrics (type; labels besides ``pipeline``):
   ``cdcflow_dead_lettered_total``, ``cdcflow_splits_total``, ``cdcflow_merges_total``,
   ``cdcflow_batches_total{replayed}`` (true/false);
 - ``cdcflow_partitions{state}`` (gauge), ``cdcflow_stuck_partitions`` (gauge),
-  ``cdcflow_last_batch_timestamp_seconds`` (gauge);
+  ``cdcflow_stuck_partition_seconds{token}`` (gauge: how long each stuck partition has not
+  advanced, the 5 longest only), ``cdcflow_last_batch_timestamp_seconds`` (gauge);
 - ``cdcflow_commit_to_sink_seconds`` (histogram over a sample of each batch's records:
-  Spanner commit -> the batch's sink commit).
+  Spanner commit -> the batch's sink commit);
+- ``cdcflow_spanner_query_seconds`` and ``cdcflow_spanner_first_response_seconds``
+  (histograms: each change stream query's duration, and its time to the first row),
+  ``cdcflow_spanner_errors_total{code}`` (counter: errors of those queries by gRPC status,
+  retried ones included; an error that fails its task returns no counters and shows as
+  the batch's retry in the log instead);
+- ``cdcflow_inflight_bytes`` (gauge: the last batch's in-flight bytes at their peak,
+  summed over its tasks), ``cdcflow_quota_waits_total`` and
+  ``cdcflow_quota_wait_seconds_total`` (counters: reads that waited for in-flight room,
+  and how long), all 0 unless ReadPartition runs with ``max_inflight > 1``.
+
+Spanner and in-flight numbers come from the tasks' counters (see
+:class:`~cdcflow.spanner.retry.QueryStats` and :meth:`cdcflow.engine.chain.Chain.counters`),
+so both runners report them alike.
 """
 
 from __future__ import annotations
@@ -54,9 +68,13 @@ from cdcflow.engine.lifecycle import all_finished, low_watermark
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.errors import UserInputError
 from cdcflow.model import PartitionMetadata, PartitionState
+from cdcflow.spanner.retry import QUERY_BUCKETS, query_bucket_labels
 from cdcflow.stuck import StuckDetector
 
-__all__ = ["COMMIT_BUCKETS", "LAG_BUCKETS", "PHASE_BUCKETS", "MetricsServer", "PipelineMetrics"]
+__all__ = [
+    "COMMIT_BUCKETS", "LAG_BUCKETS", "PHASE_BUCKETS", "QUERY_BUCKETS", "MetricsServer",
+    "PipelineMetrics",
+]
 
 _NS = 1_000_000_000
 _TOP = 5
@@ -66,6 +84,13 @@ _PHASES = ("plan", "execute", "sink_commit", "store_commit", "gc")
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 COMMIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 LAG_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 86400.0)
+
+# Task counter key -> the query histogram it feeds; "<key>/<le>" are its bucket counts.
+_QUERY_HISTOGRAMS = {
+    "spanner_query_seconds": "spanner_query_us",
+    "spanner_first_response_seconds": "spanner_first_response_us",
+}
+_QUERY_LE = {le: i for i, le in enumerate(query_bucket_labels())}
 
 
 class _Histogram:
@@ -83,6 +108,10 @@ class _Histogram:
                 self.counts[i] += 1
                 return
         self.counts[-1] += 1
+
+    def add(self, index: int, count: int) -> None:
+        """Add ``count`` observations to bucket ``index`` (their sum is added apart)."""
+        self.counts[index] += count
 
     def buckets(self) -> list[tuple[str, float]]:
         out, running = [], 0
@@ -119,6 +148,9 @@ class PipelineMetrics(EngineListener):
         self._states: dict[str, int] = {}
         self._phases = {phase: _Histogram(PHASE_BUCKETS) for phase in _PHASES}
         self._commit_to_sink = _Histogram(COMMIT_BUCKETS)
+        self._queries = {key: _Histogram(QUERY_BUCKETS) for key in _QUERY_HISTOGRAMS}
+        self._spanner_errors: Counter[str] = Counter()
+        self._inflight_bytes = 0
         self._last_batch_ns: int | None = None
         # From the last on_partitions: watermarks of the partitions that are not FINISHED.
         self._watermarks: tuple[tuple[str, int], ...] = ()
@@ -136,9 +168,13 @@ class PipelineMetrics(EngineListener):
             counts["bytes"] += stats.bytes
             counts["splits"] += stats.splits
             counts["merges"] += stats.merges
-            for key in ("retries", "skipped", "dead_lettered"):
-                counts[key] += stats.counters.get(key, 0)
-            for key, value in stats.counters.items():
+            task = stats.counters
+            for key in ("retries", "skipped", "dead_lettered", "quota_waits", "quota_wait_us"):
+                counts[key] += task.get(key, 0)
+            self._inflight_bytes = task.get("inflight_bytes_peak", 0)
+            for kind, us_key in _QUERY_HISTOGRAMS.items():
+                self._queries[kind].total += task.get(us_key, 0) / 1e6
+            for key, value in task.items():
                 kind, sep, label = key.partition("/")
                 if not sep:
                     continue
@@ -148,6 +184,10 @@ class PipelineMetrics(EngineListener):
                     self._elements[(label, "out")] += value
                 elif kind == "sink_writes":
                     self._sink_writes[label] += value
+                elif kind == "spanner_errors":
+                    self._spanner_errors[label] += value
+                elif kind in self._queries and label in _QUERY_LE:
+                    self._queries[kind].add(_QUERY_LE[label], value)
             self._batches["true" if stats.replayed else "false"] += 1
             self._states = dict(stats.partitions)
             for phase, seconds in stats.phases.items():
@@ -188,6 +228,9 @@ class PipelineMetrics(EngineListener):
             states = dict(self._states)
             phases = {p: (h.buckets(), h.total) for p, h in self._phases.items()}
             commit = (self._commit_to_sink.buckets(), self._commit_to_sink.total)
+            queries = {k: (h.buckets(), h.total) for k, h in self._queries.items()}
+            spanner_errors = dict(self._spanner_errors)
+            inflight_bytes = self._inflight_bytes
             last_batch, watermarks = self._last_batch_ns, self._watermarks
             low, done = self._low, self._done
         p = ["pipeline"]
@@ -276,9 +319,37 @@ class PipelineMetrics(EngineListener):
             yield gauge("cdcflow_last_batch_timestamp_seconds",
                         "When the last batch committed, in seconds since the epoch.",
                         last_batch / _NS)
-        stuck = len(self.detector.stuck()) if self.detector is not None else 0
+        for kind, doc in (
+            ("spanner_query_seconds", "Seconds each change stream query took, from issue "
+             "to its end (time the pipeline held its records excluded)."),
+            ("spanner_first_response_seconds", "Seconds from issuing each change stream "
+             "query to its first row."),
+        ):
+            query_family = HistogramMetricFamily(f"cdcflow_{kind}", doc, labels=p)
+            query_family.add_metric([name], queries[kind][0], queries[kind][1])
+            yield query_family
+        errors_family = CounterMetricFamily(
+            "cdcflow_spanner_errors", "Errors of change stream queries by gRPC status code, "
+            "retried ones included.", labels=[*p, "code"])
+        for code, value in sorted(spanner_errors.items()):
+            errors_family.add_metric([name, code], value)
+        yield errors_family
+        yield gauge("cdcflow_inflight_bytes", "Bytes in flight at their peak in the last "
+                    "batch, summed over its tasks (max_inflight > 1 only).", inflight_bytes)
+        yield counter("cdcflow_quota_waits", "Reads that waited for in-flight room "
+                      "(max_inflight, max_inflight_bytes).", counts["quota_waits"])
+        yield counter("cdcflow_quota_wait_seconds", "Seconds reads waited for in-flight room.",
+                      counts["quota_wait_us"] / 1e6)
+        stuck = self.detector.stuck() if self.detector is not None else []
         yield gauge("cdcflow_stuck_partitions",
-                    "Partitions whose watermark has not advanced for stuck_after.", stuck)
+                    "Partitions whose watermark has not advanced for stuck_after.", len(stuck))
+        stuck_family = GaugeMetricFamily(
+            "cdcflow_stuck_partition_seconds",
+            f"Seconds each stuck partition has not advanced, by token (the {_TOP} longest).",
+            labels=[*p, "token"])
+        for partition in stuck[:_TOP]:
+            stuck_family.add_metric([name, partition.token], partition.seconds(now))
+        yield stuck_family
 
 
 class _Collector(Collector):

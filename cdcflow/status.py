@@ -11,6 +11,13 @@ Partition semantics (low watermark, states, "finished") come from
 :mod:`cdcflow.engine.lifecycle`, as the engine decides them. Each pipeline has a ``run``
 entry from its ownership lease: whether a run is alive, where (host:pid), since when and
 its last heartbeat (None when no run ever took the lease).
+
+Stuck partitions, as the store shows them: while a run is alive, a partition whose
+progress a planned batch has held for more than ``stuck_after`` (default: as the run's
+detector, :func:`cdcflow.stuck.default_stuck_after`) is flagged ``stuck``. The store
+holds only what batches commit, so while one read of a batch hangs every partition of
+that batch is flagged; the run itself (its warning line and its metric
+``cdcflow_stuck_partition_seconds``) names the partition whose read hangs.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from cdcflow.model import (
     Timestamp,
 )
 from cdcflow.progress import format_duration, format_partitions
+from cdcflow.stuck import default_stuck_after
 
 __all__ = [
     "render_lineage",
@@ -117,10 +125,12 @@ def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> l
             "(the next run replays it)"
         )
     active = [p for p in parts if p.state != PartitionState.FINISHED]
+    held = _held(store, name, parts, now_ns, None)
     if active:
         out.append("  active partitions:")
         rows = [
-            [_short(p.token), p.state.value.lower(), _stamp(p.watermark),
+            [_short(p.token), p.state.value.lower() + (" (stuck)" if p.token in held else ""),
+             _stamp(p.watermark),
              _ago(p.watermark, now_ns), _stamp(p.end) if p.end < MAX_NS else "-",
              str(len(p.parent_tokens))]
             for p in active[:_MAX_ACTIVE_ROWS]
@@ -184,7 +194,30 @@ def _lag_s(ns: int | None, now_ns: int) -> float | None:
     return None if ns is None or ns >= MAX_NS else round(max(0, now_ns - ns) / 1e9, 3)
 
 
-def _partition_doc(p: PartitionMetadata, now_ns: int) -> dict[str, Any]:
+def _held(
+    store: MetadataStore, name: str, parts: list[PartitionMetadata], now_ns: int,
+    stuck_after: float | None,
+) -> set[str]:
+    """Tokens whose progress a planned batch has held for more than the stuck threshold,
+    while the pipeline's run is alive (a dead run holds everything; ``run`` says so)."""
+    run = _run_doc(store.lease(name), now_ns)
+    pending = store.pending_plan(name)
+    if run is None or not run["alive"] or pending is None or not pending.planned_at:
+        return set()
+    heartbeats = {p.token: p.heartbeat_millis for p in parts
+                  if p.state != PartitionState.FINISHED}
+    held = set()
+    for sl in pending.slices:
+        if sl.token not in heartbeats:
+            continue
+        after = stuck_after if stuck_after is not None else default_stuck_after(
+            heartbeats[sl.token])
+        if now_ns - pending.planned_at > after * 1e9:
+            held.add(sl.token)
+    return held
+
+
+def _partition_doc(p: PartitionMetadata, now_ns: int, stuck: bool = False) -> dict[str, Any]:
     finished = p.state == PartitionState.FINISHED
     return {
         "token": p.token,
@@ -192,6 +225,7 @@ def _partition_doc(p: PartitionMetadata, now_ns: int) -> dict[str, Any]:
         "watermark": _iso(p.watermark),
         "watermark_ns": p.watermark,
         "lag_seconds": None if finished else _lag_s(p.watermark, now_ns),
+        "stuck": stuck,
         "start": _iso(p.start),
         "end": _iso(p.end),
         "parents": list(p.parent_tokens),
@@ -203,9 +237,10 @@ def _partition_doc(p: PartitionMetadata, now_ns: int) -> dict[str, Any]:
 
 
 def _pipeline_doc(
-    store: MetadataStore, name: str, batches: int, now_ns: int
+    store: MetadataStore, name: str, batches: int, now_ns: int, stuck_after: float | None,
 ) -> dict[str, Any]:
     parts = store.partitions(name)
+    stuck = _held(store, name, parts, now_ns, stuck_after)
     low = low_watermark(parts) if parts else None
     done = all_finished(parts)
     pending = store.pending_plan(name)
@@ -229,7 +264,8 @@ def _pipeline_doc(
         "lag_seconds": None if low is None else 0.0 if done else _lag_s(low, now_ns),
         "finished": done,
         "partitions_by_state": count_states(parts),
-        "partitions": [_partition_doc(p, now_ns) for p in parts],
+        "partitions": [_partition_doc(p, now_ns, p.token in stuck) for p in parts],
+        "stuck_partitions": sorted(stuck),
         "pending_batch": None if pending is None else {
             "batch_id": pending.batch_id,
             "end": _iso(pending.end),
@@ -243,24 +279,27 @@ def _pipeline_doc(
 
 def status_document(
     store: MetadataStore, pipeline: str | None = None, *, batches: int = 5,
-    now_ns: int | None = None,
+    now_ns: int | None = None, stuck_after: float | None = None,
 ) -> dict[str, Any]:
     """What :func:`render_status` shows, as plain data (``json.dumps`` takes it).
 
     ``{"store", "now", "pipelines": [{"name", "run" ({"alive", "owner", "run_id", "since",
     "heartbeat", "expires"}; None: never run), "low_watermark",
     "low_watermark_ns", "lag_seconds", "finished", "partitions_by_state", "partitions":
-    [{"token", "state", "watermark", "watermark_ns", "lag_seconds", "start", "end",
-    "parents", ...}], "pending_batch", "recent_batches": [{"batch_id", "end", "slices",
+    [{"token", "state", "watermark", "watermark_ns", "lag_seconds", "stuck", "start", "end",
+    "parents", ...}], "stuck_partitions" (tokens), "pending_batch", "recent_batches":
+    [{"batch_id", "end", "slices",
     "records", "planned_at", "committed_at", "seconds"}]}]}``. Times are RFC 3339 text
     (None for "no end"); lags are seconds at ``now`` (None for finished partitions; a
     pipeline whose partitions all finished has lag 0). Every partition is listed.
+    ``stuck``: see the module docstring (``stuck_after`` in seconds, None: the default).
     """
     now = Timestamp.now().ns if now_ns is None else now_ns
     return {
         "store": store.url,
         "now": _iso(now),
-        "pipelines": [_pipeline_doc(store, n, batches, now) for n in _names(store, pipeline)],
+        "pipelines": [_pipeline_doc(store, n, batches, now, stuck_after)
+                      for n in _names(store, pipeline)],
     }
 
 

@@ -15,8 +15,18 @@ timer thread, so a partition is reported even while a batch hangs or the engine 
 commit means no ``on_partitions``). Its thread runs between :meth:`StuckWatch.start` and
 :meth:`StuckWatch.stop` (a context manager does both).
 
-Batches commit all of their slices or none, so a read that hangs holds back every
-partition of its batch: all of them are reported, with the batch that is in flight.
+Two kinds of partitions are never stuck, whatever their watermark does: a CREATED partition
+whose parents are not all FINISHED (it waits for them: the root behind the snapshot
+partitions, a merge's child behind a lagging parent; it is watched once they finish), and a
+snapshot partition (``snapshot/<table>``), read in one slice whose end it reaches only once
+the whole table is read, however long that takes; the query deadline bounds that read.
+
+Batches commit all of their slices or none, so a read that hangs holds back the stored
+watermark of every partition of its batch. The watch names only the partitions whose read
+is still running: a partition whose task of the batch in flight has finished (see
+:func:`cdcflow.engine.listener.tasks_done`) is waiting for the commit, not stuck. Where
+tasks run in other processes (Spark executors) the driver cannot see that, and every
+partition of the hung batch is reported, with the batch that is in flight.
 """
 
 from __future__ import annotations
@@ -24,13 +34,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from types import TracebackType
 
 import attrs
 
-from cdcflow.engine.listener import BatchStats, EngineListener
-from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState, Timestamp
+from cdcflow.engine.listener import BatchStats, EngineListener, tasks_done
+from cdcflow.model import (
+    BatchPlan,
+    PartitionMetadata,
+    PartitionState,
+    Timestamp,
+    is_snapshot_token,
+)
 
 __all__ = ["StuckDetector", "StuckPartition", "StuckWatch", "default_stuck_after"]
 
@@ -131,13 +147,20 @@ class StuckDetector:
         """Take the stored partitions at ``now_ns``; return the ones newly found stuck.
 
         A partition whose watermark moved, that FINISHED, or that is no longer stored ends
-        its episode (logged at INFO). ``partitions`` is read, not kept.
+        its episode (logged at INFO), and so does one that waits (see the module
+        docstring). ``partitions`` is read, not kept.
         """
+        parts = list(partitions)
+        unfinished = {p.token for p in parts if p.state != PartitionState.FINISHED}
         with self._lock:
             seen: set[str] = set()
-            for p in partitions:
-                if p.state == PartitionState.FINISHED:
+            for p in parts:
+                if p.state == PartitionState.FINISHED or is_snapshot_token(p.token):
                     continue
+                if p.state == PartitionState.CREATED and unfinished.intersection(
+                    p.parent_tokens
+                ):
+                    continue  # waits for its parents (a parent no longer stored finished)
                 seen.add(p.token)
                 track = self._tracks.get(p.token)
                 if track is None or p.watermark != track.watermark:
@@ -158,15 +181,25 @@ class StuckDetector:
         with self._lock:
             heartbeat = max((t.heartbeat_millis for t in self._tracks.values()), default=1000)
             for token, watermark in positions:
-                if token not in self._tracks:
+                if token not in self._tracks and not is_snapshot_token(token):
                     self._tracks[token] = _Track(
                         watermark, now_ns, PartitionState.RUNNING, heartbeat
                     )
 
-    def check(self, now_ns: int, note: str = "") -> list[StuckPartition]:
+    def check(
+        self, now_ns: int, note: str = "", waiting: Collection[str] = ()
+    ) -> list[StuckPartition]:
         """Look again at the partitions last observed, at ``now_ns``; return the ones newly
-        found stuck. ``note`` is added to their log lines (e.g. the batch in flight)."""
+        found stuck. ``note`` is added to their log lines (e.g. the batch in flight).
+
+        ``waiting``: tokens whose read of the batch in flight is done; their progress waits
+        for the batch's commit, so they are not stuck (an episode of theirs ends)."""
         with self._lock:
+            for token in waiting:
+                track = self._tracks.get(token)
+                if track is not None:
+                    track.seen_at = max(track.seen_at, now_ns)
+                    self._clear(token, now_ns, "its read is done, its batch commits it")
             return self._evaluate(now_ns, note)
 
     def stuck(self) -> list[StuckPartition]:
@@ -238,8 +271,12 @@ class StuckWatch(EngineListener):
         self._thread: threading.Thread | None = None
         self._flight_lock = threading.Lock()
         self._in_flight: tuple[int, float] | None = None  # (batch id, monotonic start)
+        self._pipeline = detector.pipeline
 
     # -- the engine's side ------------------------------------------------------------------
+
+    def on_start(self, pipeline: str, runner: str, store_url: str) -> None:
+        self._pipeline = pipeline
 
     def on_planned(self, plan: BatchPlan, replay: bool) -> None:
         with self._flight_lock:
@@ -260,10 +297,14 @@ class StuckWatch(EngineListener):
         with self._flight_lock:
             flight = self._in_flight
         note = ""
+        done: frozenset[str] = frozenset()
         if flight is not None:
             batch_id, began = flight
             note = f"batch {batch_id} has been running for {_duration(time.monotonic() - began)}"
-        return self.detector.check(self._clock(), note)
+            done = tasks_done(self._pipeline, batch_id)
+            if done:
+                note += f", waiting for this read ({len(done)} other reads of it are done)"
+        return self.detector.check(self._clock(), note, done)
 
     def start(self) -> StuckWatch:
         """Start the checking thread (once)."""

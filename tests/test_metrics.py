@@ -487,6 +487,15 @@ def test_live_run_on_the_emulator_scraped_over_http(spanner_emulator: Any, tmp_p
     assert read > 30 and filtered > 0 and skipped > 0
     assert written == lines_out
     assert read == written + filtered + skipped
+    # step by step: what enters a step left the one before it; "check" loses only skips
+    assert v(last, "cdcflow_elements_total", step="no deletes", direction="in") == read
+    assert v(last, "cdcflow_elements_total", step="check", direction="in") == read - filtered
+    assert v(last, "cdcflow_elements_total", step="check", direction="out") == written
+    # the reader's queries were measured on the executors' side and reached the scrape
+    queries = v(last, "cdcflow_spanner_query_seconds_count")
+    assert queries >= v(last, "cdcflow_batches_total", replayed="false")
+    assert v(last, "cdcflow_spanner_first_response_seconds_count") > 0
+    assert 0 < v(last, "cdcflow_spanner_query_seconds_sum") < queries * 60
     store = open_store(store_url)
     try:
         assert read == sum(b.records for b in store.batches(name, limit=100_000))
@@ -503,9 +512,13 @@ _MONITORING = Path(__file__).resolve().parents[1] / "examples" / "monitoring"
 
 def _exported_names() -> set[str]:
     detector = StuckDetector(10)
+    detector.observe([part("a", NOW - S)], NOW)
+    detector.check(NOW + 20 * S)  # "a" is stuck: its per-token gauge is exported too
     metrics = PipelineMetrics("orders", detector=detector, clock=Clock())
     metrics.on_partitions([part("a", NOW - S)], NOW)
-    metrics.on_batch(batch(1, commit_times=(NOW - S,), sinks_committed_at=NOW))
+    counters = {**batch(1).counters, "spanner_errors/UNAVAILABLE": 1}
+    metrics.on_batch(batch(1, commit_times=(NOW - S,), sinks_committed_at=NOW,
+                           counters=counters))
     return {name for name, _ in parse(metrics.exposition().decode())}
 
 
@@ -518,7 +531,8 @@ def test_the_dashboard_and_alerts_use_only_exported_metrics() -> None:
     titles = {p["title"] for p in dashboard["panels"]}
     assert {"Low-watermark lag", "Records and bytes read", "Batch phases (p90)",
             "Retried, skipped, dead-lettered elements", "Partitions by state",
-            "Stuck partitions"} <= titles
+            "Stuck partitions", "Change stream query latency (p90)", "Spanner errors by code",
+            "In-flight bytes and quota waits"} <= titles
     alerts = (_MONITORING / "cdcflow-alerts.yml").read_text()
     used = set(re.findall(r"cdcflow_[a-z_]+", " ".join(exprs) + alerts))
     assert used and used <= exported, used - exported

@@ -258,3 +258,37 @@ def test_watch_stops_quietly_on_keyboard_interrupt() -> None:
     out = Out()
     assert watch_status(render, 5, stream=out, sleep=sleep) == 2  # type: ignore[arg-type]
     assert out.text.count("frame\n") == 2
+
+
+def test_a_batch_held_past_stuck_after_flags_its_partitions_while_the_run_lives(
+    store_url: str,
+) -> None:
+    import socket
+
+    store = open_store(store_url)
+    try:
+        pending = store.pending_plan("live")
+        assert pending is not None and pending.planned_at == NOW - 5 * S
+        held = sorted(s.token for s in pending.slices)
+
+        def stuck(now: int, after: float | None = None) -> tuple[list[str], list[str]]:
+            (doc,) = status_document(store, "live", now_ns=now, stuck_after=after)["pipelines"]
+            return doc["stuck_partitions"], sorted(p["token"] for p in doc["partitions"]
+                                                   if p["stuck"])
+
+        # the run ended: nothing is stuck, the run is not alive (and says so)
+        assert stuck(NOW + 3600 * S) == ([], [])
+        lease = store.acquire_lease("live", f"{socket.gethostname()}:{os.getpid()}", "r1",
+                                    3600 * S)
+        # planned 5 s ago: not yet past the default (10 heartbeats, at least 30 s)
+        assert stuck(NOW) == ([], [])
+        assert stuck(NOW, after=1.0) == (held, held)
+        assert stuck(NOW + 40 * S) == (held, held)
+        assert "running (stuck)" in render_status(store, "live", now_ns=NOW + 40 * S)
+        # finished partitions and partitions outside the batch are never flagged
+        doc = status_document(store, "live", now_ns=NOW + 40 * S)["pipelines"][0]
+        assert all(not p["stuck"] for p in doc["partitions"] if p["token"] not in held)
+        store.release_lease("live", lease)
+        assert stuck(NOW + 40 * S) == ([], [])
+    finally:
+        store.close()

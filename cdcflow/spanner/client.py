@@ -24,6 +24,11 @@ timestamp. :meth:`SpannerChangeStreamClient.describe_stream` checks the filter's
 column names against what the stream tracks (information_schema) and raises
 PipelineDefinitionError listing them.
 
+Measurement. :meth:`SpannerChangeStreamClient.read` returns an
+:class:`~cdcflow.spanner.retry.ObservedRead`: its
+``counters()`` say what the read's queries cost (latency histograms and errors by gRPC
+status, see :class:`~cdcflow.spanner.retry.QueryStats`); tasks add them to their counters.
+
 Clients hold gRPC channels, so tasks get theirs from :func:`cached_client` (one per
 process and arguments). Pickling a client pickles only its arguments; unpickling
 returns the process's cached client.
@@ -35,6 +40,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -58,8 +64,9 @@ from cdcflow.model import (
     record_position,
 )
 from cdcflow.spanner.decode import row_decoder
-from cdcflow.spanner.retry import is_transient, status_name
+from cdcflow.spanner.retry import ObservedRead, QueryStats, is_transient, status_name
 from cdcflow.spanner.shape import RecordShaper
+from cdcflow.spanner.snapshot import read_snapshot
 from cdcflow.spanner.tracked import tracked_columns
 from cdcflow.spanner.transport import (
     GrpcTransport,
@@ -115,7 +122,8 @@ class SpannerChangeStreamClient:
     ``google.cloud.spanner.Client`` (built for the database's project; it honours
     ``SPANNER_EMULATOR_HOST`` and Application Default Credentials). Nothing connects until
     the first call. ``transport`` is the seam for tests: set it to wrap the default one.
-    ``typed`` and ``filter``: see the module docstring.
+    ``typed`` and ``filter``: see the module docstring. ``data_boost``: snapshot reads
+    (:meth:`snapshot`) run on Data Boost.
     """
 
     def __init__(
@@ -128,6 +136,7 @@ class SpannerChangeStreamClient:
         spanner_client: Any = None,
         typed: bool = True,
         filter: RecordFilter | None = None,
+        data_boost: bool = False,
     ) -> None:
         if not _DATABASE.match(database):
             msg = (
@@ -148,6 +157,7 @@ class SpannerChangeStreamClient:
         self.retry = retry or RetryPolicy()
         self.typed = typed
         self.filter = filter
+        self.data_boost = data_boost
         self._shaper = RecordShaper(typed, filter)
         self._spanner_client = spanner_client
         self._transport: Transport | None = None
@@ -170,7 +180,7 @@ class SpannerChangeStreamClient:
     def __reduce__(self) -> tuple[Any, ...]:
         # Channels and sessions do not travel: the receiving process uses its own client.
         return (_restore, (self.database, self.priority, self.query_timeout, self.typed,
-                           self.filter))
+                           self.filter, self.data_boost))
 
     def with_options(
         self, *, typed: bool = True, filter: RecordFilter | None = None
@@ -180,6 +190,7 @@ class SpannerChangeStreamClient:
         other = SpannerChangeStreamClient(
             self.database, priority=self.priority, query_timeout=self.query_timeout,
             retry=self.retry, spanner_client=self._spanner_client, typed=typed, filter=filter,
+            data_boost=self.data_boost,
         )
         other._transport = self._transport
         return other
@@ -328,6 +339,31 @@ class SpannerChangeStreamClient:
         database spells it) tracks, from information_schema."""
         return tracked_columns(lambda sql: self._rows(sql, {}), stream, self.dialect())
 
+    # -- snapshots (cdcflow.stream.SnapshotClient) -----------------------------------------
+
+    def snapshot_tables(self, stream: str) -> list[str]:
+        """The tables ``stream`` tracks, sorted."""
+        return sorted(self.tracked_columns(self.describe_stream(stream).name))
+
+    def snapshot(
+        self, stream: str, table: str, read_timestamp_ns: int
+    ) -> Iterator[DataChangeRecord]:
+        """``table`` (the columns ``stream`` tracks) as of exactly ``read_timestamp_ns``, in
+        snapshot records typed and filtered like change records (see
+        :mod:`cdcflow.spanner.snapshot`). Needs the default gRPC transport."""
+        name = self.describe_stream(stream).name
+        transport = self.transport
+        if not isinstance(transport, GrpcTransport):
+            msg = f"a snapshot reads through GrpcTransport, not {type(transport).__name__}"
+            raise ConfigurationError(msg)
+        return read_snapshot(
+            transport, lambda sql: self._rows(sql, {}), table=table,
+            tracked=self.tracked_columns(name).get(table, ()),
+            read_timestamp_ns=read_timestamp_ns, dialect=self.dialect(), shaper=self._shaper,
+            retry=self.retry, priority=self.priority, timeout=self.query_timeout,
+            data_boost=self.data_boost,
+        )
+
     # -- reading ----------------------------------------------------------------------------
 
     def _statement(
@@ -359,45 +395,67 @@ class SpannerChangeStreamClient:
         }
 
     def _query(
-        self, info: StreamInfo, token: str | None, start: int, end: int, heartbeat: int
+        self, info: StreamInfo, token: str | None, start: int, end: int, heartbeat: int,
+        stats: QueryStats,
     ) -> Iterator[ChangeRecord]:
         sql, params = self._statement(info, token, start, end, heartbeat)
         label = token if token is not None else INITIAL_PARTITION_TOKEN
-        responses = self.transport.execute_streaming_sql(
-            sql, params, priority=self.priority, timeout=self.query_timeout
-        )
-        decode = None
-        for row_type, row in assemble_rows(responses):
-            if decode is None:
-                decode = row_decoder(row_type.fields[0].type_, self._shaper)
-            yield from decode(row[0], label)
+        clock = time.perf_counter
+        began = clock()
+        held = 0.0  # time the caller held this query's records: not the query's
+        paused: float | None = None
+        first: float | None = None
+        try:
+            responses = self.transport.execute_streaming_sql(
+                sql, params, priority=self.priority, timeout=self.query_timeout
+            )
+            decode = None
+            for row_type, row in assemble_rows(responses):
+                if decode is None:
+                    first = clock() - began
+                    decode = row_decoder(row_type.fields[0].type_, self._shaper)
+                records = decode(row[0], label)
+                paused = clock()
+                yield from records
+                held += clock() - paused
+                paused = None
+        finally:
+            # Ended, failed, or abandoned while the caller held a record (then it ended
+            # when the caller last took one).
+            stats.query((clock() if paused is None else paused) - began - held, first)
 
-    def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
-        """Records of ``query.partition_token`` with ``start <= position < end``.
+    def read(self, query: ChangeStreamQuery) -> ObservedRead:
+        """Records of ``query.partition_token`` with ``start <= position < end``, and what
+        their queries cost (:meth:`ObservedRead.counters`).
 
         See the module docstring for how retries resume without duplicates.
         """
         _check_identifier(query.stream)
+        stats = QueryStats()
         if query.end <= query.start:
-            return iter(())
+            return ObservedRead(iter(()), stats)
         info = self.describe_stream(query.stream)
         if info.partition_mode == "MUTABLE_KEY_RANGE":
-            return self._read_windows(query, info)
-        return self._read(query, info)
+            return ObservedRead(self._read_windows(query, info, stats), stats)
+        return ObservedRead(self._read(query, info, stats), stats)
 
-    def _read_windows(self, query: ChangeStreamQuery, info: StreamInfo) -> Iterator[ChangeRecord]:
+    def _read_windows(
+        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats
+    ) -> Iterator[ChangeRecord]:
         """MUTABLE_KEY_RANGE queries need an end at most 30 minutes after the start: read
         the slice in consecutive windows, and stop at the partition's end record."""
         start = query.start
         while start < query.end:
             end = min(query.end, start + _MUTABLE_WINDOW_NS)
-            for record in self._read(attrs.evolve(query, start=start, end=end), info):
+            for record in self._read(attrs.evolve(query, start=start, end=end), info, stats):
                 yield record
                 if isinstance(record, PartitionEndRecord):
                     return
             start = end
 
-    def _read(self, query: ChangeStreamQuery, info: StreamInfo) -> Iterator[ChangeRecord]:
+    def _read(
+        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats
+    ) -> Iterator[ChangeRecord]:
         start = query.start
         last: int | None = None  # position of the last record yielded
         seen: set[tuple[str, str, str]] = set()  # identities yielded at ``last``
@@ -409,7 +467,7 @@ class SpannerChangeStreamClient:
             began = self.retry.clock()
             try:
                 for record in self._query(
-                    info, query.partition_token, start, query.end, query.heartbeat_millis
+                    info, query.partition_token, start, query.end, query.heartbeat_millis, stats
                 ):
                     pos = record_position(record)
                     if resume is not None:
@@ -430,6 +488,7 @@ class SpannerChangeStreamClient:
                     yield record
                 return
             except Exception as exc:
+                stats.error(exc)
                 if progressed or failed == 0:
                     # A stream that made progress failed just now, not when it began.
                     streak_began = self.retry.clock() if progressed else began
@@ -522,7 +581,7 @@ def _check_identifier(stream: str) -> None:
         raise StreamNotFoundError(msg)
 
 
-_CacheKey = tuple[int, str, str, float, bool, RecordFilter | None]
+_CacheKey = tuple[int, str, str, float, bool, RecordFilter | None, bool]
 _cache: dict[_CacheKey, SpannerChangeStreamClient] = {}
 _cache_lock = threading.Lock()
 
@@ -534,16 +593,18 @@ def cached_client(
     query_timeout: float = 600.0,
     typed: bool = True,
     filter: RecordFilter | None = None,
+    data_boost: bool = False,
 ) -> ChangeStreamClient:
     """The process's client for these arguments, created on first use (nothing connects
     until it reads). Keyed by process id too, so a forked worker never reuses a channel."""
-    key = (os.getpid(), database, priority.upper(), float(query_timeout), typed, filter)
+    key = (os.getpid(), database, priority.upper(), float(query_timeout), typed, filter,
+           data_boost)
     with _cache_lock:
         client = _cache.get(key)
         if client is None:
             client = SpannerChangeStreamClient(
                 database, priority=priority, query_timeout=query_timeout, typed=typed,
-                filter=filter,
+                filter=filter, data_boost=data_boost,
             )
             _cache[key] = client
         return client
@@ -551,7 +612,7 @@ def cached_client(
 
 def _restore(
     database: str, priority: str, query_timeout: float, typed: bool = True,
-    filter: RecordFilter | None = None,
+    filter: RecordFilter | None = None, data_boost: bool = False,
 ) -> ChangeStreamClient:
     return cached_client(database, priority=priority, query_timeout=query_timeout,
-                         typed=typed, filter=filter)
+                         typed=typed, filter=filter, data_boost=data_boost)

@@ -1,4 +1,5 @@
-"""Which Spanner errors are transient: the predicate for cdcflow's one retry policy.
+"""Which Spanner errors are transient (the predicate for cdcflow's one retry policy), and
+what change stream queries cost (:class:`QueryStats`, carried to the driver as task counters).
 
 How long to wait and how often to try is :class:`cdcflow.backoff.RetryPolicy` (capped
 exponential backoff, full jitter, bounded attempts), re-exported here for older imports.
@@ -9,9 +10,22 @@ restart loop has neither a bound nor a delay); callers pass :func:`is_transient`
 
 from __future__ import annotations
 
-from cdcflow.backoff import RetryPolicy
+from bisect import bisect_left
+from collections.abc import Iterator
 
-__all__ = ["TRANSIENT_CODES", "RetryPolicy", "is_transient", "status_name"]
+from cdcflow.backoff import RetryPolicy
+from cdcflow.model import ChangeRecord
+
+__all__ = [
+    "QUERY_BUCKETS",
+    "TRANSIENT_CODES",
+    "ObservedRead",
+    "QueryStats",
+    "RetryPolicy",
+    "is_transient",
+    "query_bucket_labels",
+    "status_name",
+]
 
 #: gRPC status codes worth retrying: the server may well answer next time.
 TRANSIENT_CODES = frozenset({"UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})
@@ -62,3 +76,102 @@ def is_transient(exc: BaseException) -> bool:
         text = _message(exc)
         return any(marker in text for marker in _RESUMABLE_INTERNAL)
     return False
+
+
+# -- what queries cost ---------------------------------------------------------------------
+
+#: Bucket bounds (seconds) of the change stream query histograms: a slice's query usually
+#: ends within a second; a query that stalls runs up to the client's query_timeout.
+QUERY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def query_bucket_labels() -> tuple[str, ...]:
+    """The ``le`` labels of :data:`QUERY_BUCKETS` as :class:`QueryStats` keys spell them,
+    ``+Inf`` last."""
+    return (*map(str, QUERY_BUCKETS), "+Inf")
+
+
+_LABELS = query_bucket_labels()
+_QUERY_KEYS = tuple(f"spanner_query_seconds/{le}" for le in _LABELS)
+_FIRST_KEYS = tuple(f"spanner_first_response_seconds/{le}" for le in _LABELS)
+
+
+class QueryStats:
+    """What the change stream queries of one read cost, as task counters (``counters``,
+    string -> int, summed over tasks by the engine like every task counter).
+
+    Keys (only those that are not 0 are present):
+
+    - ``spanner_queries``: queries issued, each retry one more;
+    - ``spanner_query_seconds/<le>``: queries whose duration fell in the bucket of upper
+      bound ``le`` (one of :func:`query_bucket_labels`; each query counts in one bucket,
+      not cumulatively), ``spanner_query_us``: their total duration in microseconds. A
+      query's duration is the time it spent in the reader (waiting for Spanner, decoding)
+      from issue to its end, failure or abandonment, without the time the caller held its
+      records;
+    - ``spanner_first_response_seconds/<le>`` and ``spanner_first_response_us``: the same
+      for the time from issue to the first row (queries that returned none are not in it);
+    - ``spanner_errors/<CODE>``: errors by gRPC status name (``UNAVAILABLE``), every one
+      the reader saw, retried or not.
+
+    Not thread-safe: one read (one thread) owns it.
+    """
+
+    __slots__ = ("counters",)
+
+    def __init__(self) -> None:
+        self.counters: dict[str, int] = {}
+
+    def query(self, seconds: float, first_response: float | None) -> None:
+        """Count one query that took ``seconds``, its first row after ``first_response``
+        seconds (None: it returned no row)."""
+        c = self.counters
+        c["spanner_queries"] = c.get("spanner_queries", 0) + 1
+        key = _QUERY_KEYS[bisect_left(QUERY_BUCKETS, seconds)]
+        c[key] = c.get(key, 0) + 1
+        c["spanner_query_us"] = c.get("spanner_query_us", 0) + int(seconds * 1e6)
+        if first_response is not None:
+            key = _FIRST_KEYS[bisect_left(QUERY_BUCKETS, first_response)]
+            c[key] = c.get(key, 0) + 1
+            c["spanner_first_response_us"] = (
+                c.get("spanner_first_response_us", 0) + int(first_response * 1e6)
+            )
+
+    def error(self, exc: BaseException) -> None:
+        """Count ``exc`` by its gRPC status name; errors that are not RPC errors (cdcflow's
+        own, a bug) are not Spanner's and are not counted."""
+        name = status_name(exc)
+        if name is not None:
+            key = f"spanner_errors/{name}"
+            self.counters[key] = self.counters.get(key, 0) + 1
+
+
+class ObservedRead(Iterator[ChangeRecord]):
+    """The records of one change stream read, and what its queries cost.
+
+    Iterating it iterates the records (``iter()`` hands out the reader itself: no cost per
+    record). :meth:`counters` ends the read (a query still open is closed, so its duration
+    is counted) and returns the read's :class:`QueryStats` counters: call it once the
+    records are consumed or abandoned; records are not available after it.
+    """
+
+    __slots__ = ("_records", "_stats")
+
+    def __init__(self, records: Iterator[ChangeRecord], stats: QueryStats) -> None:
+        self._records = records
+        self._stats = stats
+
+    def __iter__(self) -> Iterator[ChangeRecord]:
+        return self._records
+
+    def __next__(self) -> ChangeRecord:
+        return next(self._records)
+
+    def close(self) -> None:
+        close = getattr(self._records, "close", None)
+        if close is not None:
+            close()
+
+    def counters(self) -> dict[str, int]:
+        self.close()
+        return dict(self._stats.counters)

@@ -1,0 +1,171 @@
+"""Metrics fed by the tasks' counters: Spanner query latency and errors, in-flight bytes and
+quota waits. Unit checks on the listener, then runs on the in-memory runner whose counters
+travel in the task results, scraped over real HTTP."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import cdcflow as cf
+from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
+from cdcflow.metrics import PipelineMetrics
+from cdcflow.model import ChangeRecord
+from cdcflow.spanner.retry import QUERY_BUCKETS, ObservedRead, QueryStats
+from cdcflow.stream import ChangeStreamQuery, StreamInfo
+from cdcflow.testing import ScriptedChangeStream
+from tests.test_metrics import NOW, Clock, S, batch, parse, scrape, value
+
+
+def test_query_histograms_errors_and_inflight_come_from_task_counters() -> None:
+    metrics = PipelineMetrics("orders", clock=Clock())
+    stats = QueryStats()
+    stats.query(0.02, 0.005)
+    stats.query(0.2, None)
+    stats.error(_Unavailable())
+    counters = {**stats.counters, "inflight_bytes_peak": 4096, "quota_waits": 3,
+                "quota_wait_us": 1_500_000}
+    metrics.on_batch(batch(1, counters=counters))
+    metrics.on_batch(batch(2, counters={**stats.counters, "inflight_bytes_peak": 1024}))
+    s = parse(metrics.exposition().decode())
+    assert value(s, "cdcflow_spanner_query_seconds_count") == 4
+    assert value(s, "cdcflow_spanner_query_seconds_sum") == 0.44
+    assert value(s, "cdcflow_spanner_query_seconds_bucket", le="0.025") == 2
+    assert value(s, "cdcflow_spanner_query_seconds_bucket", le="0.1") == 2
+    assert value(s, "cdcflow_spanner_query_seconds_bucket", le="0.25") == 4
+    assert value(s, "cdcflow_spanner_query_seconds_bucket", le="+Inf") == 4
+    assert value(s, "cdcflow_spanner_first_response_seconds_count") == 2
+    assert value(s, "cdcflow_spanner_first_response_seconds_bucket", le="0.01") == 2
+    assert value(s, "cdcflow_spanner_errors_total", code="UNAVAILABLE") == 2
+    assert value(s, "cdcflow_inflight_bytes") == 1024  # the last batch's peak: a gauge
+    assert value(s, "cdcflow_quota_waits_total") == 3
+    assert value(s, "cdcflow_quota_wait_seconds_total") == 1.5
+    buckets = [k for k in s if k[0] == "cdcflow_spanner_query_seconds_bucket"]
+    assert len(buckets) == len(QUERY_BUCKETS) + 1
+
+
+class _Unavailable(Exception):
+    """Shaped like an api_core error: ``grpc_status_code`` names the status."""
+
+    class _Code:
+        name = "UNAVAILABLE"
+
+    grpc_status_code = _Code()
+
+
+# -- counters that travel from the tasks --------------------------------------------------------
+
+_reads_lock = threading.Lock()
+_reads: list[str] = []
+
+
+class _MeasuredStream:
+    """A scripted stream that measures its reads as the Spanner reader does (QueryStats in
+    an ObservedRead): one query per read, a retried UNAVAILABLE on p1's first read."""
+
+    def __init__(self, inner: ScriptedChangeStream) -> None:
+        self.inner = inner
+
+    def describe_stream(self, stream: str) -> StreamInfo:
+        return self.inner.describe_stream(stream)
+
+    def read(self, query: ChangeStreamQuery) -> ObservedRead:
+        stats = QueryStats()
+        with _reads_lock:
+            first_p1 = query.partition_token == "p1" and "p1" not in _reads
+            _reads.append(query.partition_token or "")
+        if first_p1:
+            stats.error(_Unavailable())
+            stats.query(0.001, None)
+        return ObservedRead(self._timed(query, stats), stats)
+
+    def _timed(self, query: ChangeStreamQuery, stats: QueryStats) -> Iterator[ChangeRecord]:
+        began = time.perf_counter()
+        try:
+            yield from self.inner.read(query)
+        finally:
+            stats.query(time.perf_counter() - began, None)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _run(name: str, read: cf.ReadPartition, *steps: Any) -> tuple[dict[Any, float], int]:
+    stream = ScriptedChangeStream("Orders", partitions=2, origin=NOW)
+    for i in range(40):
+        stream.write("Orders", {"id": i}, "INSERT", {"n": i}, at=NOW + (i + 1) * 100_000_000)
+    out = cf.Collect()
+    pipeline = cf.Pipeline(name)
+    chain: Any = (pipeline
+                  | cf.DetectPartitions(stream="Orders", start_at=NOW, end_at=NOW + 6 * S,
+                                        client=_MeasuredStream(stream))
+                  | read)
+    for step in steps:
+        chain = chain | step
+    chain | out
+    urls: list[str] = []
+    pipeline.run("memory", "memory://", metrics_port=0, on_metrics=urls.append,
+                 batch_interval=0, max_batch_span="2s", idle_read_interval=0,
+                 listener=_KeepServing(name, urls))
+    assert len(out.items) == 40
+    return _last_scrape[name], len(out.items)
+
+
+_last_scrape: dict[str, dict[Any, float]] = {}
+
+
+_peaks: dict[str, list[int]] = {}
+
+
+class _KeepServing(EngineListener):
+    """Notes each batch's in-flight peak, and scrapes the run's metrics over HTTP as it
+    stops (the server still serves then)."""
+
+    def __init__(self, name: str, urls: list[str]) -> None:
+        self.urls = urls
+        self.peaks = _peaks[name] = []
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self.peaks.append(stats.counters.get("inflight_bytes_peak", 0))
+
+    def on_stop(self, summary: RunSummary) -> None:
+        _last_scrape[summary.pipeline] = scrape(self.urls[0])
+
+
+def test_query_counters_travel_in_task_results_to_the_scrape() -> None:
+    del _reads[:]
+    s, _ = _run("queries", cf.ReadPartition(heartbeat="100ms"))
+    reads = len(_reads)  # every planned slice is read once (no batch was retried)
+
+    def v(metric: str, **labels: str) -> float:
+        return value(s, metric, pipeline="queries", **labels)
+
+    assert v("cdcflow_spanner_errors_total", code="UNAVAILABLE") == 1
+    assert v("cdcflow_spanner_query_seconds_count") == reads + 1
+    assert 0 < v("cdcflow_spanner_query_seconds_sum") < 10
+    assert v("cdcflow_inflight_bytes") == 0  # max_inflight 1: nothing in flight
+    assert v("cdcflow_quota_waits_total") == 0
+
+
+def _slow(record: Any) -> Any:
+    time.sleep(0.004)
+    return record
+
+
+def test_inflight_bytes_and_quota_waits_of_a_bounded_reader() -> None:
+    # One byte of quota: a record is admitted only once nothing else is in flight, so every
+    # record after a task's first waits for the one before it (4 ms in the Map).
+    read = cf.ReadPartition(heartbeat="100ms", max_inflight=4, max_inflight_bytes=1)
+    s, records = _run("bounded", read, "slow" >> cf.Map(_slow))
+
+    def v(metric: str) -> float:
+        return value(s, metric, pipeline="bounded")
+
+    waits = v("cdcflow_quota_waits_total")
+    assert records / 2 <= waits < records, waits
+    assert v("cdcflow_quota_wait_seconds_total") >= waits * 0.001
+    # a gauge of the last batch's peak (the last batches read no data: 0 then)
+    peaks = _peaks["bounded"]
+    assert max(peaks) > 0 and v("cdcflow_inflight_bytes") == peaks[-1]

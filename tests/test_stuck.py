@@ -1,0 +1,134 @@
+"""Stuck-partition detection names the partition that hangs, not the healthy partitions its
+batch holds back: the warning line, the metric, and the detector's view."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import attrs
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.listener import note_task_done, tasks_done
+from cdcflow.model import BatchPlan, PartitionState, Slice
+from cdcflow.stuck import StuckDetector, StuckWatch
+from cdcflow.testing import ScriptedChangeStream
+from tests.test_metrics import NOW, Clock, S, our_threads, part, value
+from tests.test_metrics import _HangingClient as HangingClient
+from tests.test_metrics import _Scraper as Scraper
+
+
+def test_only_the_partition_whose_read_hangs_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="cdcflow.stuck")
+    began = time.monotonic()
+    now = time.time_ns()
+    origin = now - 20 * S
+    stream = ScriptedChangeStream("Orders", partitions=3, origin=origin)
+    for i in range(60):
+        stream.write("Orders", {"id": i}, "INSERT", {"n": i}, at=origin + (i + 1) * 300_000_000)
+    # p1 stops answering for 4 s; p0 and p2 answer at once
+    client = HangingClient(stream, "p1", origin + 5 * S, time.time() + 4.0)
+    out = cf.Collect()
+    pipeline = cf.Pipeline("one-hangs")
+    (pipeline
+     | cf.DetectPartitions(stream="Orders", start_at=origin, end_at=now + 7 * S, client=client)
+     | cf.ReadPartition(heartbeat="100ms")
+     | out)
+    urls: list[str] = []
+    scraper = Scraper(urls)
+    scraper.start()
+    try:
+        summary = pipeline.run("memory", "memory://", metrics_port=0, on_metrics=urls.append,
+                               stuck_after="1s", batch_interval="100ms", max_batch_span="1s",
+                               idle_read_interval=0)
+    finally:
+        scraper.done.set()
+        scraper.join()
+    assert summary.reason == "end reached"
+    assert len(out.items) == 60
+
+    # the metric: one stuck partition at most, and it is p1
+    counts = [(t - began, value(s, "cdcflow_stuck_partitions", pipeline="one-hangs"))
+              for t, s in scraper.scrapes]
+    assert max(n for _, n in counts) == 1, counts
+    flagged = {dict(labels)["token"] for _, s in scraper.scrapes for (name, labels) in s
+               if name == "cdcflow_stuck_partition_seconds"}
+    assert flagged == {"p1"}, flagged
+    # the warning: one line, naming p1, saying the batch waits for its read
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    stuck_lines = [m for m in warnings if "has not advanced" in m]
+    assert len(stuck_lines) == 1, warnings
+    assert "partition p1 " in stuck_lines[0]
+    assert "waiting for this read (2 other reads of it are done)" in stuck_lines[0]
+    assert any("partition p1 is moving again" in r.getMessage() for r in caplog.records)
+    assert our_threads() == []
+
+
+def test_reads_that_are_done_wait_for_their_batch_and_are_not_stuck() -> None:
+    clock = Clock()
+    watch = StuckWatch(StuckDetector(5), clock=clock)
+    watch.on_start("waits", "memory", "memory://")
+    watch.on_partitions([part(t, NOW - S) for t in ("p0", "p1", "p2")], clock.t)
+    watch.on_planned(BatchPlan(7, NOW, tuple(Slice(t, NOW - S, NOW) for t in ("p0", "p1", "p2"))),
+                     False)
+    clock.t += 3 * S
+    note_task_done("waits", 7, "p0")
+    note_task_done("waits", 7, "p2")
+    assert tasks_done("waits", 7) == {"p0", "p2"}
+    clock.t += 3 * S
+    assert [s.token for s in watch.check()] == ["p1"]
+    assert [s.token for s in watch.detector.stuck()] == ["p1"]
+    # long after, p0 and p2 still wait for the batch: still not stuck
+    clock.t += 60 * S
+    assert watch.check() == []
+    assert [s.token for s in watch.detector.stuck()] == ["p1"]
+
+
+def test_without_task_news_every_partition_of_a_hung_batch_is_reported() -> None:
+    # What a runner whose tasks run elsewhere (Spark executors) gives the driver: nothing.
+    clock = Clock()
+    watch = StuckWatch(StuckDetector(5), clock=clock)
+    watch.on_start("elsewhere", "spark", "memory://")
+    watch.on_planned(BatchPlan(3, NOW, (Slice("p0", NOW - S, NOW), Slice("p1", NOW - S, NOW))),
+                     False)
+    clock.t += 6 * S
+    assert sorted(s.token for s in watch.check()) == ["p0", "p1"]
+
+
+def test_task_news_is_bounded_to_the_latest_batches() -> None:
+    for batch_id in range(100):
+        note_task_done("bounded", batch_id, "p0")
+    assert tasks_done("bounded", 0) == frozenset()
+    assert tasks_done("bounded", 99) == {"p0"}
+    threads = [threading.Thread(target=note_task_done, args=("bounded", 99, f"t{i}"))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(tasks_done("bounded", 99)) == 9
+
+
+def test_partitions_waiting_for_parents_and_snapshot_reads_are_not_stuck() -> None:
+    clock = Clock()
+    watch = StuckWatch(StuckDetector(5), clock=clock)
+    watch.on_start("waiting", "memory", "memory://")
+    snap = part("snapshot/Orders", NOW - S, "SCHEDULED")
+    root = attrs.evolve(part("root", NOW - S + 1, "CREATED"), parent_tokens=(snap.token,))
+    lagging = part("p1", NOW - 2 * S)
+    merged = attrs.evolve(part("child", NOW - S, "CREATED"), parent_tokens=("gone", "p1"))
+    watch.on_partitions([snap, root, lagging, merged], clock.t)
+    watch.on_planned(BatchPlan(2, NOW, (Slice(snap.token, NOW - S, NOW - S + 1),
+                                        Slice("p1", NOW - 2 * S, NOW))), False)
+    clock.t += 60 * S  # a long snapshot read, and p1's read hangs
+    assert [s.token for s in watch.check()] == ["p1"]
+    # Once the parents are finished, the children are watched like any partition.
+    done = [attrs.evolve(snap, state=PartitionState.FINISHED),
+            attrs.evolve(lagging, state=PartitionState.FINISHED), root, merged]
+    watch.on_partitions(done, clock.t)
+    clock.t += 6 * S
+    assert sorted(s.token for s in watch.check()) == ["child", "root"]
