@@ -5,6 +5,11 @@ ReadPartition (linear or branching) and hands the results to sink writers, opene
 use. With ``max_inflight > 1`` on ReadPartition the ParDos of several records run
 concurrently on a pool while sink writers still receive elements in record order: an
 :class:`~cdcflow.inflight.InflightTracker` releases only the contiguously completed prefix.
+
+Memory: every record is charged to the process's byte quota
+(:func:`cdcflow.engine.quota.process_quota`) before it enters the chain and given back once
+every sink writer has taken its outputs, so reading blocks (in :meth:`Chain._wait_for_quota`)
+while the tasks of the process hold the quota, whatever ``max_inflight`` is.
 User functions and sink writes run under the pipeline's
 :class:`~cdcflow.policy.ErrorPolicy`; a skipped element goes to the dead-letter sink as a
 :class:`~cdcflow.policy.FailedElement`.
@@ -18,12 +23,16 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
+import cloudpickle
+
+from cdcflow.engine.listener import note_task_done
 from cdcflow.engine.program import TaskProgram
-from cdcflow.engine.runner import Task
+from cdcflow.engine.quota import ByteQuota, process_quota, quota_limit
+from cdcflow.engine.runner import ChildSeen, Task, TaskResult
 from cdcflow.errors import PipelineStopped, SinkIOError
 from cdcflow.inflight import Barrier, InflightTracker
 from cdcflow.model import DataChangeRecord
@@ -74,6 +83,8 @@ class Chain:
         self._task = task
         self._nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = pickle.loads(program.chain)
         self._succ = program.successors
+        self._steps = frozenset(program.step_labels)
+        self._step_inputs: dict[str, list[Any]] = {}
         self._policy = program.policy
         self._attempt = uuid.uuid4().hex  # unique per execution: retries write elsewhere
         self._writers: dict[str, SinkWriter[Any, Any]] = {}
@@ -87,21 +98,61 @@ class Chain:
         self._inflight: InflightTracker | None = None
         self._released: list[tuple[int, Any]] = []
         self._release_lock = threading.Lock()
+        self._quota: ByteQuota = process_quota(quota_limit(program.max_inflight_bytes))
+        self._held = 0  # bytes of this chain's records charged to the quota, not yet returned
         if program.max_inflight > 1:
-            self._inflight = InflightTracker(program.max_inflight, program.max_inflight_bytes)
+            self._inflight = InflightTracker(program.max_inflight, self._quota.limit)
 
     # -- feeding records ---------------------------------------------------------------------
 
     def push(self, record: DataChangeRecord, position: int, size: int) -> None:
+        """Run ``record`` (``size`` bytes, :func:`approx_size`) through the chain; blocks
+        while the process's byte quota is used up."""
         self._start()
+        self._wait_for_quota(size)
         if self._inflight is None:
             self._deliver(record, self._evaluate(record))
+            self._give_back(size)
             return
         assert self._pool is not None
-        seq = self._inflight.begin(position, size)
+        seq = self._inflight.begin(position, size)  # blocks while max_inflight are in flight
         future = self._pool.submit(self._evaluate, record)
-        future.add_done_callback(lambda f: self._completed(seq, record, f))
+        future.add_done_callback(lambda f: self._completed(seq, record, size, f))
         self._flush()
+
+    def push_element(self, element: Any) -> None:
+        """Push a BatchStep's output through a driver-side chain (one built from
+        :meth:`TaskProgram.for_step`), on this thread."""
+        self._start()
+        self._deliver(element, self._evaluate(element))
+
+    def _wait_for_quota(self, size: int) -> None:
+        """Charge ``size`` bytes to the process's quota: the one place reading blocks on
+        memory. While it waits, this chain delivers its own completed records (giving
+        their bytes back), so tasks holding bytes never wait on each other forever."""
+        began = time.perf_counter()
+        while not self._quota.acquire(size, until=self._has_released):
+            self._flush()
+        waited = time.perf_counter() - began
+        counts = self._counts
+        if waited > 0.001:  # admitted at once takes microseconds: this one waited for room
+            counts["quota_waits"] = counts.get("quota_waits", 0) + 1
+            counts["quota_wait_us"] = counts.get("quota_wait_us", 0) + int(waited * 1e6)
+        self._held += size
+        if self._held > counts.get("inflight_bytes_peak", 0):
+            counts["inflight_bytes_peak"] = self._held
+
+    def _has_released(self) -> bool:
+        return bool(self._released)  # read without the lock: a stale answer only delays
+
+    def _give_back(self, size: int) -> None:
+        self._held -= size
+        self._quota.release(size)
+
+    def _give_back_all(self) -> None:
+        held, self._held = self._held, 0
+        if held:
+            self._quota.release(held)
 
     def barrier(self, position: int) -> None:
         if self._inflight is None:
@@ -111,14 +162,17 @@ class Chain:
         self._flush()
 
     def _completed(
-        self, seq: int, record: DataChangeRecord, future: Future[_Evaluated]
+        self, seq: int, record: DataChangeRecord, size: int, future: Future[_Evaluated]
     ) -> None:
         error = CancelledError() if future.cancelled() else future.exception()
-        result: Any = _Failure(error) if error is not None else (record, future.result())
+        result: Any = (
+            _Failure(error) if error is not None else (record, future.result(), size)
+        )
         assert self._inflight is not None
         # complete() and the append happen under one lock so released runs stay in order
         with self._release_lock:
             self._released.extend(self._inflight.complete(seq, result))
+        self._quota.notify()  # the reader may be waiting for the quota: deliver these first
 
     def _flush(self) -> None:
         with self._release_lock:
@@ -128,8 +182,9 @@ class Chain:
                 continue
             if isinstance(result, _Failure):
                 raise result.error
-            record, evaluated = result
+            record, evaluated, size = result
             self._deliver(record, evaluated)
+            self._give_back(size)
 
     def _start(self) -> None:
         if self._started:
@@ -154,6 +209,9 @@ class Chain:
         counts: dict[str, int] = {}
 
         def visit(label: str, element: Any) -> None:
+            if label in self._steps:
+                out.append((label, element))  # the engine folds it on the driver
+                return
             node = self._nodes[label]
             if isinstance(node, Sink):
                 out.append((label, element))
@@ -184,6 +242,12 @@ class Chain:
             counts[key] = counts.get(key, 0) + n
         wanted = self._task.sinks
         for label, element in evaluated.deliveries:
+            if label in self._steps:
+                # A replay for staging sinks never needs a step: the engine refuses staging
+                # sinks downstream of one.
+                if wanted is None:
+                    self._step_inputs.setdefault(label, []).append(element)
+                continue
             if wanted is not None and label not in wanted:
                 continue  # a replay for other sinks: this one has the batch already
             writer = self._writer(label)
@@ -214,15 +278,16 @@ class Chain:
                 raise  # already decided further down (a sink with a policy of its own)
             except Exception as exc:
                 failed += 1
-                decision = self._policy.decide(exc, element, record.partition_token, failed)
+                token, at = _origin(record)
+                decision = self._policy.decide(exc, element, token, failed)
                 if isinstance(decision, Retry):
                     time.sleep(decision.after)
                     with self._count_lock:
                         self._retries += 1
                     continue
                 where = (
-                    f"{label!r} failed on a change of partition {record.partition_token} "
-                    f"committed at {record.commit_timestamp} after {failed} attempt(s): "
+                    f"{label!r} failed on a change of partition {token} "
+                    f"committed at {at} after {failed} attempt(s): "
                     f"{type(exc).__name__}: {exc}"
                 )
                 if isinstance(decision, Stop):
@@ -240,11 +305,9 @@ class Chain:
     def _failed(
         self, label: str, record: DataChangeRecord, element: Any, skipped: _Skipped
     ) -> FailedElement:
+        token, at = _origin(record)
         return FailedElement(
-            label=label,
-            error=skipped.error,
-            partition_token=record.partition_token,
-            commit_timestamp=record.commit_timestamp,
+            label=label, error=skipped.error, partition_token=token, commit_timestamp=at,
             element=element,
         )
 
@@ -270,6 +333,7 @@ class Chain:
             self._inflight.drain()
             self._flush()
         self._shutdown()
+        self._give_back_all()
         teardown, self._set_up = self._set_up, []
         for node in teardown:
             node.fn.teardown()
@@ -280,6 +344,7 @@ class Chain:
 
     def abort(self) -> None:
         self._shutdown()
+        self._give_back_all()
         for node in self._set_up:
             try:
                 node.fn.teardown()
@@ -298,10 +363,44 @@ class Chain:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
+    def step_inputs(self) -> dict[str, bytes]:
+        """The elements that reached each BatchStep, in record order, pickled (for
+        ``TaskResult.step_inputs``)."""
+        return {label: cloudpickle.dumps(elements)
+                for label, elements in self._step_inputs.items()}
+
     def counters(self) -> dict[str, int]:
-        """What this task did: ``skipped``, ``retries``, ``dead_lettered`` elements, and per
-        step ``elements_in/<label>``, ``elements_out/<label>``, ``sink_writes/<label>``."""
+        """What this task did: ``skipped``, ``retries``, ``dead_lettered`` elements, per
+        step ``elements_in/<label>``, ``elements_out/<label>``, ``sink_writes/<label>``,
+        ``inflight_bytes_peak`` (the most bytes this task held of the process's byte quota),
+        ``quota_waits`` / ``quota_wait_us`` (reads that waited for room in the quota, and
+        how long in all)."""
         return {**self._counts, "skipped": self._skipped, "retries": self._retries}
+
+    def result(
+        self, messages: Mapping[str, Any], *, position: int, ended: bool, records: int,
+        size: int, children: tuple[ChildSeen, ...] = (),
+        counters: Mapping[str, int] | None = None, commit_times: tuple[int, ...] = (),
+    ) -> TaskResult:
+        """The task's result once :meth:`finish` gave ``messages``: what it read, its
+        counters (with ``counters`` added: the reader's own), the elements that reached
+        BatchSteps. Also notes that the task's read is done (stuck-partition detection)."""
+        task = self._task
+        note_task_done(task.pipeline, task.batch_id, task.slice.token)
+        counts = self.counters()
+        counts.update(counters or {})
+        return TaskResult(
+            token=task.slice.token, position=position, ended=ended, children=children,
+            sink_messages=dict(messages), records=records, bytes=size, counters=counts,
+            commit_times=commit_times, step_inputs=self.step_inputs(),
+        )
+
+
+def _origin(record: Any) -> tuple[str, Any]:
+    """The partition and commit timestamp an element came from. On a driver-side chain the
+    "record" is a BatchStep's output: no partition (its token reads "" unless the output
+    names one), and its commit timestamp when it has one."""
+    return getattr(record, "partition_token", ""), getattr(record, "commit_timestamp", None)
 
 
 def _process(node: ParDo[Any, Any] | Sink[Any, Any], element: Any) -> list[Any]:
@@ -311,10 +410,47 @@ def _process(node: ParDo[Any, Any] | Sink[Any, Any], element: Any) -> list[Any]:
 
 
 def approx_size(record: DataChangeRecord) -> int:
-    """A cheap estimate of a record's memory in bytes (for the in-flight byte quota)."""
+    """An estimate of a record's memory in bytes, for the byte quota: 256 for the record,
+    plus for every key and value of its mods the payload (a string's UTF-8 length, a bytes
+    value's length, a JSON value or array summed over its items, recursively) and
+    :data:`_PER_VALUE` for the object around it. Linear in the record's values."""
     n = 256
     for mod in record.mods:
         for values in (mod.keys, mod.new_values, mod.old_values):
-            for key, value in values.items():
-                n += 48 + len(key) + (len(value) if isinstance(value, str | bytes) else 16)
+            n += _dict_size(values)
     return n
+
+
+#: What a key or value costs besides its payload (the object header and its reference).
+_PER_VALUE = 48
+
+
+def _dict_size(values: Mapping[str, Any]) -> int:
+    # The hot path of approx_size (every key and value of every record): str keys and
+    # str / number / None values are measured inline, anything else by _value_size; the
+    # sum is the same as _value_size's over every key and value.
+    n = 2 * _PER_VALUE * len(values)
+    for key, value in values.items():
+        if type(key) is str:
+            n += len(key) if key.isascii() else len(key.encode())
+        else:
+            n += _value_size(key) - _PER_VALUE
+        kind = type(value)
+        if kind is str:
+            n += len(value) if value.isascii() else len(value.encode())
+        elif value is not None and kind is not int and kind is not float and kind is not bool:
+            n += _value_size(value) - _PER_VALUE
+    return n
+
+
+def _value_size(value: Any) -> int:
+    if isinstance(value, str):
+        # isascii() is O(1) in CPython; only non-ASCII text pays for an encode
+        return _PER_VALUE + (len(value) if value.isascii() else len(value.encode()))
+    if isinstance(value, bytes | bytearray):
+        return _PER_VALUE + len(value)
+    if isinstance(value, dict):
+        return _PER_VALUE + _dict_size(value)
+    if isinstance(value, list | tuple):
+        return _PER_VALUE + sum(_value_size(v) for v in value)
+    return _PER_VALUE  # numbers, booleans, None, dates, timestamps, Decimals

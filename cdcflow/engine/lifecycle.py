@@ -17,6 +17,9 @@ Invariants these functions rely on and keep:
   merges. Garbage collection deletes a FINISHED partition only after all of its children
   have started, so a parent missing for a CREATED child is one not discovered yet (see
   :func:`ready_partitions`).
+- Snapshot partitions (``snapshot/<table>``, see :mod:`cdcflow.engine.snapshot`) are
+  ordinary partitions without parents, one slice of 1 ns each; the root partition lists
+  them as parents, so these same rules start the stream after every snapshot committed.
 - The batch end ``T`` is never ahead of the clock and at most ``max_span_ns`` after the
   low watermark, so one lagging partition bounds how far the others run ahead.
 """

@@ -2,17 +2,50 @@
 
 :class:`EngineListener` is the typed seam the CLI's progress display (and any user code)
 implements; :class:`BatchStats` and :class:`RunSummary` are what it is told.
+
+While a batch runs, :func:`tasks_done` tells which of its tasks finished in this process
+(tasks note it with :func:`note_task_done`): where tasks run in the driver's process (the
+in-memory runner) an observer can tell a read that hangs from the reads that are done and
+wait for the batch to commit. Elsewhere (Spark executors) it knows nothing and says so.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import attrs
 
 from cdcflow.model import BatchPlan, PartitionMetadata
 
-__all__ = ["BatchStats", "EngineListener", "RunSummary"]
+__all__ = ["BatchStats", "EngineListener", "RunSummary", "note_task_done", "tasks_done"]
+
+# (pipeline, batch id) -> tokens whose task of that batch finished in this process. Only
+# the latest batches are kept: nothing has to clear it, and a worker process cannot grow it.
+_done: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
+_done_lock = threading.Lock()
+_DONE_BATCHES = 16
+
+
+def note_task_done(pipeline: str, batch_id: int, token: str) -> None:
+    """Note that the task reading ``token`` in batch ``batch_id`` of ``pipeline`` finished
+    (its result is on its way to the driver)."""
+    key = (pipeline, batch_id)
+    with _done_lock:
+        tokens = _done.get(key)
+        if tokens is None:
+            tokens = _done[key] = set()
+            while len(_done) > _DONE_BATCHES:
+                _done.popitem(last=False)
+        tokens.add(token)
+
+
+def tasks_done(pipeline: str, batch_id: int) -> frozenset[str]:
+    """The tokens whose task of batch ``batch_id`` finished in this process (see the module
+    docstring: empty when the tasks run in other processes)."""
+    with _done_lock:
+        return frozenset(_done.get((pipeline, batch_id), ()))
 
 
 @attrs.frozen

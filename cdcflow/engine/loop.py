@@ -7,7 +7,9 @@ in the code below:
    commit) is replayed as it is; otherwise :func:`~cdcflow.engine.lifecycle.plan_batch`
    schedules ready partitions and chooses the batch end ``T`` (never ahead of the clock,
    at most ``max_batch_span`` after the low watermark), and the plan is written to the
-   store before any task runs (write-ahead);
+   store before any sink commits the batch (write-ahead): before its tasks run, or, for a
+   batch read ahead while the previous one committed (pipelined batches, see
+   :mod:`cdcflow.engine.batch`), once the previous batch has committed;
 2. execute: the runner runs one task per slice (:mod:`cdcflow.engine.task`);
 3. commit: (a) every sink commits the batch (idempotent per batch id); (b) the store
    commits all progress of the batch in one transaction — watermarks, finished
@@ -16,8 +18,10 @@ in the code below:
    whose children have all started are garbage collected after ``gc_ttl``.
 
 A crash at any point leaves either a pending plan, which the next run replays with the
-same slices, or a committed batch: with deterministic reads and idempotent sink commits
-the output is exactly once.
+same slices, or a committed batch (and perhaps the uncommitted, attempt-specific output of
+tasks whose batch was never planned, which nothing commits): with deterministic reads and
+idempotent sink commits the output is exactly once. Steps 2 and 3 live in
+:mod:`cdcflow.engine.batch`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import pickle
 import signal
 import threading
 import time
@@ -40,26 +43,24 @@ import cloudpickle
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.dag import Dag
+from cdcflow.engine.batch import Batches
 from cdcflow.engine.durability import StagedSinks
 from cdcflow.engine.lifecycle import (
     all_finished,
     count_states,
-    fold,
-    gc_candidates,
     low_watermark,
     plan_batch,
 )
-from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
+from cdcflow.engine.listener import EngineListener, RunSummary
 from cdcflow.engine.ownership import Ownership
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
-from cdcflow.engine.runner import Runner, Task, TaskResult
+from cdcflow.engine.runner import Runner
+from cdcflow.engine.snapshot import snapshot_partitions
+from cdcflow.engine.steps import BatchSteps
 from cdcflow.engine.task import TaskProgram, make_client
 from cdcflow.errors import (
     FencedError,
     PipelineDefinitionError,
-    PipelineStopped,
-    RunnerContractError,
-    TransientError,
 )
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import (
@@ -113,6 +114,9 @@ class RunOptions:
     ``batch_retries`` / ``retry_backoff``: a batch whose tasks (or sink commits) failed with
     a transient error is run again up to this many times, after a fully jittered wait whose
     cap starts at ``retry_backoff`` and doubles (:class:`cdcflow.backoff.RetryPolicy`).
+    ``pipelined``: while the run lags the clock (catching up), read the next batch while
+    the current one's sinks and store commit (:mod:`cdcflow.engine.batch`; exactly once
+    all the same). False runs one batch at a time.
     """
 
     batch_interval: float = attrs.field(default=1.0, validator=_non_negative)
@@ -128,6 +132,7 @@ class RunOptions:
     lease_ttl: float = attrs.field(default=30.0, validator=_positive)
     idle_read_interval: float = attrs.field(default=5.0, validator=_non_negative)
     strict: bool = False
+    pipelined: bool = True
 
 
 class Engine:
@@ -163,14 +168,9 @@ class Engine:
             attempts=opts.batch_retries + 1, initial=opts.retry_backoff, maximum=math.inf,
             sleep=self._backoff_wait,
         )
-        self._splits = 0
-        self._merges = 0
         self._owner: Ownership | None = None
         self._sink_floor = 0
         self._stop_reason = "interrupted"
-        self._staged: StagedSinks | None = None
-        self._view: PartitionView | None = None
-        self._idle = IdleSchedule(0.0, 0.0)
 
     def _sink_stop(self, reason: str) -> None:
         """A sink ended the run (its consumer went away): stop after this batch commits."""
@@ -203,7 +203,8 @@ class Engine:
         pipeline, opts = self.pipeline, self.options
         pipeline.validate()
         name = pipeline.name
-        sinks = self._sinks(TaskProgram.from_pipeline(pipeline))
+        first = TaskProgram.from_pipeline(pipeline)
+        sinks = self._sinks([first, *BatchSteps(pipeline, first.step_labels).programs.values()])
         for label, sink in sinks.items():
             sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir,
                                    request_stop=self._sink_stop))
@@ -215,6 +216,9 @@ class Engine:
         # WriteFiles' directory.
         program = TaskProgram.from_pipeline(pipeline)
         program_bytes: bytes = cloudpickle.dumps(program)
+        steps = BatchSteps(pipeline, program.step_labels)
+        steps.check_sinks(sinks)
+        idle = IdleSchedule(0.0, 0.0)
         try:
             # The runner starts first: Spark forks its JVM launcher, and a fork after this
             # process has opened gRPC clients (the store's, the stream check's) can kill the
@@ -223,7 +227,7 @@ class Engine:
             try:
                 info = make_client(program.source).describe_stream(program.source.stream)
                 if info.partition_mode == "IMMUTABLE_KEY_RANGE":  # see engine.partitions
-                    self._idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval)
+                    idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval)
                 # One run per pipeline: every write below carries this run's fencing token.
                 self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost)
                 self._owner.acquire(opts.takeover)
@@ -233,12 +237,26 @@ class Engine:
                         # the reset and sinks that name output by batch id never reuse one.
                         self.store.reset(name)
                     self._first_run(program)
-                    self._staged = StagedSinks(self.store, name, sinks, lambda: self._fence)
-                    self._restore_staged(program_bytes, sinks)
-                    self.listener.on_start(name, self.runner.name, self.store.url)
-                    with self._signals():
-                        summary = self._loop(program, program_bytes, sinks)
-                    self._staged.flush()  # a graceful end: what is staged becomes durable
+                    staged = StagedSinks(self.store, name, sinks, lambda: self._fence)
+                    batches = Batches(
+                        name=name, store=self.store, runner=self.runner,
+                        listener=self.listener, clock=self._clock, fence=lambda: self._fence,
+                        retry=self._batch_retry,
+                        # Read once; from here on the view applies what this run writes (it
+                        # owns the pipeline), so a batch reads nothing from the store.
+                        view=PartitionView(self.store, name), idle=idle, steps=steps,
+                        staged=staged, sinks=sinks, program_bytes=program_bytes,
+                        span_ns=int(opts.max_batch_span * _NS), gc_ttl_ns=int(opts.gc_ttl * _NS),
+                    )
+                    try:
+                        batches.restore_staged()
+                        steps.load(self.store)
+                        self.listener.on_start(name, self.runner.name, self.store.url)
+                        with self._signals():
+                            summary = self._loop(batches)
+                    finally:
+                        batches.close()  # waits for a batch read ahead and aborts its output
+                    staged.flush()  # a graceful end: what is staged becomes durable
                 finally:
                     self._owner.release()
                 if self._owner.lost is not None:
@@ -254,18 +272,22 @@ class Engine:
         self.listener.on_stop(summary)
         return summary
 
-    def _sinks(self, program: TaskProgram) -> dict[str, Sink[Any, Any]]:
+    def _sinks(self, programs: Sequence[TaskProgram]) -> dict[str, Sink[Any, Any]]:
         # The driver's own sink objects (a Collect gathers its items on them).
         sinks: dict[str, Sink[Any, Any]] = {}
-        for label in program.sink_labels:
-            if label == program.dead_letter_label:
-                assert self.pipeline.error_policy.dead_letter is not None
-                sinks[label] = self.pipeline.error_policy.dead_letter
-            else:
-                sink = self.pipeline.transform(label)
-                assert isinstance(sink, Sink)
-                sinks[label] = sink
+        for program in programs:
+            for label in program.sink_labels:
+                if label not in sinks:
+                    sinks[label] = self._sink(program, label)
         return sinks
+
+    def _sink(self, program: TaskProgram, label: str) -> Sink[Any, Any]:
+        if label == program.dead_letter_label:
+            assert self.pipeline.error_policy.dead_letter is not None
+            return self.pipeline.error_policy.dead_letter
+        sink = self.pipeline.transform(label)
+        assert isinstance(sink, Sink)
+        return sink
 
     def _first_run(self, program: TaskProgram) -> None:
         name = self.pipeline.name
@@ -285,14 +307,18 @@ class Engine:
                 f"({Timestamp.from_ns(start)}); give an end_at at or after start_at"
             )
             raise PipelineDefinitionError(msg)
+        # Snapshot then stream: the root waits for one partition per table (see
+        # cdcflow.engine.snapshot), so the stream starts after every snapshot row.
+        snapshots = snapshot_partitions(program, start, now, make_client)
         root = PartitionMetadata(
-            token=INITIAL_PARTITION_TOKEN, parent_tokens=(), start=start, end=end,
-            watermark=start, state=PartitionState.CREATED,
+            token=INITIAL_PARTITION_TOKEN, parent_tokens=tuple(p.token for p in snapshots),
+            start=start, end=end, watermark=start, state=PartitionState.CREATED,
             heartbeat_millis=program.heartbeat_millis, created_at=now,
         )
-        self.store.insert_partitions(name, [root])
+        self.store.insert_partitions(name, [*snapshots, root])
         self.store.set_source(name, definition)
-        _log.info("pipeline %s starts reading at %s", name, Timestamp.from_ns(start))
+        _log.info("pipeline %s starts reading at %s%s", name, Timestamp.from_ns(start),
+                  f" after a snapshot of {len(snapshots)} tables" if snapshots else "")
 
     def _source_changed(self, stored: dict[str, Any], now: dict[str, Any]) -> None:
         changes = ", ".join(
@@ -311,21 +337,21 @@ class Engine:
             "source (--strict refuses instead)", msg,
         )
 
-    def _loop(
-        self, program: TaskProgram, program_bytes: bytes, sinks: dict[str, Sink[Any, Any]]
-    ) -> RunSummary:
+    def _loop(self, run: Batches) -> RunSummary:
         name, opts = self.pipeline.name, self.options
         began = time.monotonic()
         deadline = None if opts.duration is None else began + opts.duration
         batches = records = 0
         totals = Counter[str]()
         reason = ""
-        # Read once; from here on the view applies what this run writes (it owns the
-        # pipeline), so a batch reads nothing from the store.
-        view = PartitionView(self.store, name)
-        self._view = view
+        view = run.view
         pending: BatchPlan | None = self.store.pending_plan(name)
         next_id = max(self.store.last_batch_id(name), self._sink_floor) + 1
+
+        def may_read_ahead() -> bool:
+            # Asked while a batch runs: a stop or the duration ends the run after it.
+            return not self._stop.is_set() and (deadline is None or time.monotonic() < deadline)
+
         while True:
             if self._stop.is_set():
                 reason = self._stop_reason
@@ -337,31 +363,43 @@ class Engine:
                 reason = "duration"
                 break
             batch_began = time.monotonic()
-            # 1. plan: replay a pending plan as it is, or plan the next batch and write it
-            #    to the store before any task runs (write-ahead).
+            # 1. plan: replay a pending plan as it is; or write the plan of the batch read
+            #    ahead while the last one committed (its tasks ran, but no sink commits it
+            #    before its plan is in the store); or plan the next batch and write it to
+            #    the store before any task runs (write-ahead).
             plan, pending = pending, None
             replay = plan is not None
-            now = self._clock()
-            parts = view.snapshot()
+            ahead = run.ahead
+            if ahead is not None:
+                now = ahead.planned_at
+                plan, parts = run.write_ahead()
+            else:
+                now = self._clock()
+                parts = view.snapshot()
             if plan is None:
                 if all_finished(parts):
                     reason = "end reached"
                     break
                 span = int(opts.max_batch_span * _NS)
-                waiting = self._idle.waiting(parts, now)
+                waiting = run.idle.waiting(parts, now)
                 plan, transitions = plan_batch(parts, now, span, next_id, waiting)
                 if not plan.slices:
                     # Nothing can advance yet: the clock has not passed the low watermark,
                     # or every partition is idle and waiting for its next read.
-                    ahead = (low_watermark(parts) - now) / _NS
-                    self._wait(min(max(ahead, 0.01), max(opts.batch_interval, 0.01)), deadline)
+                    wait = (low_watermark(parts) - now) / _NS
+                    self._wait(min(max(wait, 0.01), max(opts.batch_interval, 0.01)), deadline)
                     continue
                 plan = attrs.evolve(plan, planned_at=now)
                 self.store.write_plan(name, plan, transitions, fence=self._fence)
                 view.planned(transitions, now)
             next_id = plan.batch_id + 1
             self.listener.on_planned(plan, replay)
-            stats = self._execute(plan, replay, parts, program_bytes, sinks, batch_began)
+            # Read the next batch while this one commits only when it would follow at once
+            # anyway: the run lags the clock (no pacing wait), and it is not the last.
+            lagging = not replay and plan.end < now
+            room = opts.max_batches is None or batches + 1 < opts.max_batches
+            read_ahead = may_read_ahead if opts.pipelined and lagging and room else None
+            stats = run.execute(plan, replay, parts, batch_began, read_ahead)
             batches += 1
             records += stats.records
             for key in ("skipped", "retries", "dead_lettered"):
@@ -370,11 +408,12 @@ class Engine:
             if not replay and plan.end >= now:
                 # Caught up with the clock: pace batches instead of spinning on tiny ones.
                 self._wait(batch_began + opts.batch_interval - time.monotonic(), deadline)
+        run.drop_ahead()  # the run ends after the batch that committed last
         parts = view.snapshot()
         return RunSummary(
             pipeline=name, batches=batches, records=records, reason=reason,
             low_watermark=low_watermark(parts), partitions=count_states(parts),
-            splits=self._splits, merges=self._merges, skipped=totals["skipped"],
+            splits=run.splits, merges=run.merges, skipped=totals["skipped"],
             retried=totals["retries"], dead_lettered=totals["dead_lettered"],
         )
 
@@ -387,152 +426,6 @@ class Engine:
             if left <= 0:
                 return
             self._stop.wait(min(left, _TICK))
-
-    # -- one batch ---------------------------------------------------------------------------
-
-    def _execute(
-        self,
-        plan: BatchPlan,
-        replay: bool,
-        parts: Sequence[PartitionMetadata],
-        program_bytes: bytes,
-        sinks: dict[str, Sink[Any, Any]],
-        began: float,
-    ) -> BatchStats:
-        """Run and commit ``plan``. ``parts`` are the partitions as stored before the batch
-        (their ends and tokens are all the commit needs; only the commit changes them)."""
-        name = self.pipeline.name
-        phases = {"plan": time.monotonic() - began}
-        mark = time.monotonic()
-
-        def lap(phase: str) -> None:
-            nonlocal mark
-            now_s = time.monotonic()
-            phases[phase] = now_s - mark
-            mark = now_s
-
-        # 2. execute: one task per slice, on the runner; then
-        # 3a. commit the sinks (idempotent per batch id: a replay commits the same again).
-        results = self._deliver(plan, program_bytes, sinks, None, lambda: lap("execute"))
-        sinks_committed_at = self._clock()
-        lap("sink_commit")
-        self.listener.on_sinks_committed(plan.batch_id)
-
-        # 3b. commit the store: the batch's progress, as the lifecycle reads the results.
-        now = self._clock()
-        outcome = fold({p.token: p for p in parts}, results, now)
-        self._idle.read(results, now)
-        self.store.commit_batch(
-            name, plan.batch_id, list(outcome.updates), list(outcome.children), outcome.records,
-            fence=self._fence, durable=self._staged.marks() if self._staged else None,
-        )
-        self._splits += outcome.splits
-        self._merges += outcome.merges
-        view = self._view
-        assert view is not None
-        view.committed(outcome, now)
-        lap("store_commit")
-
-        # 3c. tell every sink the new low watermark (a resolved timestamp).
-        parts = view.snapshot()
-        low = low_watermark(parts)
-        for sink in sinks.values():
-            sink.on_watermark(low)
-        self.listener.on_partitions(parts, now)
-        # 3d. garbage-collect finished partitions whose children have all started.
-        expired = gc_candidates(parts, now, int(self.options.gc_ttl * _NS))
-        if expired:
-            self.store.delete_partitions(name, expired)
-            view.deleted(expired)
-            gone = set(expired)
-            parts = [p for p in parts if p.token not in gone]
-        lap("gc")
-        counters: Counter[str] = Counter()
-        for r in results:
-            counters.update(r.counters)
-        return BatchStats(
-            batch_id=plan.batch_id, end=plan.end, slices=len(plan.slices),
-            records=outcome.records, bytes=sum(r.bytes for r in results),
-            seconds=time.monotonic() - began, low_watermark=low,
-            partitions=count_states(parts), new_partitions=len(outcome.children),
-            splits=outcome.splits, merges=outcome.merges, replayed=replay, phases=phases,
-            counters=dict(counters),
-            commit_times=tuple(t for r in results for t in r.commit_times),
-            sinks_committed_at=sinks_committed_at,
-        )
-
-    def _deliver(
-        self, plan: BatchPlan, program_bytes: bytes, sinks: dict[str, Sink[Any, Any]],
-        only: tuple[str, ...] | None, executed: Callable[[], None] = lambda: None,
-    ) -> list[TaskResult]:
-        """Run ``plan``'s tasks and commit their output to ``sinks`` (those in ``only``,
-        when given: a replay for sinks that had not made the batch durable).
-
-        A transient failure of either (a reader's retries spent, a sink's storage fault)
-        aborts the sinks' leftovers and runs both again under the batch retry policy; any
-        other failure notes that the batch was not committed and propagates."""
-        name = self.pipeline.name
-        tasks = [pickle.dumps(Task(name, plan.batch_id, s, only)) for s in plan.slices]
-        targets = sinks if only is None else {label: sinks[label] for label in only}
-
-        def attempt() -> list[TaskResult]:
-            try:
-                done = self._run_tasks(plan, program_bytes, tasks)
-                executed()
-                for label, sink in targets.items():
-                    messages = [
-                        r.sink_messages[label] for r in done
-                        if r.sink_messages.get(label) is not None
-                    ]
-                    sink.commit(plan.batch_id, messages)
-            except BaseException:
-                _abort(plan.batch_id, targets)
-                raise
-            return done
-
-        def retrying(retry: int, exc: BaseException, delay: float) -> None:
-            _log.warning(
-                "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
-                type(exc).__name__, exc, retry, self._batch_retry.retries, delay,
-            )
-
-        try:
-            return self._batch_retry.call(attempt, retry_if=_is_transient, on_retry=retrying)
-        except PipelineStopped:
-            raise
-        except Exception as exc:
-            exc.add_note(
-                f"batch {plan.batch_id} was not committed; its plan stays in the store and "
-                "the next run replays it"
-            )
-            raise
-
-    def _restore_staged(self, program_bytes: bytes, sinks: dict[str, Sink[Any, Any]]) -> None:
-        """Deliver again the committed batches a staging sink had not made durable."""
-        assert self._staged is not None
-        for plan, targets in self._staged.replays():
-            _log.info("batch %d again for %s (not durable there before the restart)",
-                      plan.batch_id, ", ".join(targets))
-            self._deliver(plan, program_bytes, sinks, targets)
-            self._staged.record()
-
-    def _run_tasks(
-        self, plan: BatchPlan, program_bytes: bytes, tasks: Sequence[bytes]
-    ) -> list[TaskResult]:
-        """One result per task, in task order; raise RunnerContractError otherwise."""
-        raw = self.runner.run_tasks(program_bytes, tasks)
-        if len(raw) != len(tasks):
-            msg = (
-                f"runner {self.runner.name!r} returned {len(raw)} results for {len(tasks)} "
-                "tasks; a runner must return one result per task, in task order"
-            )
-            raise RunnerContractError(msg)
-        results = [pickle.loads(b) for b in raw]
-        for result, s in zip(results, plan.slices, strict=True):
-            if not isinstance(result, TaskResult) or result.token != s.token:
-                msg = f"runner {self.runner.name!r} returned results out of task order"
-                raise RunnerContractError(msg)
-        return results
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -559,26 +452,6 @@ class Engine:
                 signal.signal(sig, old)
 
 
-def _abort(batch_id: int, sinks: dict[str, Sink[Any, Any]]) -> None:
-    """Let every sink discard what failed tasks of the batch left behind (best effort)."""
-    for label, sink in sinks.items():
-        try:
-            sink.abort(batch_id, [])
-        except Exception:
-            _log.exception("sink %r failed to abort batch %d", label, batch_id)
-
-
-def _is_transient(exc: BaseException) -> bool:
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, TransientError):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
-
-
 def _check_locations(sinks: dict[str, Sink[Any, Any]]) -> None:
     """Two sinks that would write the same output are a definition error (names both)."""
     seen: dict[str, str] = {}
@@ -593,3 +466,4 @@ def _check_locations(sinks: dict[str, Sink[Any, Any]]) -> None:
             )
             raise PipelineDefinitionError(msg)
         seen[where] = label
+

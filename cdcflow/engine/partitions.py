@@ -61,13 +61,24 @@ class PartitionView:
 
     def committed(self, outcome: BatchOutcome, now_ns: int) -> None:
         """Apply a committed batch: watermarks, finished partitions, new children."""
+        self._apply(self._parts, outcome, now_ns)
+
+    def projected(self, outcome: BatchOutcome, now_ns: int) -> list[PartitionMetadata]:
+        """The partitions as they will be once ``outcome`` is committed (what
+        :meth:`committed` would make of them), without changing the view: the next batch
+        can be planned from it while this one commits (:mod:`cdcflow.engine.batch`)."""
+        parts = dict(self._parts)
+        self._apply(parts, outcome, now_ns)
+        return list(parts.values())
+
+    def _apply(
+        self, parts: dict[str, PartitionMetadata], outcome: BatchOutcome, now_ns: int
+    ) -> None:
         for u in outcome.updates:
-            p = attrs.evolve(self._parts[u.token], watermark=u.watermark)
-            self._parts[u.token] = (
-                self._moved(p, PartitionState.FINISHED, now_ns) if u.finished else p
-            )
+            p = attrs.evolve(parts[u.token], watermark=u.watermark)
+            parts[u.token] = self._moved(p, PartitionState.FINISHED, now_ns) if u.finished else p
         for child in outcome.children:
-            self._parts.setdefault(child.token, child)
+            parts.setdefault(child.token, child)
 
     def _moved(
         self, p: PartitionMetadata, state: PartitionState, now_ns: int

@@ -15,7 +15,7 @@ import cloudpickle
 from cdcflow.dag import Dag
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.policy import ErrorPolicy
-from cdcflow.transforms.base import ParDo, Sink
+from cdcflow.transforms.base import BatchStep, ParDo, Sink
 from cdcflow.transforms.source import DetectPartitions, ReadPartition
 
 __all__ = ["DEAD_LETTER_LABEL", "TaskProgram"]
@@ -32,6 +32,12 @@ class TaskProgram:
     sinks, plus the dead-letter sink), keyed by label; every task unpickles its own copy,
     so DoFns never share state across concurrent tasks. ``successors`` maps the read
     label and every chain label to the labels it feeds.
+
+    ``step_labels``: the BatchSteps the chain feeds. A task does not run them: it returns
+    the elements that reached each one (``TaskResult.step_inputs``), and the engine folds
+    them on the driver. What lies downstream of a BatchStep is not in ``chain``; it runs on
+    the driver in a program of its own (:meth:`for_step`), whose ``read_label`` is the
+    step's label.
     """
 
     pipeline: str
@@ -39,25 +45,44 @@ class TaskProgram:
     read_label: str
     heartbeat_millis: int
     max_inflight: int
-    max_inflight_bytes: int
+    max_inflight_bytes: int | None  # None: the process's default quota
     chain: bytes
     successors: Mapping[str, tuple[str, ...]]
     policy: ErrorPolicy
     sink_labels: tuple[str, ...]
     dead_letter_label: str | None = None
+    step_labels: tuple[str, ...] = ()
 
     @classmethod
     def from_pipeline(cls, pipeline: Dag) -> TaskProgram:
         """Build the program of a validated pipeline; raise PipelineDefinitionError on a
         transform kind the runners do not execute."""
+        (read_label,) = pipeline.labels_of_kind("Read")
+        return cls._build(pipeline, read_label)
+
+    @classmethod
+    def for_step(cls, pipeline: Dag, step_label: str) -> TaskProgram:
+        """The driver-side program of what lies downstream of BatchStep ``step_label``: its
+        ParDos and sinks (and the dead-letter sink), fed the step's outputs."""
+        return cls._build(pipeline, step_label)
+
+    @classmethod
+    def _build(cls, pipeline: Dag, root: str) -> TaskProgram:
         (source_label,) = pipeline.labels_of_kind("Source")
         (read_label,) = pipeline.labels_of_kind("Read")
         source = pipeline.transform(source_label)
         read = pipeline.transform(read_label)
         assert isinstance(source, DetectPartitions) and isinstance(read, ReadPartition)
+        reached = _descendants(pipeline, root)
         nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = {}
+        steps: list[str] = []
+        beyond: set[str] = set()  # downstream of a BatchStep: another program runs them
         for label, t in pipeline.nodes():
-            if label in (source_label, read_label):
+            if label not in reached or label in beyond:
+                continue
+            if isinstance(t, BatchStep):
+                steps.append(label)
+                beyond |= _descendants(pipeline, label)
                 continue
             if not isinstance(t, ParDo | Sink):
                 msg = (
@@ -66,13 +91,13 @@ class TaskProgram:
                 )
                 raise PipelineDefinitionError(msg)
             nodes[label] = t
-        successors = {label: tuple(pipeline.downstream(label)) for label in (read_label, *nodes)}
+        successors = {label: tuple(pipeline.downstream(label)) for label in (root, *nodes)}
         sink_labels = tuple(label for label, t in nodes.items() if isinstance(t, Sink))
         policy = pipeline.error_policy
         dead_label = None
         if policy.dead_letter is not None:
             dead_label = policy.dead_letter.label or DEAD_LETTER_LABEL
-            if dead_label in nodes or dead_label in (source_label, read_label):
+            if pipeline.graph.has_node(dead_label):
                 msg = (
                     f"the dead-letter sink's label {dead_label!r} is also a step of the "
                     "pipeline; give it another label, e.g. ErrorPolicy(dead_letter="
@@ -84,13 +109,26 @@ class TaskProgram:
         return cls(
             pipeline=pipeline.name,
             source=source,
-            read_label=read_label,
+            read_label=root,
             heartbeat_millis=read.heartbeat_millis,
-            max_inflight=read.max_inflight,
+            # A driver-side program runs its chain on the driver's thread, in output order.
+            max_inflight=read.max_inflight if root == read_label else 1,
             max_inflight_bytes=read.max_inflight_bytes,
             chain=cloudpickle.dumps(nodes),
             successors=successors,
             policy=attrs.evolve(policy, dead_letter=None),  # the sink travels in ``chain``
             sink_labels=sink_labels,
             dead_letter_label=dead_label,
+            step_labels=tuple(steps),
         )
+
+
+def _descendants(pipeline: Dag, label: str) -> set[str]:
+    found: set[str] = set()
+    todo = list(pipeline.downstream(label))
+    while todo:
+        nxt = todo.pop()
+        if nxt not in found:
+            found.add(nxt)
+            todo.extend(pipeline.downstream(nxt))
+    return found

@@ -8,6 +8,7 @@ travel as cloudpickle bytes, exactly as Spark ships them, and every runner calls
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -58,7 +59,9 @@ class TaskResult:
     ``position``: how far the slice was read — its end, or, when ``ended``, the position of
     the record that ended the partition (a child partitions record or a partition end
     record). ``children``: the partitions the slice announced. ``sink_messages`` maps a
-    sink's label to its writer's commit message. The engine's lifecycle
+    sink's label to its writer's commit message. ``step_inputs`` maps a BatchStep's label
+    to the pickled list of the elements that reached it, in record order (the engine folds
+    them on the driver). The engine's lifecycle
     (:func:`cdcflow.engine.lifecycle.fold`) alone turns this into partition state.
     """
 
@@ -71,6 +74,7 @@ class TaskResult:
     bytes: int = 0
     counters: Mapping[str, int] = attrs.field(factory=dict)
     commit_times: tuple[int, ...] = ()
+    step_inputs: Mapping[str, builtins.bytes] = attrs.field(factory=dict)
 
 
 #: Most commit timestamps a task samples for the commit-to-sink latency.

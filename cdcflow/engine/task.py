@@ -38,6 +38,7 @@ import cloudpickle
 from cdcflow.engine.chain import Chain, approx_size
 from cdcflow.engine.program import DEAD_LETTER_LABEL, TaskProgram
 from cdcflow.engine.runner import ChildSeen, CommitTimeSample, Task, TaskResult
+from cdcflow.engine.snapshot import run_snapshot_task
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     ChildPartitionsRecord,
@@ -45,6 +46,7 @@ from cdcflow.model import (
     HeartbeatRecord,
     PartitionEndRecord,
     PartitionStartRecord,
+    is_snapshot_token,
     record_position,
 )
 from cdcflow.policy import FailedElement
@@ -107,7 +109,7 @@ def make_client(source: DetectPartitions) -> ChangeStreamClient:
     assert source.database is not None
     return cached_client(
         source.database, priority=source.priority, query_timeout=source.query_timeout,
-        typed=source.typed, filter=source.filter,
+        typed=source.typed, filter=source.filter, data_boost=source.data_boost,
     )
 
 
@@ -115,6 +117,8 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
     """Run ``task`` in this thread (see the module docstring); the unpickled form of
     :func:`execute_task`."""
     sl = task.slice
+    if is_snapshot_token(sl.token):  # a table's initial snapshot (cdcflow.engine.snapshot)
+        return run_snapshot_task(program, task, make_client(program.source))
     root = sl.token == INITIAL_PARTITION_TOKEN
     query = ChangeStreamQuery(
         stream=program.source.stream,
@@ -140,8 +144,9 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
             for token in record.partition_tokens:
                 children.setdefault(token, ChildSeen(token, (), position, announced=True))
 
+    reading = make_client(program.source).read(query)
     try:
-        for record in make_client(program.source).read(query):
+        for record in reading:
             position = record_position(record)
             if ended_at is not None:
                 # Several child records may share the end position (the root query gives
@@ -176,14 +181,12 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
     except BaseException:
         chain.abort()
         raise
-    return TaskResult(
-        token=sl.token,
-        position=sl.end if ended_at is None else ended_at,
-        ended=ended_at is not None,
-        children=tuple(children.values()),
-        sink_messages=messages,
-        records=records,
-        bytes=size,
-        counters=chain.counters(),
+    # A client that measures its queries (the Spanner reader's ObservedRead) says what
+    # they cost; its counters travel with the task's, to the driver's metrics.
+    query_counters = getattr(reading, "counters", None)
+    return chain.result(
+        messages, position=sl.end if ended_at is None else ended_at, ended=ended_at is not None,
+        records=records, size=size, children=tuple(children.values()),
+        counters=query_counters() if callable(query_counters) else None,
         commit_times=commit_times.sample(),
     )

@@ -51,7 +51,7 @@ from cdcflow.model import (
     Timestamp,
 )
 from cdcflow.spanner.shape import RecordShaper, TablePlan, default_shaper
-from cdcflow.spanner.values import parse_timestamp
+from cdcflow.spanner.values import Converter, convert_in_place, decoders, parse_timestamp
 
 __all__ = [
     "DecodeError",
@@ -83,6 +83,10 @@ def _element_struct(array_type: Any) -> Any:
     return array_type.array_element_type.struct_type
 
 
+#: A plan's converters: column name -> converter, and the same as a tuple of items.
+_Conversion = tuple[dict[str, Converter], tuple[tuple[str, Converter], ...]]
+
+
 # --- GoogleSQL STRUCT rows ------------------------------------------------------------------
 
 
@@ -110,6 +114,10 @@ class _StructDecoder:
 
     def __init__(self, column_type: Any, shaper: RecordShaper = default_shaper) -> None:
         self._shaper = shaper
+        # Without a filter a plan keeps every column and checks nothing: its mods are the
+        # parsed JSON dicts converted in place (see _fast_mods_of), no second dict per mod.
+        self._plain = shaper.filter is None
+        self._converters: dict[Any, _Conversion] = {}
         self._last_stand_in: tuple[str, str] | None = None
         outer = _element_struct(column_type)
         top = _field_index(outer)
@@ -180,10 +188,49 @@ class _StructDecoder:
             plan = self._shaper.plan(key, table, columns)
         return plan
 
+    def _conversion(self, plan: TablePlan) -> _Conversion:
+        found = self._converters.get(plan)
+        if found is None:
+            converters = decoders(plan.columns) if self._shaper.typed else {}
+            found = (converters, tuple(converters.items()))
+            self._converters[plan] = found
+        return found
+
+    def _plain_mods(self, value: Any, plan: TablePlan) -> list[Mod]:
+        """Mods of a plan that keeps every column and checks nothing (no filter): what
+        ``plan.mod`` gives, converted in the parsed dicts; a value that is not its column's
+        wire form goes through ``plan.mod`` again for its DecodeError."""
+        loads = _loads
+        convs, items = self._conversion(plan)
+        mods = []
+        for mod in value.list_value.values:
+            k, n, o = mod.list_value.values
+            # NULL JSON arrives as string_value "" (an empty map for the model).
+            keys, new, old = k.string_value, n.string_value, o.string_value
+            kd = loads(keys or "{}")
+            nd = loads(new or "{}")
+            od = loads(old or "{}")
+            if items:
+                try:
+                    convert_in_place(kd, convs, items)
+                    if nd:
+                        convert_in_place(nd, convs, items)
+                    if od:
+                        convert_in_place(od, convs, items)
+                except Exception:
+                    # plan.mod raises the DecodeError naming the column; should it not,
+                    # the converter's own error stands
+                    plan.mod(loads(keys or "{}"), loads(new or "{}"), loads(old or "{}"))
+                    raise
+            mods.append(Mod(kd, nd, od))
+        return mods
+
     def _mods(self, value: Any, plan: TablePlan, check_unchanged: bool) -> list[Mod]:
         loads = _loads
         mods = []
         shape = plan.mod
+        if self._fast_mods and self._plain:
+            return self._plain_mods(value, plan)
         if self._fast_mods:
             for mod in value.list_value.values:
                 k, n, o = mod.list_value.values

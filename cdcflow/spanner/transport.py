@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -82,6 +83,11 @@ class GrpcTransport:
     Credentials).
     """
 
+    #: PartialResultSets received ahead of the reader (each at most about 1 MiB), on a thread
+    #: of their own, so the next message travels while the reader decodes this one; 0
+    #: receives on the reader's thread only.
+    prefetch = 2
+
     def __init__(self, database: str, spanner_client: Any = None) -> None:
         self.database = database
         self._client = spanner_client
@@ -144,14 +150,17 @@ class GrpcTransport:
             request=request, metadata=self._metadata(), retry=None, timeout=timeout
         )
         to_pb = PartialResultSet.pb
-        try:
-            for item in stream:
-                yield to_pb(item)
-        finally:
-            # Stop the server streaming when the reader leaves early.
-            cancel = getattr(stream, "cancel", None)
-            if cancel is not None:
-                cancel()
+        if self.prefetch < 1:
+            try:
+                for item in stream:
+                    yield to_pb(item)
+            finally:
+                # Stop the server streaming when the reader leaves early.
+                cancel = getattr(stream, "cancel", None)
+                if cancel is not None:
+                    cancel()
+            return
+        yield from _prefetched(stream, to_pb, self.prefetch)
 
     def close(self) -> None:
         with self._lock:
@@ -164,6 +173,48 @@ class GrpcTransport:
                     self._client.close()
                 self._client = None
             self._api = None
+
+
+_END = object()
+
+
+def _prefetched(stream: Any, to_pb: Any, depth: int) -> Iterator[Any]:
+    """``to_pb`` of every item of ``stream`` (a gRPC response iterator), received up to
+    ``depth`` items ahead on a daemon thread. An error of the stream is raised here, after
+    the items before it. Leaving early (an exception, ``close()``) cancels the call, which
+    ends the thread even while it waits for the server."""
+    items: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
+    room = threading.Semaphore(depth)
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for item in stream:
+                room.acquire()
+                if stop.is_set():
+                    return
+                items.put((to_pb(item), None))
+            items.put((_END, None))
+        except BaseException as exc:  # delivered to the reader, which raises it
+            items.put((_END, exc))
+
+    threading.Thread(target=pump, name="cdcflow-prefetch", daemon=True).start()
+    try:
+        while True:
+            item, error = items.get()
+            if item is _END:
+                if error is not None:
+                    raise error
+                return
+            room.release()
+            yield item
+    finally:
+        stop.set()
+        room.release()  # a pump waiting for room wakes, sees stop and ends
+        # Stop the server streaming when the reader leaves early (a no-op once it ended).
+        cancel = getattr(stream, "cancel", None)
+        if cancel is not None:
+            cancel()
 
 
 def _request(session: str, sql: str, params: Mapping[str, Param], priority: str) -> Any:

@@ -44,6 +44,7 @@ from cdcflow.model import ColumnType, Timestamp
 
 __all__ = [
     "Converter",
+    "convert_in_place",
     "decode_values",
     "decoder_for",
     "decoders",
@@ -208,6 +209,29 @@ def decode_values(values: Mapping[str, Any], converters: Mapping[str, Converter]
                 value = convert(value)
         out[name] = value
     return out
+
+
+def convert_in_place(
+    values: dict[str, Any], converters: Mapping[str, Converter],
+    items: tuple[tuple[str, Converter], ...],
+) -> dict[str, Any]:
+    """What :func:`decode_values` gives, made in ``values`` itself (a dict the caller owns,
+    e.g. fresh from a JSON parser): no second dict. ``items`` is ``converters.items()`` as
+    a tuple; the shorter of the two is walked. Returns ``values``. Raises what a converter
+    raises, leaving ``values`` partly converted (re-parse it to report the error)."""
+    if len(values) <= len(items):
+        get = converters.get
+        for name, value in values.items():  # replacing values keeps the dict's size
+            if value is not None:
+                convert = get(name)
+                if convert is not None:
+                    values[name] = convert(value)
+    else:
+        for name, convert in items:
+            value = values.get(name)
+            if value is not None:
+                values[name] = convert(value)
+    return values
 
 
 # --- Python -> wire -------------------------------------------------------------------------

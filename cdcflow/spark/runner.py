@@ -1,9 +1,13 @@
-"""SparkRunner: run a batch's tasks as one Spark job, one Spark task per slice.
+"""SparkRunner: run a batch's tasks as one Spark job, a few Spark tasks per executor core.
 
 ``run_tasks`` broadcasts the program once, then runs
-``sc.parallelize(list(enumerate(tasks)), len(tasks)).mapPartitions(...)``: every Spark task
-calls :func:`cdcflow.engine.task.execute_task` where it runs (an executor's Python worker),
-sinks write from there, and only the small result bytes come back to the driver.
+``sc.parallelize(list(enumerate(tasks)), n).mapPartitions(...)`` with
+``n = min(len(tasks), tasks_per_core * defaultParallelism)``: every Spark task runs its
+group of cdcflow tasks one after the other, each through
+:func:`cdcflow.engine.task.execute_task` where it runs (an executor's Python worker), sinks
+write from there, and only the small result bytes come back to the driver. Grouping keeps
+the per-Spark-task cost (scheduling, shipping, a worker's gc) to a few per core per batch
+however many partitions are active; a group's slices are retried together.
 
 This is the only module that imports pyspark, and it does so inside functions, so
 ``import cdcflow`` stays light; driver-side code that needs the session (the WriteSpark
@@ -14,11 +18,14 @@ by Spark (``local[N,F]`` gives local mode F attempts; clusters use
 ``spark.task.maxFailures``). Errors that another attempt cannot fix — the pipeline's error
 policy said stop (:class:`~cdcflow.errors.PipelineStopped`), bad user input, a change stream
 or tracker error — are handed back to the driver as they are and raised there, as the
-in-memory runner would. When Spark gives up, :class:`SparkTaskError` names the task.
+in-memory runner would. When Spark gives up, :class:`SparkTaskError` names the task;
+a :class:`~cdcflow.errors.TransientError` (a SinkIOError, Spanner that kept failing) is
+raised on the driver as itself instead, so the engine's batch retries see what it is.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import gc
@@ -29,6 +36,7 @@ import pickle
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +47,7 @@ from cdcflow.errors import (
     SparkTaskError,
     TaskAttemptError,
     TrackerError,
+    TransientError,
     UserInputError,
 )
 from cdcflow.model import Timestamp
@@ -85,6 +94,9 @@ _FINAL_ERRORS: tuple[type[BaseException], ...] = (
 _LOCAL = re.compile(r"^local(?:\[(\*|\d+)\])?$")
 _SPARK_TASK = re.compile(r"Task (\d+) in stage \S+ failed (\d+) times")
 _CDCFLOW_TASK = re.compile(r"cdcflow task (\d+) failed")
+# A transient error travels to the driver in the failure's text, pickled, as [carried:...]:
+# Spark hands the driver only the text of the last attempt's error.
+_CARRIED = re.compile(r" ?\[carried:([A-Za-z0-9+/=]+)\]")
 
 _QUIET_LOG4J2 = """\
 # The root level stays WARN, the shell's default, so Spark does not announce a level change;
@@ -122,15 +134,23 @@ def _is_local(master: str) -> bool:
     return master.startswith("local")
 
 
-def _run_partition(program: Any, items: Iterable[tuple[int, bytes]]) -> Iterator[Any]:
-    """Executor side: run the partition's task(s); yields ``(index, ok, payload)``.
+def _groups(count: int, groups: int) -> list[range]:
+    """``range(count)`` cut into ``groups`` contiguous runs whose lengths differ by at most 1."""
+    return [range(g * count // groups, (g + 1) * count // groups) for g in range(groups)]
+
+
+def _run_partition(
+    program: Any, groups: Iterable[list[tuple[int, bytes]]]
+) -> Iterator[Any]:
+    """Executor side: run the partition's group of tasks, one after the other; yields
+    ``(index, ok, payload)`` per task.
 
     ``ok`` False means ``payload`` is a pickled error that retrying cannot fix.
     """
     from cdcflow.engine.task import execute_task
 
     code: bytes = program.value
-    for index, task in items:
+    for index, task in (item for group in groups for item in group):
         try:
             result = execute_task(code, task)
         except _FINAL_ERRORS as exc:
@@ -138,6 +158,8 @@ def _run_partition(program: Any, items: Iterable[tuple[int, bytes]]) -> Iterator
             continue
         except Exception as exc:
             msg = f"cdcflow task {index} failed: {type(exc).__name__}: {exc}"
+            if isinstance(exc, TransientError):
+                msg += f" [carried:{base64.b64encode(_pickle_transient(exc)).decode()}]"
             raise TaskAttemptError(msg) from exc
         yield index, True, result
     # A reused PySpark worker runs a full gc.collect() after every task; with the cached
@@ -155,6 +177,27 @@ def _pickle_error(exc: BaseException) -> bytes:
         # An exception whose arguments do not survive pickling: keep its type's name and text.
         data = pickle.dumps(PipelineStopped(f"{type(exc).__name__}: {exc}"))
     return data
+
+
+def _pickle_transient(exc: TransientError) -> bytes:
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+    except Exception:
+        data = pickle.dumps(TransientError(f"{type(exc).__name__}: {exc}"))
+    return data
+
+
+def _carried(text: str) -> BaseException | None:
+    """The transient error a failed task's text carries, or None."""
+    found = _CARRIED.findall(text)
+    if not found:
+        return None
+    try:
+        error = pickle.loads(base64.b64decode(found[-1]))
+    except Exception:
+        return None
+    return error if isinstance(error, TransientError) else None
 
 
 def _describe_task(task: bytes, index: int) -> str:
@@ -180,7 +223,12 @@ def _cause_text(exc: BaseException) -> str:
             return line[match.end() :].strip().removeprefix(":").strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
-    return (errors[-1] if errors else lines[0] if lines else type(exc).__name__)[:500]
+    cause = errors[-1] if errors else lines[0] if lines else type(exc).__name__
+    return _CARRIED.sub("", cause)[:500]
+
+
+# What setJobGroup sets on the submitting thread; restored after each job.
+_JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
 
 
 class SparkRunner:
@@ -190,19 +238,38 @@ class SparkRunner:
     spark-submit configured when running under it. ``conf``: extra Spark settings; they win
     over the local defaults (:data:`DEFAULT_LOCAL_CONF`).
 
+    ``tasks_per_core``: a batch runs as at most this many Spark tasks per core of the
+    cluster (``defaultParallelism``), each running a group of slices in turn; a batch with
+    fewer slices runs one Spark task per slice.
+
     ``open`` uses the active SparkSession when there is one (e.g. in a notebook), else
     builds one named after the pipeline; ``close`` stops only a session it built.
+
+    Every Spark job of a run is in one job group (:attr:`job_group`), whichever thread
+    submits it: the group set on the thread that opened the run, else ``cdcflow-<name>``.
+    ``sparkContext.cancelJobGroup(runner.job_group)`` cancels the run's jobs.
     """
 
     name = "spark"
 
-    def __init__(self, master: str | None = None, conf: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        master: str | None = None,
+        conf: Mapping[str, str] | None = None,
+        *,
+        tasks_per_core: int = 2,
+    ) -> None:
+        if tasks_per_core < 1:
+            msg = f"SparkRunner(tasks_per_core={tasks_per_core}): use 1 or more"
+            raise ValueError(msg)
         self.master = master
         self.conf: dict[str, str] = dict(conf or {})
+        self.tasks_per_core = tasks_per_core
         self._session: Any = None
         self._owns_session = False
         self._broadcasts: dict[bytes, Any] = {}
         self._log_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.job_group = ""
 
     @property
     def session(self) -> Any:
@@ -224,15 +291,27 @@ class SparkRunner:
         if active is not None:
             _log.debug("using the active SparkSession (master %s)", active.sparkContext.master)
             self._session, self._owns_session = active, False
+            self._pick_job_group(app_name)
             return
         settings = self._settings(app_name)
         builder = SparkSession.builder
         for key, value in settings.items():
             builder = builder.config(key, value)
+        began = time.monotonic()
         self._session = builder.getOrCreate()
         self._owns_session = True
         if _is_local(self._session.sparkContext.master):
             self._session.sparkContext.setLogLevel("ERROR")
+        # Start-up is most of a short run's time on Spark: say what it cost.
+        _log.info("Spark session started in %.1fs (master %s)", time.monotonic() - began,
+                  self._session.sparkContext.master)
+        self._pick_job_group(app_name)
+
+    def _pick_job_group(self, app_name: str) -> None:
+        # Job groups are per thread (pinned threads) and batches may be run from a
+        # read-ahead thread: keep the opener's group and set it on every job.
+        current = self._session.sparkContext.getLocalProperty("spark.jobGroup.id")
+        self.job_group = current or f"cdcflow-{app_name}"
 
     def _settings(self, app_name: str) -> dict[str, str]:
         """Spark settings for a session this runner builds.
@@ -299,15 +378,21 @@ class SparkRunner:
             return []
         sc = self.session.sparkContext
         bc = self._broadcast(program)
-        items = list(enumerate(tasks))
-        sc.setJobDescription(f"cdcflow: {len(items)} tasks")
-        rdd = sc.parallelize(items, len(items)).mapPartitions(functools.partial(_run_partition, bc))
+        n = min(len(tasks), self.tasks_per_core * max(1, sc.defaultParallelism))
+        groups = _groups(len(tasks), n)
+        # One element per Spark partition (parallelize would batch a flat list its own way):
+        # Spark task g runs group g, so a failure names its slices.
+        elements = [[(i, tasks[i]) for i in group] for group in groups]
+        before = {key: sc.getLocalProperty(key) for key in _JOB_PROPERTIES}
+        sc.setJobGroup(self.job_group, f"cdcflow: {len(tasks)} tasks in {n} Spark tasks")
+        rdd = sc.parallelize(elements, n).mapPartitions(functools.partial(_run_partition, bc))
         try:
             collected: list[tuple[int, bool, bytes]] = rdd.collect()
         except Exception as exc:
-            raise self._task_error(exc, tasks) from exc
+            raise self._task_error(exc, tasks, groups) from exc
         finally:
-            sc.setJobDescription(None)
+            for key, value in before.items():
+                sc.setLocalProperty(key, value)
         collected.sort(key=lambda item: item[0])
         if [index for index, _, _ in collected] != list(range(len(tasks))):
             msg = (
@@ -323,20 +408,30 @@ class SparkRunner:
                     raise error
         return [payload for _, _, payload in collected]
 
-    def _task_error(self, exc: BaseException, tasks: Sequence[bytes]) -> CdcflowError:
+    def _task_error(
+        self, exc: BaseException, tasks: Sequence[bytes], groups: Sequence[range]
+    ) -> BaseException:
         text = str(exc)
-        match = _SPARK_TASK.search(text) or _CDCFLOW_TASK.search(text)
-        index = int(match.group(1)) if match else None
-        attempts = (
-            f" after {match.group(2)} attempts"
-            if match and match.lastindex == 2
-            else " on every attempt Spark allowed"
+        # A cdcflow task's index when its error says it; else the Spark task's (a group)
+        ours = _CDCFLOW_TASK.search(text)
+        spark = _SPARK_TASK.search(text)
+        attempts = f" after {spark.group(2)} attempts" if spark else (
+            " on every attempt Spark allowed"
         )
-        which = (
-            _describe_task(tasks[index], index)
-            if index is not None and 0 <= index < len(tasks)
-            else "a task"
-        )
+        if ours and 0 <= int(ours.group(1)) < len(tasks):
+            index = int(ours.group(1))
+            which = _describe_task(tasks[index], index)
+        elif spark and 0 <= int(spark.group(1)) < len(groups):
+            group = groups[int(spark.group(1))]
+            shown = [_describe_task(tasks[i], i) for i in group[:3]]
+            more = f" and {len(group) - 3} more" if len(group) > 3 else ""
+            which = f"task running {'; '.join(shown)}{more}"
+        else:
+            which = "a task"
+        carried = _carried(text)
+        if carried is not None:
+            carried.add_note(f"in Spark {which}, failed{attempts}")
+            return carried
         msg = (
             f"Spark {which} failed{attempts}: {_cause_text(exc)}. Nothing of the batch was "
             "committed; fix the cause (see the executor log) and run again to replay it"

@@ -23,7 +23,8 @@ How a task's writer works:
   never passes an element whose call has not returned.
 
 Delivery is at least once: a replayed batch (after a crash, a failed task, a timeout) calls
-``fn`` again for its elements, also those that succeeded before. Make the side effect
+``fn`` again for its elements, also those that succeeded before, and so does a batch read
+ahead while the failed one committed (pipelined batches: it is read again). Make the side effect
 idempotent, keyed by what identifies a change: :func:`idempotency_key`.
 """
 

@@ -71,6 +71,10 @@ class Collect(Sink[E, list[E]]):
     the order of the batch's messages, once per batch id (a replayed batch is ignored). The
     items are visible on the driver after each batch commit. Only the driver's instance
     holds them: pickled copies (in tasks) start empty.
+
+    Collect is for tests and small runs: it is the sink that keeps a task's whole output in
+    memory until the task ends (the process's byte quota stops counting an element once a
+    writer has taken it), so its memory is not bounded by ``max_inflight_bytes``.
     """
 
     def __init__(self) -> None:
@@ -106,7 +110,9 @@ class Print(Sink[Any, list[str]]):
     """Prints committed elements on the driver: once, in order, only for committed batches.
 
     ``format="json"`` prints one JSON document per element (see :mod:`cdcflow.serialize`);
-    ``format="repr"`` prints ``repr(element)``. Writers buffer the lines of their task.
+    ``format="repr"`` prints ``repr(element)``. Writers buffer the lines of their task, as
+    text, until it ends (the lines travel to the driver in the commit message): like
+    Collect, meant for output a terminal can show, not for a large backlog.
     """
 
     def __init__(self, format: Literal["json", "repr"] = "json") -> None:

@@ -3,11 +3,15 @@
     python crash_pipeline.py RUNNER STATE_DIR [STAGE:BATCH]
 
 RUNNER is ``memory`` or ``spark`` (``local[2]``). STAGE is ``planned`` (plan durable, no
-task ran), ``sinks`` (sinks committed, store not), ``batch`` (store committed) or ``task``
-(inside a task, at the BATCH-th record the process running the task reads: this process on
-the memory runner, a Python worker on Spark). Progress lives in STATE_DIR/state.db, output
-in STATE_DIR/out. Without a kill point the run goes to its end and prints the number of
-records it read.
+sink committed it; with pipelined batches its tasks may have run already), ``sinks`` (sinks
+committed, store not), ``batch`` (store committed; with pipelined batches the next batch is
+reading and its plan is not written), ``ahead`` (inside the sink commit of batch BATCH,
+after it, once the tasks of batch BATCH+1, read ahead, have staged output: "ahead" is
+printed first) or ``task`` (inside a task, at the BATCH-th record the process running the
+task reads: this process on the memory runner, a Python worker on Spark); ``none:0`` kills
+nowhere. A further argument ``serial`` runs with ``pipelined=False``. Progress lives in
+STATE_DIR/state.db, output in STATE_DIR/out. Without a kill point the run goes to its end
+and prints the number of records it read.
 
 The kill takes the driver's process group when the driver leads one (start it with
 ``start_new_session``): on Spark that is the driver, its JVM and, from a task, the Python
@@ -24,6 +28,7 @@ import os
 import random
 import signal
 import sys
+import time
 from typing import Any
 
 import cdcflow as cf
@@ -108,6 +113,31 @@ class KillOnRecord:
         return record
 
 
+class AheadFiles(WriteFiles):
+    """WriteFiles that dies inside the sink commit of batch ``kill_after``, once it has
+    committed and the next batch's tasks (read ahead meanwhile) have staged a file."""
+
+    def __init__(self, path: str, kill_after: int, driver: int) -> None:
+        super().__init__(path)
+        self.kill_after, self.driver = kill_after, driver
+
+    def default_label(self) -> str:
+        return "WriteFiles"
+
+    def commit(self, batch_id: int, messages: Any) -> None:
+        super().commit(batch_id, messages)
+        if batch_id != self.kill_after:
+            return
+        staged = f".part-{batch_id + 1:010d}-"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(n.startswith(staged) and n.endswith(".tmp") for n in os.listdir(self.path)):
+                print("ahead", flush=True)
+                break
+            time.sleep(0.001)
+        _die(self.driver)
+
+
 class Announce(EngineListener):
     def on_batch(self, stats: BatchStats) -> None:
         print("batch", stats.batch_id, flush=True)
@@ -115,8 +145,6 @@ class Announce(EngineListener):
 
 def live(runner: Runner, state: str) -> None:
     """Read a stream that never ends; stop on SIGTERM after the current batch."""
-    import time
-
     s = ScriptedChangeStream("S", origin=time.time_ns() - 60 * S)
     p = cf.Pipeline("live")
     p | DetectPartitions(stream="S", start_at="-5s", client=s) | ReadPartition() | WriteFiles(
@@ -133,16 +161,18 @@ def main() -> None:
     if sys.argv[3:] == ["live"]:
         live(runner, state)
         return
-    stage, _, batch = sys.argv[3].partition(":") if len(sys.argv) > 3 else ("", "", "0")
+    stage, _, batch = sys.argv[3].partition(":") if len(sys.argv) > 3 else ("none", "", "0")
     p = cf.Pipeline("crash")
     (p
      | DetectPartitions(stream="S", start_at=T0, end_at=END - 1, client=stream())
      | ReadPartition(heartbeat="500ms")
      | Map(KillOnRecord(int(batch) if stage == "task" else 0, os.getpid()))
-     | WriteFiles(os.path.join(state, "out")))
+     | AheadFiles(os.path.join(state, "out"), int(batch) if stage == "ahead" else 0,
+                  os.getpid()))
     store = open_store(f"sqlite:///{os.path.join(state, 'state.db')}")
-    listener = KillAt(stage, int(batch)) if stage != "task" else None
-    options = RunOptions(max_batch_span=2.0, batch_interval=0.0, base_dir=state)
+    listener = KillAt(stage, int(batch)) if stage not in ("task", "ahead") else None
+    options = RunOptions(max_batch_span=2.0, batch_interval=0.0, base_dir=state,
+                         pipelined="serial" not in sys.argv[4:])
     summary = Engine(p, store, runner, options, listener).run()
     store.close()
     print(summary.reason, summary.records)

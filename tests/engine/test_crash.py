@@ -33,8 +33,10 @@ def _script() -> ModuleType:
     return module
 
 
-def _run(runner: str, state: Path, kill: str | None) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, str(SCRIPT), runner, str(state), *([kill] if kill else [])]
+def _run(
+    runner: str, state: Path, kill: str | None, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    args = [sys.executable, str(SCRIPT), runner, str(state), kill or "none:0", *extra]
     # its own process group: a kill takes the driver and what it started (Spark's JVM)
     return subprocess.run(
         args, capture_output=True, text=True, timeout=180, check=False, start_new_session=True
@@ -42,25 +44,39 @@ def _run(runner: str, state: Path, kill: str | None) -> subprocess.CompletedProc
 
 
 @pytest.mark.parametrize(
-    ("runner", "kills"),
+    ("runner", "kills", "mode"),
     [
-        pytest.param("memory", ["planned:2", "planned:5", "planned:9"], id="memory-planned"),
-        pytest.param("memory", ["sinks:2", "sinks:5", "sinks:9"], id="memory-sinks"),
-        pytest.param("memory", ["batch:1", "batch:6", "batch:11"], id="memory-batch"),
+        pytest.param("memory", ["planned:2", "planned:5", "planned:9"], "", id="memory-planned"),
+        pytest.param("memory", ["sinks:2", "sinks:5", "sinks:9"], "", id="memory-sinks"),
+        pytest.param("memory", ["batch:1", "batch:6", "batch:11"], "", id="memory-batch"),
         # task:N kills at the N-th record the process running the task reads
-        pytest.param("memory", ["task:5", "task:80", "task:200"], id="memory-task"),
+        pytest.param("memory", ["task:5", "task:80", "task:200"], "", id="memory-task"),
+        # Pipelined batches (the default, as the run lags the clock): ahead:N kills inside
+        # batch N's sink commit while batch N+1 reads (its plan not written); batch:N after
+        # N's store commit, before N+1's plan; planned:N after N's plan, read ahead already.
+        pytest.param("memory", ["ahead:2", "ahead:5", "ahead:9"], "", id="memory-ahead"),
+        pytest.param("memory", ["ahead:3", "batch:6", "planned:8", "task:300"], "",
+                     id="memory-mixed"),
+        pytest.param("memory", ["planned:3", "sinks:5", "batch:8"], "serial",
+                     id="memory-serial"),
         pytest.param(
-            "spark", ["sinks:4", "task:60"], id="spark-sinks-task", marks=pytest.mark.spark
+            "spark", ["sinks:4", "task:60"], "", id="spark-sinks-task", marks=pytest.mark.spark
+        ),
+        pytest.param(
+            "spark", ["ahead:3", "batch:6"], "", id="spark-ahead-batch", marks=pytest.mark.spark
         ),
     ],
 )
 def test_killed_runs_resume_without_loss_or_duplicates(
-    tmp_path: Path, runner: str, kills: list[str]
+    tmp_path: Path, runner: str, kills: list[str], mode: str
 ) -> None:
+    extra = (mode,) if mode else ()
     for kill in kills:
-        killed = _run(runner, tmp_path, kill)
+        killed = _run(runner, tmp_path, kill, *extra)
         assert killed.returncode == -signal.SIGKILL, (kill, killed.stderr[-3000:])
-    done = _run(runner, tmp_path, None)
+        if kill.startswith("ahead:"):  # the next batch was reading while this one committed
+            assert killed.stdout.strip().endswith("ahead"), (kill, killed.stderr[-3000:])
+    done = _run(runner, tmp_path, None, *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("end reached")
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +27,7 @@ from cdcflow.model import (
     PartitionState,
     PartitionUpdate,
     Slice,
+    snapshot_token,
 )
 from cdcflow.testing import ScriptedChangeStream
 
@@ -293,3 +295,69 @@ def test_gc_deletes_childless_partitions_that_others_read_past() -> None:
     assert gc_candidates(parts, now_ns=200, ttl_ns=10) == ["ended"]
     at_end = [part("x", F, 0, 50, finished_at=100), part("y", F, 0, 50, finished_at=100)]
     assert gc_candidates(at_end, now_ns=200, ttl_ns=10) == []  # how far the pipeline got
+
+
+# -- snapshot partitions: the root waits for them -------------------------------------------
+
+SNAP_START = 1_000
+
+
+def _snapshot_parts(*states: PartitionState) -> list[PartitionMetadata]:
+    """Snapshot partitions of tables t0, t1, ... in these states and the root that waits."""
+    snaps = [
+        part(snapshot_token(f"t{i}"), state, SNAP_START - 1,
+             SNAP_START if state == F else SNAP_START - 1, end=SNAP_START,
+             finished_at=5 if state == F else None)
+        for i, state in enumerate(states)
+    ]
+    root = part(INITIAL_PARTITION_TOKEN, C, SNAP_START, parents=tuple(p.token for p in snaps))
+    return [*snaps, root]
+
+
+def test_snapshot_partitions_run_first_in_one_slice_and_the_root_waits() -> None:
+    parts = _snapshot_parts(C, C)
+    assert [p.token for p in ready_partitions(parts)] == ["snapshot/t0", "snapshot/t1"]
+    assert low_watermark(parts) == SNAP_START - 1
+    plan, moves = plan_batch(parts, now_ns=50_000, max_span_ns=10_000, batch_id=1)
+    assert plan.slices == (
+        Slice("snapshot/t0", SNAP_START - 1, SNAP_START),
+        Slice("snapshot/t1", SNAP_START - 1, SNAP_START),
+    )
+    assert moves == {"snapshot/t0": R, "snapshot/t1": R}  # the root stays CREATED
+    stored = {p.token: attrs.evolve(p, state=moves.get(p.token, p.state)) for p in parts}
+    outcome = fold(stored, [_result("snapshot/t0", SNAP_START, True),
+                            _result("snapshot/t1", SNAP_START, True)], now_ns=60_000)
+    assert outcome.updates == (
+        PartitionUpdate("snapshot/t0", SNAP_START, True),
+        PartitionUpdate("snapshot/t1", SNAP_START, True),
+    )
+    assert outcome.children == () and outcome.splits == 0
+
+
+def test_the_root_starts_only_when_every_snapshot_partition_finished() -> None:
+    one_left = _snapshot_parts(F, R)
+    assert ready_partitions(one_left) == []
+    plan, moves = plan_batch(one_left, now_ns=50_000, max_span_ns=10_000, batch_id=2)
+    assert [s.token for s in plan.slices] == ["snapshot/t1"] and moves == {}
+    assert low_watermark(one_left) == SNAP_START - 1  # t1's rows are not committed yet
+
+    done = _snapshot_parts(F, F)
+    assert low_watermark(done) == SNAP_START  # every row before start is delivered
+    plan, moves = plan_batch(done, now_ns=50_000, max_span_ns=10_000, batch_id=3)
+    assert plan.slices == (Slice(INITIAL_PARTITION_TOKEN, SNAP_START, SNAP_START + 10_000),)
+    assert moves == {INITIAL_PARTITION_TOKEN: R}
+
+
+def test_finished_snapshot_partitions_are_collected_once_the_root_started() -> None:
+    waiting = _snapshot_parts(F, F)
+    assert gc_candidates(waiting, now_ns=1_000_000, ttl_ns=0) == []  # the root is CREATED
+    started = [
+        attrs.evolve(p, state=R) if p.token == INITIAL_PARTITION_TOKEN else p for p in waiting
+    ]
+    assert gc_candidates(started, now_ns=1_000_000, ttl_ns=0) == ["snapshot/t0", "snapshot/t1"]
+    assert gc_candidates(started, now_ns=1_000_000, ttl_ns=10**9) == []  # TTL not passed
+    # Collected parents do not hold the root back: missing parents count as finished once
+    # nothing unfinished lies below its start.
+    assert ready_partitions(
+        [attrs.evolve(p, state=C) for p in started if p.token == INITIAL_PARTITION_TOKEN]
+    ) != []

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from cdcflow.model import ColumnType, Timestamp
 from cdcflow.spanner.values import (
+    convert_in_place,
     decode_values,
     decoder_for,
     decoders,
@@ -140,6 +141,34 @@ def test_decode_values_converts_only_typed_non_null_columns() -> None:
     assert got == {"Id": 7, "Name": "n", "At": None, "Other": "x"}
     assert values["Id"] == "7"  # a new dict: the input is not changed
     assert decode_values(values, {}) is values
+
+
+@given(
+    present=st.dictionaries(
+        st.sampled_from(["Id", "Name", "At", "Amount", "Doc", "Other"]),
+        st.sampled_from(["7", "n", None, "2024-05-01T12:00:00.123456789Z", "1.50",
+                         '{"a": [1, null]}']),
+    ),
+    typed=st.sets(st.sampled_from(["Id", "At", "Amount", "Doc", "Name"])),
+)
+def test_convert_in_place_gives_what_decode_values_gives(
+    present: dict[str, Any], typed: set[str]
+) -> None:
+    types = {"Id": _t("INT64"), "At": _t("TIMESTAMP"), "Amount": _t("NUMERIC"),
+             "Doc": _t("JSON"), "Name": _t("STRING")}
+    values = {  # each column's wire form, so every converter accepts it
+        name: (None if value is None else {"Id": "7", "At": "2024-05-01T12:00:00.123456789Z",
+                                           "Amount": "1.50", "Doc": '{"a": [1, null]}'}
+               .get(name, value))
+        for name, value in present.items()
+    }
+    convs = decoders([ColumnType(n, types[n], n == "Id", i) for i, n in enumerate(sorted(typed))])
+    expected = decode_values(values, convs)
+    mine = dict(values)
+    got = convert_in_place(mine, convs, tuple(convs.items()))
+    assert got is mine  # the same dict, converted in place
+    assert got == expected
+    assert list(got) == list(expected)  # and in the same order
 
 
 @given(

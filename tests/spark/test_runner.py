@@ -23,10 +23,11 @@ import pytest
 import cdcflow as cf
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.engine.runner import Runner
+from cdcflow.errors import SinkIOError
 from cdcflow.metadata import open_store
 from cdcflow.policy import ErrorPolicy
 from cdcflow.runners.in_memory import InMemoryRunner
-from cdcflow.spark.runner import SparkRunner, SparkTaskError, local_master
+from cdcflow.spark.runner import SparkRunner, SparkTaskError, _groups, local_master
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import Collect, DetectPartitions, Map, ReadPartition, WriteFiles
 
@@ -172,6 +173,52 @@ def test_a_task_failing_on_every_attempt_is_named(spark: Any, tmp_path: Path) ->
     assert "run again to replay it" in text
 
 
+class FailAttempts(cf.DoFn):
+    """Raises SinkIOError on key 5 until it has done so ``failures`` times (a counter file)."""
+
+    def __init__(self, counter: str, failures: int) -> None:
+        self.counter = counter
+        self.failures = failures
+
+    def process(self, element: cf.DataChangeRecord) -> Iterator[cf.DataChangeRecord]:
+        if element.mods[0].keys.get("id") == 5:
+            path = Path(self.counter)
+            failed = int(path.read_text()) if path.exists() else 0
+            if failed < self.failures:
+                path.write_text(str(failed + 1))
+                msg = f"disk full (attempt {failed + 1})"
+                raise SinkIOError(msg)
+        yield element
+
+
+def test_a_transient_error_reaches_the_engine_as_itself_after_sparks_retries(
+    spark: Any, tmp_path: Path
+) -> None:
+    # Spark tries the task 4 times (local[2,4]); every try fails. The driver must see a
+    # SinkIOError, not only Spark's wrapper, so the engine retries the batch, which succeeds.
+    stream = churn_stream()
+    counter = tmp_path / "attempts"
+    pipeline, collect = build(stream, tmp_path / "out", "fail" >> cf.ParDo(
+        FailAttempts(str(counter), failures=4)))
+    store = open_store("memory://")
+    opts = RunOptions(batch_interval=0, max_batch_span=4.0, batch_retries=1, retry_backoff=0)
+    Engine(pipeline, store, SparkRunner(), opts).run()
+    # Spark gave up after its 4 attempts; the run still ended well: the engine retried
+    assert int(counter.read_text()) == 4
+    assert row_keys(collect.items) == expected_rows(stream)
+
+    counter.unlink()
+    pipeline, _ = build(stream, tmp_path / "out2", "fail" >> cf.ParDo(
+        FailAttempts(str(counter), failures=100)))
+    opts = RunOptions(batch_interval=0, max_batch_span=4.0, batch_retries=0)
+    with pytest.raises(SinkIOError, match="disk full") as info:
+        Engine(pipeline, open_store("memory://"), SparkRunner(), opts).run()
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    # PySpark hands over the Python error's text alone here, without Spark's attempt count
+    assert "in Spark task 0 (batch" in notes and "slice [" in notes
+    assert "failed on every attempt Spark allowed" in notes
+
+
 def test_session_settings_pass_the_emulator_host_to_executors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -195,6 +242,44 @@ def test_local_masters_get_task_retries() -> None:
     assert local_master("local[2,7]") == "local[2,7]"
     assert local_master("local-cluster[2,1,1024]") == "local-cluster[2,1,1024]"
     assert local_master("spark://h:7077") == "spark://h:7077"
+
+
+def test_groups_cut_tasks_into_balanced_contiguous_runs() -> None:
+    assert _groups(10, 4) == [range(0, 2), range(2, 5), range(5, 7), range(7, 10)]
+    assert _groups(3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert [i for g in _groups(997, 8) for i in g] == list(range(997))
+    with pytest.raises(ValueError, match="tasks_per_core=0"):
+        SparkRunner(tasks_per_core=0)
+
+
+def test_a_batch_of_many_slices_runs_a_few_spark_tasks_per_core(
+    spark: Any, tmp_path: Path
+) -> None:
+    stream = ScriptedChangeStream("S", partitions=12, buckets=48, origin=T0)
+    for i in range(300):
+        stream.write("T", i % 48, "UPDATE" if i >= 48 else "INSERT", {"i": i},
+                     at=T0 + 1 + i * (29 * S // 300))
+    pipeline, collect = build(stream, tmp_path / "out")
+    sc = spark.sparkContext
+    sc.setJobGroup("grouped", "grouped slices")
+    try:
+        runner = SparkRunner(tasks_per_core=2)
+        run(pipeline, runner)  # pipelined: batches also run from a read-ahead thread
+    finally:
+        sc.setJobGroup(None, None)
+    assert runner.job_group == "grouped"
+    tracker = sc.statusTracker()
+    jobs = tracker.getJobIdsForGroup("grouped")
+    tasks = [
+        tracker.getStageInfo(stage).numTasks
+        for job in jobs
+        for stage in tracker.getJobInfo(job).stageIds
+    ]
+    assert len(jobs) > 1  # jobs of the read-ahead thread are in the group too
+    assert max(tasks) == 2 * sc.defaultParallelism < 12  # 12 slices, 4 Spark tasks
+    assert row_keys(collect.items) == expected_rows(stream)
+    rows = [line for lines in committed_files(tmp_path / "out").values() for line in lines]
+    assert len(rows) == len(set(rows)) == len(expected_rows(stream))
 
 
 def test_no_tasks_run_no_job(spark: Any) -> None:

@@ -1,0 +1,365 @@
+"""Catch-up on the emulator: a backlog read by a stock-client reader and by ``cdcflow run``.
+
+A Cloud Spanner emulator (started here, on a free port) gets a table, a change stream and a
+backlog of 200,000 changes (inserts, ``ROWS_PER_TXN`` rows per transaction); then, each in
+a process of its own and timed from launch to exit (start-up included), three readers read
+the whole backlog, following child partitions to the end:
+
+* ``stock reader``: a minimal single-threaded reader on the stock google-cloud-spanner
+  client (``snapshot.execute_sql`` on ``READ_<stream>``, one partition after another,
+  counting the mods of the data change records it gets): the reference;
+* ``cdcflow run`` with the in-memory runner (the default), and
+* ``cdcflow run --runner spark --master local[2]``,
+
+both with a pipeline ending in a sink that counts the mods it is given (no output: the
+read path is measured, as for the reference). Printed side by side as changes/s and ratios
+to the reference. Targets (issue 12): in-memory >= 4x, Spark local[2] >= 2x.
+
+Then where each reader's time went, from its own timestamps (the cdcflow runs log JSON
+lines; the stock reader notes when its imports ended): ``imports`` (the interpreter and
+imports; on Spark ``imports+JVM+session``), ``connect+store+lease`` (connecting, describing
+the stream, the store, the lease), ``first-batch`` (on Spark it includes starting the
+Python workers), the other batches, and ``end`` (from the last batch to the process's exit:
+closing sinks, the runner, the interpreter). The reading rate (changes per second of
+reading alone) shows what start-up costs each reader.
+
+``python -m bench.bench_catchup [--changes N]``; ``CDCFLOW_BENCH_CATCHUP_CHANGES`` sets the
+default (e.g. 20000 for a quick run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["Run", "main"]
+
+STREAM = "BacklogStream"
+TABLE = "Backlog"
+ROWS_PER_TXN = 20
+_INSTANCE = "test-instance"
+_DATABASE = "catchup"
+
+PIPELINE = '''
+from collections.abc import Sequence
+from pathlib import Path
+
+import cdcflow as cf
+from cdcflow.transforms import DetectPartitions, ReadPartition, Sink
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, record: cf.DataChangeRecord) -> None:
+        self.n += len(record.mods)
+
+    def close(self) -> int:
+        return self.n
+
+    def abort(self) -> None:
+        return None
+
+
+class CountMods(Sink):
+    """Counts the mods it is given; the total goes to a file when the run ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.total = 0
+
+    def open_writer(self, ctx):
+        return _Writer()
+
+    def commit(self, batch_id: int, messages: Sequence[int]) -> None:
+        self.total += sum(messages)
+
+    def close(self) -> None:
+        Path(self.path).write_text(str(self.total))
+
+
+pipeline = cf.Pipeline("catchup")
+(pipeline
+ | DetectPartitions(database={database!r}, stream={stream!r}, start_at={start!r},
+                    end_at={end!r})
+ | ReadPartition(heartbeat="10s")
+ | CountMods({count!r}))
+'''
+
+
+def _load(emulator: Any, changes: int) -> tuple[str, str, str]:
+    """Create the database and commit the backlog; (database path, start, end) as RFC 3339."""
+    from cdcflow.model import Timestamp
+
+    db = emulator.create_database(_DATABASE, [
+        f"CREATE TABLE {TABLE} (Id INT64 NOT NULL, Customer STRING(MAX), Status STRING(16), "
+        f"Quantity INT64, Price FLOAT64) PRIMARY KEY (Id)",
+        f"CREATE CHANGE STREAM {STREAM} FOR {TABLE} "
+        "OPTIONS (value_capture_type = 'NEW_ROW', retention_period = '1d')",
+    ], instance=_INSTANCE)
+    columns = ("Id", "Customer", "Status", "Quantity", "Price")
+    firsts = list(range(0, changes, ROWS_PER_TXN))
+
+    def commit(first: int) -> Any:
+        rows = [
+            (i, f"customer-{i % 997}", "NEW", i % 13, i * 0.25)
+            for i in range(first, min(changes, first + ROWS_PER_TXN))
+        ]
+        with db.batch() as batch:
+            batch.insert(TABLE, columns, rows)
+        return batch.committed
+
+    # A few writers at once: the emulator commits one at a time, but the client's round
+    # trips overlap. Distinct keys: blind writes that never conflict.
+    with ThreadPoolExecutor(4) as pool:
+        stamps = list(pool.map(commit, firsts))
+    first_commit, last = min(stamps), max(stamps)
+    assert first_commit is not None and last is not None
+    # the stream cannot be read before it was created: start at the first commit (inclusive)
+    start = Timestamp.from_datetime(first_commit)
+    # one microsecond past the last commit: the stock client's timestamps have microseconds
+    end = Timestamp.from_ns(Timestamp.from_datetime(last).ns + 1000)
+    return emulator.database_path(_DATABASE, _INSTANCE), str(start), str(end)
+
+
+def read_stock(database: str, start_us: int, end_us: int) -> tuple[int, float]:
+    """The reference: read every partition in turn with the stock client; the mods counted
+    and when (``time.time()``) its imports ended. (Imports nothing of cdcflow: its start-up
+    is the stock client's alone.)"""
+    from google.cloud import spanner
+    from google.cloud.spanner_v1 import param_types
+
+    imported = time.time()
+
+    _, project, _, instance, _, name = database.split("/")
+    db = spanner.Client(project=project).instance(instance).database(name)
+    sql = (
+        f"SELECT ChangeRecord FROM READ_{STREAM}(start_timestamp => @s, end_timestamp => @e, "
+        "partition_token => @t, heartbeat_milliseconds => 10000)"
+    )
+    types = {"s": param_types.TIMESTAMP, "e": param_types.TIMESTAMP, "t": param_types.STRING}
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    end_at = epoch + timedelta(microseconds=end_us)
+    todo: list[tuple[str | None, Any]] = [(None, epoch + timedelta(microseconds=start_us))]
+    seen: set[str] = set()
+    mods = 0
+    while todo:
+        token, begin = todo.pop()
+        params = {"s": begin, "e": end_at, "t": token}
+        with db.snapshot() as snapshot:
+            for row in snapshot.execute_sql(sql, params=params, param_types=types):
+                for record in row[0]:
+                    data, _, children = record[0], record[1], record[2]
+                    for change in data:
+                        mods += len(change[6])
+                    for child in children:
+                        for child_token, _ in child[2]:
+                            if child_token not in seen:
+                                seen.add(child_token)
+                                todo.append((child_token, child[0]))
+    return mods, imported
+
+
+def _micros(text: str) -> int:
+    from cdcflow.model import Timestamp
+
+    return Timestamp.parse(text).ns // 1000
+
+
+@attrs.frozen
+class Run:
+    """One reader's run: wall-clock times (``time.time()``) of its launch, its exit and the
+    events it reported (see :func:`_events`)."""
+
+    name: str
+    mods: int
+    launched: float
+    exited: float
+    events: dict[str, float]
+    batches: list[float]
+
+    @property
+    def seconds(self) -> float:
+        return self.exited - self.launched
+
+    def phases(self) -> list[tuple[str, float]]:
+        """(phase, seconds) from launch to exit; phases without events are left out."""
+        e, b = self.events, self.batches
+        marks = [("launched", self.launched)]
+        if "imported" in e:  # the stock reader
+            marks.append(("imports", e["imported"]))
+            marks.append(("reading", e["done"]))
+        else:
+            if "session" in e:
+                marks.append(("imports+JVM+session", e["session"]))
+                marks.append(("connect+store+lease", e["running"]))
+            else:
+                marks.append(("imports", e.get("connecting", e["running"])))
+                marks.append(("connect+store+lease", e["running"]))
+            if b:
+                marks.append(("first-batch", b[0]))
+            if len(b) > 1:
+                marks.append((f"batches-2..{len(b)}", b[-1]))
+        marks.append(("end", self.exited))
+        return [(name, at - before) for (_, before), (name, at) in itertools.pairwise(marks)]
+
+    def reading(self) -> float:
+        """Seconds of reading alone: the batches (the stock reader: after its imports)."""
+        if "imported" in self.events:
+            return self.events["done"] - self.events["imported"]
+        return self.batches[-1] - self.events["running"] if self.batches else 0.0
+
+
+def _stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+
+
+_BATCH = re.compile(r"batch (\d+): ")
+
+
+def _events(stderr: str) -> tuple[dict[str, float], list[float]]:
+    """From a run's JSON log lines: when the Spark session was up (``session``), when it
+    first connected to Spanner (``connecting``), when the engine began (``running``), and
+    when each batch ended."""
+    events: dict[str, float] = {}
+    batches: list[float] = []
+    for line in stderr.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        message, at = str(doc.get("message", "")), _stamp(doc["time"])
+        if message.startswith("Spark session started"):
+            events.setdefault("session", at)
+        elif message.startswith("connecting to"):
+            events.setdefault("connecting", at)
+        elif message.startswith("running "):
+            events.setdefault("running", at)
+        elif _BATCH.match(message):
+            batches.append(at)
+    return events, batches
+
+
+def _timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """Run ``argv``; its launch and exit times (``time.time()``) and its stderr."""
+    began = time.time()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
+    ended = time.time()
+    if done.returncode != 0:
+        msg = f"{' '.join(argv[:4])} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+        raise RuntimeError(msg)
+    return began, ended, done.stderr
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.bench_catchup", description=__doc__)
+    parser.add_argument("--changes", type=int,
+                        default=int(os.environ.get("CDCFLOW_BENCH_CATCHUP_CHANGES", "200000")))
+    parser.add_argument("--no-spark", dest="spark", action="store_false")
+    parser.add_argument("--stock", nargs=4, help=argparse.SUPPRESS)  # DB START END OUT
+    args = parser.parse_args(argv)
+    if args.stock:
+        database, start, end, out = args.stock
+        mods, imported = read_stock(database, int(start), int(end))
+        Path(out).write_text(json.dumps({"mods": mods, "imported": imported,
+                                         "done": time.time()}))
+        return
+
+    from cdcflow.spanner.emulator import Emulator
+
+    print(f"bench_catchup: a {args.changes}-change backlog on the emulator "
+          f"({ROWS_PER_TXN} rows per transaction), start-up included", flush=True)
+    print(f"  cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}", flush=True)
+    root = Path(__file__).resolve().parent.parent
+    with Emulator() as emulator, tempfile.TemporaryDirectory(prefix="cdcflow-catchup-") as tmp:
+        began = time.monotonic()
+        database, start, end = _load(emulator, args.changes)
+        print(f"  (loaded in {time.monotonic() - began:.1f}s)", flush=True)
+        env = {**os.environ, "SPANNER_EMULATOR_HOST": emulator.host,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
+                                                           os.environ.get("PYTHONPATH")]))}
+        runs: list[tuple[str, list[str]]] = [(
+            "stock reader (1 thread)",
+            [sys.executable, "-m", "bench.bench_catchup", "--stock", database,
+             str(_micros(start)), str(_micros(end))],
+        )]
+        for name, extra in (("cdcflow run (in-memory)", []),
+                            ("cdcflow run --runner spark local[2]",
+                             ["--runner", "spark", "--master", "local[2]"])):
+            if extra and not args.spark:
+                continue
+            runs.append((name, extra))
+        results: list[Run] = []
+        for i, (name, extra) in enumerate(runs):
+            count = Path(tmp) / f"count-{i}.txt"
+            if i == 0:
+                argv_i = [*extra, str(count)]
+            else:
+                path = Path(tmp) / f"pipeline-{i}.py"
+                path.write_text(textwrap.dedent(PIPELINE.format(
+                    database=database, stream=STREAM, start=start, end=end, count=str(count))))
+                argv_i = [sys.executable, "-m", "cdcflow", "run", str(path),
+                          "--metadata", f"sqlite:///{Path(tmp) / f'state-{i}.db'}",
+                          "--log-format", "json", *extra]
+            launched, exited, stderr = _timed(argv_i, env)
+            if i == 0:
+                doc = json.loads(count.read_text())
+                mods = int(doc["mods"])
+                events = {"imported": float(doc["imported"]), "done": float(doc["done"])}
+                batches: list[float] = []
+            else:
+                mods = int(count.read_text())
+                events, batches = _events(stderr)
+            results.append(Run(name, mods, launched, exited, events, batches))
+            print(f"  ({name}: {exited - launched:.1f}s)", flush=True)
+    _report(results, args.changes)
+
+
+def _report(results: list[Run], changes: int) -> None:
+    ref = results[0]
+    rate_ref = ref.mods / ref.seconds
+    read_ref = ref.mods / ref.reading() if ref.reading() > 0 else float("inf")
+    print()
+    print(f"  {'reader':<38} {'changes':>8} {'seconds':>8} {'changes/s':>10} {'x stock':>8}")
+    for run in results:
+        rate = run.mods / run.seconds
+        ok = "" if run.mods == changes else f"  WRONG: {run.mods} of {changes} changes"
+        print(f"  {run.name:<38} {run.mods:8d} {run.seconds:8.1f} {rate:10.0f} "
+              f"{rate / rate_ref:7.2f}x{ok}")
+    for run in results[1:]:
+        target = 2.0 if "spark" in run.name else 4.0
+        ratio = run.mods / run.seconds / rate_ref
+        print(f"  {run.name}: target >= {target:g}x the stock reader: "
+              f"{'met' if ratio >= target else 'MISSED'} ({ratio:.2f}x)")
+    print()
+    print("  where the time went (seconds, launch to exit):")
+    for run in results:
+        phases = "  ".join(f"{name} {seconds:.2f}" for name, seconds in run.phases())
+        print(f"  {run.name:<38} {phases}")
+    print()
+    print(f"  {'reader':<38} {'reading s':>9} {'changes/s':>10} {'x stock':>8}  (reading alone)")
+    for run in results:
+        reading = run.reading()
+        rate = run.mods / reading if reading > 0 else float("inf")
+        print(f"  {run.name:<38} {reading:9.2f} {rate:10.0f} {rate / read_ref:7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Memory under a slow sink: peak RSS against the process's byte quota.
+
+A backlog made while it is read (:class:`bench._backlog.LazyBacklog`: 4 partitions, 64 KiB
+of payload per record, 1 GB in all by default) runs through ``ReadPartition(max_inflight=
+256)``, a Map that stalls on every 512th record (the records after it complete and wait
+behind it, in order) and a sink that takes 1 ms per element and keeps nothing, on the
+in-memory runner with 4 threads. Each quota runs in a fresh process, which prints its
+baseline RSS (after imports), its peak RSS (VmHWM), and the quota's own peak of held
+bytes. Target (issue 12): peak RSS <= quota + 200 MB for a 1 GB backlog.
+
+``python -m bench.bench_memory [--mb N] [--quotas 256,32,8]``; ``CDCFLOW_BENCH_BACKLOG_MB``
+sets the default backlog size (e.g. 128 for a quick run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+_S = 1_000_000_000
+_MB = 1 << 20
+_PAYLOAD = 64 << 10
+_PARTITIONS = 4
+_MAX_INFLIGHT = 256
+_SINK_DELAY = 0.001
+_STALL_EVERY = 512
+_STALL = 0.05
+
+
+def _rss(field: str) -> int:
+    """A VmRSS/VmHWM line of /proc/self/status, in bytes (0 where there is none)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _SlowWriter:
+    def __init__(self) -> None:
+        self._count = 0
+
+    def write(self, element: Any) -> None:
+        time.sleep(_SINK_DELAY)
+        self._count += 1
+
+    def close(self) -> int:
+        return self._count
+
+    def abort(self) -> None:
+        return None
+
+
+def _stall(record: Any) -> Any:
+    body = record.mods[0].new_values["body"]
+    if int(body[:16]) % _STALL_EVERY == 0:
+        time.sleep(_STALL)
+    return record  # the whole record goes on: its payload is what the sink takes
+
+
+def _child(mb: int, quota_mb: int) -> dict[str, Any]:
+    """One run in this process; what it measured."""
+    import cdcflow as cf
+    from bench._backlog import LazyBacklog
+    from cdcflow.engine.loop import Engine, RunOptions
+    from cdcflow.engine.quota import process_quota
+    from cdcflow.metadata import MemoryStore
+    from cdcflow.runners.in_memory import InMemoryRunner
+    from cdcflow.transforms import DetectPartitions, Map, ReadPartition, Sink
+
+    class SlowSink(Sink[Any, int]):
+        def __init__(self) -> None:
+            self.count = 0
+
+        def open_writer(self, ctx: Any) -> _SlowWriter:
+            return _SlowWriter()
+
+        def commit(self, batch_id: int, messages: Sequence[int]) -> None:
+            self.count += sum(messages)
+
+    records = max(1, mb * _MB // (_PAYLOAD * _PARTITIONS))
+    origin = 1_704_067_200 * _S
+    backlog = LazyBacklog("Backlog", partitions=_PARTITIONS, records=records,
+                          payload=_PAYLOAD, origin=origin, span_ns=60 * _S)
+    sink = SlowSink()
+    p = cf.Pipeline("bench-memory")
+    (p
+     | DetectPartitions(stream="Backlog", start_at=origin, end_at=backlog.end, client=backlog)
+     | ReadPartition(heartbeat="1s", max_inflight=_MAX_INFLIGHT,
+                     max_inflight_bytes=quota_mb * _MB)
+     | Map(_stall)
+     | sink)
+    base = _rss("VmRSS")
+    began = time.monotonic()
+    # one batch per partition slice: the whole backlog is one slice of each partition
+    opts = RunOptions(batch_interval=0, max_batch_span=3600.0)
+    Engine(p, MemoryStore(), InMemoryRunner(workers=_PARTITIONS), opts).run()
+    stats = process_quota().stats()
+    return {
+        "records": sink.count, "expected": records * _PARTITIONS,
+        "backlog": backlog.total_bytes, "quota": stats.limit, "quota_peak": stats.peak,
+        "waits": stats.waits, "base_rss": base, "peak_rss": _rss("VmHWM"),
+        "seconds": time.monotonic() - began,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.bench_memory", description=__doc__)
+    parser.add_argument("--mb", type=int,
+                        default=int(os.environ.get("CDCFLOW_BENCH_BACKLOG_MB", "1024")),
+                        help="backlog payload in MiB (default 1024)")
+    parser.add_argument("--quotas", default="256,32,8", help="quotas in MiB, one run each")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(_child(args.mb, args.child)))
+        return
+    print(f"bench_memory: a slow sink (1 ms per element) facing a {args.mb} MiB backlog "
+          f"({_PARTITIONS} partitions, {_PAYLOAD >> 10} KiB records, "
+          f"max_inflight={_MAX_INFLIGHT})", flush=True)
+    print(f"  {'quota':>9} {'quota peak':>11} {'waits':>7} {'base RSS':>9} {'peak RSS':>9} "
+          f"{'RSS - quota':>12} {'records':>8} {'seconds':>8}  target: peak RSS <= quota + 200 MB")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for quota_mb in (int(q) for q in args.quotas.split(",")):
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.bench_memory", "--mb", str(args.mb),
+             "--child", str(quota_mb)],
+            check=True, capture_output=True, text=True, cwd=here,
+        )
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        over = (r["peak_rss"] - r["quota"]) / 1e6
+        verdict = "met" if over <= 200 else "MISSED"
+        if r["records"] != r["expected"]:
+            verdict = f"WRONG: {r['records']} of {r['expected']} records"
+        print(f"  {r['quota'] / _MB:7.0f} MiB {r['quota_peak'] / _MB:7.1f} MiB {r['waits']:7d} "
+              f"{r['base_rss'] / 1e6:6.0f} MB {r['peak_rss'] / 1e6:6.0f} MB {over:9.0f} MB "
+              f"{r['records']:8d} {r['seconds']:8.1f}  {verdict}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

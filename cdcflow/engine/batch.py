@@ -1,0 +1,401 @@
+"""One batch: execute and commit (steps 2 and 3 of the commit protocol), and the read-ahead.
+
+:class:`Batches` runs and commits the batches of one run for the engine
+(:mod:`cdcflow.engine.loop`, which plans them and paces the run). Steps, as in the loop's
+docstring: 2. the runner runs one task per slice; the BatchSteps fold on the driver;
+3a. every sink commits the batch (idempotent per batch id); 3b. the store commits its
+progress in one transaction; 3c. every sink learns the new low watermark; 3d. finished
+partitions are garbage collected.
+
+Pipelined batches (``RunOptions.pipelined``). While the run lags the clock, batches run
+back to back; then, once batch N's tasks have returned, :meth:`Batches.execute` plans
+batch N+1 from the partitions as N will leave them (a projection: the view itself changes
+only at N's store commit) and runs N+1's tasks on a thread of its own while N's sinks and
+store commit. N+1's plan is written to the store (write-ahead, with the fence) only after
+N's commit, and before any sink commits N+1. The invariant is: *a batch's plan is in the
+store before any sink commits it* (3a), not "before any of its tasks runs": tasks only read
+and stage output that is specific to their attempt (a temporary file, a spool, a buffered
+message) and that nothing commits without the batch's plan. So:
+
+- a crash before N+1's plan is written leaves nothing of N+1 committed; the next run plans
+  batch N+1 afresh (perhaps with other slices: nothing of the first attempt is used, and
+  the sinks sweep its leftovers when they commit or abort the batch id);
+- a crash after it is written is the ordinary case of a pending plan: the next run replays
+  it, as it is, with the same slices;
+- when N's commit fails, or the run stops (a stop request, ``duration``) before N+1's plan
+  is written, N+1's tasks are awaited, their output aborted, and N+1 is never planned.
+
+A replayed pending plan, a replay for staging sinks and the batch after a failed attempt
+are never overlapped; when the run is caught up with the clock, batches are paced by
+``batch_interval`` and nothing is read ahead either (an idle pipeline works as without
+pipelining). At most one ``Runner.run_tasks`` call is in flight at any time, from the
+engine's thread or from the read-ahead thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+
+from cdcflow.backoff import RetryPolicy
+from cdcflow.engine.durability import StagedSinks
+from cdcflow.engine.lifecycle import (
+    all_finished,
+    count_states,
+    fold,
+    gc_candidates,
+    low_watermark,
+    plan_batch,
+)
+from cdcflow.engine.listener import BatchStats, EngineListener
+from cdcflow.engine.partitions import IdleSchedule, PartitionView
+from cdcflow.engine.runner import Runner, Task, TaskResult
+from cdcflow.engine.steps import BatchSteps, Folded
+from cdcflow.errors import PipelineStopped, RunnerContractError, TransientError
+from cdcflow.metadata.base import MetadataStore
+from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
+from cdcflow.transforms.base import Sink
+
+__all__ = ["Batches"]
+
+_log = logging.getLogger("cdcflow.engine")
+
+
+@attrs.define
+class _Ahead:
+    """The next batch, planned and reading while the current one commits. ``written``: its
+    plan is in the store (its tasks' results then go to its first attempt)."""
+
+    plan: BatchPlan
+    transitions: dict[str, PartitionState]
+    future: Future[list[TaskResult]]
+    written: bool = False
+
+
+class Batches:
+    """Executes and commits the batches of one run (see the module docstring).
+
+    ``fence`` returns the run's fencing token for every store write. Call :meth:`close`
+    when the run ends (also when it fails): it waits for a batch read ahead and aborts its
+    output, then stops the read-ahead thread.
+    """
+
+    def __init__(
+        self, *, name: str, store: MetadataStore, runner: Runner, listener: EngineListener,
+        clock: Callable[[], int], fence: Callable[[], int], retry: RetryPolicy,
+        view: PartitionView, idle: IdleSchedule, steps: BatchSteps, staged: StagedSinks,
+        sinks: Mapping[str, Sink[Any, Any]], program_bytes: bytes, span_ns: int, gc_ttl_ns: int,
+    ) -> None:
+        self.name = name
+        self.store = store
+        self.runner = runner
+        self.listener = listener
+        self.view = view
+        self.splits = 0
+        self.merges = 0
+        self._clock = clock
+        self._fence = fence
+        self._retry = retry
+        self.idle = idle
+        self._steps = steps
+        self._staged = staged
+        self._sinks = dict(sinks)
+        self._program = program_bytes
+        self._span_ns = span_ns
+        self._gc_ttl_ns = gc_ttl_ns
+        self._ahead: _Ahead | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- the read-ahead ----------------------------------------------------------------------
+
+    @property
+    def ahead(self) -> BatchPlan | None:
+        """The plan of the batch read ahead whose plan is not written yet, if any."""
+        return None if self._ahead is None or self._ahead.written else self._ahead.plan
+
+    def write_ahead(self) -> tuple[BatchPlan, list[PartitionMetadata]]:
+        """Write the plan of the batch read ahead to the store (with the fence) and return
+        it with the partitions as stored before it. Call once the batch before it has
+        committed (3b-3d), before anything else of the read-ahead batch; if this raises, the
+        caller must :meth:`drop_ahead` (its tasks are still running)."""
+        ahead = self._ahead
+        assert ahead is not None and not ahead.written
+        parts = self.view.snapshot()
+        self.store.write_plan(self.name, ahead.plan, ahead.transitions, fence=self._fence())
+        self.view.planned(ahead.transitions, ahead.plan.planned_at)
+        ahead.written = True
+        return ahead.plan, parts
+
+    def drop_ahead(self) -> None:
+        """Give up the batch read ahead, if any: wait for its tasks, then abort their output
+        in every sink (nothing of it was committed). Its plan, when written, stays pending
+        in the store: the next run replays it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        messages: dict[str, list[Any]] = {}
+        try:
+            done = ahead.future.result()
+        except BaseException as exc:  # nothing of it is used: only its leftovers matter
+            _log.debug("batch %d, read ahead, failed (%s: %s); dropped",
+                       ahead.plan.batch_id, type(exc).__name__, exc)
+        else:
+            for r in done:
+                for label, message in r.sink_messages.items():
+                    if message is not None:
+                        messages.setdefault(label, []).append(message)
+        _log.debug("batch %d, read ahead, dropped", ahead.plan.batch_id)
+        for label, sink in self._sinks.items():
+            try:
+                sink.abort(ahead.plan.batch_id, messages.get(label, []))
+            except Exception:
+                _log.exception("sink %r failed to abort batch %d", label, ahead.plan.batch_id)
+
+    def close(self) -> None:
+        """Drop a batch read ahead and stop the read-ahead thread."""
+        try:
+            self.drop_ahead()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def _read_ahead(self, plan: BatchPlan, results: Sequence[TaskResult], now: int) -> None:
+        """Plan the batch after ``plan`` from the partitions as ``results`` will leave them,
+        and start its tasks on the read-ahead thread. Nothing is written and the view does
+        not change: an empty plan (nothing can advance) starts nothing."""
+        projected = self.view.projected(fold(self.view.mapping(), results, now), now)
+        if all_finished(projected):
+            return
+        waiting = self.idle.waiting(projected, now)
+        nxt, transitions = plan_batch(projected, now, self._span_ns, plan.batch_id + 1, waiting)
+        if not nxt.slices:
+            return
+        nxt = attrs.evolve(nxt, planned_at=now)
+        tasks = self._tasks(nxt, None)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"cdcflow-ahead-{self.name}")
+        future = self._pool.submit(self._run_tasks, nxt, tasks)
+        self._ahead = _Ahead(nxt, transitions, future)
+        _log.debug("batch %d: reading ahead while batch %d commits", nxt.batch_id,
+                   plan.batch_id)
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    def execute(
+        self, plan: BatchPlan, replay: bool, parts: Sequence[PartitionMetadata], began: float,
+        read_ahead: Callable[[], bool] | None = None,
+    ) -> BatchStats:
+        """Run and commit ``plan`` (its plan is in the store). ``parts`` are the partitions
+        as stored before the batch (their ends and tokens are all the commit needs; only
+        the commit changes them). ``read_ahead``, when given, is asked once the batch's
+        tasks first returned whether the next batch may be read while this one commits
+        (see the module docstring); None never reads ahead."""
+        phases = {"plan": time.monotonic() - began}
+        mark = time.monotonic()
+
+        def lap(phase: str) -> None:
+            nonlocal mark
+            now_s = time.monotonic()
+            phases[phase] = now_s - mark
+            mark = now_s
+
+        # The tasks of a batch read ahead have run already (or still run): the first
+        # attempt takes their results.
+        first: Future[list[TaskResult]] | None = None
+        if self._ahead is not None and self._ahead.written:
+            assert self._ahead.plan.batch_id == plan.batch_id
+            first, self._ahead = self._ahead.future, None
+
+        # 2. execute: one task per slice, on the runner; fold the BatchSteps on the driver;
+        # 3a. commit the sinks (idempotent per batch id: a replay commits the same again).
+        folded: Folded | None = None
+
+        def fold_steps(done: list[TaskResult]) -> Mapping[str, list[Any]]:
+            nonlocal folded
+            folded = self._steps.fold(plan, parts, done)
+            return folded.messages
+
+        idle_noted = False
+
+        def ready(done: list[TaskResult], first_attempt: bool) -> None:
+            # Between the tasks and the sink commits: note idle partitions (once), and start
+            # the next batch's tasks (only after a first attempt that went well).
+            nonlocal idle_noted
+            now = self._clock()
+            if not idle_noted:
+                self.idle.read(done, now)
+                idle_noted = True
+            if first_attempt and read_ahead is not None and read_ahead():
+                self._read_ahead(plan, done, now)
+
+        results = self.deliver(plan, None, lambda: lap("execute"),
+                               fold_steps if self._steps else None, ready, first)
+        sinks_committed_at = self._clock()
+        lap("sink_commit")
+        self.listener.on_sinks_committed(plan.batch_id)
+
+        # 3b. commit the store: the batch's progress, as the lifecycle reads the results.
+        now = self._clock()
+        outcome = fold({p.token: p for p in parts}, results, now)
+        self.store.commit_batch(
+            self.name, plan.batch_id, list(outcome.updates), list(outcome.children),
+            outcome.records, fence=self._fence(), durable=self._staged.marks(),
+            state=None if folded is None else folded.state,
+        )
+        if folded is not None:
+            self._steps.committed(folded)
+        self.splits += outcome.splits
+        self.merges += outcome.merges
+        view = self.view
+        view.committed(outcome, now)
+        lap("store_commit")
+
+        # 3c. tell every sink the new low watermark (a resolved timestamp).
+        parts = view.snapshot()
+        low = low_watermark(parts)
+        for sink in self._sinks.values():
+            sink.on_watermark(low)
+        self.listener.on_partitions(parts, now)
+        # 3d. garbage-collect finished partitions whose children have all started.
+        expired = gc_candidates(parts, now, self._gc_ttl_ns)
+        if expired:
+            self.store.delete_partitions(self.name, expired)
+            view.deleted(expired)
+            gone = set(expired)
+            parts = [p for p in parts if p.token not in gone]
+        lap("gc")
+        counters: Counter[str] = Counter()
+        for r in results:
+            counters.update(r.counters)
+        if folded is not None:
+            counters.update(folded.counters)
+        return BatchStats(
+            batch_id=plan.batch_id, end=plan.end, slices=len(plan.slices),
+            records=outcome.records, bytes=sum(r.bytes for r in results),
+            seconds=time.monotonic() - began, low_watermark=low,
+            partitions=count_states(parts), new_partitions=len(outcome.children),
+            splits=outcome.splits, merges=outcome.merges, replayed=replay, phases=phases,
+            counters=dict(counters),
+            commit_times=tuple(t for r in results for t in r.commit_times),
+            sinks_committed_at=sinks_committed_at,
+        )
+
+    def deliver(
+        self, plan: BatchPlan, only: tuple[str, ...] | None,
+        executed: Callable[[], None] = lambda: None,
+        fold_steps: Callable[[list[TaskResult]], Mapping[str, list[Any]]] | None = None,
+        ready: Callable[[list[TaskResult], bool], None] | None = None,
+        first: Future[list[TaskResult]] | None = None,
+    ) -> list[TaskResult]:
+        """Run ``plan``'s tasks and commit their output to the sinks (those in ``only``,
+        when given: a replay for sinks that had not made the batch durable).
+        ``fold_steps`` folds the BatchSteps after the tasks and returns the driver-side
+        writers' commit messages per sink, committed after the tasks' messages. ``ready``
+        is called after that, before the sinks commit, with the results and whether this
+        is the first attempt. ``first``: the results of the tasks already started (read
+        ahead), for the first attempt.
+
+        A transient failure of either (a reader's retries spent, a sink's storage fault)
+        drops a batch read ahead meanwhile, aborts the sinks' leftovers and runs both again
+        under the batch retry policy; any other failure notes that the batch was not
+        committed and propagates."""
+        tasks = self._tasks(plan, only)
+        targets = self._sinks if only is None else {label: self._sinks[label] for label in only}
+        attempts = 0
+
+        def attempt() -> list[TaskResult]:
+            nonlocal attempts
+            attempts += 1
+            try:
+                if first is not None and attempts == 1:
+                    done = first.result()
+                else:
+                    done = self._run_tasks(plan, tasks)
+                executed()
+                driver = fold_steps(done) if fold_steps is not None else {}
+                if ready is not None:
+                    ready(done, attempts == 1)
+                for label, sink in targets.items():
+                    messages = [
+                        r.sink_messages[label] for r in done
+                        if r.sink_messages.get(label) is not None
+                    ]
+                    messages += driver.get(label, [])
+                    sink.commit(plan.batch_id, messages)
+            except BaseException:
+                self.drop_ahead()  # its plan would follow a batch that did not commit
+                _abort(plan.batch_id, targets)
+                raise
+            return done
+
+        def retrying(retry: int, exc: BaseException, delay: float) -> None:
+            _log.warning(
+                "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
+                type(exc).__name__, exc, retry, self._retry.retries, delay,
+            )
+
+        try:
+            return self._retry.call(attempt, retry_if=_is_transient, on_retry=retrying)
+        except PipelineStopped:
+            raise
+        except Exception as exc:
+            exc.add_note(
+                f"batch {plan.batch_id} was not committed; its plan stays in the store and "
+                "the next run replays it"
+            )
+            raise
+
+    def restore_staged(self) -> None:
+        """Deliver again the committed batches a staging sink had not made durable."""
+        for plan, targets in self._staged.replays():
+            _log.info("batch %d again for %s (not durable there before the restart)",
+                      plan.batch_id, ", ".join(targets))
+            self.deliver(plan, targets)
+            self._staged.record()
+
+    def _tasks(self, plan: BatchPlan, only: tuple[str, ...] | None) -> list[bytes]:
+        return [pickle.dumps(Task(self.name, plan.batch_id, s, only)) for s in plan.slices]
+
+    def _run_tasks(self, plan: BatchPlan, tasks: Sequence[bytes]) -> list[TaskResult]:
+        """One result per task, in task order; raise RunnerContractError otherwise."""
+        raw = self.runner.run_tasks(self._program, tasks)
+        if len(raw) != len(tasks):
+            msg = (
+                f"runner {self.runner.name!r} returned {len(raw)} results for {len(tasks)} "
+                "tasks; a runner must return one result per task, in task order"
+            )
+            raise RunnerContractError(msg)
+        results = [pickle.loads(b) for b in raw]
+        for result, s in zip(results, plan.slices, strict=True):
+            if not isinstance(result, TaskResult) or result.token != s.token:
+                msg = f"runner {self.runner.name!r} returned results out of task order"
+                raise RunnerContractError(msg)
+        return results
+
+
+def _abort(batch_id: int, sinks: Mapping[str, Sink[Any, Any]]) -> None:
+    """Let every sink discard what failed tasks of the batch left behind (best effort)."""
+    for label, sink in sinks.items():
+        try:
+            sink.abort(batch_id, [])
+        except Exception:
+            _log.exception("sink %r failed to abort batch %d", label, batch_id)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, TransientError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False

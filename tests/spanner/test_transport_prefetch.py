@@ -1,0 +1,90 @@
+"""GrpcTransport's read-ahead: messages in order, errors after the messages before them,
+and a reader that leaves early cancels the call (ending the receiving thread)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cdcflow.spanner.transport import GrpcTransport, _prefetched
+
+
+class _Stream:
+    """A gRPC response iterator's twin: ``items`` (an Exception is raised when reached),
+    then, unless ``finite``, blocks until cancelled, like a call waiting for the server."""
+
+    def __init__(self, items: list[Any], *, finite: bool = True) -> None:
+        self.items = items
+        self.finite = finite
+        self.cancelled = threading.Event()
+        self.received = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self.items:
+            if isinstance(item, Exception):
+                raise item
+            self.received += 1
+            yield item
+        if not self.finite:
+            self.cancelled.wait(10)
+            raise RuntimeError("cancelled")
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "cdcflow-prefetch"]
+
+
+def _wait_no_prefetch_threads() -> None:
+    deadline = time.monotonic() + 5
+    while _prefetch_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _prefetch_threads()
+
+
+def test_items_arrive_in_order_converted() -> None:
+    stream = _Stream(list(range(100)))
+    assert list(_prefetched(stream, lambda x: x * 2, 3)) == [x * 2 for x in range(100)]
+    _wait_no_prefetch_threads()
+
+
+def test_reads_at_most_depth_ahead() -> None:
+    stream = _Stream(list(range(50)))
+    reading = _prefetched(stream, lambda x: x, 2)
+    assert next(reading) == 0
+    time.sleep(0.2)  # room for the thread to run ahead as far as it may
+    # one taken, two waiting in the queue, one received and waiting for room
+    assert stream.received <= 4
+    reading.close()
+    _wait_no_prefetch_threads()
+
+
+def test_an_error_comes_after_the_items_before_it() -> None:
+    error = ValueError("stream broke")
+    stream = _Stream([1, 2, error, 3])
+    got = []
+    with pytest.raises(ValueError, match="stream broke") as caught:
+        for item in _prefetched(stream, lambda x: x, 2):
+            got.append(item)
+    assert got == [1, 2]
+    assert caught.value is error  # the stream's own exception: retry rules see its type
+    _wait_no_prefetch_threads()
+
+
+def test_leaving_early_cancels_a_call_waiting_for_the_server() -> None:
+    stream = _Stream([1, 2], finite=False)
+    reading = _prefetched(stream, lambda x: x, 4)
+    assert next(reading) == 1
+    reading.close()
+    assert stream.cancelled.is_set()
+    _wait_no_prefetch_threads()
+
+
+def test_prefetch_is_on_by_default() -> None:
+    assert GrpcTransport.prefetch >= 1
