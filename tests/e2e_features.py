@@ -146,9 +146,16 @@ class TableWriter:
             raise self.error
 
 
-def bulk_insert_orders(database: Any, rows: int, chunk: int = 2500) -> None:
-    """Insert ``rows`` Orders (keys 1..rows) in transactions of ``chunk`` rows."""
+def bulk_insert_orders(database: Any, rows: int, chunk: int = 2500) -> int:
+    """Insert ``rows`` Orders (keys 1..rows) in transactions of ``chunk`` rows; a start
+    position after the last of those commits (ns).
+
+    The emulator's commit timestamps can run a few ms ahead of the host's clock, so "now"
+    right after the inserts may precede the last of them: a snapshot taken there would
+    miss it. The position returned is the later of the clock and that commit, plus 1 us.
+    """
     columns = [SHOP_KEY, "Customer", "Status", "Quantity", "Price", "Details"]
+    last = 0
     for first in range(1, rows + 1, chunk):
         values = [
             [k, f"c{k % 97}", "NEW", k % 7, float(k % 500) + 0.5,
@@ -157,6 +164,8 @@ def bulk_insert_orders(database: Any, rows: int, chunk: int = 2500) -> None:
         ]
         with database.batch() as batch:
             batch.insert(SHOP_TABLE, columns, values)
+        last = max(last, Timestamp.from_datetime(batch.committed).ns)
+    return max(Timestamp.now().ns, last) + 1_000
 
 
 class Feature:

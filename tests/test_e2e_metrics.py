@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cdcflow.model import Timestamp
 from cdcflow.spanner.emulator import Emulator, free_port
 from cdcflow.spanner.workload import Workload
 from tests.e2e_features import Feature, TableWriter, bulk_insert_orders, create_feature_database
@@ -70,10 +69,9 @@ def test_metrics_add_up_and_no_false_stuck_warnings_during_a_snapshot(
 ) -> None:
     name = unique("met")
     db = create_feature_database(spanner_emulator, name)
-    bulk_insert_orders(db, 30_000)
+    start = bulk_insert_orders(db, 30_000)
     feature = Feature(spanner_emulator, tmp_path, name, PIPELINE)
     feature.env["E2E_SNAPSHOT"] = "1"
-    start = Timestamp.now().ns
     # No end: the run lasts until the stream has been idle for a while, then is stopped.
     feature.window(start, start + 3600 * 1_000_000_000)
     port = free_port()

@@ -87,8 +87,7 @@ def test_a_snapshot_killed_midway_replays_to_the_database(
 ) -> None:
     name = unique("snap")
     db = create_feature_database(spanner_emulator, name)
-    bulk_insert_orders(db, ROWS)
-    start = Timestamp.now().ns
+    start = bulk_insert_orders(db, ROWS)
     feature = Feature(spanner_emulator, tmp_path, name, PIPELINE)
     workload = Workload(db, rate=15, seed=random.randrange(1 << 20))
     workload.start(seconds=8)

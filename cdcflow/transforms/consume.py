@@ -181,6 +181,7 @@ class Consume(Sink[E, Consumed]):
             raise PipelineDefinitionError(msg)
         self.fn = fn
         self.key = key
+        self._fn_name = callable_name(fn)  # named where the pipeline is built (see Map)
         self.max_inflight = max_inflight
         self.timeout = None if timeout is None else _seconds(timeout, "timeout")
         self.drain_timeout = _seconds(drain_timeout, "drain_timeout")
@@ -194,7 +195,7 @@ class Consume(Sink[E, Consumed]):
         return state
 
     def default_label(self) -> str:
-        return f"Consume({callable_name(self.fn)})"
+        return f"Consume({self._fn_name})"
 
     def describe_params(self) -> str:
         parts = [f"max_inflight={self.max_inflight}"]

@@ -79,12 +79,15 @@ class _CallableDoFn(DoFn[InT, OutT], Generic[InT, OutT, R]):
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
+        # Named once, where the pipeline is built: a lambda shipped by value to a worker
+        # may come back with another code file name, and labels key stored state.
+        self.fn_name = callable_name(fn)
 
     def _call(self, element: InT) -> R:
         return self.fn(element, *self.args, **self.kwargs)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({callable_name(self.fn)})"
+        return f"{type(self).__name__}({self.fn_name})"
 
 
 class _MapFn(_CallableDoFn[InT, OutT, OutT]):
@@ -98,7 +101,7 @@ class _FlatMapFn(_CallableDoFn[InT, OutT, Iterable[OutT]]):
         # A str, bytes or dict is iterable, but returning one is nearly always a Map by mistake.
         if isinstance(out, str | bytes | Mapping) or not isinstance(out, Iterable):
             msg = (
-                f"FlatMap({callable_name(self.fn)}) returned a {type(out).__name__}; it must "
+                f"FlatMap({self.fn_name}) returned a {type(out).__name__}; it must "
                 "return an iterable of outputs (a list, tuple or generator): use Map for "
                 "exactly one output per element"
             )
@@ -120,10 +123,10 @@ class _CallableParDo(ParDo[InT, OutT]):
         super().__init__(fn)
 
     def default_label(self) -> str:
-        return f"{type(self).__name__}({callable_name(self.fn.fn)})"
+        return f"{type(self).__name__}({self.fn.fn_name})"
 
     def describe_params(self) -> str:
-        parts = [f"fn={callable_name(self.fn.fn)}"]
+        parts = [f"fn={self.fn.fn_name}"]
         parts += [_short_repr(a) for a in self.fn.args]
         parts += [f"{k}={_short_repr(v)}" for k, v in self.fn.kwargs.items()]
         return " ".join(parts)

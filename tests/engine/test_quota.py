@@ -262,13 +262,14 @@ def test_a_slow_sink_keeps_held_bytes_under_the_shared_quota() -> None:
 
 
 def test_without_a_binding_quota_the_same_run_holds_far_more() -> None:
-    # The control for the test above: the same run with a 64 MiB quota holds 6 MiB behind
-    # the slow records. If it did not, the test above would not show that the quota binds.
+    # The control for the test above: the same run with a 64 MiB quota holds several MiB
+    # behind the slow records (3.5 to 6 MiB, by how far reading gets while a head sleeps on
+    # a loaded machine). If it did not, the test above would not show that the quota binds.
     backlog = _backlog(records=256, payload=16384)
     sink, traced = _run_backlog(backlog, 64 << 20, max_inflight=128, delay=0.0002)
     assert sink.count == 1024
-    assert process_quota().stats().peak > 16 * QUOTA
-    assert traced > 5 << 20
+    assert process_quota().stats().peak > 8 * QUOTA
+    assert traced > 3 << 20
 
 
 def test_tasks_reading_one_record_at_a_time_share_the_quota() -> None:

@@ -20,11 +20,12 @@ pytestmark = pytest.mark.emulator
 def test_tables_read_concurrently_through_one_client(spanner_emulator: Emulator) -> None:
     name = unique("ses")
     db = create_feature_database(spanner_emulator, name)
-    bulk_insert_orders(db, 4000)
+    after_orders = bulk_insert_orders(db, 4000)
     with db.batch() as batch:
         batch.insert("Notes", ["NoteId", "Body"], [[i, f"n{i}"] for i in range(2500)])
         batch.insert("Tags", ["TagId", "Label"], [[i, f"t{i}"] for i in range(1500)])
-    at = Timestamp.now().ns
+    # after every insert (the emulator's commit timestamps can run ahead of the host clock)
+    at = max(after_orders, Timestamp.now().ns, Timestamp.from_datetime(batch.committed).ns + 1)
     client = SpannerChangeStreamClient(spanner_emulator.database_path(name))
     rows: dict[str, int] = {}
     errors: list[BaseException] = []
