@@ -24,8 +24,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict cdcflow
 
+# Three test processes on two cores: most end-to-end tests wait on the emulator, Spark
+# or a subprocess; each process starts its own emulator (and Spark session when needed).
+TEST_WORKERS ?= 3
+
 test: lint typecheck
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -83,7 +83,8 @@ def test_tally_rate_uses_recent_window() -> None:
     assert tally.records == 250 and tally.batches == 4
 
 
-def test_live_progress_redraws_one_line_in_place() -> None:
+def test_live_progress_redraws_one_line_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # the line is cut to the terminal's width
     out, clock = TTY(), Clock()
     live = LiveProgress(out, clock=clock, now_ns=lambda: NOW)
     live.on_start("orders", "memory", "sqlite:////tmp/s.db")
