@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeAlias, cast
 import attrs
 
 __all__ = [
+    "BATCH_STATS",
     "INITIAL_PARTITION_TOKEN",
     "MAX_NS",
     "SNAPSHOT_TOKEN_PREFIX",
@@ -467,9 +468,18 @@ class PartitionUpdate:
     finished: bool = False
 
 
+def _float_map(value: Mapping[str, float]) -> dict[str, float]:
+    return dict(value)
+
+
 @attrs.frozen
 class BatchRecord:
-    """A row of the batch log."""
+    """A row of the batch log.
+
+    ``stats``: what the engine measured of the batch when it committed it (see
+    :data:`BATCH_STATS`); empty for a batch never committed, or committed by a version
+    that did not record them.
+    """
 
     batch_id: int
     end: int
@@ -477,6 +487,15 @@ class BatchRecord:
     committed_at: int | None
     slices: int
     records: int = 0
+    stats: Mapping[str, float] = attrs.field(factory=dict, converter=_float_map)
+
+
+#: The names a batch log entry's ``stats`` may hold: seconds of the batch's phases before
+#: its store commit, its bytes read, and its elements retried, skipped and dead-lettered.
+BATCH_STATS = (
+    "plan_seconds", "execute_seconds", "sink_commit_seconds", "bytes", "retries", "skipped",
+    "dead_lettered",
+)
 
 
 @attrs.frozen

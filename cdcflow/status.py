@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 from cdcflow.engine.lifecycle import all_finished, count_states, low_watermark
@@ -146,9 +146,31 @@ def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> l
             took = (format_duration((b.committed_at - b.planned_at) / 1e9)
                     if b.committed_at is not None else "pending")
             rows.append([str(b.batch_id), _stamp(b.end), str(b.slices), f"{b.records:,}",
-                         f"{_ago(b.planned_at, now_ns)} ago", took])
-        out += _table(["BATCH", "END", "SLICES", "RECORDS", "PLANNED", "TOOK"], rows)
+                         f"{_ago(b.planned_at, now_ns)} ago", took, *_phase_cells(b.stats),
+                         *_policy_cells(b.stats)])
+        out += _table(["BATCH", "END", "SLICES", "RECORDS", "PLANNED", "TOOK", "PLAN", "READ",
+                       "SINKS", "RETRIED", "SKIPPED", "DEAD"], rows)
     return out
+
+
+#: The phases of a batch the batch log times (the store commit is not known to itself).
+_PHASES = ("plan", "execute", "sink_commit")
+
+
+def _count(stats: Mapping[str, float], name: str) -> int | None:
+    return int(stats[name]) if name in stats else None
+
+
+def _phase_cells(stats: Mapping[str, float]) -> list[str]:
+    """The batch's plan, execute (read and process) and sink commit times, or "-"."""
+    return [format_duration(stats[f"{p}_seconds"]) if f"{p}_seconds" in stats else "-"
+            for p in _PHASES]
+
+
+def _policy_cells(stats: Mapping[str, float]) -> list[str]:
+    """Elements the error policy retried, skipped and dead-lettered, or "-"."""
+    return [f"{int(stats[n]):,}" if n in stats else "-"
+            for n in ("retries", "skipped", "dead_lettered")]
 
 
 def _names(store: MetadataStore, pipeline: str | None) -> list[str]:
@@ -255,6 +277,12 @@ def _pipeline_doc(
             "committed_at": _iso(b.committed_at),
             "seconds": None if b.committed_at is None
             else round((b.committed_at - b.planned_at) / 1e9, 3),
+            "phases": {phase: round(b.stats[f"{phase}_seconds"], 3) for phase in _PHASES
+                       if f"{phase}_seconds" in b.stats},
+            "bytes": _count(b.stats, "bytes"),
+            "retried": _count(b.stats, "retries"),
+            "skipped": _count(b.stats, "skipped"),
+            "dead_lettered": _count(b.stats, "dead_lettered"),
         })
     return {
         "name": name,
@@ -289,7 +317,9 @@ def status_document(
     [{"token", "state", "watermark", "watermark_ns", "lag_seconds", "stuck", "start", "end",
     "parents", ...}], "stuck_partitions" (tokens), "pending_batch", "recent_batches":
     [{"batch_id", "end", "slices",
-    "records", "planned_at", "committed_at", "seconds"}]}]}``. Times are RFC 3339 text
+    "records", "planned_at", "committed_at", "seconds", "phases" ({"plan", "execute",
+    "sink_commit"}: seconds), "bytes", "retried", "skipped", "dead_lettered"}]}]}``
+    (a batch committed without statistics has empty phases and None counts). Times are RFC 3339 text
     (None for "no end"); lags are seconds at ``now`` (None for finished partitions; a
     pipeline whose partitions all finished has lag 0). Every partition is listed.
     ``stuck``: see the module docstring (``stuck_after`` in seconds, None: the default).

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,7 @@ from cdcflow.engine.listener import BatchStats
 from cdcflow.errors import PipelineStopped, UserInputError
 from cdcflow.metadata import open_store
 from cdcflow.metrics import MetricsServer, PipelineMetrics
-from cdcflow.model import ChangeRecord, PartitionMetadata, PartitionState, Timestamp
-from cdcflow.stream import ChangeStreamQuery, StreamInfo
+from cdcflow.model import PartitionMetadata, PartitionState, Timestamp
 from cdcflow.stuck import StuckDetector, StuckWatch, default_stuck_after
 from cdcflow.testing import ScriptedChangeStream
 
@@ -310,27 +308,6 @@ def test_observer_options_are_checked_before_anything_runs() -> None:
 # -- live runs, scraped over HTTP --------------------------------------------------------------
 
 
-class _HangingClient:
-    """A scripted stream whose partition ``token`` stops answering: its reads that start at
-    ``hang_from`` or later block until ``hang_until`` (wall clock, seconds)."""
-
-    def __init__(self, inner: ScriptedChangeStream, token: str, hang_from: int,
-                 hang_until: float) -> None:
-        self.inner, self.token = inner, token
-        self.hang_from, self.hang_until = hang_from, hang_until
-
-    def describe_stream(self, stream: str) -> StreamInfo:
-        return self.inner.describe_stream(stream)
-
-    def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
-        if query.partition_token == self.token and query.start >= self.hang_from:
-            time.sleep(max(0.0, self.hang_until - time.time()))
-        return self.inner.read(query)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 class _Scraper(threading.Thread):
     def __init__(self, urls: list[str], every: float = 0.1) -> None:
         super().__init__(daemon=True)
@@ -356,7 +333,7 @@ def test_a_hanging_partition_is_flagged_while_it_hangs_and_cleared_after(
     stream = ScriptedChangeStream("Orders", partitions=2, origin=origin)
     for i in range(50):
         stream.write("Orders", {"id": i}, "INSERT", {"n": i}, at=origin + (i + 1) * 300_000_000)
-    client = _HangingClient(stream, "p1", origin + 5 * S, time.time() + 4.0)
+    client = stream.stall("p1", 4.0, after=origin + 5 * S)
     out = cf.Collect()
     pipeline = cf.Pipeline("hangs")
     (pipeline

@@ -292,3 +292,43 @@ def test_a_batch_held_past_stuck_after_flags_its_partitions_while_the_run_lives(
         assert stuck(NOW + 40 * S) == ([], [])
     finally:
         store.close()
+
+
+def test_recent_batches_show_phase_times_and_what_the_error_policy_did(tmp_path: Path) -> None:
+    stream = ScriptedChangeStream("Orders", origin=T0)
+    for i in range(12):
+        stream.write("Orders", {"id": i}, "INSERT", {"n": i}, at=T0 + (i + 1) * 100_000_000)
+
+    def poison(r: cf.DataChangeRecord) -> cf.DataChangeRecord:
+        if r.mods[0].keys["id"] % 4 == 0:  # ids 0, 4, 8
+            raise ValueError("poison")
+        return r
+
+    dead: cf.Collect[Any] = cf.Collect()
+    policy = cf.ErrorPolicy(retries=1, backoff="1ms", then="skip", dead_letter=dead)
+    pipeline = cf.Pipeline("errors", error_policy=policy)
+    (pipeline
+     | cf.ReadChangeStream(stream="Orders", start_at=T0, end_at=T0 + 2 * S, client=stream)
+     | cf.Map(poison)
+     | cf.Collect())
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    pipeline.run("memory", url, batch_interval=0, max_batch_span="500ms")
+
+    result = cdcflow("status", "--metadata", url, "--json", "--batches", "20")
+    assert result.returncode == 0, result.stderr
+    batches = json.loads(result.stdout)["pipelines"][0]["recent_batches"]
+    assert len(batches) >= 4
+    assert sum(b["skipped"] for b in batches) == 3
+    assert sum(b["dead_lettered"] for b in batches) == 3
+    assert sum(b["retried"] for b in batches) == 3  # one retry each
+    assert sum(b["bytes"] for b in batches) > 0
+    for b in batches:
+        assert set(b["phases"]) == {"plan", "execute", "sink_commit"}
+        assert all(0 <= s < 30 for s in b["phases"].values())
+        assert b["seconds"] >= b["phases"]["execute"]
+    text = cdcflow("status", "--metadata", url, "--batches", "20").stdout
+    header = next(line for line in text.splitlines() if "BATCH" in line)
+    assert header.split() == ["BATCH", "END", "SLICES", "RECORDS", "PLANNED", "TOOK", "PLAN",
+                              "READ", "SINKS", "RETRIED", "SKIPPED", "DEAD"]
+    rows = [line.split() for line in text.splitlines()[text.splitlines().index(header) + 1:]]
+    assert sum(int(row[-2]) for row in rows) == 3  # the SKIPPED column

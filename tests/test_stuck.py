@@ -16,7 +16,6 @@ from cdcflow.model import BatchPlan, PartitionState, Slice
 from cdcflow.stuck import StuckDetector, StuckWatch
 from cdcflow.testing import ScriptedChangeStream
 from tests.test_metrics import NOW, Clock, S, our_threads, part, value
-from tests.test_metrics import _HangingClient as HangingClient
 from tests.test_metrics import _Scraper as Scraper
 
 
@@ -31,7 +30,7 @@ def test_only_the_partition_whose_read_hangs_is_named(
     for i in range(60):
         stream.write("Orders", {"id": i}, "INSERT", {"n": i}, at=origin + (i + 1) * 300_000_000)
     # p1 stops answering for 4 s; p0 and p2 answer at once
-    client = HangingClient(stream, "p1", origin + 5 * S, time.time() + 4.0)
+    client = stream.stall("p1", 4.0, after=origin + 5 * S)
     out = cf.Collect()
     pipeline = cf.Pipeline("one-hangs")
     (pipeline

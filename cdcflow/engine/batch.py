@@ -242,6 +242,13 @@ class Batches:
         lap("sink_commit")
         self.listener.on_sinks_committed(plan.batch_id)
 
+        counters: Counter[str] = Counter()
+        for r in results:
+            counters.update(r.counters)
+        if folded is not None:
+            counters.update(folded.counters)
+        size = sum(r.bytes for r in results)
+
         # 3b. commit the store: the batch's progress, as the lifecycle reads the results.
         now = self._clock()
         outcome = fold({p.token: p for p in parts}, results, now)
@@ -249,6 +256,7 @@ class Batches:
             self.name, plan.batch_id, list(outcome.updates), list(outcome.children),
             outcome.records, fence=self._fence(), durable=self._staged.marks(),
             state=None if folded is None else folded.state,
+            stats=_log_stats(phases, size, counters),
         )
         if folded is not None:
             self._steps.committed(folded)
@@ -272,14 +280,9 @@ class Batches:
             gone = set(expired)
             parts = [p for p in parts if p.token not in gone]
         lap("gc")
-        counters: Counter[str] = Counter()
-        for r in results:
-            counters.update(r.counters)
-        if folded is not None:
-            counters.update(folded.counters)
         return BatchStats(
             batch_id=plan.batch_id, end=plan.end, slices=len(plan.slices),
-            records=outcome.records, bytes=sum(r.bytes for r in results),
+            records=outcome.records, bytes=size,
             seconds=time.monotonic() - began, low_watermark=low,
             partitions=count_states(parts), new_partitions=len(outcome.children),
             splits=outcome.splits, merges=outcome.merges, replayed=replay, phases=phases,
@@ -399,3 +402,16 @@ def _is_transient(exc: BaseException) -> bool:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return False
+
+
+def _log_stats(
+    phases: Mapping[str, float], size: int, counters: Mapping[str, int]
+) -> dict[str, float]:
+    """What the batch log keeps of a batch (``cdcflow.model.BATCH_STATS``): the phases
+    before the store commit, bytes read, and the error policy's counts."""
+    stats = {f"{phase}_seconds": phases[phase] for phase in ("plan", "execute", "sink_commit")
+             if phase in phases}
+    stats["bytes"] = size
+    for name in ("retries", "skipped", "dead_lettered"):
+        stats[name] = counters.get(name, 0)
+    return stats

@@ -6,6 +6,7 @@ what the MetadataStore contract means.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 import attrs
@@ -18,11 +19,19 @@ from cdcflow.errors import (
     StoreURLError,
     WatermarkRegressionError,
 )
-from cdcflow.model import BatchPlan, Lease, PartitionMetadata, PartitionState, Timestamp
+from cdcflow.model import (
+    BATCH_STATS,
+    BatchPlan,
+    Lease,
+    PartitionMetadata,
+    PartitionState,
+    Timestamp,
+)
 
 __all__ = [
     "DEFAULT_BATCH_LOG_SIZE",
     "URL_FORMS",
+    "batch_stats",
     "check_fence",
     "check_log_size",
     "check_new_plan",
@@ -30,9 +39,11 @@ __all__ = [
     "is_pending",
     "new_lease",
     "not_planned",
+    "parse_stats",
     "raise_marks",
     "regression",
     "renewed",
+    "stats_text",
     "transition",
     "unknown_partition",
     "url_error",
@@ -201,3 +212,28 @@ def raise_marks(stored: dict[str, int], marks: Mapping[str, int]) -> None:
     for label, batch_id in marks.items():
         if batch_id > stored.get(label, -1):
             stored[label] = batch_id
+
+
+def batch_stats(stats: Mapping[str, float] | None) -> dict[str, float]:
+    """The batch statistics a store keeps: the names of BATCH_STATS, as floats."""
+    if not stats:
+        return {}
+    return {name: float(stats[name]) for name in BATCH_STATS if name in stats}
+
+
+def stats_text(stats: Mapping[str, float] | None) -> str | None:
+    """Batch statistics as the JSON text a store's column holds (None for none)."""
+    kept = batch_stats(stats)
+    return json.dumps(kept, sort_keys=True) if kept else None
+
+
+def parse_stats(text: str | None) -> dict[str, float]:
+    """Batch statistics from a store's column; an unreadable value reads as none (they
+    are for people, nothing depends on them)."""
+    if not text:
+        return {}
+    try:
+        loaded = json.loads(text)
+    except ValueError:
+        return {}
+    return batch_stats(loaded) if isinstance(loaded, dict) else {}

@@ -77,6 +77,10 @@ class MetadataStore(Protocol):
     batch above the smallest mark (pruning skips them), so recovery can replay them to the
     sinks that had not made them durable (``logged_plan``). ``reset`` forgets the marks.
 
+    Batch statistics: ``commit_batch(stats=...)`` stores what the engine measured of the
+    batch (names in :data:`~cdcflow.model.BATCH_STATS`) with the batch log entry;
+    ``batches`` returns them in :attr:`BatchRecord.stats`.
+
     Batch steps: ``commit_batch(state=...)`` stores the pipeline's BatchStep state (opaque
     bytes, the engine's pickle) in the same transaction as the batch's progress, replacing
     the stored one; ``state=None`` leaves it as it is. ``step_state`` returns it (None when
@@ -123,6 +127,7 @@ class MetadataStore(Protocol):
         fence: int | None = None,
         durable: Mapping[str, int] | None = None,
         state: bytes | None = None,
+        stats: Mapping[str, float] | None = None,
     ) -> bool: ...
 
     def step_state(self, pipeline: str) -> bytes | None:

@@ -36,6 +36,7 @@ class _Batch:
     plan: BatchPlan
     committed_at: int | None = None
     records: int = 0
+    stats: Mapping[str, float] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -188,6 +189,7 @@ class MemoryStore:
         fence: int | None = None,
         durable: Mapping[str, int] | None = None,
         state: bytes | None = None,
+        stats: Mapping[str, float] | None = None,
     ) -> bool:
         with self._lock:
             rec = self._pipelines.get(pipeline)
@@ -214,6 +216,7 @@ class MemoryStore:
                 rec.partitions.setdefault(child.token, child)
             batch.committed_at = now
             batch.records = records
+            batch.stats = _rules.batch_stats(stats)
             _rules.raise_marks(rec.durable, durable or {})
             if state is not None:
                 rec.step_state = bytes(state)
@@ -247,6 +250,7 @@ class MemoryStore:
                 BatchRecord(
                     batch_id=b.plan.batch_id, end=b.plan.end, planned_at=b.plan.planned_at,
                     committed_at=b.committed_at, slices=len(b.plan.slices), records=b.records,
+                    stats=b.stats,
                 )
                 for b in newest
             ]

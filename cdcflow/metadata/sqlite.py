@@ -36,7 +36,7 @@ from cdcflow.model import (
 __all__ = ["SCHEMA_VERSION", "SQLiteStore", "sqlite_url"]
 
 #: Version of the table layout this module writes; a file with a newer version is refused.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _PREFIX = "sqlite:///"
 _MAX_ID = (1 << 63) - 1
@@ -66,6 +66,7 @@ CREATE TABLE batches (
     committed_at INTEGER,               -- NULL while the batch is pending
     slices       TEXT    NOT NULL,      -- JSON list of [token, start, end]
     records      INTEGER NOT NULL DEFAULT 0,
+    stats        TEXT,                  -- version 4: JSON batch statistics
     PRIMARY KEY (pipeline, batch_id)
 ) WITHOUT ROWID;
 """
@@ -198,6 +199,9 @@ class SQLiteStore:
                 columns = {row[1] for row in c.execute("PRAGMA table_info(pipelines)")}
                 if "step_state" not in columns:  # version 2 -> 3: a column added
                     c.execute("ALTER TABLE pipelines ADD COLUMN step_state BLOB")
+                columns = {row[1] for row in c.execute("PRAGMA table_info(batches)")}
+                if "stats" not in columns:  # version 3 -> 4: a column added
+                    c.execute("ALTER TABLE batches ADD COLUMN stats TEXT")
                 c.execute("INSERT INTO cdcflow_schema (version) VALUES (?)", (SCHEMA_VERSION,))
             elif version > SCHEMA_VERSION:
                 msg = (
@@ -375,6 +379,7 @@ class SQLiteStore:
         fence: int | None = None,
         durable: Mapping[str, int] | None = None,
         state: bytes | None = None,
+        stats: Mapping[str, float] | None = None,
     ) -> bool:
         with self._write() as c:
             _rules.check_fence(pipeline, self._lease(c, pipeline), fence)
@@ -399,9 +404,9 @@ class SQLiteStore:
                 self._put(c, pipeline, current)
             self._insert(c, pipeline, children)
             c.execute(
-                "UPDATE batches SET committed_at = ?, records = ? "
+                "UPDATE batches SET committed_at = ?, records = ?, stats = ? "
                 "WHERE pipeline = ? AND batch_id = ?",
-                (now, records, pipeline, batch_id),
+                (now, records, _rules.stats_text(stats), pipeline, batch_id),
             )
             if durable:
                 self._raise_marks(c, pipeline, durable)
@@ -422,14 +427,14 @@ class SQLiteStore:
     def batches(self, pipeline: str, limit: int = 20) -> list[BatchRecord]:
         with self._read() as c:
             rows = c.execute(
-                "SELECT batch_id, end_ns, planned_at, committed_at, slices, records FROM batches "
-                "WHERE pipeline = ? ORDER BY batch_id DESC LIMIT ?",
+                "SELECT batch_id, end_ns, planned_at, committed_at, slices, records, stats "
+                "FROM batches WHERE pipeline = ? ORDER BY batch_id DESC LIMIT ?",
                 (pipeline, max(limit, 0)),
             ).fetchall()
         return [
             BatchRecord(
                 batch_id=r[0], end=r[1], planned_at=r[2], committed_at=r[3],
-                slices=len(json.loads(r[4])), records=r[5],
+                slices=len(json.loads(r[4])), records=r[5], stats=_rules.parse_stats(r[6]),
             )
             for r in rows
         ]

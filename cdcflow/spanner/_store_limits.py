@@ -59,7 +59,7 @@ UPDATE_PARTITION = 7 + 2 * _INDEX_ENTRY
 DELETE_PARTITION = 1 + _INDEXES
 LOG_PLAN = 10 + 1
 PIPELINE_ROW = 11
-MARK_COMMITTED = 4 + PIPELINE_ROW
+MARK_COMMITTED = 5 + PIPELINE_ROW
 #: The BatchSteps' state is stored in chunks of at most this many bytes (a BYTES cell holds
 #: at most 10 MiB), each chunk a row of three columns; replacing it also deletes the chunks
 #: beyond the new last one (one range).

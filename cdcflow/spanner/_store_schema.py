@@ -136,8 +136,9 @@ def ensure_schema(
     exist must have the store's columns. A partition table of an earlier version (no
     ``GcAfter``, its row deletion policy on ``FinishedAt``) gets the column and has its
     policy moved to it, so the TTL no longer removes finished partitions a resumed run
-    needs. Safe to run concurrently and to retry: every statement is idempotent (``IF NOT
-    EXISTS``, or replaces the policy with the same one).
+    needs; a batch log without ``Stats`` gets that column. Safe to run concurrently and to
+    retry: every statement is idempotent (``IF NOT EXISTS``, or replaces the policy with
+    the same one).
     """
     t = sql.tables
     with db.snapshot(multi_use=True) as snap:
@@ -165,6 +166,9 @@ def ensure_schema(
         if policy is None or "GcAfter" not in policy:
             statements.append(sql.gc_policy(existing=policy is not None))
             changes.append(f"{t.partitions}'s row deletion policy on GcAfter")
+    if t.batches in objects and "Stats" not in columns.get(t.batches, ()):
+        statements.append(sql.add_batch_stats())
+        changes.append(f"{t.batches}.Stats")
     if statements:
         operation = admin_api.update_database_ddl(
             request={"database": database, "statements": statements},

@@ -148,7 +148,7 @@ class StoreSql:
     def batches(self, pipeline: str, limit: int) -> Query:
         return self.query(
             "SELECT `BatchId`, `EndTimestamp`, `PlannedAt`, `CommittedAt`, `SliceCount`, "
-            f"`Records` FROM `{self.tables.batches}` WHERE `PipelineName` = @p "
+            f"`Records`, `Stats` FROM `{self.tables.batches}` WHERE `PipelineName` = @p "
             "ORDER BY `BatchId` DESC LIMIT @n",
             p=pipeline, n=limit,
         )
@@ -225,6 +225,13 @@ class StoreSql:
             "OPTIONS (allow_commit_timestamp=true)"
         )
 
+    def add_batch_stats(self) -> str:
+        """Adds the ``Stats`` column to a batch log table of an earlier version."""
+        t = self.tables.batches
+        if self.dialect == POSTGRESQL:
+            return f'ALTER TABLE "{t}" ADD COLUMN IF NOT EXISTS "Stats" text'
+        return f"ALTER TABLE {t} ADD COLUMN IF NOT EXISTS Stats STRING(MAX)"
+
     def gc_policy(self, existing: bool) -> str:
         """Puts the row deletion policy on ``GcAfter``, replacing an ``existing`` one."""
         t = self.tables.partitions
@@ -274,6 +281,7 @@ def _google_sql_ddl(t: Tables) -> dict[str, str]:
   PlannedAt TIMESTAMP NOT NULL,
   CommittedAt TIMESTAMP OPTIONS (allow_commit_timestamp=true),
   Records INT64 NOT NULL,
+  Stats STRING(MAX),
 ) PRIMARY KEY (PipelineName, BatchId)""",
         # What outlives a reset: the lease and the batch id floor; and the source definition
         # (text, compared as written) and each sink's durable batch (JSON text).
@@ -338,6 +346,7 @@ def _postgresql_ddl(t: Tables) -> dict[str, str]:
   "PlannedAt" timestamptz NOT NULL,
   "CommittedAt" spanner.commit_timestamp,
   "Records" bigint NOT NULL,
+  "Stats" text,
   PRIMARY KEY ("PipelineName", "BatchId")
 )""",
         # Source is text, not jsonb: jsonb would normalise the definition (key order,

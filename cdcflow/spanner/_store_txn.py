@@ -294,6 +294,7 @@ def commit_step(
     updates: Sequence[PartitionUpdate], apply: Collection[str],
     children: Sequence[PartitionMetadata], records: int, *, final: bool, fence: int | None,
     durable: Mapping[str, int] | None = None, state: bytes | None = None,
+    stats: str | None = None,
 ) -> bool | None:
     """One transaction of ``commit_batch``: False when the batch is committed already (the
     caller stops), True when this step committed it (``final``), None otherwise.
@@ -329,8 +330,9 @@ def commit_step(
     insert(txn, sql, pipeline, children, guard=False)
     if not final:
         return None
-    txn.update(sql.tables.batches, ["PipelineName", "BatchId", "CommittedAt", "Records"],
-               [(pipeline, batch_id, COMMIT_TIMESTAMP, records)])
+    txn.update(sql.tables.batches,
+               ["PipelineName", "BatchId", "CommittedAt", "Records", "Stats"],
+               [(pipeline, batch_id, COMMIT_TIMESTAMP, records, stats)])
     if durable and _raised(rec, durable):
         _write_record(txn, sql, pipeline, rec)
     if state is not None:

@@ -383,8 +383,8 @@ class SpannerStore:
                           lambda sql: sql.batches(pipeline, max(0, limit)))
         return [
             BatchRecord(int(b), to_ns(end), to_ns(planned), schema.opt_ns(committed), int(n),
-                        int(r))
-            for b, end, planned, committed, n, r in rows
+                        int(r), _rules.parse_stats(stats))
+            for b, end, planned, committed, n, r, stats in rows
         ]
 
     def pipelines(self) -> list[str]:
@@ -467,6 +467,7 @@ class SpannerStore:
         fence: int | None = None,
         durable: Mapping[str, int] | None = None,
         state: bytes | None = None,
+        stats: Mapping[str, float] | None = None,
     ) -> bool:
         """Apply a batch's progress, and raise the sinks' ``durable`` marks and replace the
         BatchSteps' ``state`` with it; False if it was already committed (also when an
@@ -505,7 +506,7 @@ class SpannerStore:
                 "committing the batch", steps.commit_step, pipeline, batch_id,
                 list(updates) if i == 0 else mine, {u.token for u in mine}, born, records,
                 final=i == len(runs) - 1, fence=fence, durable=dict(durable or {}),
-                state=state,
+                state=state, stats=_rules.stats_text(stats),
             )
             if done is not None:
                 return done

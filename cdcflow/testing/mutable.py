@@ -42,13 +42,13 @@ from cdcflow.model import (
     record_position,
 )
 from cdcflow.stream import ChangeStreamQuery
+from cdcflow.testing.reads import with_heartbeats
 from cdcflow.testing.scripted import (
     ScriptedChangeStream,
     TimeLike,
     _bucket,
     _ns,
     _Partition,
-    with_heartbeats,
 )
 
 __all__ = ["ScriptedMutableStream"]

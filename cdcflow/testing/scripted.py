@@ -51,9 +51,9 @@ Snapshots: ``snapshot_rows={"T": [({"id": 1}, {"v": "a"}), ...]}`` are rows at t
 ``snapshot`` reads a table as of a timestamp (:mod:`cdcflow.testing.tablestate`), as a
 source with ``snapshot=`` does, and ``rows_at`` is the ground truth.
 
-Fault injection: :meth:`ScriptedChangeStream.fail_reads` makes the next reads raise, to
-test retries. The counters live in each copy of the object: a runner that pickles its
-program (every runner does) counts in its own copy.
+Fault injection: :meth:`ScriptedChangeStream.fail_reads` makes the next reads raise (its
+counters live in each copy of the object: a runner pickles its program and counts in its
+own copy); :meth:`ScriptedChangeStream.stall` makes a partition stop answering for a while.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -78,17 +79,16 @@ from cdcflow.model import (
     ChildPartitionsRecord,
     ColumnType,
     DataChangeRecord,
-    HeartbeatRecord,
     Mod,
     ModType,
     Timestamp,
-    record_position,
     snapshot_token,
 )
 from cdcflow.spanner.shape import RecordShaper, default_shaper
 from cdcflow.spanner.values import encode_values, encoders
 from cdcflow.stream import ChangeStreamQuery, RecordFilter, StreamInfo
 from cdcflow.testing.columns import ScriptedView, column_types
+from cdcflow.testing.reads import failing, with_heartbeats
 from cdcflow.testing.tablestate import Row, initial_rows, rows_at, snapshot_of
 from cdcflow.testing.transaction import ScriptedChange, ScriptedTransaction, _Txn
 
@@ -156,6 +156,7 @@ class ScriptedChangeStream:
         self._fail_after = 0
         self._fail_error: type[Exception] = TransientError
         self._fail_token: str | None = None
+        self._stall: tuple[str, int, float] | None = None  # token, from position, until
         self.reads = 0  # read() calls made on this copy
         self._lock = threading.Lock()
         self._compile_lock = threading.Lock()
@@ -267,6 +268,24 @@ class ScriptedChangeStream:
         """
         self._fail_left, self._fail_after = count, after_records
         self._fail_error, self._fail_token = error, token
+        return self
+
+    def stall(self, token: str, seconds: float, *, after: TimeLike | None = None
+              ) -> ScriptedChangeStream:
+        """Make partition ``token`` stop answering: its reads that start at ``after`` or
+        later (default: every read) block before their first record until ``seconds``
+        (wall clock) have passed since this call, then answer as usual. What a partition
+        whose server hangs looks like to a run: its watermark stops while the clock moves
+        (``pipeline.run(stuck_after=...)`` reports it). The deadline is absolute, so every
+        copy of the stream (a runner pickles it) stalls until the same moment."""
+        if not seconds >= 0:
+            msg = f"stall(seconds={seconds!r}): use a number of seconds >= 0"
+            raise ValueError(msg)
+        if token not in self._parts:
+            msg = f"unknown partition {token!r}; known: {', '.join(sorted(self._parts))}"
+            raise ValueError(msg)
+        start = self.origin if after is None else _ns(after)
+        self._stall = (token, start, time.time() + seconds)
         return self
 
     def _add_txn(self, txn: _Txn) -> None:
@@ -392,7 +411,7 @@ class ScriptedChangeStream:
         fail = self._read_fails(snapshot_token(table))
         rows = rows_at(self._initial.get(table, ()), self._txns, table, read_timestamp_ns)
         records = snapshot_of(table, rows, read_timestamp_ns, shaper)
-        return _failing(records, self._fail_after, self._fail_error) if fail else records
+        return failing(records, self._fail_after, self._fail_error) if fail else records
 
     def describe_stream(self, stream: str) -> StreamInfo:
         self._check_stream(stream)
@@ -407,10 +426,13 @@ class ScriptedChangeStream:
         if query.start >= query.end:
             return iter(())
         fail = self._read_fails(query.partition_token)
+        stall = self._stall
+        if stall is not None and query.partition_token == stall[0] and query.start >= stall[1]:
+            time.sleep(max(0.0, stall[2] - time.time()))
         records = _shaped(
             self._root(query) if query.partition_token is None else self._part(query), shaper
         )
-        return _failing(records, self._fail_after, self._fail_error) if fail else records
+        return failing(records, self._fail_after, self._fail_error) if fail else records
 
     def close(self) -> None:
         return None
@@ -576,30 +598,3 @@ def _shaped(records: Iterator[ChangeRecord], shaper: RecordShaper) -> Iterator[C
         yield shaper.shape(record) if isinstance(record, DataChangeRecord) else record
 
 
-def _failing(records: Iterator[_R], after: int, error: type[Exception]) -> Iterator[_R]:
-    for i, record in enumerate(records):
-        if i >= after:
-            break
-        yield record
-    msg = "scripted failure: UNAVAILABLE (injected by ScriptedChangeStream.fail_reads)"
-    raise error(msg)
-
-
-def with_heartbeats(
-    records: Iterable[ChangeRecord], token: str, start: int, stop: int, every_ns: int
-) -> Iterator[ChangeRecord]:
-    """``records`` (in position order) up to ``stop``, with a HeartbeatRecord whenever
-    ``every_ns`` pass without one, as a partition's query returns them."""
-    last = start
-    for rec in records:
-        ts = record_position(rec)
-        if ts >= stop:
-            break
-        while ts - last > every_ns:
-            last += every_ns
-            yield HeartbeatRecord(token, Timestamp.from_ns(last))
-        yield rec
-        last = ts
-    while last + every_ns < stop:
-        last += every_ns
-        yield HeartbeatRecord(token, Timestamp.from_ns(last))

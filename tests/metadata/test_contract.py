@@ -287,6 +287,22 @@ def test_commit_batch_applies_progress_and_marks_the_batch_committed(
     assert stamped(before, log.committed_at, after)
 
 
+def test_commit_batch_keeps_the_batch_statistics(store: MetadataStore) -> None:
+    started(store)
+    stats = {"plan_seconds": 0.012, "execute_seconds": 1.5, "sink_commit_seconds": 0.25,
+             "bytes": 4096, "retries": 3, "skipped": 2, "dead_lettered": 1}
+    # names the batch log does not keep are dropped
+    assert store.commit_batch(P, 1, [PartitionUpdate("a", 700)], [], records=4,
+                              stats={**stats, "not a statistic": 5})
+    store.write_plan(P, plan(2, tokens=("a",), start=700), {})
+    store.commit_batch(P, 2, [PartitionUpdate("a", 800)], [])
+    second, first = store.batches(P)
+    assert first.stats == stats
+    assert second.stats == {} and second.records == 0
+    assert not store.commit_batch(P, 1, [], [], stats={"skipped": 9})  # a replay: kept
+    assert store.batches(P)[1].stats == stats
+
+
 def test_commit_batch_accepts_an_unchanged_watermark(store: MetadataStore) -> None:
     started(store)
     assert store.commit_batch(P, 1, [PartitionUpdate("a", 100)], [])

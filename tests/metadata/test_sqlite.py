@@ -198,3 +198,26 @@ def test_a_process_that_dies_mid_commit_leaves_the_previous_state(db: Path) -> N
     assert again.commit_batch(P, 1, [PartitionUpdate("x", 900, finished=True)], [])
     assert again.partitions(P)[0].state == PartitionState.FINISHED
     again.close()
+
+
+def test_a_version_3_file_gets_the_batch_statistics_column(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    store = SQLiteStore(db)
+    store.insert_partitions(P, [part("a")])
+    store.write_plan(P, BatchPlan(1, 200, (), planned_at=1), {})
+    store.commit_batch(P, 1, [PartitionUpdate("a", 200)], [])
+    store.close()
+    with sqlite3.connect(db) as raw:  # the file as version 3 wrote it
+        raw.execute("ALTER TABLE batches DROP COLUMN stats")
+        raw.execute("UPDATE cdcflow_schema SET version = 3")
+    store = SQLiteStore(db)
+    try:
+        assert [b.stats for b in store.batches(P)] == [{}]  # rows of version 3 read as before
+        store.write_plan(P, BatchPlan(2, 300, (), planned_at=2), {})
+        store.commit_batch(P, 2, [PartitionUpdate("a", 300)], [], stats={"retries": 1})
+        assert [b.stats for b in store.batches(P)] == [{"retries": 1}, {}]
+    finally:
+        store.close()
+    with sqlite3.connect(db) as raw:
+        assert raw.execute("SELECT MAX(version) FROM cdcflow_schema").fetchone() == (
+            SCHEMA_VERSION,)

@@ -118,3 +118,4 @@ def test_a_version_2_sqlite_file_is_upgraded_in_place(tmp_path: Path) -> None:
     with sqlite3.connect(db) as raw:
         assert raw.execute("SELECT MAX(version) FROM cdcflow_schema").fetchone() == (
             SCHEMA_VERSION,)
+

@@ -253,7 +253,7 @@ def test_the_tables_of_the_previous_version_are_upgraded_in_place(
     url = f"spanner://{database}?table=Meta"
     assert init_store(url) == (
         f"created Meta_Pipelines, Meta_StepState, Meta.GcAfter, Meta's row deletion policy on "
-        f"GcAfter in {database}"
+        f"GcAfter, Meta_Batches.Stats in {database}"
     )
     assert init_store(url) == (
         f"Meta, Meta_Batches, Meta_Pipelines and Meta_StepState already exist in {database}")
@@ -272,7 +272,9 @@ def test_the_tables_of_the_previous_version_are_upgraded_in_place(
     store.insert_partitions("p", [part("a", 5)])
     store.write_plan("p", BatchPlan(3, 50, (Slice("a", 5, 50),), planned_at=1),
                      {"a": PartitionState.RUNNING}, fence=lease.token)
-    assert store.commit_batch("p", 3, [PartitionUpdate("a", 50)], [], fence=lease.token)
+    assert store.commit_batch("p", 3, [PartitionUpdate("a", 50)], [], fence=lease.token,
+                              stats={"skipped": 2})
+    assert [b.stats for b in store.batches("p")] == [{"skipped": 2}]  # the reset forgot 1, 2
     # A store that opens the upgraded database changes nothing more.
     assert stores(url).ensure_schema() == []
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 
 import cloudpickle
 import pytest
@@ -183,6 +184,25 @@ def test_fail_reads_raises_transient_errors_then_recovers() -> None:
         assert len(got) == 3
     assert len(data(read(s, "p0", T0, T0 + 100))) == 5
     assert s.reads == 3
+
+
+def test_a_stalled_partition_answers_once_its_time_has_passed_in_every_copy() -> None:
+    s = ScriptedChangeStream("S", partitions=2, origin=T0)
+    for i in range(4):
+        s.write("T", i, at=T0 + 10 + i)
+    s.stall("p0", 0.4, after=T0 + 5)
+    copy = pickle.loads(cloudpickle.dumps(s))  # a task's copy stalls until the same moment
+    began = time.monotonic()
+    assert read(copy, "p0", T0, T0 + 5) == read(s, "p0", T0, T0 + 5)  # before `after`: at once
+    other = data(read(s, "p1", T0 + 5, T0 + 100))  # another partition: at once
+    assert time.monotonic() - began < 0.3
+    stalled = data(read(copy, "p0", T0 + 5, T0 + 100))
+    assert time.monotonic() - began >= 0.4
+    assert len(stalled) + len(other) == 4 and stalled and other
+    with pytest.raises(ValueError, match="unknown partition 'p9'"):
+        s.stall("p9", 1)
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        s.stall("p0", -1)
 
 
 def test_unknown_stream_and_bad_scripts_are_refused() -> None:
