@@ -13,9 +13,10 @@ gets :data:`DEFAULT_QUOTA_BYTES` (256 MiB), or the ``CDCFLOW_MAX_INFLIGHT_BYTES`
 environment variable of the process where the tasks run. One quota per process: when
 tasks of pipelines with different limits share a process, the last one to start sets it.
 
-What the quota does not count: what a sink keeps after ``write`` returns. Streaming sinks
-(WriteFiles with JSONL, Consume, WriteSpark's staging files) keep little; Collect (for
-tests) and Print keep their whole slice until the task ends, as their commit message.
+What the quota does not count: what a sink keeps after ``write`` returns. Writers stream
+or spill (WriteFiles, Consume, WriteSpark's staging files, WriteTables' spool) and keep
+little; Collect (for tests) and Print (a terminal's output) keep their whole slice until
+the task ends, as their commit message.
 """
 
 from __future__ import annotations

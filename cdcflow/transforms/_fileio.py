@@ -224,11 +224,16 @@ class _Columns:
     double to hold exactly. A column whose values are all null is typed string when the
     file is written: most values are text here (timestamps, nested values), and a
     null-typed column makes a dataset of this file and a typed one unreadable.
+
+    Rows are held in chunks: :meth:`take` hands over the rows so far as an Arrow record
+    batch (a column with no value yet is null-typed there) and keeps the types, so the
+    next rows are checked against every row of the file; :meth:`schema` is the file's
+    schema, to which :func:`conform` casts every chunk.
     """
 
     def __init__(self) -> None:
-        self.rows = 0
-        self._values: dict[str, list[Any]] = {}
+        self.rows = 0  # rows held now (since the last take)
+        self._values: dict[str, list[Any]] = {}  # every column of the file, first-seen order
         self._kinds: dict[str, str] = {}
         self._big: set[str] = set()  # int columns holding a value beyond 2**53
 
@@ -273,14 +278,14 @@ class _Columns:
                 self._values[name] = [None] * self.rows + [value]
         self.rows += 1
 
-    def table(self) -> Any:
-        """The rows as a pyarrow Table (one typed column per name, in first-seen order)."""
+    def take(self) -> Any:
+        """The rows held as a pyarrow RecordBatch (typed as far as the file's rows tell,
+        null-typed where no row had a value yet); forgets them, keeps the columns."""
         import pyarrow as pa  # only parquet output needs pyarrow
 
-        types = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string()}
         try:
-            return pa.table({
-                name: pa.array(values, type=types[self._kinds.get(name, "str")])
+            batch = pa.record_batch({
+                name: pa.array(values, type=_arrow_type(self._kinds.get(name, "null")))
                 for name, values in self._values.items()
             })
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
@@ -290,39 +295,119 @@ class _Columns:
                 "rows (convert it in a Map), or write format='jsonl'"
             )
             raise SinkError(msg) from exc
+        self._values = {name: [] for name in self._values}
+        self.rows = 0
+        return batch
+
+    def schema(self) -> Any:
+        """The file's schema: every column in first-seen order, its one type (string for a
+        column that never held a value)."""
+        import pyarrow as pa
+
+        return pa.schema([(name, _arrow_type(self._kinds.get(name, "str")))
+                          for name in self._values])
+
+
+def _arrow_type(kind: str) -> Any:
+    import pyarrow as pa
+
+    factories = {"bool": pa.bool_, "int": pa.int64, "float": pa.float64, "str": pa.string,
+                 "null": pa.null}
+    return factories[kind]()
+
+
+def conform(batch: Any, schema: Any) -> Any:
+    """``batch`` with every column of ``schema``, in its order and types: a column the batch
+    lacks (it first appeared later) is all null; a null-typed column or an int column of a
+    file whose column became float is cast (both exact, as add() checked)."""
+    import pyarrow as pa
+
+    columns = []
+    for field in schema:
+        index = batch.schema.get_field_index(field.name)
+        if index < 0:
+            columns.append(pa.nulls(batch.num_rows, type=field.type))
+        else:
+            column = batch.column(index)
+            columns.append(column if column.type == field.type else column.cast(field.type))
+    return pa.record_batch(columns, schema=schema)
+
+
+#: Rows a Parquet writer holds in memory; each full chunk goes to a spill file on disk.
+SPILL_ROWS = 50_000
 
 
 class ParquetWriter(_FileWriter):
     """Checks each row's column types at ``write``; writes one Parquet file at ``close``.
 
-    The task's rows stay in memory (column-wise) until the task ends: a Parquet file has
-    one schema, and a column may first appear in a later row.
+    A Parquet file has one schema, and a column may first appear (or first hold a value)
+    in a later row, so the file is written when the task ends. Until then at most
+    :data:`SPILL_ROWS` rows stay in memory: each full chunk is written to a spill file
+    beside the temporary file (Arrow IPC, named ``<temp>.<n>.spill``); ``close`` writes
+    the chunks, conformed to the file's schema, as the file's row groups and removes the
+    spill files (``abort`` too; a crash leaves them to the batch's commit or abort, which
+    sweeps every attempt's leftovers).
     """
 
     def __init__(self, temp: str, final: str, ctx: WriterContext, fsync: bool) -> None:
         super().__init__(temp, final, ctx, fsync)
         self._columns = _Columns()
+        self._spills: list[str] = []
+        self._count = 0
+        self._spill_rows = SPILL_ROWS
 
     def write(self, element: Any) -> None:
         self._usable()
         self._columns.add(parquet_row(element))
+        self._count += 1
+        if self._columns.rows >= self._spill_rows:
+            self._spill()
+
+    def _spill(self) -> None:
+        import pyarrow as pa
+
+        batch = self._columns.take()
+        path = f"{self._temp}.{len(self._spills)}.spill"
+        with self._storage("spill to"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with pa.OSFile(path, "wb") as f, pa.ipc.new_stream(f, batch.schema) as out:
+                out.write_batch(batch)
+        self._spills.append(path)
+
+    def _chunks(self) -> Iterator[Any]:
+        import pyarrow as pa
+
+        for path in self._spills:
+            with pa.memory_map(path) as source:
+                yield from pa.ipc.open_stream(source)
+        if self._columns.rows:
+            yield self._columns.take()
 
     def close(self) -> WrittenFile | None:
         self._usable()
-        rows = self._columns.rows
-        if rows == 0:
+        if self._count == 0:
             return None
         import pyarrow.parquet as pq
 
-        table = self._columns.table()
+        schema = self._columns.schema()
         with self._storage("write"), self._create() as f:
-            pq.write_table(table, f)
+            with pq.ParquetWriter(f, schema) as out:
+                for batch in self._chunks():
+                    out.write_batch(conform(batch, schema))
             f.flush()
             if self._fsync:
                 os.fsync(f.fileno())
+        self._drop_spills()
         self._columns = _Columns()
-        return self._message(rows)
+        return self._message(self._count)
+
+    def _drop_spills(self) -> None:
+        for path in self._spills:
+            with contextlib.suppress(OSError):  # best effort; commit/abort sweep later
+                os.remove(path)
+        self._spills = []
 
     def abort(self) -> None:
         self._columns = _Columns()
+        self._drop_spills()
         self._remove_temp()

@@ -254,11 +254,12 @@ class WriteFiles(Sink[Any, WrittenFile]):
         return f".{final}.{_label_scope(ctx.sink_label)}.{_digest(ctx.attempt)}.tmp"
 
     def _temps(self, batch_id: int) -> list[str]:
-        """This sink's temporary files of ``batch_id`` (every attempt's)."""
+        """This sink's temporary files of ``batch_id`` (every attempt's, spill files too)."""
         _, label = self._identity()
         pattern = re.compile(
             re.escape(f".{self.prefix}-{batch_id:010d}-") + "[0-9a-f]{16}"
             + re.escape(f".{self.format}.{_label_scope(label)}.") + r"[0-9a-f]{16}\.tmp"
+            + r"(?:\.\d+\.spill)?"  # a Parquet writer's spilled rows
         )
         directory = self._dir()
         with storage("list", directory):

@@ -155,6 +155,69 @@ def _order_row(record: DataChangeRecord) -> dict[str, Any]:
     return {"id": mod.keys["id"], "qty": mod.new_values["qty"]}
 
 
+def _rows_in_chunks(n: int) -> list[dict[str, Any]]:
+    """Rows whose shape changes across chunks: ``late`` first appears at row 7, ``maybe`` is
+    null until row 11, ``num`` is an int until row 13, then also a float."""
+    rows: list[dict[str, Any]] = []
+    for i in range(n):
+        row: dict[str, Any] = {"id": i, "maybe": None if i < 11 else i * 2}
+        row["num"] = i if i < 13 or i % 2 else i + 0.5
+        if i >= 7:
+            row["late"] = f"v{i}"
+        rows.append(row)
+    return rows
+
+
+def test_a_parquet_writer_spills_chunks_and_writes_the_same_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = _rows_in_chunks(20)
+    in_memory = _sink(tmp_path / "whole", format="parquet")
+    whole = _run_task(in_memory, 1, "tok", rows, "a1")
+    in_memory.commit(1, [whole])
+    monkeypatch.setattr("cdcflow.transforms._fileio.SPILL_ROWS", 3)  # writers made from now
+    spilled_sink = _sink(tmp_path / "spilled", format="parquet")
+    writer = spilled_sink.open_writer(_wctx(1, "tok"))
+    for row in rows:
+        writer.write(row)
+    spills = sorted(p.name for p in (tmp_path / "spilled").glob("*.spill"))
+    assert len(spills) == 6  # 18 of the 20 rows went to disk, 3 at a time
+    spilled = writer.close()
+    assert not list((tmp_path / "spilled").glob("*.spill"))  # close removes them
+    spilled_sink.commit(1, [spilled])
+    (a,), (b,) = (list(d.glob("part-*.parquet")) for d in (tmp_path / "whole", tmp_path / "spilled"))
+    expected = pq.read_table(a)
+    got = pq.read_table(b)
+    assert got.schema == expected.schema
+    assert str(got.schema.field("num").type) == "double"
+    assert str(got.schema.field("maybe").type) == "int64"
+    assert got.to_pylist() == expected.to_pylist()
+    assert got.to_pylist() == [{"id": r["id"], "maybe": r["maybe"], "num": float(r["num"]),
+                                "late": r.get("late")} for r in rows]
+    assert pq.ParquetFile(b).num_row_groups == 7
+
+
+def test_spill_files_of_an_aborted_or_crashed_writer_are_swept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("cdcflow.transforms._fileio.SPILL_ROWS", 2)
+    sink = _sink(tmp_path, format="parquet")
+    aborted = sink.open_writer(_wctx(1, "tok", "a1"))
+    for row in _rows_in_chunks(5):
+        aborted.write(row)
+    assert len(list(tmp_path.glob("*.spill"))) == 2
+    aborted.abort()
+    assert not list(tmp_path.glob("*.spill"))
+    crashed = sink.open_writer(_wctx(1, "tok", "a2"))  # a task that died mid-slice
+    for row in _rows_in_chunks(5):
+        crashed.write(row)
+    assert len(list(tmp_path.glob("*.spill"))) == 2
+    retried = _run_task(sink, 1, "tok", _rows_in_chunks(5), "a3")
+    sink.commit(1, [retried])
+    assert not list(tmp_path.glob(".*"))  # the commit swept every attempt's leftovers
+    assert len(pq.read_table(next(tmp_path.glob("part-*.parquet")))) == 5
+
+
 def test_through_the_engine_a_poison_row_is_dead_lettered_and_the_rest_commits(
     tmp_path: Path,
 ) -> None:
