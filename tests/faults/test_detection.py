@@ -5,8 +5,7 @@ the Spanner metadata store (:class:`~cdcflow.spanner.store.SpannerStore`) talk t
 emulator through a :class:`~tests.faults.proxy.FaultProxy`; each test applies one fault
 and measures what the operation does: how long until it fails, whether a retry resumes
 without losing or repeating records, how much CPU a wait burns. The numbers go to
-docs/reliability.md. Cases where the store does not notice a fault are strict xfails:
-they pass the day the store gets deadlines and bounded retries.
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -227,11 +226,11 @@ def test_resets_mid_stream_resume_without_loss_or_duplicates(
 # -- the Spanner metadata store ----------------------------------------------------------
 
 
-def _store(spanner_emulator: Emulator, proxy: FaultProxy) -> SpannerStore:
+def _store(spanner_emulator: Emulator, proxy: FaultProxy, **options: Any) -> SpannerStore:
     name = unique("meta")
     spanner_emulator.create_database(name)
     store = SpannerStore(spanner_emulator.database_path(name),
-                         client=_client(proxy.host))
+                         client=_client(proxy.host), **options)
     store.ensure_schema()
     return store
 
@@ -268,23 +267,14 @@ class _Call:
         return not self.thread.is_alive()
 
 
-_STALL_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "SpannerStore sets no deadline on its reads and commits: a stalled connection "
-        "blocks the call for as long as the stall lasts (measured: 30.0 s for a 30 s stall), "
-        "so a half-open connection holds the whole run; reproduce: FaultProxy.stall(60) "
-        "under SpannerStore.partitions() or insert_partitions()"
-    ),
-)
-
-
-@_STALL_XFAIL
 @pytest.mark.parametrize("operation", ["read", "commit"])
-def test_stalled_store_call_is_detected(
+def test_a_stalled_store_call_fails_at_its_deadlines_instead_of_hanging(
     spanner_emulator: Emulator, proxy: FaultProxy, operation: str
 ) -> None:
-    store = _store(spanner_emulator, proxy)
+    # A half-open connection answers nothing: only the RPC deadline (call_timeout) notices
+    # it, and the retry policy's deadline bounds the whole operation.
+    store = _store(spanner_emulator, proxy, call_timeout=2.0,
+                   retry=RetryPolicy(attempts=10, initial=0.1, maximum=0.5, deadline=6.0))
     calls: dict[str, Callable[[], Any]] = {
         "read": lambda: store.partitions("p"),
         "commit": lambda: store.insert_partitions("p", [_partition(unique("t"))]),
@@ -293,14 +283,34 @@ def test_stalled_store_call_is_detected(
     proxy.stall(60)
     call = _Call(calls[operation])
     try:
-        finished = call.wait(10.0)
+        finished = call.wait(12.0)
     finally:
         proxy.heal()
         call.wait(30.0)
-    print(f"\nstalled store {operation}: returned within 10 s: {finished}; "
-          f"returned after {call.took:.1f}s (the stall was healed at 10 s): {call.outcome}")
-    assert finished, f"the store {operation} was still blocked 10 s into a stall"
+    print(f"\nstalled store {operation}: returned within 12 s: {finished}; "
+          f"after {call.took:.1f}s: {call.outcome}")
+    assert finished, f"the store {operation} was still blocked 12 s into a stall"
     assert isinstance(call.outcome[0], StoreError)
+    assert "DEADLINE_EXCEEDED" in str(call.outcome[0])
+
+
+@pytest.mark.parametrize("operation", ["read", "commit"])
+def test_a_store_call_rides_out_a_stall_shorter_than_its_retry_budget(
+    spanner_emulator: Emulator, proxy: FaultProxy, operation: str
+) -> None:
+    store = _store(spanner_emulator, proxy, call_timeout=2.0)
+    calls: dict[str, Callable[[], Any]] = {
+        "read": lambda: store.partitions("p"),
+        "commit": lambda: store.insert_partitions("p", [_partition(unique("t"))]),
+    }
+    calls[operation]()
+    proxy.stall(5)  # heals itself after 5 s
+    call = _Call(calls[operation])
+    assert call.wait(20.0), f"the store {operation} was still blocked 20 s after a 5 s stall"
+    print(f"\nstore {operation} under a 5 s stall: returned after {call.took:.1f}s: "
+          f"{call.outcome}")
+    assert not isinstance(call.outcome[0], Exception)  # it succeeded
+    assert 4.5 <= call.took < 12
 
 
 def test_store_read_backs_off_while_connections_are_refused(
