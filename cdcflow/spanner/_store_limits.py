@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
+from cdcflow.errors import StoreError
+
 __all__ = [
     "DEFAULT_MUTATION_BUDGET",
     "DELETE_PARTITION",
@@ -69,8 +71,16 @@ STATE_CHUNK = 3
 MAX_STATE_BYTES = 64 << 20
 
 
-def state_mutations(size: int) -> int:
-    """Mutations of storing a state of ``size`` bytes."""
+def state_mutations(pipeline: str, size: int) -> int:
+    """Mutations of storing a state of ``size`` bytes; StoreError for a state over
+    MAX_STATE_BYTES (Spanner refuses commits over 100 MB)."""
+    if size > MAX_STATE_BYTES:
+        msg = (
+            f"pipeline {pipeline!r}: the batch steps' state is {size} bytes, over the Spanner "
+            f"store's limit of {MAX_STATE_BYTES}; a step keeps what the low watermark has not "
+            "passed, so lower max_batch_span (or find the partition that lags)"
+        )
+        raise StoreError(msg)
     return 1 + STATE_CHUNK * max(1, -(-size // STATE_CHUNK_BYTES))
 
 #: The smallest budget: a final transaction's fixed writes plus a few partitions. Only tests

@@ -10,7 +10,8 @@ created on first use, or by :func:`init_store` (``cdcflow metadata init URL``):
   ``(PipelineName, PartitionToken)``, commit-timestamp ``*At`` columns, Beam's two indexes
   on ``(State, Watermark)`` and ``(CreatedAt, StartTimestamp)``, and a row deletion policy
   (TTL) on the nullable ``GcAfter`` column.
-- ``NAME_Batches``: the batch log keyed by ``(PipelineName, BatchId)``.
+- ``NAME_Batches``: the batch log keyed by ``(PipelineName, BatchId)``, with each
+  committed batch's statistics (``Stats``, JSON text).
 - ``NAME_Pipelines``: one record per pipeline: the ownership lease and its fencing token,
   the batch id floor kept across resets, the source definition, each sink's durable batch
   (two-stage ack; the batch log keeps every batch above the smallest mark).
@@ -18,9 +19,8 @@ created on first use, or by :func:`init_store` (``cdcflow metadata init URL``):
   batch, in chunks of 8 MiB keyed by ``(PipelineName, Chunk)`` (created on open in a
   database of an earlier version).
 
-A database created by the previous version (two tables, the TTL on ``FinishedAt``) is
-upgraded in place the first time a store opens it: the pipelines table is created,
-``GcAfter`` added and the policy moved to it.
+A database of an earlier version is upgraded in place when a store opens it (missing
+tables and columns added, the TTL moved to ``GcAfter``; see ``ensure_schema``).
 
 The TTL never deletes what resumption needs. Beam's table drops every FINISHED row a day
 after it finished, the leaves of a finished pipeline included, so re-running a completed
@@ -44,13 +44,11 @@ only move forward, children are inserted if absent) and the batch stays pending 
 final transaction, so a crash in between is repaired by the replay that a pending batch
 causes anyway. docs/spanner-store.md has the arithmetic and the argument.
 
-Retries: every operation (opening, schema, reads, transactions) goes through one
-:class:`~cdcflow.backoff.RetryPolicy` whose predicate is
-:func:`~cdcflow.spanner.retry.is_transient` (ABORTED: Spanner aborts one of two
-transactions that conflict and the emulator any that overlap; UNAVAILABLE,
-DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED), and every RPC has a deadline of ``call_timeout``
-seconds and none of the stock client's own retries (only the emulator's instance and
-database creation keep them). When the policy gives up, or on a permanent error, the
+Retries: every operation goes through one :class:`~cdcflow.backoff.RetryPolicy` whose
+predicate is :func:`~cdcflow.spanner.retry.is_transient` (ABORTED, which the emulator
+answers to any overlapping transactions, UNAVAILABLE, DEADLINE_EXCEEDED,
+RESOURCE_EXHAUSTED); every RPC has a deadline of ``call_timeout`` seconds and none of the
+stock client's own retries. When the policy gives up, or on a permanent error, the
 operation raises :class:`~cdcflow.errors.StoreError`.
 
 A retried write may follow an attempt whose outcome is unknown (it committed, but the
@@ -489,15 +487,7 @@ class SpannerStore:
         items += [(c, limits.INSERT_PARTITION) for c in children]
         reserved = limits.MARK_COMMITTED
         if state is not None:
-            if len(state) > limits.MAX_STATE_BYTES:
-                msg = (
-                    f"pipeline {pipeline!r}: the batch steps' state is {len(state)} bytes, over "
-                    f"the Spanner store's limit of {limits.MAX_STATE_BYTES}; a step keeps what "
-                    "the low watermark has not passed, so lower max_batch_span (or find the "
-                    "partition that lags)"
-                )
-                raise StoreError(msg)
-            reserved += limits.state_mutations(len(state))
+            reserved += limits.state_mutations(pipeline, len(state))
         runs = limits.chunks(items, self.mutation_budget - reserved)
         for i, run in enumerate(runs):
             mine = [u for u in run if isinstance(u, PartitionUpdate)]
