@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from cdcflow.errors import SinkIOError
@@ -44,28 +45,43 @@ class Cut:
     size: int
 
 
+@attrs.define
+class Usage:
+    """Bytes held by all open files together (kept by each file as it changes, so the
+    sink reads its spool's size without visiting every open file)."""
+
+    memory: int = 0
+    disk: int = 0
+
+
 class OpenFile:
     """A key's open file: whole batches ``first..last`` of schema ``schema``.
 
-    Rows arrive as RecordBatches (parquet) or JSON-line blocks (jsonl) and stay in memory
-    until :meth:`spill` writes them to ``local`` (a parquet row group, or appended lines).
+    Rows arrive as RecordBatches (parquet, csv: ``arrow`` is their schema) or JSON-line
+    blocks (jsonl: ``arrow`` is None) and stay in memory until :meth:`spill` writes them to
+    ``local`` (a parquet row group, CSV lines after one header, or appended lines). A CSV
+    file holds ``arrow`` flattened: a struct column's fields are columns ``parent.child``.
     """
 
     def __init__(self, key: Key, schema: Schema, arrow: pa.Schema | None, local: str,
-                 first: int, opened: float, parquet: Mapping[str, Any] | None = None) -> None:
+                 first: int, opened: float, parquet: Mapping[str, Any] | None = None,
+                 *, csv: bool = False, usage: Usage | None = None) -> None:
         self.key, self.schema, self.arrow, self.local = key, schema, arrow, local
+        self.usage = Usage() if usage is None else usage  # shared by the sink's open files
         self.parquet = dict(parquet or {})  # options of pyarrow's parquet writers
+        self.csv = csv
         self.first = self.last = first
         self.opened = opened  # the driver's monotonic clock
         self.chunks: list[Any] = []
         self.memory = 0  # bytes of chunks
         self.disk = 0  # bytes in `local`
         self.spilled_raw = 0  # chunk bytes that became `disk` (the encoding ratio)
-        self._writer: pq.ParquetWriter | None = None
+        self._writer: pq.ParquetWriter | pacsv.CSVWriter | None = None
 
     def append(self, data: pa.RecordBatch | bytes, nbytes: int, batch_id: int) -> None:
         self.chunks.append(data)
         self.memory += nbytes
+        self.usage.memory += nbytes
         self.last = batch_id
 
     def size(self, ratio: float) -> int:
@@ -86,13 +102,24 @@ class OpenFile:
             with open(self.local, "ab") as f:
                 f.write(b"".join(self.chunks))
         else:
+            table = self._table()
             if self._writer is None:
-                self._writer = pq.ParquetWriter(self.local, self._meta(), **self.parquet)
-            self._writer.write_table(self._table())
+                self._writer = (pacsv.CSVWriter(self.local, table.schema) if self.csv else
+                                pq.ParquetWriter(self.local, self._meta(), **self.parquet))
+            self._writer.write_table(table)
         self.chunks, self.memory = [], 0
         self.spilled_raw += freed
-        self.disk = os.path.getsize(self.local)
+        disk = os.path.getsize(self.local)
+        self.usage.memory -= freed
+        self.usage.disk += disk - self.disk
+        self.disk = disk
         return freed
+
+    def _leave(self) -> None:
+        """The file leaves the open files (cut or discarded): its bytes leave the usage."""
+        self.usage.memory -= self.memory
+        self.usage.disk -= self.disk
+        self.memory = self.disk = 0
 
     def _meta(self) -> pa.Schema:
         assert self.arrow is not None
@@ -100,6 +127,9 @@ class OpenFile:
                                          str(self.schema.version).encode()})
 
     def _table(self) -> pa.Table:
+        if self.csv:
+            assert self.arrow is not None
+            return pa.Table.from_batches(self.chunks, schema=self.arrow).flatten()
         return pa.Table.from_batches(self.chunks, schema=self._meta())
 
     def finish(self, name: str, batch_id: int) -> Cut:
@@ -109,18 +139,25 @@ class OpenFile:
                 data = b"".join(self.chunks)
             else:
                 sink = pa.BufferOutputStream()
-                pq.write_table(self._table(), sink, **self.parquet)
+                if self.csv:
+                    pacsv.write_csv(self._table(), sink)
+                else:
+                    pq.write_table(self._table(), sink, **self.parquet)
                 data = sink.getvalue().to_pybytes()
-            self.chunks, self.memory = [], 0
+            self._leave()
+            self.chunks = []
             return Cut(self.key, name, self.first, self.last, batch_id, data, None, len(data))
         self.spill()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         size = os.path.getsize(self.local)
+        self._leave()
         return Cut(self.key, name, self.first, self.last, batch_id, None, self.local, size)
 
     def discard(self) -> None:
+        self._leave()
+        self.chunks = []
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 self._writer.close()

@@ -70,14 +70,15 @@ import orjson
 from cdcflow.durations import parse_duration
 from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
-from cdcflow.transforms._tablebuild import TaskRows, Writer, _Group, conform
-from cdcflow.transforms._tablerows import Column, RowStyle, Schema
-from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader
+from cdcflow.transforms._tablebuild import conform
+from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema
+from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader, Usage
+from cdcflow.transforms._tabletask import Group, TaskRows, Writer
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
 __all__ = ["TaskRows", "WriteTables", "parse_size"]
 
-_PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl)$")
+_PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -130,7 +131,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def __init__(
         self,
         url: str | os.PathLike[str],
-        format: Literal["parquet", "jsonl"] = "parquet",
+        format: Format = "parquet",
         file_size: str | int = "64MiB",
         flush_interval: str | float = "60s",
         partition_by: Literal["none", "day", "hour"] = "none",
@@ -147,14 +148,14 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if not self.url:
             msg = "WriteTables needs a URL, e.g. WriteTables('s3://bucket/cdc')"
             raise PipelineDefinitionError(msg)
-        for name, value, allowed in (("format", format, ("parquet", "jsonl")),
+        for name, value, allowed in (("format", format, ("parquet", "jsonl", "csv")),
                                      ("partition_by", partition_by, ("none", "day", "hour")),
                                      ("rows", rows, ("flat", "debezium")),
                                      ("timestamp_unit", timestamp_unit, ("ns", "us"))):
             if value not in allowed:
                 msg = f"WriteTables({name}={value!r}): use one of {', '.join(allowed)}"
                 raise PipelineDefinitionError(msg)
-        self.format = format
+        self.format: Format = format
         self.file_size = parse_size(file_size)
         self.flush_interval = parse_duration(flush_interval)
         self.partition_by = partition_by
@@ -171,7 +172,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._fs: Any = None
         self._root = ""
         self._stage_dir: str | None = None
+        # open files in the order they were opened: by `opened` and by `first`
         self._open: dict[Key, OpenFile] = {}
+        self._usage = Usage()  # bytes of the open files
         self._flushed: dict[Key, int] = {}  # a key's largest `last` in storage
         self._schemas: dict[str, Schema] = {}
         self._staged_through = 0
@@ -179,8 +182,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._ratio = 0.5  # encoded / in-memory bytes of the last parquet file cut
         self._files = 0
         self._uploads: Uploader | None = None
+        self._made: set[str] = set()  # directories made in storage
 
-    _DRIVER_STATE = ("_fs", "_open", "_flushed", "_schemas", "_uploads")
+    _DRIVER_STATE = ("_fs", "_open", "_usage", "_flushed", "_schemas", "_uploads", "_made")
 
     def __getstate__(self) -> dict[str, Any]:
         # Tasks need the configuration only; the driver's staging state stays on the driver.
@@ -192,7 +196,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fs, self._open, self._flushed, self._schemas = None, {}, {}, {}
-        self._uploads = None
+        self._uploads, self._made, self._usage = None, set(), Usage()
 
     def describe_params(self) -> str:
         return f"{self.url} ({self.format}, {self.rows})"
@@ -255,7 +259,10 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             target = path
             if "file" in fs.protocol:
                 target = path.rsplit("/", 1)[0] + "/." + path.rsplit("/", 1)[1] + ".tmp"
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            parent = path.rsplit("/", 1)[0]
+            if parent not in self._made:  # once per directory (on S3, a request each time)
+                fs.makedirs(parent, exist_ok=True)
+                self._made.add(parent)
             if local is not None:
                 fs.put_file(local, target)
             else:
@@ -280,13 +287,24 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def _mark(self) -> int:
         """The batch through which everything is in storage: below the first batch of every
         open file and of every cut file not yet uploaded."""
-        firsts = [o.first for o in list(self._open.values())]
+        firsts = [] if (first := self._first_open()) is None else [first]
         if self._uploads is not None:
             with self._uploads.lock:
                 firsts += [c.first for c in self._uploads.queue]
         if not firsts:
             return max(self._durable or 0, self._staged_through)
         return min(firsts) - 1
+
+    def _first_open(self) -> int | None:
+        """The smallest ``first`` of the open files: the first one's, as files are opened in
+        batch order."""
+        while True:
+            try:
+                for file in self._open.values():
+                    return file.first
+                return None
+            except RuntimeError:  # changed by the driver while the upload thread looked
+                continue
 
     def last_committed_batch(self) -> int:
         fs = self._storage()
@@ -336,7 +354,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if batch_id <= self.durable_batch() or batch_id <= self._staged_through:
             return
         self._checkpoint("stage", batch_id)
-        by_key: dict[Key, list[_Group]] = {}
+        by_key: dict[Key, list[Group]] = {}
         for message in messages:
             for g in message.load():
                 by_key.setdefault((g.table, g.directory), []).append(g)
@@ -347,7 +365,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # they can start a schema version (a replayed batch from before a DROP COLUMN
         # would otherwise add the dropped column back).
         by_key = {k: gs for k, gs in by_key.items() if batch_id > self._key_flushed(k)}
-        by_table: dict[str, list[_Group]] = {}
+        by_table: dict[str, list[Group]] = {}
         for key, groups in by_key.items():
             by_table.setdefault(key[0], []).extend(groups)
         for table, groups in by_table.items():
@@ -355,13 +373,24 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         for key, groups in by_key.items():
             self._stage(key, groups, batch_id)
         self._staged_through = batch_id
-        now = time.monotonic()
-        due = [k for k, o in self._open.items() if o.size(self._ratio) >= self.file_size
-               or now - o.opened >= self.flush_interval]
-        self._cut(due, batch_id)
+        self._cut(self._due(by_key), batch_id)
         self._bound(batch_id)
 
-    def _evolve(self, table: str, groups: Sequence[_Group], batch_id: int) -> None:
+    def _due(self, staged: Mapping[Key, object]) -> list[Key]:
+        """The open files to cut: those that grew past ``file_size`` (only files staged
+        to can have), and those opened ``flush_interval`` ago or more (the first ones in
+        ``_open``, which holds them in the order they were opened). The work follows the
+        tables with data, not the open files."""
+        due = {k: None for k in staged if (o := self._open.get(k)) is not None
+               and o.size(self._ratio) >= self.file_size}
+        now = time.monotonic()
+        for key, file in self._open.items():
+            if now - file.opened < self.flush_interval:
+                break
+            due[key] = None
+        return list(due)
+
+    def _evolve(self, table: str, groups: Sequence[Group], batch_id: int) -> None:
         """Write the table's next schema version first if this batch's rows need one: a
         column the current version lacks (or has with another type), or a column dropped
         (a row carrying every tracked column lacks it, that row is newer than the version,
@@ -396,19 +425,21 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # Drain: every earlier row of the table is in storage before the new version.
         self._cut([k for k in self._open if k[0] == table], batch_id)
         self.drain()
-        self._put(self._path(table, "_schema", f"v{new.version}.json"), new.to_json(self.rows))
+        self._put(self._path(table, "_schema", f"v{new.version}.json"),
+                  new.to_json(self.rows, self.format))
         self._schemas[table] = new
 
-    def _stage(self, key: Key, groups: list[_Group], batch_id: int) -> None:
+    def _stage(self, key: Key, groups: list[Group], batch_id: int) -> None:
         file = self._open.get(key)
         if file is None:
             schema = self._schemas[key[0]]
             assert self._stage_dir is not None
             self._files += 1
             local = os.path.join(self._stage_dir, f"{self._files}.part")
-            arrow = None if self.format == "jsonl" else schema.arrow(self.rows)
+            arrow = None if self.format == "jsonl" else schema.arrow(self.rows, self.format)
             file = OpenFile(key, schema, arrow, local, batch_id, time.monotonic(),
-                            self._parquet_options())
+                            self._parquet_options(), csv=self.format == "csv",
+                            usage=self._usage)
             self._open[key] = file
         for g in groups:
             data = g.data if file.arrow is None else conform(g.data, file.arrow)
@@ -450,7 +481,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if self._memory() + self._disk() <= limit:
             return
         target = limit // 2
-        open_bytes = self._open_memory() + sum(o.disk for o in self._open.values())
+        open_bytes = self._usage.memory + self._usage.disk
         if open_bytes > target:  # the open files alone hold it: cut the largest
             self._cut([o.key for o in sorted(self._open.values(),
                                              key=lambda o: -(o.memory + o.disk))][:max(
@@ -465,13 +496,13 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             raise SinkIOError(msg)
 
     def _open_memory(self) -> int:
-        return sum(o.memory for o in self._open.values())
+        return self._usage.memory
 
     def _memory(self) -> int:
-        return self._open_memory() + self._queue().memory
+        return self._usage.memory + self._queue().memory
 
     def _disk(self) -> int:
-        return sum(o.disk for o in self._open.values()) + self._queue().disk
+        return self._usage.disk + self._queue().disk
 
     def spool_usage(self) -> dict[str, int]:
         """Bytes of the driver's spool now: ``memory`` and ``disk`` (open files and files
