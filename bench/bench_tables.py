@@ -156,6 +156,32 @@ def _files_per_hour(directory: str, partitions: int = 50, tables: int = 5) -> No
           f"flush_interval 60s (bound {tables * 3600 // 60})", flush=True)
 
 
+def _open_tables(directory: str) -> None:
+    """A batch's commit (and the durable mark) with one table active, beside 10 and
+    10,000 tables whose files are open but got nothing in the batch: the work should follow
+    the active tables."""
+    cost = {}
+    for n in (10, 10_000):
+        sink = WriteTables(os.path.join(directory, f"open-{n}"), flush_interval="1h")
+        sink.setup(SinkContext("bench", "WriteTables", "/"))
+        opening = [r for t in range(n) for r in _records(1, table=f"T{t}")]
+        batches = [(1, opening)] + [(b, _records(2, at=T0 + b * 10**9)) for b in range(2, 502)]
+        t0 = 0.0
+        for b, records in batches:
+            if b == 2:
+                t0 = time.perf_counter()
+            w = sink.open_writer(WriterContext("bench", "WriteTables", b, "p0", 0, 1, "a"))
+            for r in records:
+                w.write(r)
+            m = w.close()
+            sink.commit(b, [m] if isinstance(m, TaskRows) else [])
+            sink.durable_batch()
+        cost[n] = (time.perf_counter() - t0) / 500
+        sink.close()
+    print(f"per batch, one active table: {cost[10] * 1e6:,.0f} us with 10 open tables, "
+          f"{cost[10_000] * 1e6:,.0f} us with 10,000", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=200_000)
@@ -185,6 +211,7 @@ def main() -> None:
             finally:
                 server.stop()
         _files_per_hour(os.path.join(tmp, "hourly"))
+        _open_tables(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -165,6 +165,30 @@ def arrow_type(type_: Any, *, csv: bool = False) -> pa.DataType:
     return _SCALARS.get(code, pa.string())
 
 
+def file_schema(schema_file: bytes | str | Mapping[str, Any]) -> pa.Schema:
+    """The Arrow schema of a table's files of one version, from its schema file
+    ``<table>/_schema/v<k>.json`` (the bytes, the text or the parsed document).
+
+    For CSV, the files' columns in order (Debezium rows flattened to ``before.<column>``,
+    ``source.table``, ...) with their types: what ``pyarrow.csv.ConvertOptions(
+    column_types=...)`` needs to read them typed. For Parquet, the files' own schema (with
+    ``timestamp_unit="us"`` the files hold microseconds instead). For JSON lines, the types
+    the JSON values stand for (timestamps are RFC 3339 text, decimals text, bytes base64).
+    Raises ValueError for anything but a schema file WriteTables wrote.
+    """
+    if isinstance(schema_file, Mapping):
+        data = orjson.dumps(dict(schema_file))
+    else:
+        data = schema_file.encode() if isinstance(schema_file, str) else schema_file
+    try:
+        doc = orjson.loads(data)
+        arrow = Schema.parse(data).arrow(doc.get("rows", "flat"), doc.get("format", "parquet"))
+    except (KeyError, TypeError, ValueError) as exc:
+        msg = f"not a WriteTables schema file ({exc}); pass the contents of _schema/v<k>.json"
+        raise ValueError(msg) from exc
+    return pa.schema(csv_columns(arrow)) if doc.get("format") == "csv" else arrow
+
+
 def csv_columns(schema: pa.Schema) -> list[pa.Field]:
     """The columns of a CSV file of ``schema``: struct columns flattened to
     ``parent.child`` (Debezium's ``before.<column>``, ``source.table``, ...), as

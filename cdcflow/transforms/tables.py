@@ -4,7 +4,7 @@ near a target size, exactly once.
 Layout under ``url``::
 
     <table>/_schema/v<k>.json                                 columns, types, keys, checksum
-    <table>/[date=YYYY-MM-DD/[hour=HH/]]part-<first>-<last>-<k>.<parquet|jsonl>
+    <table>/[date=YYYY-MM-DD/[hour=HH/]]part-<first>-<last>-<k>.<parquet|jsonl|csv>
     _cdcflow/durable.json                                     {"durable_batch": D, ...}
 
 A *key* is one (table, date partition) directory. Each key has at most one open file,
@@ -71,12 +71,12 @@ from cdcflow.durations import parse_duration
 from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._tablebuild import conform
-from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema
+from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema, file_schema
 from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader, Usage
 from cdcflow.transforms._tabletask import Group, TaskRows, Writer
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
-__all__ = ["TaskRows", "WriteTables", "parse_size"]
+__all__ = ["TaskRows", "WriteTables", "file_schema", "parse_size"]
 
 _PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -102,13 +102,21 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     ``url``: a local path (relative to the pipeline file), ``memory://...`` or any fsspec
     URL such as ``s3://bucket/prefix``; ``storage_options`` go to fsspec (e.g.
     ``{"client_kwargs": {"endpoint_url": ...}}``). ``format``: ``"parquet"`` (Arrow types
-    from the column types) or ``"jsonl"``. ``file_size``: cut a table's file once it
-    reaches this size (at a batch boundary, so a file may pass it by one batch's rows).
+    from the column types), ``"jsonl"`` (the change stream's JSON forms: timestamps as
+    RFC 3339 text, NUMERIC as text, BYTES as base64) or ``"csv"`` (a header line; the
+    Parquet values as text, BYTES as base64, JSON and ARRAY as JSON text, NULL an empty
+    field and an empty string ``""``; Debezium rows flattened to ``before.<column>``,
+    ``after.<column>``, ``op``, ``source.<field>``, ``ts_ms``; the schema file lists the
+    columns with their types, see :func:`file_schema`). ``file_size``: cut a table's file
+    once it reaches this size (at a batch boundary, so a file may pass it by one batch's
+    rows).
     ``flush_interval``: cut a file this long after it was opened, whatever its size.
     ``partition_by``: ``"none"``, ``"day"`` or ``"hour"`` of the commit timestamp (UTC).
     ``rows``: ``"flat"`` (the row's columns plus ``_op``, ``_commit_ts``, ``_txn``,
     ``_seq``, ``_table``; a DELETE carries keys and old values) or ``"debezium"``
-    (``before``, ``after``, ``op`` c/u/d, ``source``, ``ts_ms``). ``spool_size``: a task
+    (``before``, ``after``, ``op`` c/u/d or r for a snapshot row, ``source`` with
+    ``table``, ``commit_timestamp``, ``transaction_id``, ``record_sequence`` and
+    ``partition``, and ``ts_ms``, the commit time in milliseconds). ``spool_size``: a task
     keeps this many bytes of rows in memory and spools the rest to a local temporary file
     whose path it sends to the driver; ``None`` sends every row in the commit message
     (needed on a cluster whose executors do not share the driver's disk).

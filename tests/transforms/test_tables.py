@@ -184,6 +184,29 @@ def test_flush_interval_cuts_files(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "_cdcflow/durable.json").read_text())["durable_batch"] == 2
 
 
+def test_a_batch_looks_only_at_the_files_it_staged_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cdcflow.transforms import _tablespool
+
+    sink = _sink(str(tmp_path), flush_interval="1h")
+    _commit(sink, 1, [_record(f"T{t}", t) for t in range(300)])  # 300 open files
+    sized: list[tuple[str, str]] = []
+    size = _tablespool.OpenFile.size
+
+    def counting(self: _tablespool.OpenFile, ratio: float) -> int:
+        sized.append(self.key)
+        return size(self, ratio)
+
+    monkeypatch.setattr(_tablespool.OpenFile, "size", counting)
+    for b in range(2, 6):
+        _commit(sink, b, [_record("T7", 1000 + b)])
+        assert sink.durable_batch() == 0 and sink.spool_usage()["uploads"] == 0
+    assert sized == [("T7", "")] * 4  # not the 299 idle tables' files
+    sink.flush()
+    assert len(list(tmp_path.glob("T*/part-*"))) == 300
+
+
 # -- crashes in an engine run -------------------------------------------------------------
 
 
