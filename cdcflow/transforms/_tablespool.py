@@ -24,6 +24,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from cdcflow.errors import SinkIOError
+from cdcflow.transforms._tablebuild import rfc3339
 from cdcflow.transforms._tablerows import Schema
 
 __all__: list[str] = []
@@ -57,10 +58,12 @@ class Usage:
 class OpenFile:
     """A key's open file: whole batches ``first..last`` of schema ``schema``.
 
-    Rows arrive as RecordBatches (parquet, csv: ``arrow`` is their schema) or JSON-line
-    blocks (jsonl: ``arrow`` is None) and stay in memory until :meth:`spill` writes them to
-    ``local`` (a parquet row group, CSV lines after one header, or appended lines). A CSV
-    file holds ``arrow`` flattened: a struct column's fields are columns ``parent.child``.
+    Rows arrive as RecordBatches of ``arrow`` (parquet, csv) or JSON-line blocks (jsonl:
+    ``arrow`` is None). Parquet keeps the RecordBatches in memory until :meth:`spill`
+    writes them to ``local`` as a row group; its size is estimated from an encoding ratio
+    (encoded / Arrow bytes). CSV and JSON lines are encoded as they arrive (a CSV file holds
+    ``arrow`` flattened: a struct column's fields are columns ``parent.child``, after one
+    header line), so their size is exact; :meth:`spill` appends the text to ``local``.
     """
 
     def __init__(self, key: Key, schema: Schema, arrow: pa.Schema | None, local: str,
@@ -70,43 +73,61 @@ class OpenFile:
         self.usage = Usage() if usage is None else usage  # shared by the sink's open files
         self.parquet = dict(parquet or {})  # options of pyarrow's parquet writers
         self.csv = csv
+        self.text = arrow is None or csv  # rows held as encoded text
         self.first = self.last = first
         self.opened = opened  # the driver's monotonic clock
         self.chunks: list[Any] = []
         self.memory = 0  # bytes of chunks
         self.disk = 0  # bytes in `local`
         self.spilled_raw = 0  # chunk bytes that became `disk` (the encoding ratio)
-        self._writer: pq.ParquetWriter | pacsv.CSVWriter | None = None
+        self.header = b""
+        if csv:
+            assert arrow is not None
+            sink = pa.BufferOutputStream()
+            pacsv.write_csv(pa.Table.from_batches([], schema=arrow).flatten(), sink)
+            self.header = sink.getvalue().to_pybytes()
+        self._writer: pq.ParquetWriter | None = None
 
-    def append(self, data: pa.RecordBatch | bytes, nbytes: int, batch_id: int) -> None:
-        self.chunks.append(data)
+    def append(self, chunk: pa.RecordBatch | bytes, nbytes: int, batch_id: int) -> None:
+        """Add rows made by :func:`encode` for this file's format."""
+        self.chunks.append(chunk)
         self.memory += nbytes
         self.usage.memory += nbytes
         self.last = batch_id
 
     def size(self, ratio: float) -> int:
-        """The file's size if cut now; rows still in memory count at the encoding ``ratio``
-        (encoded / in-memory bytes) of what was spilled, else at ``ratio``."""
-        if self.arrow is None:
-            return self.disk + self.memory
+        """The file's size if cut now: exact for text; for parquet, rows still in memory
+        count at the encoding ratio of what was spilled, else at ``ratio``."""
+        if self.text:  # a spilled file holds its header
+            return (self.disk or len(self.header)) + self.memory
         if self.spilled_raw:
             ratio = self.disk / self.spilled_raw
         return self.disk + int(self.memory * ratio)
+
+    def ratio(self) -> float:
+        """Parquet: encoded / in-memory bytes of the rows so far, measured by encoding them
+        (once, to calibrate the estimate of :meth:`size`)."""
+        if not self.chunks:
+            return self.disk / self.spilled_raw if self.spilled_raw else 1.0
+        sink = pa.BufferOutputStream()
+        pq.write_table(self._table(), sink, **self.parquet)
+        encoded: int = sink.tell()
+        return max(0.01, encoded / self.memory)
 
     def spill(self) -> int:
         """Write the rows in memory to the local file; return the bytes freed."""
         if not self.chunks:
             return 0
         freed = self.memory
-        if self.arrow is None:
+        if self.text:
             with open(self.local, "ab") as f:
+                if not self.disk:
+                    f.write(self.header)
                 f.write(b"".join(self.chunks))
         else:
-            table = self._table()
             if self._writer is None:
-                self._writer = (pacsv.CSVWriter(self.local, table.schema) if self.csv else
-                                pq.ParquetWriter(self.local, self._meta(), **self.parquet))
-            self._writer.write_table(table)
+                self._writer = pq.ParquetWriter(self.local, self._meta(), **self.parquet)
+            self._writer.write_table(self._table())
         self.chunks, self.memory = [], 0
         self.spilled_raw += freed
         disk = os.path.getsize(self.local)
@@ -127,22 +148,16 @@ class OpenFile:
                                          str(self.schema.version).encode()})
 
     def _table(self) -> pa.Table:
-        if self.csv:
-            assert self.arrow is not None
-            return pa.Table.from_batches(self.chunks, schema=self.arrow).flatten()
         return pa.Table.from_batches(self.chunks, schema=self._meta())
 
     def finish(self, name: str, batch_id: int) -> Cut:
         """Close the file: its bytes if it never spilled, else the completed local file."""
         if self._writer is None and self.disk == 0:
-            if self.arrow is None:
-                data = b"".join(self.chunks)
+            if self.text:
+                data = self.header + b"".join(self.chunks)
             else:
                 sink = pa.BufferOutputStream()
-                if self.csv:
-                    pacsv.write_csv(self._table(), sink)
-                else:
-                    pq.write_table(self._table(), sink, **self.parquet)
+                pq.write_table(self._table(), sink, **self.parquet)
                 data = sink.getvalue().to_pybytes()
             self._leave()
             self.chunks = []
@@ -163,6 +178,30 @@ class OpenFile:
                 self._writer.close()
         with contextlib.suppress(OSError):
             os.remove(self.local)
+
+
+def encode(data: pa.RecordBatch | bytes, csv: bool) -> tuple[pa.RecordBatch | bytes, int]:
+    """Rows as an open file holds them, and their bytes: a RecordBatch as it is (parquet),
+    encoded as CSV lines (csv), JSON lines as they are (jsonl)."""
+    if csv:
+        assert isinstance(data, pa.RecordBatch)
+        data = _csv_lines(data)
+    return data, len(data) if isinstance(data, bytes) else data.nbytes
+
+
+def _csv_lines(batch: pa.RecordBatch) -> bytes:
+    """CSV lines (no header) of ``batch`` flattened; timestamps as RFC 3339 text with nine
+    fractional digits and ``Z`` (formatted here: Arrow's own cast of a zoned timestamp to
+    text is several times slower)."""
+    table = pa.Table.from_batches([batch]).flatten()
+    for i, field in enumerate(table.schema):
+        if pa.types.is_timestamp(field.type):
+            table = table.set_column(i, field.name, rfc3339(table.column(i).combine_chunks()))
+    sink = pa.BufferOutputStream()
+    pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=False,
+                                                    quoting_style="needed"))
+    lines: bytes = sink.getvalue().to_pybytes()
+    return lines
 
 
 class Uploader:

@@ -35,7 +35,6 @@ class Group:
     columns: tuple[Column, ...]
     rows: int
     data: Any  # pa.RecordBatch | bytes
-    nbytes: int
     #: the earliest commit timestamp (ns) of the group's records
     first_ns: int = 0
     #: the latest commit timestamp (ns) of a record that carries every column the stream
@@ -158,13 +157,10 @@ class Writer:
                 mods = Mods(records, self.style)
                 if self.format == "jsonl":
                     data: Any = jsonl_lines(mods, schema, self.style)
-                    nbytes = len(data)
                 else:
                     data = record_batch(mods, schema, self.style, self.format)
-                    nbytes = data.nbytes
                 first, full = mods.bounds()
-                out.append(Group(table, directory, columns, len(mods), data, nbytes,
-                                 first, full))
+                out.append(Group(table, directory, columns, len(mods), data, first, full))
         self.groups = {}
         self._types = self._table = None
         self._records, self._key = [], ("", "")

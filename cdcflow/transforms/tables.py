@@ -72,7 +72,7 @@ from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._tablebuild import conform
 from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema, file_schema
-from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader, Usage
+from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader, Usage, encode
 from cdcflow.transforms._tabletask import Group, TaskRows, Writer
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
@@ -187,7 +187,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._schemas: dict[str, Schema] = {}
         self._staged_through = 0
         self._durable: int | None = None
-        self._ratio = 0.5  # encoded / in-memory bytes of the last parquet file cut
+        # parquet: encoded / in-memory bytes per table (measured, then of the last file cut)
+        self._ratios: dict[str, float] = {}
         self._files = 0
         self._uploads: Uploader | None = None
         self._made: set[str] = set()  # directories made in storage
@@ -390,7 +391,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         ``_open``, which holds them in the order they were opened). The work follows the
         tables with data, not the open files."""
         due = {k: None for k in staged if (o := self._open.get(k)) is not None
-               and o.size(self._ratio) >= self.file_size}
+               and o.size(self._ratio(o)) >= self.file_size}
         now = time.monotonic()
         for key, file in self._open.items():
             if now - file.opened < self.flush_interval:
@@ -438,20 +439,46 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._schemas[table] = new
 
     def _stage(self, key: Key, groups: list[Group], batch_id: int) -> None:
+        """Add the batch's rows of ``key`` to its open file (opened if none). A file comes
+        as near ``file_size`` as whole batches let it: when it is at least half full and
+        would pass the target by more with this batch than it lacks without it, it is cut
+        first."""
         file = self._open.get(key)
+        schema = self._schemas[key[0]]
+        arrow = (file.arrow if file is not None else None if self.format == "jsonl"
+                 else schema.arrow(self.rows, self.format))
+        chunks = [encode(g.data if arrow is None else conform(g.data, arrow),
+                         self.format == "csv") for g in groups]
+        if file is not None:
+            ratio = self._ratio(file)
+            size = file.size(ratio)
+            after = size + sum(n for _, n in chunks) * (1.0 if file.text else ratio)
+            if 2 * size >= self.file_size and after - self.file_size > self.file_size - size:
+                self._cut([key], batch_id)
+                file = None
         if file is None:
-            schema = self._schemas[key[0]]
             assert self._stage_dir is not None
             self._files += 1
             local = os.path.join(self._stage_dir, f"{self._files}.part")
-            arrow = None if self.format == "jsonl" else schema.arrow(self.rows, self.format)
             file = OpenFile(key, schema, arrow, local, batch_id, time.monotonic(),
                             self._parquet_options(), csv=self.format == "csv",
                             usage=self._usage)
             self._open[key] = file
-        for g in groups:
-            data = g.data if file.arrow is None else conform(g.data, file.arrow)
-            file.append(data, g.nbytes, batch_id)
+        for chunk, nbytes in chunks:
+            file.append(chunk, nbytes, batch_id)
+
+    def _ratio(self, file: OpenFile) -> float:
+        """The encoding ratio of a parquet file's table: measured by encoding the rows of the
+        table's first file once they reach a quarter of ``file_size`` (so the first file
+        after a start is cut near the target too), then that of the table's last file cut;
+        1.0 before (a file below a quarter of the target is not due)."""
+        table = file.key[0]
+        ratio = self._ratios.get(table)
+        if ratio is None:
+            if file.text or file.memory < self.file_size // 4:
+                return 1.0
+            ratio = self._ratios[table] = file.ratio()
+        return ratio
 
     def _parquet_options(self) -> dict[str, Any]:
         # "us": Parquet TIMESTAMP(MICROS), which every reader takes (Spark refuses NANOS);
@@ -468,8 +495,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             name = f"part-{file.first}-{file.last}-{file.schema.version}.{self.format}"
             raw = file.memory + file.spilled_raw
             cut = file.finish(name, batch_id)
-            if file.arrow is not None and raw:
-                self._ratio = max(0.05, cut.size / raw)
+            if not file.text and raw:
+                self._ratios[key[0]] = max(0.01, cut.size / raw)
             uploads.submit(cut)
             del self._open[key]
 

@@ -202,7 +202,7 @@ def test_a_batch_looks_only_at_the_files_it_staged_to(
     for b in range(2, 6):
         _commit(sink, b, [_record("T7", 1000 + b)])
         assert sink.durable_batch() == 0 and sink.spool_usage()["uploads"] == 0
-    assert sized == [("T7", "")] * 4  # not the 299 idle tables' files
+    assert set(sized) == {("T7", "")}  # not the 299 idle tables' files
     sink.flush()
     assert len(list(tmp_path.glob("T*/part-*"))) == 300
 

@@ -153,3 +153,15 @@ def test_schema_versions_and_spilled_files_keep_one_header(tmp_path: Path) -> No
     rows = con.sql(f"SELECT id, email FROM read_csv('{tmp_path}/T/part-*.csv', "
                    "union_by_name = true) ORDER BY id").fetchall()
     assert rows[-1] == (40, "x@y") and rows[0] == (10, None) and len(rows) == 10
+
+
+def test_files_come_as_near_the_target_as_whole_batches_allow(tmp_path: Path) -> None:
+    target = 64 * 1024
+    sink = _sink(str(tmp_path), format="csv", file_size=target, flush_interval="1h")
+    long = {"name": (STR, "x" * 500)}
+    for b in range(1, 13):  # each batch about 0.8 of the target: one batch per file
+        _commit(sink, b, [_record("T", b * 1000 + j, extra=long) for j in range(95)])
+    sink.flush()
+    sizes = [p.stat().st_size for p in sorted((tmp_path / "T").glob("part-*.csv"))]
+    assert len(sizes) == 12, sizes  # not files of two batches, 1.6 times the target
+    assert all(0.7 * target < s < target for s in sizes), sizes
