@@ -84,6 +84,15 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+#: fsspec protocols of object stores: no directories to make (on S3, makedirs is a request)
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
 def parse_size(text: str | int) -> int:
     """Bytes for ``"64MiB"``, ``"500KB"``, ``"1GiB"`` or an int."""
     if isinstance(text, int):
@@ -247,8 +256,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         return "/".join([self._root, *[p for p in parts if p]])
 
     def output_location(self) -> str:
-        protocol = self._storage().protocol
-        return f"{protocol if isinstance(protocol, str) else protocol[0]}://{self._root}/"
+        return f"{_protocols(self._storage())[0]}://{self._root}/"
 
     def _read(self, path: str) -> bytes | None:
         try:
@@ -269,8 +277,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             if "file" in fs.protocol:
                 target = path.rsplit("/", 1)[0] + "/." + path.rsplit("/", 1)[1] + ".tmp"
             parent = path.rsplit("/", 1)[0]
-            if parent not in self._made:  # once per directory (on S3, a request each time)
-                fs.makedirs(parent, exist_ok=True)
+            if parent not in self._made and not _OBJECT_STORES & set(_protocols(fs)):
+                fs.makedirs(parent, exist_ok=True)  # once per directory
                 self._made.add(parent)
             if local is not None:
                 fs.put_file(local, target)
