@@ -98,9 +98,11 @@ class Schema:
         body = orjson.dumps([attrs.asdict(c) for c in self.columns], option=orjson.OPT_SORT_KEYS)
         return hashlib.sha256(body).hexdigest()
 
-    def to_json(self, rows: RowStyle, fmt: Format = "parquet") -> bytes:
+    def to_json(self, rows: RowStyle, fmt: Format = "parquet",
+                partition_by: str = "none") -> bytes:
         doc: dict[str, Any] = {
             "table": self.table, "version": self.version, "rows": rows, "format": fmt,
+            "partition_by": partition_by,
             "columns": [{"name": c.name, "type": c.type, "primary_key": c.primary_key,
                          "arrow": str(arrow_type(c.type))} for c in self.columns],
             "key_columns": [c.name for c in self.columns if c.primary_key],
@@ -163,30 +165,6 @@ def arrow_type(type_: Any, *, csv: bool = False) -> pa.DataType:
         element = type_.get("array_element_type", {"code": "STRING"})
         return pa.list_(arrow_type(element))
     return _SCALARS.get(code, pa.string())
-
-
-def file_schema(schema_file: bytes | str | Mapping[str, Any]) -> pa.Schema:
-    """The Arrow schema of a table's files of one version, from its schema file
-    ``<table>/_schema/v<k>.json`` (the bytes, the text or the parsed document).
-
-    For CSV, the files' columns in order (Debezium rows flattened to ``before.<column>``,
-    ``source.table``, ...) with their types: what ``pyarrow.csv.ConvertOptions(
-    column_types=...)`` needs to read them typed. For Parquet, the files' own schema (with
-    ``timestamp_unit="us"`` the files hold microseconds instead). For JSON lines, the types
-    the JSON values stand for (timestamps are RFC 3339 text, decimals text, bytes base64).
-    Raises ValueError for anything but a schema file WriteTables wrote.
-    """
-    if isinstance(schema_file, Mapping):
-        data = orjson.dumps(dict(schema_file))
-    else:
-        data = schema_file.encode() if isinstance(schema_file, str) else schema_file
-    try:
-        doc = orjson.loads(data)
-        arrow = Schema.parse(data).arrow(doc.get("rows", "flat"), doc.get("format", "parquet"))
-    except (KeyError, TypeError, ValueError) as exc:
-        msg = f"not a WriteTables schema file ({exc}); pass the contents of _schema/v<k>.json"
-        raise ValueError(msg) from exc
-    return pa.schema(csv_columns(arrow)) if doc.get("format") == "csv" else arrow
 
 
 def csv_columns(schema: pa.Schema) -> list[pa.Field]:

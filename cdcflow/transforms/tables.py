@@ -71,12 +71,13 @@ from cdcflow.durations import parse_duration
 from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._tablebuild import conform
-from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema, file_schema
+from cdcflow.transforms._tableread import file_schema, table_schema
+from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema
 from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader, Usage, encode
 from cdcflow.transforms._tabletask import Group, TaskRows, Writer
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
-__all__ = ["TaskRows", "WriteTables", "file_schema", "parse_size"]
+__all__ = ["TaskRows", "WriteTables", "file_schema", "parse_size", "table_schema"]
 
 _PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -443,7 +444,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._cut([k for k in self._open if k[0] == table], batch_id)
         self.drain()
         self._put(self._path(table, "_schema", f"v{new.version}.json"),
-                  new.to_json(self.rows, self.format))
+                  new.to_json(self.rows, self.format, self.partition_by))
         self._schemas[table] = new
 
     def _stage(self, key: Key, groups: list[Group], batch_id: int) -> None:
