@@ -9,6 +9,7 @@ import contextlib
 import os
 import pickle
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -190,6 +191,37 @@ class Writer:
         if self.spool is not None:
             with contextlib.suppress(OSError):
                 os.remove(self.spool)
+
+
+def next_version(table: str, current: Schema | None,
+                 groups: Sequence[Group]) -> Schema | None:
+    """The table's next schema version if a batch's ``groups`` need one (None if they fit
+    ``current``): a column the current version lacks (or has with another type), or a
+    column dropped (a row carrying every tracked column lacks it, that row is newer than
+    the version's ``since``, and no row of the batch carries it)."""
+    # Rows with every column first, so a version lists its columns in table order.
+    groups = sorted(groups, key=lambda g: (g.full_ns is None, -len(g.columns)))
+    merged: dict[str, Column] = {}
+    for g in groups:
+        for c in g.columns:
+            merged.setdefault(c.name, c)
+    columns = tuple(merged.values())
+    if current is None:
+        return Schema(table, 1, columns, min(g.first_ns for g in groups))
+    changed = [g for g in groups if not current.fits(g.columns)]
+    dropped: set[str] = set()
+    for g in groups:
+        if g.full_ns is not None and g.full_ns > current.since:
+            names = {c.name for c in g.columns}
+            lacks = {c.name for c in current.columns
+                     if not c.primary_key and c.name not in names}
+            if lacks:
+                dropped |= lacks
+                changed.append(g)
+    dropped -= set(merged)
+    if not dropped and current.fits(columns):
+        return None
+    return current.evolve(columns, dropped, min(g.first_ns for g in changed))
 
 
 def _directory(ts: Timestamp, partition_by: str) -> str:

@@ -16,9 +16,10 @@ version ``k``).
 Why this is exactly-once (the two-stage ack of ``cdcflow.engine.durability``):
 
 1. ``commit(b)`` stages batch ``b``'s rows in the open file of each key it touches. A key's
-   file is cut (written out) at a batch boundary when it reaches ``file_size``, when
-   ``flush_interval`` has passed since it was opened, before its table's schema changes, or
-   at ``flush()``. A cut file is queued for the upload thread, which writes files in cut
+   file is cut (written out) at a batch boundary when it reaches ``file_size`` (or, at least
+   half full, before a batch that would take it further past the target than it lacks),
+   when ``flush_interval`` has passed since it was opened, before its table's schema
+   changes, or at ``flush()``. A cut file is queued for the upload thread, which writes files in cut
    order; an upload is one PUT of the final name (locally: a temporary name, then an
    atomic rename): an object store has no atomic rename, but a PUT is atomic, so the final
    name is either absent or whole.
@@ -35,9 +36,10 @@ Why this is exactly-once (the two-stage ack of ``cdcflow.engine.durability``):
    ``_cdcflow/durable.json`` (after the data), so a restart finds a lower bound of it in
    the output itself.
 
-Tasks build their rows column-wise (``_tablebuild``): per (table, column list) one Arrow
-RecordBatch or one block of JSON lines, so the driver only conforms a batch to the table's
-current schema version and appends it.
+Tasks build their rows column-wise (``_tabletask``, ``_tablebuild``, ``_tablejsonl``): per
+(table, column list) one Arrow RecordBatch or one block of JSON lines, so the driver only
+conforms a batch to the table's current schema version and appends it (CSV: encodes it).
+A batch's work follows the keys it staged, not the open files (see ``_due``).
 
 A schema change cuts every open file of the table, waits for the uploads (the drain),
 writes ``v<k+1>.json``, then stages the batch in new files. It is a record with a column
@@ -72,9 +74,9 @@ from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._tablebuild import conform
 from cdcflow.transforms._tableread import file_schema, table_schema
-from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema
+from cdcflow.transforms._tablerows import Format, RowStyle, Schema
 from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader, Usage, encode
-from cdcflow.transforms._tabletask import Group, TaskRows, Writer
+from cdcflow.transforms._tabletask import Group, TaskRows, Writer, next_version
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
 __all__ = ["TaskRows", "WriteTables", "file_schema", "parse_size", "table_schema"]
@@ -413,33 +415,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         column the current version lacks (or has with another type), or a column dropped
         (a row carrying every tracked column lacks it, that row is newer than the version,
         and no row of the batch carries it)."""
-        # Rows with every column first, so a version lists its columns in table order.
-        groups = sorted(groups, key=lambda g: (g.full_ns is None, -len(g.columns)))
-        merged: dict[str, Column] = {}
-        for g in groups:
-            for c in g.columns:
-                merged.setdefault(c.name, c)
-        columns = tuple(merged.values())
-        since = min(g.first_ns for g in groups)
-        current = self._schema(table)
-        if current is None:
-            new = Schema(table, 1, columns, since)
-        else:
-            changed = [g for g in groups if not current.fits(g.columns)]
-            dropped: set[str] = set()
-            for g in groups:
-                if g.full_ns is not None and g.full_ns > current.since:
-                    names = {c.name for c in g.columns}
-                    lacks = {c.name for c in current.columns
-                             if not c.primary_key and c.name not in names}
-                    if lacks:
-                        dropped |= lacks
-                        changed.append(g)
-            dropped -= set(merged)
-            if not dropped and current.fits(columns):
-                return
-            since = min(g.first_ns for g in changed)
-            new = current.evolve(columns, dropped, since)
+        new = next_version(table, self._schema(table), groups)
+        if new is None:
+            return
         # Drain: every earlier row of the table is in storage before the new version.
         self._cut([k for k in self._open if k[0] == table], batch_id)
         self.drain()
