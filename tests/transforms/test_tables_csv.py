@@ -1,12 +1,14 @@
 """WriteTables(format="csv"): every Spanner type written as text and read back typed by
 pyarrow.csv (with :func:`file_schema`) and DuckDB (with the schema file's ``csv_columns``),
 equal to what the Parquet files of the same records hold; Debezium rows flattened; schema
-versions; spilled files keep one header."""
+versions; spilled files keep one header; files as near the target as whole batches allow;
+a task's rows past ``spool_size`` travel in a local spool file (every format)."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 from datetime import date
 from decimal import Decimal
 from pathlib import Path
@@ -20,7 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
-from cdcflow.transforms.tables import file_schema
+from cdcflow.transforms.base import WriterContext
+from cdcflow.transforms.tables import TaskRows, file_schema
 from tests.transforms.test_tables import STR, T0, _commit, _record, _sink
 
 INT = {"code": "INT64"}
@@ -165,3 +168,21 @@ def test_files_come_as_near_the_target_as_whole_batches_allow(tmp_path: Path) ->
     sizes = [p.stat().st_size for p in sorted((tmp_path / "T").glob("part-*.csv"))]
     assert len(sizes) == 12, sizes  # not files of two batches, 1.6 times the target
     assert all(0.7 * target < s < target for s in sizes), sizes
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "jsonl"])
+def test_a_task_past_spool_size_spools_its_rows_to_a_local_file(tmp_path: Path, fmt: str) -> None:
+    sink = _sink(str(tmp_path / fmt), format=fmt, flush_interval="1h", spool_size="2KiB")
+    writer = sink.open_writer(WriterContext("p", "WriteTables", 1, "p0", 0, 1, "a"))
+    for i in range(100):
+        writer.write(_record("T", i))
+    message = writer.close()
+    assert isinstance(message, TaskRows) and message.spool is not None
+    assert not message.groups and os.path.exists(message.spool)
+    sink.commit(1, [message])
+    assert not os.path.exists(message.spool)  # taken by the commit
+    sink.flush()
+    con = duckdb.connect()
+    reader = {"csv": "read_csv", "parquet": "read_parquet", "jsonl": "read_json"}[fmt]
+    ids = con.sql(f"SELECT id FROM {reader}('{tmp_path / fmt}/T/part-*') ORDER BY id").fetchall()
+    assert [i for (i,) in ids] == list(range(100))
