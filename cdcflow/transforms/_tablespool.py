@@ -104,15 +104,22 @@ class OpenFile:
             ratio = self.disk / self.spilled_raw
         return self.disk + int(self.memory * ratio)
 
-    def ratio(self) -> float:
-        """Parquet: encoded / in-memory bytes of the rows so far, measured by encoding them
-        (once, to calibrate the estimate of :meth:`size`)."""
+    def ratio(self, sample: int = 2 << 20) -> float:
+        """Parquet: encoded / in-memory bytes of the rows so far, measured by encoding the
+        latest chunks (about ``sample`` bytes of them) once, to calibrate :meth:`size`."""
         if not self.chunks:
             return self.disk / self.spilled_raw if self.spilled_raw else 1.0
+        chunks, raw = [], 0
+        for chunk in reversed(self.chunks):
+            chunks.append(chunk)
+            raw += chunk.nbytes
+            if raw >= sample:
+                break
         sink = pa.BufferOutputStream()
-        pq.write_table(self._table(), sink, **self.parquet)
+        pq.write_table(pa.Table.from_batches(chunks[::-1], schema=self._meta()), sink,
+                       **self.parquet)
         encoded: int = sink.tell()
-        return max(0.01, encoded / self.memory)
+        return max(0.01, encoded / max(raw, 1))
 
     def spill(self) -> int:
         """Write the rows in memory to the local file; return the bytes freed."""
