@@ -16,13 +16,13 @@ version ``k``).
 Why this is exactly-once (the two-stage ack of ``cdcflow.engine.durability``):
 
 1. ``commit(b)`` stages batch ``b``'s rows in the open file of each key it touches. A key's
-   file is cut (written out) at a batch boundary when it reaches ``file_size`` (or, at least
-   half full, before a batch that would take it further past the target than it lacks),
-   when ``flush_interval`` has passed since it was opened, before its table's schema
-   changes, or at ``flush()``. A cut file is queued for the upload thread, which writes files in cut
-   order; an upload is one PUT of the final name (locally: a temporary name, then an
-   atomic rename): an object store has no atomic rename, but a PUT is atomic, so the final
-   name is either absent or whole.
+   file is cut (written out) at a batch boundary when it reaches ``file_size`` (or, at
+   least half full, before a batch that would take it further past the target than it
+   lacks), when ``flush_interval`` has passed since it was opened, before its table's
+   schema changes, or at ``flush()``. A cut file is queued for the upload thread, which
+   writes files in cut order; an upload is one PUT of the final name (locally: a temporary
+   name, then an atomic rename): an object store has no atomic rename, but a PUT is
+   atomic, so the final name is either absent or whole.
 2. The names are deterministic and say which batches a key has made durable: the largest
    ``last`` among a key's files. After a crash the engine replays the batches above the
    sink's durable mark; the sink reads each key's largest ``last`` from the listing and
@@ -120,8 +120,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     field and an empty string ``""``; Debezium rows flattened to ``before.<column>``,
     ``after.<column>``, ``op``, ``source.<field>``, ``ts_ms``; the schema file lists the
     columns with their types, see :func:`file_schema`). ``file_size``: cut a table's file
-    once it reaches this size (at a batch boundary, so a file may pass it by one batch's
-    rows).
+    near this size (files hold whole batches: a file passes it by at most one batch of its
+    table, or is cut short of it by less than half of one).
     ``flush_interval``: cut a file this long after it was opened, whatever its size.
     ``partition_by``: ``"none"``, ``"day"`` or ``"hour"`` of the commit timestamp (UTC).
     ``rows``: ``"flat"`` (the row's columns plus ``_op``, ``_commit_ts``, ``_txn``,
