@@ -13,6 +13,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -66,10 +69,12 @@ class OpenFile:
     header line), so their size is exact; :meth:`spill` appends the text to ``local``.
     """
 
-    def __init__(self, key: Key, schema: Schema, arrow: pa.Schema | None, local: str,
-                 first: int, opened: float, parquet: Mapping[str, Any] | None = None,
-                 *, csv: bool = False, usage: Usage | None = None) -> None:
-        self.key, self.schema, self.arrow, self.local = key, schema, arrow, local
+    def __init__(self, key: Key, schema: Schema, arrow: pa.Schema | None,
+                 local: Callable[[], str], first: int, opened: float,
+                 parquet: Mapping[str, Any] | None = None, *, csv: bool = False,
+                 usage: Usage | None = None) -> None:
+        self.key, self.schema, self.arrow = key, schema, arrow
+        self._local, self._path = local, ""  # the spill file, named at the first spill
         self.usage = Usage() if usage is None else usage  # shared by the sink's open files
         self.parquet = dict(parquet or {})  # options of pyarrow's parquet writers
         self.csv = csv
@@ -143,6 +148,13 @@ class OpenFile:
         self.disk = disk
         return freed
 
+    @property
+    def local(self) -> str:
+        """The local file the rows spill to (its directory is made when first asked)."""
+        if not self._path:
+            self._path = self._local()
+        return self._path
+
     def _leave(self) -> None:
         """The file leaves the open files (cut or discarded): its bytes leave the usage."""
         self.usage.memory -= self.memory
@@ -183,8 +195,57 @@ class OpenFile:
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 self._writer.close()
-        with contextlib.suppress(OSError):
-            os.remove(self.local)
+        if self._path:
+            with contextlib.suppress(OSError):
+                os.remove(self._path)
+
+
+#: Local files of WriteTables: ``<PREFIX><pid>-...``, so a run can remove what a run that
+#: died left behind (spilled rows, task spool files), which nothing will read again.
+PREFIX = "cdcflow-tables-"
+
+
+def local_prefix() -> str:
+    return f"{PREFIX}{os.getpid()}-"
+
+
+def sweep(directory: str | None, spool_age: float = 3600.0) -> int:
+    """Remove what dead processes of this host left in ``directory`` (the temporary
+    directory when None): spill directories, and task spool files older than
+    ``spool_age`` seconds (a live run's driver may still be about to read a younger one).
+    Returns how many entries it removed."""
+    directory = directory or tempfile.gettempdir()
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    now = time.time()
+    for entry in entries:
+        m = re.match(rf"{PREFIX}(\d+)-", entry.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            elif entry.name.endswith(".spool") and now - entry.stat().st_mtime > spool_age:
+                os.remove(entry.path)
+            else:
+                continue
+        except OSError:
+            continue
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 def encode(data: pa.RecordBatch | bytes, csv: bool) -> tuple[pa.RecordBatch | bytes, int]:

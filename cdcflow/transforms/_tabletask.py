@@ -19,6 +19,7 @@ from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._tablebuild import Mods, record_batch
 from cdcflow.transforms._tablejsonl import jsonl_lines
 from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema, columns_of
+from cdcflow.transforms._tablespool import local_prefix
 
 __all__ = ["TaskRows", "Writer"]
 
@@ -172,7 +173,7 @@ class Writer:
 
     def _spill(self) -> None:
         if self.spool is None:
-            fd, self.spool = tempfile.mkstemp(prefix="cdcflow-tables-", suffix=".spool")
+            fd, self.spool = tempfile.mkstemp(prefix=local_prefix(), suffix=".spool")
             os.close(fd)
         with open(self.spool, "ab") as f:
             pickle.dump(self._batch(), f, protocol=pickle.HIGHEST_PROTOCOL)

@@ -75,7 +75,16 @@ from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._tablebuild import conform
 from cdcflow.transforms._tableread import file_schema, table_schema
 from cdcflow.transforms._tablerows import Format, RowStyle, Schema
-from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader, Usage, encode
+from cdcflow.transforms._tablespool import (
+    Cut,
+    Key,
+    OpenFile,
+    Uploader,
+    Usage,
+    encode,
+    local_prefix,
+    sweep,
+)
 from cdcflow.transforms._tabletask import Group, TaskRows, Writer, next_version
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
@@ -139,8 +148,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     The driver's spool (see ``_tablespool``): staged rows and cut files waiting for
     upload stay in memory up to ``spool_memory`` (the high watermark); past it the largest
     open files, then the queued cut files, spill to a local directory (under ``local_dir``,
-    a temporary directory by default, removed at close) until memory is back at half of
-    it (the low watermark). Uploads run on one background thread, in cut order, so a slow
+    a directory of this host, the temporary directory by default; made at the first spill,
+    removed at close, and removed by the next run if this one is killed) until memory is
+    back at half of it (the low watermark). Uploads run on one background thread, in cut order, so a slow
     store does not stall reading: ``commit`` waits only when memory and disk together pass
     ``spool_memory + spool_disk``, until the uploads drain the spool to half of that.
     A storage failure during an upload is retried with backoff (the file stays spooled
@@ -240,7 +250,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             msg = f"WriteTables cannot open {self.url}: {exc}; check the URL and credentials"
             raise SinkError(msg) from exc
         self._root = self._root.rstrip("/")
-        self._stage_dir = tempfile.mkdtemp(prefix="cdcflow-tables-", dir=self.local_dir)
+        sweep(self.local_dir)  # what runs that died left behind (spilled rows)
+        if self.local_dir is not None:
+            sweep(None)  # the tasks' spool files
         self._uploads = Uploader(self._upload, self._uploaded)
 
     def _storage(self) -> Any:
@@ -444,15 +456,23 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                 self._cut([key], batch_id)
                 file = None
         if file is None:
-            assert self._stage_dir is not None
             self._files += 1
-            local = os.path.join(self._stage_dir, f"{self._files}.part")
-            file = OpenFile(key, schema, arrow, local, batch_id, time.monotonic(),
+            number = self._files
+            file = OpenFile(key, schema, arrow,
+                            lambda: os.path.join(self._spill_dir(), f"{number}.part"),
+                            batch_id, time.monotonic(),
                             self._parquet_options(), csv=self.format == "csv",
                             usage=self._usage)
             self._open[key] = file
         for chunk, nbytes in chunks:
             file.append(chunk, nbytes, batch_id)
+
+    def _spill_dir(self) -> str:
+        """The local directory rows spill to, made at the first spill (under ``local_dir``,
+        named by this process: ``sweep`` removes it once the process is gone)."""
+        if self._stage_dir is None:
+            self._stage_dir = tempfile.mkdtemp(prefix=local_prefix(), dir=self.local_dir)
+        return self._stage_dir
 
     def _ratio(self, file: OpenFile) -> float:
         """The encoding ratio of a parquet file's table: measured by encoding the rows of the
@@ -490,7 +510,6 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def _bound(self, batch_id: int) -> None:
         """Keep the spool under its watermarks (see the class docstring)."""
         uploads = self._queue()
-        assert self._stage_dir is not None
         low = self.spool_memory // 2
         if self._memory() > self.spool_memory:
             for file in sorted(self._open.values(), key=lambda o: -o.memory):
@@ -498,7 +517,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                     break
                 file.spill()
             if self._memory() > low:
-                uploads.spill(self._stage_dir, max(0, low - self._open_memory()))
+                uploads.spill(self._spill_dir(), max(0, low - self._open_memory()))
         limit = self.spool_memory + self.spool_disk
         if self._memory() + self._disk() <= limit:
             return
