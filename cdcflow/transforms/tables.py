@@ -69,7 +69,7 @@ from typing import Any, Literal
 import fsspec
 import orjson
 
-from cdcflow.durations import parse_duration
+from cdcflow.durations import parse_duration, parse_size
 from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._tablebuild import conform
@@ -91,9 +91,6 @@ from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 __all__ = ["TaskRows", "WriteTables", "file_schema", "parse_size", "table_schema"]
 
 _PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 #: fsspec protocols of object stores: no directories to make (on S3, makedirs is a request)
@@ -103,17 +100,6 @@ _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "ad
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes for ``"64MiB"``, ``"500KB"``, ``"1GiB"`` or an int."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(text)
-    if m is None:
-        msg = f"not a size: {text!r}; write e.g. 64MiB, 500KB or 1GiB"
-        raise PipelineDefinitionError(msg)
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
 class WriteTables(Sink[DataChangeRecord, TaskRows]):
@@ -148,14 +134,15 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     The driver's spool (see ``_tablespool``): staged rows and cut files waiting for
     upload stay in memory up to ``spool_memory`` (the high watermark); past it the largest
     open files, then the queued cut files, spill to a local directory (under ``local_dir``,
-    a directory of this host, the temporary directory by default; made at the first spill,
-    removed at close, and removed by the next run if this one is killed) until memory is
-    back at half of it (the low watermark). Uploads run on one background thread, in cut order, so a slow
-    store does not stall reading: ``commit`` waits only when memory and disk together pass
-    ``spool_memory + spool_disk``, until the uploads drain the spool to half of that.
-    A storage failure during an upload is retried with backoff (the file stays spooled
-    and the durable mark does not pass it); ``commit`` raises
-    :class:`~cdcflow.errors.SinkIOError` (the batch is retried) only while it must wait.
+    a directory of this host, the temporary directory by default; made at the first
+    spill, removed at close, and removed by the next run if this one is killed) until
+    memory is back at half of it (the low watermark). Uploads run on one background
+    thread, in cut order, so a slow store does not stall reading: ``commit`` waits only
+    when memory and disk together pass ``spool_memory + spool_disk``, until the uploads
+    drain the spool to half of that. A storage failure during an upload is retried with
+    backoff (the file stays spooled and the durable mark does not pass it); ``commit``
+    raises :class:`~cdcflow.errors.SinkIOError` (the batch is retried) only while it must
+    wait.
     """
 
     def __init__(
