@@ -16,5 +16,5 @@ def test_sizes_in_binary_and_decimal_units() -> None:
 
 
 def test_a_bad_size_says_how_to_write_one() -> None:
-    with pytest.raises(PipelineDefinitionError, match="write e.g. 64MiB"):
+    with pytest.raises(PipelineDefinitionError, match=r"write e\.g\. 64MiB"):
         parse_size("64 megs")
