@@ -1,11 +1,12 @@
 """WriteTables throughput vs a plain pyarrow/fsspec write of the same rows (the ceiling), to a
-local directory and to an S3 API server (moto) on loopback, parquet and jsonl.
+local directory and to an S3 API server (moto) on loopback, parquet, jsonl and csv.
 
 WriteTables starts from DataChangeRecords with typed values (what the decoder yields by
 default) and ends with the files in storage; the ceiling starts from the finished rows (built
-before its clock starts) and writes the same bytes' worth of rows, in the same format, into
-as many files at the same destination, with nothing else: no batching, staging or durability.
-Also and files per hour for 50
+before its clock starts) and writes the same rows, in the same format, into as many files at
+the same destination, with nothing else: no batching, staging or durability (parquet:
+``pa.Table.from_pylist`` and ``pq.write_table``; jsonl: ``orjson.dumps`` per row; csv:
+``pa.Table.from_pylist`` and ``pyarrow.csv.write_csv``). Also files per hour for 50
 partitions with 1 s batches (a simulated clock: expect at most tables x 3600 / flush_interval).
 
 ``python -m bench.bench_tables [--rows N] [--batch K]``.
@@ -14,6 +15,7 @@ partitions with 1 s batches (a simulated clock: expect at most tables x 3600 / f
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +26,7 @@ from typing import Any
 import fsspec
 import orjson
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
@@ -70,7 +73,7 @@ def _wt(url: str, records: list[DataChangeRecord], batch: int, **kw: Any) -> flo
 
 def _rows(records: list[DataChangeRecord], fmt: str) -> list[dict[str, Any]]:
     """The rows WriteTables writes, already built (outside the ceiling's clock): typed
-    values for parquet; for jsonl the values as they appear in the line."""
+    values for parquet and csv; for jsonl the values as they appear in the line."""
     rows = [row for r in records for row in rows_of(r, "flat")]
     if fmt == "jsonl":
         schema = Schema("Orders", 1, columns_of(records[0]))
@@ -79,9 +82,9 @@ def _rows(records: list[DataChangeRecord], fmt: str) -> list[dict[str, Any]]:
 
 
 def _ceiling(url: str, rows: list[dict[str, Any]], fmt: str, files: int, **kw: Any) -> float:
-    """The same rows written with pyarrow (parquet) or orjson (jsonl) and fsspec, into as
-    many files as WriteTables wrote, at the same destination."""
-    schema = Schema("Orders", 1, columns_of(_records(1)[0])).arrow("flat")
+    """The same rows written with pyarrow (parquet, csv) or orjson (jsonl) and fsspec, into
+    as many files as WriteTables wrote, at the same destination."""
+    schema = Schema("Orders", 1, columns_of(_records(1)[0])).arrow("flat", fmt)
     fs, root = fsspec.core.url_to_fs(url, **kw)
     fs.makedirs(f"{root}/ceiling", exist_ok=True)
     t0 = time.perf_counter()
@@ -91,6 +94,8 @@ def _ceiling(url: str, rows: list[dict[str, Any]], fmt: str, files: int, **kw: A
         with fs.open(f"{root}/ceiling/part-{k}.{fmt}", "wb") as f:
             if fmt == "parquet":
                 pq.write_table(pa.Table.from_pylist(chunk, schema=schema), f)
+            elif fmt == "csv":
+                pacsv.write_csv(pa.Table.from_pylist(chunk, schema=schema), f)
             else:
                 f.write(b"".join([orjson.dumps(row, default=json_value,
                                                option=orjson.OPT_APPEND_NEWLINE)
@@ -101,7 +106,7 @@ def _ceiling(url: str, rows: list[dict[str, Any]], fmt: str, files: int, **kw: A
 def _side_by_side(name: str, url: str, records: list[DataChangeRecord], batch: int,
                   repeat: int, **kw: Any) -> None:
     """Best of ``repeat`` runs of each, interleaved (the machine's load hits both alike)."""
-    for fmt in ("parquet", "jsonl"):
+    for fmt in ("parquet", "jsonl", "csv"):
         rows = _rows(records, fmt)
         wt = ceiling = float("inf")
         files = 0
@@ -151,6 +156,32 @@ def _files_per_hour(directory: str, partitions: int = 50, tables: int = 5) -> No
           f"flush_interval 60s (bound {tables * 3600 // 60})", flush=True)
 
 
+def _open_tables(directory: str) -> None:
+    """A batch's commit (and the durable mark) with one table active, beside 10 and
+    10,000 tables whose files are open but got nothing in the batch: the work should follow
+    the active tables."""
+    cost = {}
+    for n in (10, 10_000):
+        sink = WriteTables(os.path.join(directory, f"open-{n}"), flush_interval="1h")
+        sink.setup(SinkContext("bench", "WriteTables", "/"))
+        opening = [r for t in range(n) for r in _records(1, table=f"T{t}")]
+        batches = [(1, opening)] + [(b, _records(2, at=T0 + b * 10**9)) for b in range(2, 502)]
+        t0 = 0.0
+        for b, records in batches:
+            if b == 2:
+                t0 = time.perf_counter()
+            w = sink.open_writer(WriterContext("bench", "WriteTables", b, "p0", 0, 1, "a"))
+            for r in records:
+                w.write(r)
+            m = w.close()
+            sink.commit(b, [m] if isinstance(m, TaskRows) else [])
+            sink.durable_batch()
+        cost[n] = (time.perf_counter() - t0) / 500
+        sink.close()
+    print(f"per batch, one active table: {cost[10] * 1e6:,.0f} us with 10 open tables, "
+          f"{cost[10_000] * 1e6:,.0f} us with 10,000", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=200_000)
@@ -166,6 +197,7 @@ def main() -> None:
         except ImportError:
             print("s3     skipped: pip install 'moto[server]'")
         else:
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request
             server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
             server.start()
             host, port = server.get_host_and_port()
@@ -179,6 +211,7 @@ def main() -> None:
             finally:
                 server.stop()
         _files_per_hour(os.path.join(tmp, "hourly"))
+        _open_tables(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -1,13 +1,15 @@
-"""Parsing durations ("250ms", "1s", "5m", "1h30m") and times ("now", RFC 3339, "-10m")."""
+"""Parsing durations ("250ms", "1s", "5m", "1h30m"), times ("now", RFC 3339, "-10m") and
+sizes ("64MiB", "500KB")."""
 
 from __future__ import annotations
 
 import re
 from datetime import datetime
 
+from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import Timestamp
 
-__all__ = ["parse_duration", "parse_time"]
+__all__ = ["parse_duration", "parse_size", "parse_time"]
 
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -52,3 +54,19 @@ def parse_time(value: str | datetime | int, now_ns: int | None = None) -> int:
     except ValueError:
         msg = f"not a time: {value!r}; write 'now', '-10m' (ten minutes ago) or RFC 3339 text"
         raise ValueError(msg) from None
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_BYTES = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes for ``"64MiB"``, ``"500KB"``, ``"1GiB"`` or an int."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if m is None:
+        msg = f"not a size: {text!r}; write e.g. 64MiB, 500KB or 1GiB"
+        raise PipelineDefinitionError(msg)
+    return int(float(m.group(1)) * _BYTES[(m.group(2) or "").upper()])

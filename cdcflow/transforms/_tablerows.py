@@ -27,6 +27,7 @@ from cdcflow.model import DataChangeRecord, Mod, Timestamp
 __all__: list[str] = []
 
 RowStyle = Literal["flat", "debezium"]
+Format = Literal["parquet", "jsonl", "csv"]
 #: A row's op (:func:`row_op`) in Debezium's envelope; "r" (read) marks a snapshot row.
 _DEBEZIUM_OP = {"INSERT": "c", "UPDATE": "u", "DELETE": "d", "SNAPSHOT": "r"}
 
@@ -97,15 +98,21 @@ class Schema:
         body = orjson.dumps([attrs.asdict(c) for c in self.columns], option=orjson.OPT_SORT_KEYS)
         return hashlib.sha256(body).hexdigest()
 
-    def to_json(self, rows: RowStyle) -> bytes:
-        doc = {
-            "table": self.table, "version": self.version, "rows": rows,
+    def to_json(self, rows: RowStyle, fmt: Format = "parquet",
+                partition_by: str = "none") -> bytes:
+        doc: dict[str, Any] = {
+            "table": self.table, "version": self.version, "rows": rows, "format": fmt,
+            "partition_by": partition_by,
             "columns": [{"name": c.name, "type": c.type, "primary_key": c.primary_key,
                          "arrow": str(arrow_type(c.type))} for c in self.columns],
             "key_columns": [c.name for c in self.columns if c.primary_key],
             "since": self.since,
             "checksum": self.checksum(),
         }
+        if fmt == "csv":  # CSV carries no types: the files' columns in order, typed
+            doc["csv_columns"] = [{"name": f.name, "arrow": str(f.type),
+                                   "duckdb": duckdb_type(f.type)}
+                                  for f in csv_columns(self.arrow(rows, "csv"))]
         return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
 
     @classmethod
@@ -121,9 +128,12 @@ class Schema:
             raise ValueError(msg)
         return schema
 
-    def arrow(self, rows: RowStyle) -> pa.Schema:
-        """The Arrow schema of this version's files (never a null-typed column)."""
-        fields = [pa.field(c.name, arrow_type(c.type)) for c in self.columns]
+    def arrow(self, rows: RowStyle, fmt: Format = "parquet") -> pa.Schema:
+        """The Arrow schema of this version's rows (never a null-typed column). For
+        ``fmt="csv"``, BYTES, JSON and ARRAY columns are text (see :func:`arrow_type`);
+        a CSV file holds this schema flattened (:func:`csv_columns`)."""
+        csv = fmt == "csv"
+        fields = [pa.field(c.name, arrow_type(c.type, csv=csv)) for c in self.columns]
         if rows == "flat":
             return pa.schema([*fields, pa.field("_op", pa.string()),
                               pa.field("_commit_ts", _TS), pa.field("_txn", pa.string()),
@@ -144,13 +154,44 @@ _SCALARS: dict[str, pa.DataType] = {
 }
 
 
-def arrow_type(type_: Any) -> pa.DataType:
-    """The Arrow type of a change stream column type; unknown types are stored as text."""
+def arrow_type(type_: Any, *, csv: bool = False) -> pa.DataType:
+    """The Arrow type of a change stream column type; unknown types are stored as text.
+    With ``csv``, what a CSV field can hold: BYTES as base64 text and ARRAY as JSON text
+    (as the change stream's JSON gives them; :func:`json_form`)."""
     code = _code(type_)
+    if csv and code in ("BYTES", "ARRAY"):
+        return pa.string()
     if code == "ARRAY":
         element = type_.get("array_element_type", {"code": "STRING"})
         return pa.list_(arrow_type(element))
     return _SCALARS.get(code, pa.string())
+
+
+def csv_columns(schema: pa.Schema) -> list[pa.Field]:
+    """The columns of a CSV file of ``schema``: struct columns flattened to
+    ``parent.child`` (Debezium's ``before.<column>``, ``source.table``, ...), as
+    ``pyarrow.Table.flatten`` names them."""
+    out: list[pa.Field] = []
+    for f in schema:
+        if pa.types.is_struct(f.type):
+            out += csv_columns(pa.schema([pa.field(f"{f.name}.{c.name}", c.type)
+                                          for c in f.type]))
+        else:
+            out.append(f)
+    return out
+
+
+_DUCKDB = {pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.float32(): "FLOAT",
+           pa.bool_(): "BOOLEAN", pa.string(): "VARCHAR", pa.binary(): "BLOB",
+           pa.date32(): "DATE", _TS: "TIMESTAMPTZ_NS"}
+
+
+def duckdb_type(typ: pa.DataType) -> str:
+    """DuckDB's name for a scalar Arrow type of :func:`arrow_type` (for ``read_csv``'s
+    ``types``)."""
+    if pa.types.is_decimal(typ):
+        return f"DECIMAL({typ.precision}, {typ.scale})"
+    return _DUCKDB.get(typ, "VARCHAR")
 
 
 def convert(value: Any, type_: Any) -> Any:
@@ -180,6 +221,31 @@ def convert(value: Any, type_: Any) -> Any:
         element = type_.get("array_element_type", {"code": "STRING"})
         return [convert(v, element) for v in items]
     return value if isinstance(value, str) else str(value)
+
+
+def json_form(value: Any, type_: Any) -> Any:
+    """``value`` (wire or typed) as JSON lines and CSV write it: as :func:`convert` gives
+    it, except TIMESTAMP as RFC 3339 text (nine fractional digits), NUMERIC as its text,
+    BYTES as base64 and DATE as ``YYYY-MM-DD`` (the change stream's JSON forms), also
+    inside arrays."""
+    if value is None:
+        return None
+    code = _code(type_)
+    if code == "ARRAY":
+        items = orjson.loads(value) if isinstance(value, str | bytes) else value
+        element = type_.get("array_element_type", {"code": "STRING"})
+        return [json_form(v, element) for v in items]
+    if code == "TIMESTAMP":
+        return Timestamp.from_ns(_ns(value)).rfc3339()
+    if code in ("NUMERIC", "BYTES", "DATE") and isinstance(value, str):
+        return value
+    if code == "BYTES":
+        return base64.b64encode(value).decode()
+    if code == "NUMERIC":
+        return str(value)
+    if code == "DATE":
+        return value.isoformat()
+    return convert(value, type_)
 
 
 def _ns(value: Any) -> int:

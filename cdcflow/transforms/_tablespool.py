@@ -13,6 +13,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -20,9 +23,11 @@ from typing import Any
 
 import attrs
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from cdcflow.errors import SinkIOError
+from cdcflow.transforms._tablebuild import rfc3339
 from cdcflow.transforms._tablerows import Schema
 
 __all__: list[str] = []
@@ -44,46 +49,92 @@ class Cut:
     size: int
 
 
+@attrs.define
+class Usage:
+    """Bytes held by all open files together (kept by each file as it changes, so the
+    sink reads its spool's size without visiting every open file)."""
+
+    memory: int = 0
+    disk: int = 0
+
+
 class OpenFile:
     """A key's open file: whole batches ``first..last`` of schema ``schema``.
 
-    Rows arrive as RecordBatches (parquet) or JSON-line blocks (jsonl) and stay in memory
-    until :meth:`spill` writes them to ``local`` (a parquet row group, or appended lines).
+    Rows arrive as RecordBatches of ``arrow`` (parquet, csv) or JSON-line blocks (jsonl:
+    ``arrow`` is None). Parquet keeps the RecordBatches in memory until :meth:`spill`
+    writes them to ``local`` as a row group; its size is estimated from an encoding ratio
+    (encoded / Arrow bytes). CSV and JSON lines are encoded as they arrive (a CSV file holds
+    ``arrow`` flattened: a struct column's fields are columns ``parent.child``, after one
+    header line), so their size is exact; :meth:`spill` appends the text to ``local``.
     """
 
-    def __init__(self, key: Key, schema: Schema, arrow: pa.Schema | None, local: str,
-                 first: int, opened: float, parquet: Mapping[str, Any] | None = None) -> None:
-        self.key, self.schema, self.arrow, self.local = key, schema, arrow, local
+    def __init__(self, key: Key, schema: Schema, arrow: pa.Schema | None,
+                 local: Callable[[], str], first: int, opened: float,
+                 parquet: Mapping[str, Any] | None = None, *, csv: bool = False,
+                 usage: Usage | None = None) -> None:
+        self.key, self.schema, self.arrow = key, schema, arrow
+        self._local, self._path = local, ""  # the spill file, named at the first spill
+        self.usage = Usage() if usage is None else usage  # shared by the sink's open files
         self.parquet = dict(parquet or {})  # options of pyarrow's parquet writers
+        self.csv = csv
+        self.text = arrow is None or csv  # rows held as encoded text
         self.first = self.last = first
         self.opened = opened  # the driver's monotonic clock
         self.chunks: list[Any] = []
         self.memory = 0  # bytes of chunks
         self.disk = 0  # bytes in `local`
         self.spilled_raw = 0  # chunk bytes that became `disk` (the encoding ratio)
+        self.header = b""
+        if csv:
+            assert arrow is not None
+            sink = pa.BufferOutputStream()
+            pacsv.write_csv(pa.Table.from_batches([], schema=arrow).flatten(), sink)
+            self.header = sink.getvalue().to_pybytes()
         self._writer: pq.ParquetWriter | None = None
 
-    def append(self, data: pa.RecordBatch | bytes, nbytes: int, batch_id: int) -> None:
-        self.chunks.append(data)
+    def append(self, chunk: pa.RecordBatch | bytes, nbytes: int, batch_id: int) -> None:
+        """Add rows made by :func:`encode` for this file's format."""
+        self.chunks.append(chunk)
         self.memory += nbytes
+        self.usage.memory += nbytes
         self.last = batch_id
 
     def size(self, ratio: float) -> int:
-        """The file's size if cut now; rows still in memory count at the encoding ``ratio``
-        (encoded / in-memory bytes) of what was spilled, else at ``ratio``."""
-        if self.arrow is None:
-            return self.disk + self.memory
+        """The file's size if cut now: exact for text; for parquet, rows still in memory
+        count at the encoding ratio of what was spilled, else at ``ratio``."""
+        if self.text:  # a spilled file holds its header
+            return (self.disk or len(self.header)) + self.memory
         if self.spilled_raw:
             ratio = self.disk / self.spilled_raw
         return self.disk + int(self.memory * ratio)
+
+    def ratio(self, sample: int = 2 << 20) -> float:
+        """Parquet: encoded / in-memory bytes of the rows so far, measured by encoding the
+        latest chunks (about ``sample`` bytes of them) once, to calibrate :meth:`size`."""
+        if not self.chunks:
+            return self.disk / self.spilled_raw if self.spilled_raw else 1.0
+        chunks, raw = [], 0
+        for chunk in reversed(self.chunks):
+            chunks.append(chunk)
+            raw += chunk.nbytes
+            if raw >= sample:
+                break
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_batches(chunks[::-1], schema=self._meta()), sink,
+                       **self.parquet)
+        encoded: int = sink.tell()
+        return max(0.01, encoded / max(raw, 1))
 
     def spill(self) -> int:
         """Write the rows in memory to the local file; return the bytes freed."""
         if not self.chunks:
             return 0
         freed = self.memory
-        if self.arrow is None:
+        if self.text:
             with open(self.local, "ab") as f:
+                if not self.disk:
+                    f.write(self.header)
                 f.write(b"".join(self.chunks))
         else:
             if self._writer is None:
@@ -91,8 +142,24 @@ class OpenFile:
             self._writer.write_table(self._table())
         self.chunks, self.memory = [], 0
         self.spilled_raw += freed
-        self.disk = os.path.getsize(self.local)
+        disk = os.path.getsize(self.local)
+        self.usage.memory -= freed
+        self.usage.disk += disk - self.disk
+        self.disk = disk
         return freed
+
+    @property
+    def local(self) -> str:
+        """The local file the rows spill to (its directory is made when first asked)."""
+        if not self._path:
+            self._path = self._local()
+        return self._path
+
+    def _leave(self) -> None:
+        """The file leaves the open files (cut or discarded): its bytes leave the usage."""
+        self.usage.memory -= self.memory
+        self.usage.disk -= self.disk
+        self.memory = self.disk = 0
 
     def _meta(self) -> pa.Schema:
         assert self.arrow is not None
@@ -105,27 +172,104 @@ class OpenFile:
     def finish(self, name: str, batch_id: int) -> Cut:
         """Close the file: its bytes if it never spilled, else the completed local file."""
         if self._writer is None and self.disk == 0:
-            if self.arrow is None:
-                data = b"".join(self.chunks)
+            if self.text:
+                data = self.header + b"".join(self.chunks)
             else:
                 sink = pa.BufferOutputStream()
                 pq.write_table(self._table(), sink, **self.parquet)
                 data = sink.getvalue().to_pybytes()
-            self.chunks, self.memory = [], 0
+            self._leave()
+            self.chunks = []
             return Cut(self.key, name, self.first, self.last, batch_id, data, None, len(data))
         self.spill()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         size = os.path.getsize(self.local)
+        self._leave()
         return Cut(self.key, name, self.first, self.last, batch_id, None, self.local, size)
 
     def discard(self) -> None:
+        self._leave()
+        self.chunks = []
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 self._writer.close()
-        with contextlib.suppress(OSError):
-            os.remove(self.local)
+        if self._path:
+            with contextlib.suppress(OSError):
+                os.remove(self._path)
+
+
+#: Local files of WriteTables: ``<PREFIX><pid>-...``, so a run can remove what a run that
+#: died left behind (spilled rows, task spool files), which nothing will read again.
+PREFIX = "cdcflow-tables-"
+
+
+def local_prefix() -> str:
+    return f"{PREFIX}{os.getpid()}-"
+
+
+def sweep(directory: str | None, spool_age: float = 3600.0) -> int:
+    """Remove what dead processes of this host left in ``directory`` (the temporary
+    directory when None): spill directories, and task spool files older than
+    ``spool_age`` seconds (a live run's driver may still be about to read a younger one).
+    Returns how many entries it removed."""
+    directory = directory or tempfile.gettempdir()
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    now = time.time()
+    for entry in entries:
+        m = re.match(rf"{PREFIX}(\d+)-", entry.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            elif entry.name.endswith(".spool") and now - entry.stat().st_mtime > spool_age:
+                os.remove(entry.path)
+            else:
+                continue
+        except OSError:
+            continue
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def encode(data: pa.RecordBatch | bytes, csv: bool) -> tuple[pa.RecordBatch | bytes, int]:
+    """Rows as an open file holds them, and their bytes: a RecordBatch as it is (parquet),
+    encoded as CSV lines (csv), JSON lines as they are (jsonl)."""
+    if csv:
+        assert isinstance(data, pa.RecordBatch)
+        data = _csv_lines(data)
+    return data, len(data) if isinstance(data, bytes) else data.nbytes
+
+
+def _csv_lines(batch: pa.RecordBatch) -> bytes:
+    """CSV lines (no header) of ``batch`` flattened; timestamps as RFC 3339 text with nine
+    fractional digits and ``Z`` (formatted here: Arrow's own cast of a zoned timestamp to
+    text is several times slower)."""
+    table = pa.Table.from_batches([batch]).flatten()
+    for i, field in enumerate(table.schema):
+        if pa.types.is_timestamp(field.type):
+            table = table.set_column(i, field.name, rfc3339(table.column(i).combine_chunks()))
+    sink = pa.BufferOutputStream()
+    pacsv.write_csv(table, sink, pacsv.WriteOptions(include_header=False,
+                                                    quoting_style="needed"))
+    lines: bytes = sink.getvalue().to_pybytes()
+    return lines
 
 
 class Uploader:

@@ -4,7 +4,7 @@ near a target size, exactly once.
 Layout under ``url``::
 
     <table>/_schema/v<k>.json                                 columns, types, keys, checksum
-    <table>/[date=YYYY-MM-DD/[hour=HH/]]part-<first>-<last>-<k>.<parquet|jsonl>
+    <table>/[date=YYYY-MM-DD/[hour=HH/]]part-<first>-<last>-<k>.<parquet|jsonl|csv>
     _cdcflow/durable.json                                     {"durable_batch": D, ...}
 
 A *key* is one (table, date partition) directory. Each key has at most one open file,
@@ -16,12 +16,13 @@ version ``k``).
 Why this is exactly-once (the two-stage ack of ``cdcflow.engine.durability``):
 
 1. ``commit(b)`` stages batch ``b``'s rows in the open file of each key it touches. A key's
-   file is cut (written out) at a batch boundary when it reaches ``file_size``, when
-   ``flush_interval`` has passed since it was opened, before its table's schema changes, or
-   at ``flush()``. A cut file is queued for the upload thread, which writes files in cut
-   order; an upload is one PUT of the final name (locally: a temporary name, then an
-   atomic rename): an object store has no atomic rename, but a PUT is atomic, so the final
-   name is either absent or whole.
+   file is cut (written out) at a batch boundary when it reaches ``file_size`` (or, at
+   least half full, before a batch that would take it further past the target than it
+   lacks), when ``flush_interval`` has passed since it was opened, before its table's
+   schema changes, or at ``flush()``. A cut file is queued for the upload thread, which
+   writes files in cut order; an upload is one PUT of the final name (locally: a temporary
+   name, then an atomic rename): an object store has no atomic rename, but a PUT is
+   atomic, so the final name is either absent or whole.
 2. The names are deterministic and say which batches a key has made durable: the largest
    ``last`` among a key's files. After a crash the engine replays the batches above the
    sink's durable mark; the sink reads each key's largest ``last`` from the listing and
@@ -35,9 +36,10 @@ Why this is exactly-once (the two-stage ack of ``cdcflow.engine.durability``):
    ``_cdcflow/durable.json`` (after the data), so a restart finds a lower bound of it in
    the output itself.
 
-Tasks build their rows column-wise (``_tablebuild``): per (table, column list) one Arrow
-RecordBatch or one block of JSON lines, so the driver only conforms a batch to the table's
-current schema version and appends it.
+Tasks build their rows column-wise (``_tabletask``, ``_tablebuild``, ``_tablejsonl``): per
+(table, column list) one Arrow RecordBatch or one block of JSON lines, so the driver only
+conforms a batch to the table's current schema version and appends it (CSV: encodes it).
+A batch's work follows the keys it staged, not the open files (see ``_due``).
 
 A schema change cuts every open file of the table, waits for the uploads (the drain),
 writes ``v<k+1>.json``, then stages the batch in new files. It is a record with a column
@@ -67,31 +69,37 @@ from typing import Any, Literal
 import fsspec
 import orjson
 
-from cdcflow.durations import parse_duration
+from cdcflow.durations import parse_duration, parse_size
 from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
-from cdcflow.transforms._tablebuild import TaskRows, Writer, _Group, conform
-from cdcflow.transforms._tablerows import Column, RowStyle, Schema
-from cdcflow.transforms._tablespool import Cut, Key, OpenFile, Uploader
+from cdcflow.transforms._tablebuild import conform
+from cdcflow.transforms._tableread import file_schema, table_schema
+from cdcflow.transforms._tablerows import Format, RowStyle, Schema
+from cdcflow.transforms._tablespool import (
+    Cut,
+    Key,
+    OpenFile,
+    Uploader,
+    Usage,
+    encode,
+    local_prefix,
+    sweep,
+)
+from cdcflow.transforms._tabletask import Group, TaskRows, Writer, next_version
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
-__all__ = ["TaskRows", "WriteTables", "parse_size"]
+__all__ = ["TaskRows", "WriteTables", "file_schema", "parse_size", "table_schema"]
 
-_PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl)$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes for ``"64MiB"``, ``"500KB"``, ``"1GiB"`` or an int."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(text)
-    if m is None:
-        msg = f"not a size: {text!r}; write e.g. 64MiB, 500KB or 1GiB"
-        raise PipelineDefinitionError(msg)
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+#: fsspec protocols of object stores: no directories to make (on S3, makedirs is a request)
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 class WriteTables(Sink[DataChangeRecord, TaskRows]):
@@ -101,13 +109,21 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     ``url``: a local path (relative to the pipeline file), ``memory://...`` or any fsspec
     URL such as ``s3://bucket/prefix``; ``storage_options`` go to fsspec (e.g.
     ``{"client_kwargs": {"endpoint_url": ...}}``). ``format``: ``"parquet"`` (Arrow types
-    from the column types) or ``"jsonl"``. ``file_size``: cut a table's file once it
-    reaches this size (at a batch boundary, so a file may pass it by one batch's rows).
+    from the column types), ``"jsonl"`` (the change stream's JSON forms: timestamps as
+    RFC 3339 text, NUMERIC as text, BYTES as base64) or ``"csv"`` (a header line; the
+    Parquet values as text, BYTES as base64, JSON and ARRAY as JSON text, NULL an empty
+    field and an empty string ``""``; Debezium rows flattened to ``before.<column>``,
+    ``after.<column>``, ``op``, ``source.<field>``, ``ts_ms``; the schema file lists the
+    columns with their types, see :func:`file_schema`). ``file_size``: cut a table's file
+    near this size (files hold whole batches: a file passes it by at most one batch of its
+    table, or is cut short of it by less than half of one).
     ``flush_interval``: cut a file this long after it was opened, whatever its size.
     ``partition_by``: ``"none"``, ``"day"`` or ``"hour"`` of the commit timestamp (UTC).
     ``rows``: ``"flat"`` (the row's columns plus ``_op``, ``_commit_ts``, ``_txn``,
     ``_seq``, ``_table``; a DELETE carries keys and old values) or ``"debezium"``
-    (``before``, ``after``, ``op`` c/u/d, ``source``, ``ts_ms``). ``spool_size``: a task
+    (``before``, ``after``, ``op`` c/u/d or r for a snapshot row, ``source`` with
+    ``table``, ``commit_timestamp``, ``transaction_id``, ``record_sequence`` and
+    ``partition``, and ``ts_ms``, the commit time in milliseconds). ``spool_size``: a task
     keeps this many bytes of rows in memory and spools the rest to a local temporary file
     whose path it sends to the driver; ``None`` sends every row in the commit message
     (needed on a cluster whose executors do not share the driver's disk).
@@ -118,19 +134,21 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     The driver's spool (see ``_tablespool``): staged rows and cut files waiting for
     upload stay in memory up to ``spool_memory`` (the high watermark); past it the largest
     open files, then the queued cut files, spill to a local directory (under ``local_dir``,
-    a temporary directory by default, removed at close) until memory is back at half of
-    it (the low watermark). Uploads run on one background thread, in cut order, so a slow
-    store does not stall reading: ``commit`` waits only when memory and disk together pass
-    ``spool_memory + spool_disk``, until the uploads drain the spool to half of that.
-    A storage failure during an upload is retried with backoff (the file stays spooled
-    and the durable mark does not pass it); ``commit`` raises
-    :class:`~cdcflow.errors.SinkIOError` (the batch is retried) only while it must wait.
+    a directory of this host, the temporary directory by default; made at the first
+    spill, removed at close, and removed by the next run if this one is killed) until
+    memory is back at half of it (the low watermark). Uploads run on one background
+    thread, in cut order, so a slow store does not stall reading: ``commit`` waits only
+    when memory and disk together pass ``spool_memory + spool_disk``, until the uploads
+    drain the spool to half of that. A storage failure during an upload is retried with
+    backoff (the file stays spooled and the durable mark does not pass it); ``commit``
+    raises :class:`~cdcflow.errors.SinkIOError` (the batch is retried) only while it must
+    wait.
     """
 
     def __init__(
         self,
         url: str | os.PathLike[str],
-        format: Literal["parquet", "jsonl"] = "parquet",
+        format: Format = "parquet",
         file_size: str | int = "64MiB",
         flush_interval: str | float = "60s",
         partition_by: Literal["none", "day", "hour"] = "none",
@@ -147,14 +165,14 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if not self.url:
             msg = "WriteTables needs a URL, e.g. WriteTables('s3://bucket/cdc')"
             raise PipelineDefinitionError(msg)
-        for name, value, allowed in (("format", format, ("parquet", "jsonl")),
+        for name, value, allowed in (("format", format, ("parquet", "jsonl", "csv")),
                                      ("partition_by", partition_by, ("none", "day", "hour")),
                                      ("rows", rows, ("flat", "debezium")),
                                      ("timestamp_unit", timestamp_unit, ("ns", "us"))):
             if value not in allowed:
                 msg = f"WriteTables({name}={value!r}): use one of {', '.join(allowed)}"
                 raise PipelineDefinitionError(msg)
-        self.format = format
+        self.format: Format = format
         self.file_size = parse_size(file_size)
         self.flush_interval = parse_duration(flush_interval)
         self.partition_by = partition_by
@@ -171,16 +189,20 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._fs: Any = None
         self._root = ""
         self._stage_dir: str | None = None
+        # open files in the order they were opened: by `opened` and by `first`
         self._open: dict[Key, OpenFile] = {}
+        self._usage = Usage()  # bytes of the open files
         self._flushed: dict[Key, int] = {}  # a key's largest `last` in storage
         self._schemas: dict[str, Schema] = {}
         self._staged_through = 0
         self._durable: int | None = None
-        self._ratio = 0.5  # encoded / in-memory bytes of the last parquet file cut
+        # parquet: encoded / in-memory bytes per table (measured, then of the last file cut)
+        self._ratios: dict[str, float] = {}
         self._files = 0
         self._uploads: Uploader | None = None
+        self._made: set[str] = set()  # directories made in storage
 
-    _DRIVER_STATE = ("_fs", "_open", "_flushed", "_schemas", "_uploads")
+    _DRIVER_STATE = ("_fs", "_open", "_usage", "_flushed", "_schemas", "_uploads", "_made")
 
     def __getstate__(self) -> dict[str, Any]:
         # Tasks need the configuration only; the driver's staging state stays on the driver.
@@ -192,7 +214,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fs, self._open, self._flushed, self._schemas = None, {}, {}, {}
-        self._uploads = None
+        self._uploads, self._made, self._usage = None, set(), Usage()
 
     def describe_params(self) -> str:
         return f"{self.url} ({self.format}, {self.rows})"
@@ -215,7 +237,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             msg = f"WriteTables cannot open {self.url}: {exc}; check the URL and credentials"
             raise SinkError(msg) from exc
         self._root = self._root.rstrip("/")
-        self._stage_dir = tempfile.mkdtemp(prefix="cdcflow-tables-", dir=self.local_dir)
+        sweep(self.local_dir)  # what runs that died left behind (spilled rows)
+        if self.local_dir is not None:
+            sweep(None)  # the tasks' spool files
         self._uploads = Uploader(self._upload, self._uploaded)
 
     def _storage(self) -> Any:
@@ -234,8 +258,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         return "/".join([self._root, *[p for p in parts if p]])
 
     def output_location(self) -> str:
-        protocol = self._storage().protocol
-        return f"{protocol if isinstance(protocol, str) else protocol[0]}://{self._root}/"
+        return f"{_protocols(self._storage())[0]}://{self._root}/"
 
     def _read(self, path: str) -> bytes | None:
         try:
@@ -255,7 +278,10 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             target = path
             if "file" in fs.protocol:
                 target = path.rsplit("/", 1)[0] + "/." + path.rsplit("/", 1)[1] + ".tmp"
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            parent = path.rsplit("/", 1)[0]
+            if parent not in self._made and not _OBJECT_STORES & set(_protocols(fs)):
+                fs.makedirs(parent, exist_ok=True)  # once per directory
+                self._made.add(parent)
             if local is not None:
                 fs.put_file(local, target)
             else:
@@ -280,13 +306,24 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def _mark(self) -> int:
         """The batch through which everything is in storage: below the first batch of every
         open file and of every cut file not yet uploaded."""
-        firsts = [o.first for o in list(self._open.values())]
+        firsts = [] if (first := self._first_open()) is None else [first]
         if self._uploads is not None:
             with self._uploads.lock:
                 firsts += [c.first for c in self._uploads.queue]
         if not firsts:
             return max(self._durable or 0, self._staged_through)
         return min(firsts) - 1
+
+    def _first_open(self) -> int | None:
+        """The smallest ``first`` of the open files: the first one's, as files are opened in
+        batch order."""
+        while True:
+            try:
+                for file in self._open.values():
+                    return file.first
+                return None
+            except RuntimeError:  # changed by the driver while the upload thread looked
+                continue
 
     def last_committed_batch(self) -> int:
         fs = self._storage()
@@ -336,7 +373,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if batch_id <= self.durable_batch() or batch_id <= self._staged_through:
             return
         self._checkpoint("stage", batch_id)
-        by_key: dict[Key, list[_Group]] = {}
+        by_key: dict[Key, list[Group]] = {}
         for message in messages:
             for g in message.load():
                 by_key.setdefault((g.table, g.directory), []).append(g)
@@ -347,7 +384,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # they can start a schema version (a replayed batch from before a DROP COLUMN
         # would otherwise add the dropped column back).
         by_key = {k: gs for k, gs in by_key.items() if batch_id > self._key_flushed(k)}
-        by_table: dict[str, list[_Group]] = {}
+        by_table: dict[str, list[Group]] = {}
         for key, groups in by_key.items():
             by_table.setdefault(key[0], []).extend(groups)
         for table, groups in by_table.items():
@@ -355,64 +392,87 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         for key, groups in by_key.items():
             self._stage(key, groups, batch_id)
         self._staged_through = batch_id
-        now = time.monotonic()
-        due = [k for k, o in self._open.items() if o.size(self._ratio) >= self.file_size
-               or now - o.opened >= self.flush_interval]
-        self._cut(due, batch_id)
+        self._cut(self._due(by_key), batch_id)
         self._bound(batch_id)
 
-    def _evolve(self, table: str, groups: Sequence[_Group], batch_id: int) -> None:
+    def _due(self, staged: Mapping[Key, object]) -> list[Key]:
+        """The open files to cut: those that grew past ``file_size`` (only files staged
+        to can have), and those opened ``flush_interval`` ago or more (the first ones in
+        ``_open``, which holds them in the order they were opened). The work follows the
+        tables with data, not the open files."""
+        due = {k: None for k in staged if (o := self._open.get(k)) is not None
+               and o.size(self._ratio(o)) >= self.file_size}
+        now = time.monotonic()
+        for key, file in self._open.items():
+            if now - file.opened < self.flush_interval:
+                break
+            due[key] = None
+        return list(due)
+
+    def _evolve(self, table: str, groups: Sequence[Group], batch_id: int) -> None:
         """Write the table's next schema version first if this batch's rows need one: a
         column the current version lacks (or has with another type), or a column dropped
         (a row carrying every tracked column lacks it, that row is newer than the version,
         and no row of the batch carries it)."""
-        # Rows with every column first, so a version lists its columns in table order.
-        groups = sorted(groups, key=lambda g: (g.full_ns is None, -len(g.columns)))
-        merged: dict[str, Column] = {}
-        for g in groups:
-            for c in g.columns:
-                merged.setdefault(c.name, c)
-        columns = tuple(merged.values())
-        since = min(g.first_ns for g in groups)
-        current = self._schema(table)
-        if current is None:
-            new = Schema(table, 1, columns, since)
-        else:
-            changed = [g for g in groups if not current.fits(g.columns)]
-            dropped: set[str] = set()
-            for g in groups:
-                if g.full_ns is not None and g.full_ns > current.since:
-                    names = {c.name for c in g.columns}
-                    lacks = {c.name for c in current.columns
-                             if not c.primary_key and c.name not in names}
-                    if lacks:
-                        dropped |= lacks
-                        changed.append(g)
-            dropped -= set(merged)
-            if not dropped and current.fits(columns):
-                return
-            since = min(g.first_ns for g in changed)
-            new = current.evolve(columns, dropped, since)
+        new = next_version(table, self._schema(table), groups)
+        if new is None:
+            return
         # Drain: every earlier row of the table is in storage before the new version.
         self._cut([k for k in self._open if k[0] == table], batch_id)
         self.drain()
-        self._put(self._path(table, "_schema", f"v{new.version}.json"), new.to_json(self.rows))
+        self._put(self._path(table, "_schema", f"v{new.version}.json"),
+                  new.to_json(self.rows, self.format, self.partition_by))
         self._schemas[table] = new
 
-    def _stage(self, key: Key, groups: list[_Group], batch_id: int) -> None:
+    def _stage(self, key: Key, groups: list[Group], batch_id: int) -> None:
+        """Add the batch's rows of ``key`` to its open file (opened if none). A file comes
+        as near ``file_size`` as whole batches let it: when it is at least half full and
+        would pass the target by more with this batch than it lacks without it, it is cut
+        first."""
         file = self._open.get(key)
+        schema = self._schemas[key[0]]
+        arrow = (file.arrow if file is not None else None if self.format == "jsonl"
+                 else schema.arrow(self.rows, self.format))
+        chunks = [encode(g.data if arrow is None else conform(g.data, arrow),
+                         self.format == "csv") for g in groups]
+        if file is not None:
+            ratio = self._ratio(file)
+            size = file.size(ratio)
+            after = size + sum(n for _, n in chunks) * (1.0 if file.text else ratio)
+            if 2 * size >= self.file_size and after - self.file_size > self.file_size - size:
+                self._cut([key], batch_id)
+                file = None
         if file is None:
-            schema = self._schemas[key[0]]
-            assert self._stage_dir is not None
             self._files += 1
-            local = os.path.join(self._stage_dir, f"{self._files}.part")
-            arrow = None if self.format == "jsonl" else schema.arrow(self.rows)
-            file = OpenFile(key, schema, arrow, local, batch_id, time.monotonic(),
-                            self._parquet_options())
+            number = self._files
+            file = OpenFile(key, schema, arrow,
+                            lambda: os.path.join(self._spill_dir(), f"{number}.part"),
+                            batch_id, time.monotonic(),
+                            self._parquet_options(), csv=self.format == "csv",
+                            usage=self._usage)
             self._open[key] = file
-        for g in groups:
-            data = g.data if file.arrow is None else conform(g.data, file.arrow)
-            file.append(data, g.nbytes, batch_id)
+        for chunk, nbytes in chunks:
+            file.append(chunk, nbytes, batch_id)
+
+    def _spill_dir(self) -> str:
+        """The local directory rows spill to, made at the first spill (under ``local_dir``,
+        named by this process: ``sweep`` removes it once the process is gone)."""
+        if self._stage_dir is None:
+            self._stage_dir = tempfile.mkdtemp(prefix=local_prefix(), dir=self.local_dir)
+        return self._stage_dir
+
+    def _ratio(self, file: OpenFile) -> float:
+        """The encoding ratio of a parquet file's table: measured by encoding the rows of the
+        table's first file once they reach a quarter of ``file_size`` (so the first file
+        after a start is cut near the target too), then that of the table's last file cut;
+        1.0 before (a file below a quarter of the target is not due)."""
+        table = file.key[0]
+        ratio = self._ratios.get(table)
+        if ratio is None:
+            if file.text or file.memory < self.file_size // 4:
+                return 1.0
+            ratio = self._ratios[table] = file.ratio()
+        return ratio
 
     def _parquet_options(self) -> dict[str, Any]:
         # "us": Parquet TIMESTAMP(MICROS), which every reader takes (Spark refuses NANOS);
@@ -429,15 +489,14 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             name = f"part-{file.first}-{file.last}-{file.schema.version}.{self.format}"
             raw = file.memory + file.spilled_raw
             cut = file.finish(name, batch_id)
-            if file.arrow is not None and raw:
-                self._ratio = max(0.05, cut.size / raw)
+            if not file.text and raw:
+                self._ratios[key[0]] = max(0.01, cut.size / raw)
             uploads.submit(cut)
             del self._open[key]
 
     def _bound(self, batch_id: int) -> None:
         """Keep the spool under its watermarks (see the class docstring)."""
         uploads = self._queue()
-        assert self._stage_dir is not None
         low = self.spool_memory // 2
         if self._memory() > self.spool_memory:
             for file in sorted(self._open.values(), key=lambda o: -o.memory):
@@ -445,12 +504,12 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                     break
                 file.spill()
             if self._memory() > low:
-                uploads.spill(self._stage_dir, max(0, low - self._open_memory()))
+                uploads.spill(self._spill_dir(), max(0, low - self._open_memory()))
         limit = self.spool_memory + self.spool_disk
         if self._memory() + self._disk() <= limit:
             return
         target = limit // 2
-        open_bytes = self._open_memory() + sum(o.disk for o in self._open.values())
+        open_bytes = self._usage.memory + self._usage.disk
         if open_bytes > target:  # the open files alone hold it: cut the largest
             self._cut([o.key for o in sorted(self._open.values(),
                                              key=lambda o: -(o.memory + o.disk))][:max(
@@ -465,13 +524,13 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             raise SinkIOError(msg)
 
     def _open_memory(self) -> int:
-        return sum(o.memory for o in self._open.values())
+        return self._usage.memory
 
     def _memory(self) -> int:
-        return self._open_memory() + self._queue().memory
+        return self._usage.memory + self._queue().memory
 
     def _disk(self) -> int:
-        return sum(o.disk for o in self._open.values()) + self._queue().disk
+        return self._usage.disk + self._queue().disk
 
     def spool_usage(self) -> dict[str, int]:
         """Bytes of the driver's spool now: ``memory`` and ``disk`` (open files and files

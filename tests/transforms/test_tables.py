@@ -166,11 +166,19 @@ def test_a_delete_only_batch_reads_back_with_the_inserts(tmp_path: Path) -> None
 
 def test_jsonl_format(tmp_path: Path) -> None:
     sink = _sink(str(tmp_path), format="jsonl", flush_interval="1h")
-    _commit(sink, 1, [_record("T", 1)])
+    when = Timestamp.from_ns(T0 + 123)
+    stamps = {"code": "ARRAY", "array_element_type": {"code": "TIMESTAMP"}}
+    extra = {"n": ({"code": "NUMERIC"}, Decimal("1.50")), "b": ({"code": "BYTES"}, b"hi"),
+             "at": ({"code": "TIMESTAMP"}, when), "ats": (stamps, [when, None])}
+    _commit(sink, 1, [_record("T", 1, extra=extra)])
     sink.flush()
     (f,) = (tmp_path / "T").glob("part-*.jsonl")
     row = json.loads(f.read_text())
-    assert row["id"] == 1 and row["_commit_ts"].startswith("2023-11-14T22:13:20")
+    assert row["id"] == 1 and row["_commit_ts"] == "2023-11-14T22:13:20.000001000Z"
+    # the change stream's JSON forms, also inside arrays
+    assert row["n"] == "1.50" and row["b"] == "aGk="
+    assert row["at"] == row["ats"][0] == "2023-11-14T22:13:20.000000123Z"
+    assert row["ats"][1] is None
 
 
 def test_flush_interval_cuts_files(tmp_path: Path) -> None:
@@ -182,6 +190,29 @@ def test_flush_interval_cuts_files(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "T").glob("part-*")] == ["part-1-2-1.parquet"]
     assert sink.durable_batch() == 2
     assert json.loads((tmp_path / "_cdcflow/durable.json").read_text())["durable_batch"] == 2
+
+
+def test_a_batch_looks_only_at_the_files_it_staged_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cdcflow.transforms import _tablespool
+
+    sink = _sink(str(tmp_path), flush_interval="1h")
+    _commit(sink, 1, [_record(f"T{t}", t) for t in range(300)])  # 300 open files
+    sized: list[tuple[str, str]] = []
+    size = _tablespool.OpenFile.size
+
+    def counting(self: _tablespool.OpenFile, ratio: float) -> int:
+        sized.append(self.key)
+        return size(self, ratio)
+
+    monkeypatch.setattr(_tablespool.OpenFile, "size", counting)
+    for b in range(2, 6):
+        _commit(sink, b, [_record("T7", 1000 + b)])
+        assert sink.durable_batch() == 0 and sink.spool_usage()["uploads"] == 0
+    assert set(sized) == {("T7", "")}  # not the 299 idle tables' files
+    sink.flush()
+    assert len(list(tmp_path.glob("T*/part-*"))) == 300
 
 
 # -- crashes in an engine run -------------------------------------------------------------

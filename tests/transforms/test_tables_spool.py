@@ -93,8 +93,7 @@ def test_slow_uploads_spill_to_disk_without_stalling_commits(root: str, tmp_path
     sink = WriteTables(f"slowmem://{root}", file_size="16KiB", flush_interval="1h",
                        spool_memory="64KiB", spool_disk="64MiB", local_dir=str(tmp_path))
     sink.setup(SinkContext("p", "WriteTables", "/"))
-    stage = sink._stage_dir
-    assert stage is not None and stage.startswith(str(tmp_path))
+    assert sink._stage_dir is None  # made at the first spill
     spilled, slowest, queued, t0 = False, 0.0, 0, time.monotonic()
     for b in range(1, 41):
         start = time.monotonic()
@@ -102,7 +101,9 @@ def test_slow_uploads_spill_to_disk_without_stalling_commits(root: str, tmp_path
         if b > 1:  # batch 1 writes the tables' schema files, synchronously (schema first)
             slowest = max(slowest, time.monotonic() - start)
         usage = sink.spool_usage()
-        spilled = spilled or (usage["disk"] > 0 and any(os.scandir(stage)))
+        stage = sink._stage_dir
+        spilled = spilled or (usage["disk"] > 0 and stage is not None
+                              and stage.startswith(str(tmp_path)) and any(os.scandir(stage)))
         queued = max(queued, usage["uploads"])
         assert usage["memory"] <= 64 * 1024 + 60 * 400  # high watermark + one batch's rows
     committed = time.monotonic() - t0
@@ -150,3 +151,29 @@ def test_a_full_spool_waits_for_the_uploads_and_failing_uploads_retry(root: str)
     ids = _ids(root)
     assert sorted(ids) == sorted(b * 100_000 + i for b in range(1, last + 1) for i in range(60))
     assert pa.array(ids).unique().to_pylist() == list(dict.fromkeys(ids))  # no duplicate
+
+
+def test_a_run_removes_what_dead_runs_left_in_its_local_directories(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from cdcflow.transforms._tablespool import PREFIX
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    spilled = tmp_path / f"{PREFIX}{dead}-abc"  # a killed run's spill directory
+    spilled.mkdir()
+    (spilled / "1.part").write_bytes(b"x" * 100)
+    old, young = tmp_path / f"{PREFIX}{dead}-old.spool", tmp_path / f"{PREFIX}{dead}-new.spool"
+    old.write_bytes(b"rows")
+    young.write_bytes(b"rows")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    mine = tmp_path / f"{PREFIX}{os.getpid()}-mine"  # a live process's: kept
+    mine.mkdir()
+    other = tmp_path / "cdcflow-tables-unrelated"
+    other.mkdir()
+    sink = WriteTables(f"memory://{uuid.uuid4().hex}", local_dir=str(tmp_path))
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    sink.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [young.name, mine.name, other.name])
