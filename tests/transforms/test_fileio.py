@@ -185,7 +185,7 @@ def test_a_parquet_writer_spills_chunks_and_writes_the_same_file(
     spilled = writer.close()
     assert not list((tmp_path / "spilled").glob("*.spill"))  # close removes them
     spilled_sink.commit(1, [spilled])
-    (a,), (b,) = (list(d.glob("part-*.parquet")) for d in (tmp_path / "whole", tmp_path / "spilled"))
+    (a,), (b,) = (list((tmp_path / d).glob("part-*.parquet")) for d in ("whole", "spilled"))
     expected = pq.read_table(a)
     got = pq.read_table(b)
     assert got.schema == expected.schema
