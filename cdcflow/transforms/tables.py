@@ -42,17 +42,11 @@ conforms a batch to the table's current schema version and appends it (CSV: enco
 A batch's work follows the keys it staged, not the open files (see ``_due``).
 
 A schema change cuts every open file of the table, waits for the uploads (the drain),
-writes ``v<k+1>.json``, then stages the batch in new files. It is a record with a column
-the table's current schema lacks, or another type (``ADD COLUMN``: the columns so far plus
-the new ones), or a dropped column (``DROP COLUMN``: a record that carries every column
-the stream tracks, an INSERT, lacks it; the record is newer than the version's ``since``,
-the commit timestamp of its earliest row; and no record of the batch carries it). Records
-with fewer columns (a DELETE's keys, an UPDATE's changed columns) fit the current schema;
-the missing columns are null. Changes are seen per batch, and a split or merged partition
-is read on in the next batch from its end, so a record may follow newer ones by up to a
-batch span: an older record of a shape without the newest columns fits (and is not taken
-for a drop, by ``since``); an older record carrying a dropped column starts one more
-version with the column (nothing is lost; the next INSERT drops it again).
+writes ``v<k+1>.json``, then stages the batch in new files. ``ADD COLUMN`` shows as a
+record with a column (or type) the current version lacks, ``DROP COLUMN`` as a record that
+carries every tracked column (an INSERT) without it, newer than the version's ``since``;
+docs/architecture.md ("Sink durability") explains the rule and why late records of an
+older shape fit.
 """
 
 from __future__ import annotations
@@ -61,6 +55,7 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -125,8 +120,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     ``table``, ``commit_timestamp``, ``transaction_id``, ``record_sequence`` and
     ``partition``, and ``ts_ms``, the commit time in milliseconds). ``spool_size``: a task
     keeps this many bytes of rows in memory and spools the rest to a local temporary file
-    whose path it sends to the driver; ``None`` sends every row in the commit message
-    (needed on a cluster whose executors do not share the driver's disk).
+    whose path it sends to the driver, when it runs on the driver's machine (in-memory
+    runner, Spark local modes); elsewhere, and with ``None``, every row travels in the
+    commit message.
     ``timestamp_unit``: Parquet timestamps in ``"ns"`` (TIMESTAMP(NANOS), every digit
     Spanner gives) or ``"us"`` (TIMESTAMP(MICROS), for readers that refuse nanoseconds,
     such as Spark 4; the digits below a microsecond are dropped).
@@ -201,6 +197,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._files = 0
         self._uploads: Uploader | None = None
         self._made: set[str] = set()  # directories made in storage
+        self._driver_host: str | None = None  # where setup ran: tasks there may spool
 
     _DRIVER_STATE = ("_fs", "_open", "_usage", "_flushed", "_schemas", "_uploads", "_made")
 
@@ -222,7 +219,12 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     # -- tasks -------------------------------------------------------------------------------
 
     def open_writer(self, ctx: WriterContext) -> SinkWriter[DataChangeRecord, TaskRows]:
-        return Writer(self.rows, self.format, self.partition_by, self.spool_size)
+        # A task spools to local disk only on the driver's machine, the one place the
+        # driver can read the file from; elsewhere (a cluster's executors) rows travel in
+        # the commit message.
+        local = self._driver_host is None or socket.gethostname() == self._driver_host
+        return Writer(self.rows, self.format, self.partition_by,
+                      self.spool_size if local else None)
 
     # -- driver ------------------------------------------------------------------------------
 
@@ -237,6 +239,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             msg = f"WriteTables cannot open {self.url}: {exc}; check the URL and credentials"
             raise SinkError(msg) from exc
         self._root = self._root.rstrip("/")
+        self._driver_host = socket.gethostname()
         sweep(self.local_dir)  # what runs that died left behind (spilled rows)
         if self.local_dir is not None:
             sweep(None)  # the tasks' spool files

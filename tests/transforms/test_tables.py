@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import fsspec
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -376,3 +379,23 @@ def test_s3_run_killed_mid_run_and_restarted_writes_every_change_once(
     assert table.schema.field("s").type == pa.string()
     assert len({p for p in fs.find("bucket/cdc") if "/part-" in p}) > len(before)
     assert fs.exists("bucket/cdc/A/_schema/v1.json")
+
+
+def test_a_task_on_another_machine_sends_its_rows_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cluster's executor cannot hand the driver a path on its own disk.
+    sink = _sink(str(tmp_path), format="parquet", flush_interval="1h", spool_size="2KiB")
+    shipped = pickle.loads(pickle.dumps(sink))  # as a task receives it
+    monkeypatch.setattr(socket, "gethostname", lambda: "an-executor")
+    writer = shipped.open_writer(WriterContext("p", "WriteTables", 1, "p0", 0, 1, "a"))
+    for i in range(100):
+        writer.write(_record("T", i))
+    message = writer.close()
+    assert isinstance(message, TaskRows) and message.spool is None and message.groups
+    monkeypatch.undo()
+    sink.commit(1, [pickle.loads(pickle.dumps(message))])
+    sink.flush()
+    ids = duckdb.connect().sql(
+        f"SELECT id FROM read_parquet('{tmp_path}/T/part-*') ORDER BY id").fetchall()
+    assert [i for (i,) in ids] == list(range(100))

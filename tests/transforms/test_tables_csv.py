@@ -186,3 +186,4 @@ def test_a_task_past_spool_size_spools_its_rows_to_a_local_file(tmp_path: Path, 
     reader = {"csv": "read_csv", "parquet": "read_parquet", "jsonl": "read_json"}[fmt]
     ids = con.sql(f"SELECT id FROM {reader}('{tmp_path / fmt}/T/part-*') ORDER BY id").fetchall()
     assert [i for (i,) in ids] == list(range(100))
+
