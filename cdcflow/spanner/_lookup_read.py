@@ -27,6 +27,9 @@ from cdcflow.spanner.transport import GrpcTransport, Param, assemble_rows
 __all__ = ["PRIORITIES", "Reader", "StreamColumns", "cached_reader"]
 
 PRIORITIES = {"LOW": 1, "MEDIUM": 2, "HIGH": 3}
+#: Keys per Read call: a bundle of large transactions may touch a million keys, and a
+#: request must stay well under Spanner's request size limit.
+MAX_KEYS_PER_READ = 5000
 
 #: Change stream options under which a stream may miss writes to the columns it tracks
 #: (a missed DELETE is harmless: an INSERT reports every tracked column).
@@ -253,10 +256,22 @@ class Reader:
     def read_at(
         self, table: str, columns: Sequence[str], keys: Sequence[Key], ns: int, kind: str
     ) -> tuple[list[list[Any]], dict[str, Any]]:
-        """Rows of ``keys`` (wire form, key order) as of ``ns``, in one Read call; returns
-        the rows (plain values, ``columns`` order) and each column's decoded JSON type (also
-        when no row is found). ``kind`` names the read in :attr:`reads`."""
+        """Rows of ``keys`` (wire form, key order) as of ``ns``: one Read call per
+        :data:`MAX_KEYS_PER_READ` keys (one for none). Returns the rows (plain values,
+        ``columns`` order) and each column's decoded JSON type (also when no row is found).
+        ``kind`` names the calls in :attr:`reads`."""
+        rows: list[list[Any]] = []
+        types: dict[str, Any] = {}
+        for at in range(0, max(1, len(keys)), MAX_KEYS_PER_READ):
+            found, types = self._read_once(
+                table, columns, keys[at:at + MAX_KEYS_PER_READ], ns, kind
+            )
+            rows.extend(found)
+        return rows, types
 
+    def _read_once(
+        self, table: str, columns: Sequence[str], keys: Sequence[Key], ns: int, kind: str
+    ) -> tuple[list[list[Any]], dict[str, Any]]:
         def once() -> tuple[list[list[Any]], dict[str, Any]]:
             rows: list[list[Any]] = []
             meta: list[Any] = []

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from cdcflow.model import Timestamp
+from cdcflow.spanner import _lookup_read
 from cdcflow.spanner._lookup_read import Reader, StreamColumns, cached_reader
 from cdcflow.spanner._lookup_rows import TableColumns
 from cdcflow.spanner.emulator import Emulator
@@ -84,9 +86,11 @@ _DDL: dict[str, list[str]] = {
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("dialect", ["GOOGLE_STANDARD_SQL", "POSTGRESQL"])
-def test_the_emulator_information_schema(spanner_emulator: Emulator, dialect: Any) -> None:
+def test_the_emulator_information_schema(
+    spanner_emulator: Emulator, dialect: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     name = unique("lkread")
-    spanner_emulator.create_database(name, _DDL[dialect], dialect=dialect)
+    db = spanner_emulator.create_database(name, _DDL[dialect], dialect=dialect)
     reader: Reader = cached_reader(spanner_emulator.database_path(name), "MEDIUM", 10.0,
                                    DEFAULT_LOOKUP_RETRY)
     schema, table = reader.schema_and_name("Items")
@@ -110,9 +114,16 @@ def test_the_emulator_information_schema(spanner_emulator: Emulator, dialect: An
     rows, types = reader.read_at("Items", ["Id", "Name", "Doubled"], [], _now(), "bundle")
     assert rows == [] and types["Name"] == {"code": "STRING"} and types["Doubled"] == {
         "code": "INT64"}
+    # Many keys are read in several calls.
+    with db.batch() as batch:
+        batch.insert("Items", ["Id", "Name", "Qty"], [[i, f"n{i}", i] for i in range(5)])
+    monkeypatch.setattr(_lookup_read, "MAX_KEYS_PER_READ", 2)
+    before = reader.reads["commit"]
+    rows, _ = reader.read_at("Items", ["Id", "Doubled"], [(str(i),) for i in range(6)],
+                             Timestamp.from_datetime(batch.committed).ns, "commit")
+    assert sorted(rows) == sorted([[str(i), str(2 * i)] for i in range(5)])
+    assert reader.reads["commit"] - before == 3
 
 
 def _now() -> int:
-    from cdcflow.model import Timestamp
-
     return Timestamp.now().ns
