@@ -20,7 +20,7 @@ import networkx as nx
 from cdcflow import graphviz
 from cdcflow.errors import DuplicateLabelError, PipelineDefinitionError
 from cdcflow.policy import ErrorPolicy
-from cdcflow.transforms.base import BatchStep, PCollection, PrimitiveTransform, PTransform
+from cdcflow.transforms.base import PCollection, PrimitiveTransform, PTransform
 
 __all__ = ["PRIMITIVE_KINDS", "Dag"]
 
@@ -191,6 +191,7 @@ class Dag:
                 "with a sink such as WriteFiles(path), Print() or Collect()"
             )
             raise PipelineDefinitionError(msg)
+        self._check_upstreams()
 
     def _validate_batch_steps(self) -> None:
         # The engine folds one BatchStep per path on the driver after the tasks; a second
@@ -207,14 +208,18 @@ class Dag:
                     "steps into one, or turn the later one into a ParDo (Map/FlatMap)"
                 )
                 raise PipelineDefinitionError(msg)
+
+    def _check_upstreams(self) -> None:
+        # Every transform below the source may inspect (and adapt to) what feeds it.
+        for label, t in self.nodes():
+            if t.kind == "Source":
+                continue
             path: list[PrimitiveTransform[Any, Any]] = []
             up = self.upstream(label)
             while up is not None:
                 path.insert(0, self.transform(up))
                 up = self.upstream(up)
-            step = self.transform(label)
-            assert isinstance(step, BatchStep)
-            step.check_upstream(path)
+            t.check_upstream(path)
 
     def describe(self, format: str = "text") -> str:
         """The DAG as indented text or as Graphviz DOT."""

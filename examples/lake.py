@@ -13,7 +13,8 @@ What each step does:
 * ``tables=`` and ``skip_unchanged=``: filters pushed down into the decoder (records of
   other tables and updates that changed nothing never become Python objects);
 * ``LookupRows``: an OLD_AND_NEW_VALUES stream reports only the columns a transaction
-  wrote; a stale read at each record's commit timestamp gives the whole row;
+  wrote; one stale read per bundle of records (at its first commit timestamp), rolled
+  forward through the records, gives the whole row as of each commit;
 * ``WriteTables``: one directory per table, a schema file per table version, Parquet
   files near ``file_size`` or one per ``flush_interval``, exactly once, on a local path or
   any fsspec URL (``s3://bucket/lake``).
@@ -56,6 +57,6 @@ pipeline = cf.Pipeline("lake-orders")
         tables=["Orders"],             # pushed-down filters
         skip_unchanged=True,
     )
-    | cf.LookupRows(database=DATABASE)  # full rows at each commit timestamp
+    | cf.LookupRows(database=DATABASE)  # full rows as of each commit timestamp
     | cf.WriteTables(LAKE, format="parquet", rows="flat", flush_interval="10s")
 )

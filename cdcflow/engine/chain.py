@@ -6,6 +6,14 @@ use. With ``max_inflight > 1`` on ReadPartition the ParDos of several records ru
 concurrently on a pool while sink writers still receive elements in record order: an
 :class:`~cdcflow.inflight.InflightTracker` releases only the contiguously completed prefix.
 
+Bundles: when a DoFn of the chain has ``bundle_size > 1`` the chain holds consecutive
+records (charged to the quota) and runs them as one bundle, node by node, so that each
+bundling DoFn's ``process_bundle`` sees every element the bundle's records gave it; each
+record's deliveries are then put back in the order a record-at-a-time run gives them. A
+bundle ends at the largest ``bundle_size`` records, at a quarter of the quota's bytes, at
+a barrier (a heartbeat), when the quota runs short (so a held bundle never blocks reading)
+and at the end of the task. Under ``max_inflight > 1`` a bundle is one item of the pool.
+
 Memory: every record is charged to the process's byte quota
 (:func:`cdcflow.engine.quota.process_quota`) before it enters the chain and given back once
 every sink writer has taken its outputs, so reading blocks (in :meth:`Chain._wait_for_quota`)
@@ -39,7 +47,7 @@ from cdcflow.model import DataChangeRecord
 from cdcflow.policy import FailedElement, Retry, Stop
 from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
 
-__all__ = ["Chain", "approx_size"]
+__all__ = ["Chain"]
 
 _log = logging.getLogger("cdcflow.task")
 
@@ -63,6 +71,8 @@ class _Failure:
 
 
 Delivery = tuple[str, Any]  # (sink label, element)
+_Path = tuple[int, ...]  # an element's way from its record: (successor, output, ...) indices
+_Item = tuple[int, _Path, Any]  # (record's index in the bundle, path, element)
 
 
 class _Evaluated:
@@ -92,6 +102,7 @@ class Chain:
         self._started = False
         self._skipped = 0
         self._retries = 0
+        self._bundle_retries = 0  # bundles whose process_bundle raised
         self._counts: dict[str, int] = {}  # touched on the reader thread only
         self._count_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -102,6 +113,12 @@ class Chain:
         self._held = 0  # bytes of this chain's records charged to the quota, not yet returned
         if program.max_inflight > 1:
             self._inflight = InflightTracker(program.max_inflight, self._quota.limit)
+        self._bundle_size = max(
+            [n.fn.bundle_size for n in self._nodes.values() if isinstance(n, ParDo)] or [1]
+        )
+        self._bundle: list[tuple[DataChangeRecord, int, int]] = []  # (record, position, size)
+        self._bundle_bytes = 0
+        self._order = _top_down(program.read_label, self._succ)
 
     # -- feeding records ---------------------------------------------------------------------
 
@@ -110,14 +127,45 @@ class Chain:
         while the process's byte quota is used up."""
         self._start()
         self._wait_for_quota(size)
+        if self._bundle_size > 1:
+            self._bundle.append((record, position, size))
+            self._bundle_bytes += size
+            if (len(self._bundle) >= self._bundle_size
+                    or self._bundle_bytes >= self._quota.limit // 4):
+                self._run_bundle()
+            return
         if self._inflight is None:
             self._deliver(record, self._evaluate(record))
             self._give_back(size)
             return
-        assert self._pool is not None
-        seq = self._inflight.begin(position, size)  # blocks while max_inflight are in flight
-        future = self._pool.submit(self._evaluate, record)
-        future.add_done_callback(lambda f: self._completed(seq, record, size, f))
+        self._submit([(record, position, size)], lambda: [self._evaluate(record)])
+
+    def _run_bundle(self) -> None:
+        """Run the held bundle (if any) through the chain, or hand it to the pool."""
+        bundle, self._bundle, self._bundle_bytes = self._bundle, [], 0
+        if not bundle:
+            return
+        records = [record for record, _, _ in bundle]
+        if self._inflight is None:
+            for (record, _, size), evaluated in zip(
+                bundle, self._evaluate_bundle(records), strict=True
+            ):
+                self._deliver(record, evaluated)
+                self._give_back(size)
+            return
+        self._submit(bundle, lambda: self._evaluate_bundle(records))
+
+    def _submit(
+        self, items: list[tuple[DataChangeRecord, int, int]],
+        evaluate: Callable[[], list[_Evaluated]],
+    ) -> None:
+        """Run ``evaluate`` (the evaluation of ``items``' records) on the pool as one
+        in-flight item at the last record's position."""
+        assert self._pool is not None and self._inflight is not None
+        size = sum(n for _, _, n in items)
+        seq = self._inflight.begin(items[-1][1], size)  # blocks while max_inflight in flight
+        future = self._pool.submit(evaluate)
+        future.add_done_callback(lambda f: self._completed(seq, items, f))
         self._flush()
 
     def push_element(self, element: Any) -> None:
@@ -131,7 +179,8 @@ class Chain:
         memory. While it waits, this chain delivers its own completed records (giving
         their bytes back), so tasks holding bytes never wait on each other forever."""
         began = time.perf_counter()
-        while not self._quota.acquire(size, until=self._has_released):
+        while not self._quota.acquire(size, until=self._must_give_back):
+            self._run_bundle()  # a held bundle would hold its bytes while this one waits
             self._flush()
         waited = time.perf_counter() - began
         counts = self._counts
@@ -142,8 +191,9 @@ class Chain:
         if self._held > counts.get("inflight_bytes_peak", 0):
             counts["inflight_bytes_peak"] = self._held
 
-    def _has_released(self) -> bool:
-        return bool(self._released)  # read without the lock: a stale answer only delays
+    def _must_give_back(self) -> bool:
+        # Read without the lock: a stale answer only delays.
+        return bool(self._released) or bool(self._bundle)
 
     def _give_back(self, size: int) -> None:
         self._held -= size
@@ -155,6 +205,7 @@ class Chain:
             self._quota.release(held)
 
     def barrier(self, position: int) -> None:
+        self._run_bundle()  # the tracker takes positions in order: the bundle's come first
         if self._inflight is None:
             return
         with self._release_lock:
@@ -162,12 +213,14 @@ class Chain:
         self._flush()
 
     def _completed(
-        self, seq: int, record: DataChangeRecord, size: int, future: Future[_Evaluated]
+        self, seq: int, items: list[tuple[DataChangeRecord, int, int]],
+        future: Future[list[_Evaluated]],
     ) -> None:
         error = CancelledError() if future.cancelled() else future.exception()
-        result: Any = (
-            _Failure(error) if error is not None else (record, future.result(), size)
-        )
+        result: Any = _Failure(error) if error is not None else [
+            (record, evaluated, size)
+            for (record, _, size), evaluated in zip(items, future.result(), strict=True)
+        ]
         assert self._inflight is not None
         # complete() and the append happen under one lock so released runs stay in order
         with self._release_lock:
@@ -182,9 +235,9 @@ class Chain:
                 continue
             if isinstance(result, _Failure):
                 raise result.error
-            record, evaluated, size = result
-            self._deliver(record, evaluated)
-            self._give_back(size)
+            for record, evaluated, size in result:
+                self._deliver(record, evaluated)
+                self._give_back(size)
 
     def _start(self) -> None:
         if self._started:
@@ -234,6 +287,85 @@ class Chain:
         for label in self._succ[self._program.read_label]:
             visit(label, record)
         return _Evaluated(out, counts)
+
+    def _evaluate_bundle(self, records: list[DataChangeRecord]) -> list[_Evaluated]:
+        """:meth:`_evaluate` of each of ``records``, run node by node so that a bundling
+        DoFn gets all of its elements from the bundle at once. Each record's deliveries
+        come out in the order :meth:`_evaluate` gives: sorted by their paths, which is the
+        depth-first order of the record's trip."""
+        out: list[list[tuple[_Path, Delivery]]] = [[] for _ in records]
+        counts: list[dict[str, int]] = [{} for _ in records]
+        waiting: dict[str, list[_Item]] = {}
+
+        def route(source: str, index: int, path: _Path, element: Any) -> None:
+            for s, nxt in enumerate(self._succ[source]):
+                waiting.setdefault(nxt, []).append((index, (*path, s), element))
+
+        for index, record in enumerate(records):
+            route(self._program.read_label, index, (), record)
+        for label in self._order:
+            items = waiting.pop(label, None)
+            if not items:
+                continue
+            node = self._nodes.get(label)
+            if label in self._steps or isinstance(node, Sink):
+                for index, path, element in items:
+                    out[index].append((path, (label, element)))
+                continue
+            assert isinstance(node, ParDo)
+            for (index, path, element), outputs in zip(
+                items, self._run_pardo(label, node, items, records), strict=True
+            ):
+                n = counts[index]
+                n[f"elements_in/{label}"] = n.get(f"elements_in/{label}", 0) + 1
+                if isinstance(outputs, _Skipped):
+                    if self._program.dead_letter_label is not None:
+                        failed = self._failed(label, records[index], element, outputs)
+                        out[index].append((path, (self._program.dead_letter_label, failed)))
+                    continue
+                n[f"elements_out/{label}"] = n.get(f"elements_out/{label}", 0) + len(outputs)
+                for j, value in enumerate(outputs):
+                    route(label, index, (*path, j), value)
+        return [
+            _Evaluated([d for _, d in sorted(o, key=lambda pd: pd[0])], c)
+            for o, c in zip(out, counts, strict=True)
+        ]
+
+    def _run_pardo(
+        self, label: str, node: ParDo[Any, Any], items: list[_Item],
+        records: list[DataChangeRecord],
+    ) -> list[list[Any] | _Skipped]:
+        """The outputs of ``node`` for each item: through ``process_bundle`` in chunks of
+        its ``bundle_size``, or (for a DoFn of 1, and for a chunk whose ``process_bundle``
+        raised) element by element under the error policy."""
+        fn = node.fn
+        results: list[list[Any] | _Skipped] = []
+        step = max(1, fn.bundle_size)
+        for at in range(0, len(items), step):
+            chunk = items[at:at + step]
+            if step > 1:
+                try:
+                    produced = fn.process_bundle([element for _, _, element in chunk])
+                    if len(produced) != len(chunk):
+                        msg = (
+                            f"{type(fn).__name__}.process_bundle returned {len(produced)} "
+                            f"outputs for {len(chunk)} elements; return one iterable per "
+                            "element"
+                        )
+                        raise ValueError(msg)
+                    results.extend([] if o is None else list(o) for o in produced)
+                    continue
+                except (SinkIOError, PipelineStopped):
+                    raise
+                except Exception as exc:  # each element again, under the error policy
+                    _log.info("%r: a bundle of %d failed (%s: %s); processing its elements "
+                              "one by one", label, len(chunk), type(exc).__name__, exc)
+                    with self._count_lock:
+                        self._bundle_retries += 1
+            for index, _, element in chunk:
+                call = functools.partial(_process, node, element)
+                results.append(self._guarded(label, records[index], element, call))
+        return results
 
     def _deliver(self, record: DataChangeRecord, evaluated: _Evaluated) -> None:
         dead = self._program.dead_letter_label
@@ -329,6 +461,7 @@ class Chain:
 
     def finish(self) -> dict[str, Any]:
         """Drain in-flight work, tear down, close writers; the sink commit messages."""
+        self._run_bundle()
         if self._inflight is not None:
             self._inflight.drain()
             self._flush()
@@ -343,6 +476,7 @@ class Chain:
         return messages
 
     def abort(self) -> None:
+        self._bundle, self._bundle_bytes = [], 0  # its bytes are in _held: given back below
         self._shutdown()
         self._give_back_all()
         for node in self._set_up:
@@ -374,8 +508,12 @@ class Chain:
         step ``elements_in/<label>``, ``elements_out/<label>``, ``sink_writes/<label>``,
         ``inflight_bytes_peak`` (the most bytes this task held of the process's byte quota),
         ``quota_waits`` / ``quota_wait_us`` (reads that waited for room in the quota, and
-        how long in all)."""
-        return {**self._counts, "skipped": self._skipped, "retries": self._retries}
+        how long in all), ``bundle_retries`` (bundles whose ``process_bundle`` raised and
+        whose elements were then processed one by one)."""
+        counts = {**self._counts, "skipped": self._skipped, "retries": self._retries}
+        if self._bundle_retries:
+            counts["bundle_retries"] = self._bundle_retries
+        return counts
 
     def result(
         self, messages: Mapping[str, Any], *, position: int, ended: bool, records: int,
@@ -409,48 +547,13 @@ def _process(node: ParDo[Any, Any] | Sink[Any, Any], element: Any) -> list[Any]:
     return [] if produced is None else list(produced)
 
 
-def approx_size(record: DataChangeRecord) -> int:
-    """An estimate of a record's memory in bytes, for the byte quota: 256 for the record,
-    plus for every key and value of its mods the payload (a string's UTF-8 length, a bytes
-    value's length, a JSON value or array summed over its items, recursively) and
-    :data:`_PER_VALUE` for the object around it. Linear in the record's values."""
-    n = 256
-    for mod in record.mods:
-        for values in (mod.keys, mod.new_values, mod.old_values):
-            n += _dict_size(values)
-    return n
-
-
-#: What a key or value costs besides its payload (the object header and its reference).
-_PER_VALUE = 48
-
-
-def _dict_size(values: Mapping[str, Any]) -> int:
-    # The hot path of approx_size (every key and value of every record): str keys and
-    # str / number / None values are measured inline, anything else by _value_size; the
-    # sum is the same as _value_size's over every key and value.
-    n = 2 * _PER_VALUE * len(values)
-    for key, value in values.items():
-        if type(key) is str:
-            n += len(key) if key.isascii() else len(key.encode())
-        else:
-            n += _value_size(key) - _PER_VALUE
-        kind = type(value)
-        if kind is str:
-            n += len(value) if value.isascii() else len(value.encode())
-        elif value is not None and kind is not int and kind is not float and kind is not bool:
-            n += _value_size(value) - _PER_VALUE
-    return n
-
-
-def _value_size(value: Any) -> int:
-    if isinstance(value, str):
-        # isascii() is O(1) in CPython; only non-ASCII text pays for an encode
-        return _PER_VALUE + (len(value) if value.isascii() else len(value.encode()))
-    if isinstance(value, bytes | bytearray):
-        return _PER_VALUE + len(value)
-    if isinstance(value, dict):
-        return _PER_VALUE + _dict_size(value)
-    if isinstance(value, list | tuple):
-        return _PER_VALUE + sum(_value_size(v) for v in value)
-    return _PER_VALUE  # numbers, booleans, None, dates, timestamps, Decimals
+def _top_down(root: str, successors: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """The labels below ``root``, each after the one that feeds it (every transform has
+    one input)."""
+    order: list[str] = []
+    todo = list(successors.get(root, ()))
+    while todo:
+        label = todo.pop(0)
+        order.append(label)
+        todo.extend(successors.get(label, ()))
+    return order

@@ -2,7 +2,7 @@
 
 Every task running in one process (the driver of the in-memory runner, or one Python
 worker of a Spark executor) shares one :class:`ByteQuota`, :func:`process_quota`. A task
-charges a record's size (:func:`cdcflow.engine.chain.approx_size`) when it reads it and
+charges a record's size (:func:`approx_size`) when it reads it and
 gives it back only when every sink has taken the record's outputs (written or spilled
 them), so the bytes held by reading, by ParDos in flight and by results waiting for an
 earlier record stay below the quota however slow the sinks are: reading blocks at the
@@ -25,11 +25,21 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
-__all__ = ["DEFAULT_QUOTA_BYTES", "ByteQuota", "QuotaStats", "process_quota", "quota_limit"]
+from cdcflow.model import DataChangeRecord
+
+__all__ = [
+    "DEFAULT_QUOTA_BYTES",
+    "ByteQuota",
+    "QuotaStats",
+    "approx_size",
+    "process_quota",
+    "quota_limit",
+]
 
 #: The quota of a process when the pipeline sets no ``max_inflight_bytes``.
 DEFAULT_QUOTA_BYTES = 256 << 20
@@ -221,3 +231,50 @@ def process_quota(limit: int | None = None) -> ByteQuota:
         elif limit is not None and limit != _process.limit:
             _process.resize(limit)
         return _process
+
+
+def approx_size(record: DataChangeRecord) -> int:
+    """An estimate of a record's memory in bytes, for the byte quota: 256 for the record,
+    plus for every key and value of its mods the payload (a string's UTF-8 length, a bytes
+    value's length, a JSON value or array summed over its items, recursively) and
+    :data:`_PER_VALUE` for the object around it. Linear in the record's values."""
+    n = 256
+    for mod in record.mods:
+        for values in (mod.keys, mod.new_values, mod.old_values):
+            n += _dict_size(values)
+    return n
+
+
+#: What a key or value costs besides its payload (the object header and its reference).
+_PER_VALUE = 48
+
+
+def _dict_size(values: Mapping[str, Any]) -> int:
+    # The hot path of approx_size (every key and value of every record): str keys and
+    # str / number / None values are measured inline, anything else by _value_size; the
+    # sum is the same as _value_size's over every key and value.
+    n = 2 * _PER_VALUE * len(values)
+    for key, value in values.items():
+        if type(key) is str:
+            n += len(key) if key.isascii() else len(key.encode())
+        else:
+            n += _value_size(key) - _PER_VALUE
+        kind = type(value)
+        if kind is str:
+            n += len(value) if value.isascii() else len(value.encode())
+        elif value is not None and kind is not int and kind is not float and kind is not bool:
+            n += _value_size(value) - _PER_VALUE
+    return n
+
+
+def _value_size(value: Any) -> int:
+    if isinstance(value, str):
+        # isascii() is O(1) in CPython; only non-ASCII text pays for an encode
+        return _PER_VALUE + (len(value) if value.isascii() else len(value.encode()))
+    if isinstance(value, bytes | bytearray):
+        return _PER_VALUE + len(value)
+    if isinstance(value, dict):
+        return _PER_VALUE + _dict_size(value)
+    if isinstance(value, list | tuple):
+        return _PER_VALUE + sum(_value_size(v) for v in value)
+    return _PER_VALUE  # numbers, booleans, None, dates, timestamps, Decimals

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cdcflow.engine.chain import Chain, approx_size
+from cdcflow.engine.chain import Chain
 from cdcflow.engine.program import TaskProgram
+from cdcflow.engine.quota import approx_size
 from cdcflow.engine.runner import Task, TaskResult
 from cdcflow.errors import PipelineDefinitionError, RunnerContractError
 from cdcflow.model import (

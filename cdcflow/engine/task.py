@@ -35,8 +35,9 @@ import threading
 
 import cloudpickle
 
-from cdcflow.engine.chain import Chain, approx_size
+from cdcflow.engine.chain import Chain
 from cdcflow.engine.program import DEAD_LETTER_LABEL, TaskProgram
+from cdcflow.engine.quota import approx_size
 from cdcflow.engine.runner import ChildSeen, CommitTimeSample, Task, TaskResult
 from cdcflow.engine.snapshot import run_snapshot_task
 from cdcflow.model import (

@@ -117,6 +117,15 @@ class PrimitiveTransform(PTransform[InT, OutT]):
         """A short text of the parameters, shown by ``cdcflow graph``."""
         return ""
 
+    def check_upstream(self, path: Sequence[PrimitiveTransform[Any, Any]]) -> None:
+        """Called by pipeline validation, before any run, with the transforms from
+        DetectPartitions down to this transform's input (DetectPartitions first,
+        ReadPartition second). A transform may adapt to them (GroupTransactions checks
+        exact counts only when nothing filters records before it; LookupRows rolls rows
+        forward only when it sees every record) or raise PipelineDefinitionError naming
+        the fix. The default accepts any."""
+        return None
+
 
 class DoFn(Generic[InT, OutT]):
     """Element-wise user code from ``InT`` to zero or more ``OutT``.
@@ -124,7 +133,19 @@ class DoFn(Generic[InT, OutT]):
     ``process`` returns (or yields) the outputs of one element. ``setup`` runs once per
     task before the first element, ``teardown`` after the last (also when the task fails).
     A DoFn is pickled into every task: keep clients and pools out of ``__init__``.
+
+    Bundles. A DoFn that can do better with many elements at once (one query for many
+    keys) sets ``bundle_size`` above 1 and overrides :meth:`process_bundle`. The task then
+    cuts its records into bundles of consecutive records (at most the largest
+    ``bundle_size`` of its DoFns, at most a quarter of the byte quota; a heartbeat, a
+    quota running short and the end of the slice end a bundle early) and hands each
+    bundling DoFn the elements that reached it from one bundle, in record order, at most
+    ``bundle_size`` at a time. Outputs keep record order, and progress still advances
+    only through what the sinks took.
     """
+
+    #: Elements :meth:`process_bundle` takes at once; 1 (the default): one at a time.
+    bundle_size: int = 1
 
     def setup(self) -> None:
         return None
@@ -132,6 +153,15 @@ class DoFn(Generic[InT, OutT]):
     def process(self, element: InT) -> Iterable[OutT]:
         msg = f"{type(self).__name__} must override process(element) and return its outputs"
         raise NotImplementedError(msg)
+
+    def process_bundle(self, elements: Sequence[InT]) -> Sequence[Iterable[OutT]]:
+        """The outputs of each of ``elements`` (consecutive elements of one task, in order):
+        one iterable per element, in order, the same outputs :meth:`process` gives for it.
+
+        If it raises, the task calls :meth:`process` on each element instead, under the
+        pipeline's error policy, so a failure is retried, skipped or stops the run per
+        element exactly as without bundles. The default calls :meth:`process`."""
+        return [self.process(element) for element in elements]
 
     def teardown(self) -> None:
         return None
@@ -173,12 +203,6 @@ class BatchStep(PrimitiveTransform[InT, OutT], Generic[InT, OutT, S]):
     """
 
     kind = "BatchStep"
-
-    def check_upstream(self, path: Sequence[PrimitiveTransform[Any, Any]]) -> None:
-        """Called by pipeline validation with the transforms from DetectPartitions down to
-        this step's input (DetectPartitions first, ReadPartition second). A step may adapt
-        to them or raise PipelineDefinitionError naming the fix. The default accepts any."""
-        return None
 
     def initial_state(self) -> S:
         """The state before the first batch (and after a reset)."""

@@ -16,9 +16,14 @@ import pytest
 
 import cdcflow as cf
 from bench._backlog import LazyBacklog
-from cdcflow.engine.chain import approx_size
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.engine.quota import DEFAULT_QUOTA_BYTES, ByteQuota, process_quota, quota_limit
+from cdcflow.engine.quota import (
+    DEFAULT_QUOTA_BYTES,
+    ByteQuota,
+    approx_size,
+    process_quota,
+    quota_limit,
+)
 from cdcflow.metadata import MemoryStore
 from cdcflow.model import ColumnType, DataChangeRecord, Mod
 from cdcflow.runners.in_memory import InMemoryRunner

@@ -1,36 +1,32 @@
 """LookupRows: full rows at each record's commit timestamp.
 
-Unit tests cover the key and column logic without a server; the emulator tests run
-``ReadChangeStream | LookupRows | Collect`` over NEW_VALUES and OLD_AND_NEW_VALUES streams
-in both dialects and compare every looked-up row with a stale read the test makes itself
-with the stock client (including a row deleted after it was changed).
+Unit tests cover the configuration and what pipeline validation tells LookupRows; the
+emulator tests run ``ReadChangeStream | LookupRows | Collect`` over every value capture
+type in both dialects and compare every looked-up row with a stale read the test makes
+itself with the stock client at the record's commit timestamp (a row deleted later, a key
+changed several times in one slice, a row deleted and inserted again), and count the reads:
+one per table per bundle when the rows roll forward, one per (table, commit timestamp)
+when they cannot (a generated column, a column the stream does not track, a Filter before
+LookupRows).
 """
 
 from __future__ import annotations
 
 import json
 import pickle
-from datetime import UTC, date, datetime
-from decimal import Decimal
+from collections import Counter
 from typing import Any
 
 import pytest
 from google.protobuf.struct_pb2 import Value
 
 import cdcflow as cf
-from cdcflow.errors import ChangeStreamError, ConfigurationError
+from cdcflow.errors import ConfigurationError
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, ModType, Timestamp
+from cdcflow.spanner._lookup_read import cached_reader
 from cdcflow.spanner.decode import plain_value
 from cdcflow.spanner.emulator import Emulator
-from cdcflow.spanner.lookup import (
-    DEFAULT_LOOKUP_RETRY,
-    LookupRows,
-    _key_tuple,
-    _looked_up,
-    _LookupFn,
-    _TableColumns,
-    _wire_value,
-)
+from cdcflow.spanner.lookup import DEFAULT_LOOKUP_RETRY, LookupRows, _LookupFn
 from cdcflow.spanner.workload import (
     SHOP_COLUMNS,
     SHOP_KEY,
@@ -42,7 +38,6 @@ from cdcflow.spanner.workload import (
 from tests.e2e_helpers import unique
 
 DB = "projects/p/instances/i/databases/shop"
-TABLE = _TableColumns(("Region", "Id", "Name", "Qty"), ("Region", "Id"))
 
 
 def _record(mod_type: ModType, *mods: Mod) -> DataChangeRecord:
@@ -58,36 +53,7 @@ def _record(mod_type: ModType, *mods: Mod) -> DataChangeRecord:
     )
 
 
-# -- unit: keys, columns, rows ------------------------------------------------------------
-
-
-def test_select_puts_the_key_first_and_names_each_column_once() -> None:
-    assert TABLE.select(None, "Items") == ("Region", "Id", "Name", "Qty")
-    assert TABLE.select(["Qty", "Id"], "Items") == ("Region", "Id", "Qty")
-    with pytest.raises(ConfigurationError, match=r"'Nope' not in table 'Items'.*Region, Id"):
-        TABLE.select(["Qty", "Nope"], "Items")
-
-
-def test_keys_are_in_primary_key_order_and_wire_form() -> None:
-    assert _key_tuple({"Id": "7", "Region": "eu"}, TABLE.key) == ("eu", "7")
-    assert _key_tuple({"Id": 7, "Region": "eu"}, TABLE.key) == ("eu", "7")  # typed reads alike
-    with pytest.raises(ChangeStreamError, match=r"lack the primary key column\(s\) \['Region'\]"):
-        _key_tuple({"Id": "7"}, TABLE.key)
-
-
-def test_wire_value_matches_what_spanner_sends() -> None:
-    ts = Timestamp.from_ns(1_700_000_000_123_456_789)
-    assert _wire_value(42) == "42"
-    assert _wire_value(True) is True
-    assert _wire_value(Decimal("1.50")) == "1.50"
-    assert _wire_value(b"\x00\xff") == "AP8="
-    assert _wire_value(ts) == "2023-11-14T22:13:20.123456789Z"
-    assert _wire_value(datetime(2024, 1, 2, tzinfo=UTC)) == "2024-01-02T00:00:00.000000000Z"
-    assert _wire_value(date(2024, 1, 2)) == "2024-01-02"
-    assert _wire_value(float("inf")) == "Infinity"
-    assert _wire_value(None) is None
-    with pytest.raises(TypeError, match="cannot be looked up"):
-        _wire_value(object())
+# -- unit --------------------------------------------------------------------------------
 
 
 def test_plain_reads_protobuf_values_as_the_wire_form() -> None:
@@ -101,30 +67,8 @@ def test_plain_reads_protobuf_values_as_the_wire_form() -> None:
     assert plain_value(nested) == ["a", 2.0]
 
 
-def test_looked_up_replaces_new_values_keeps_keys_and_old_values() -> None:
-    rec = _record("UPDATE", Mod({"Region": "eu", "Id": "7"}, {"Qty": "3"}, {"Qty": "2"}),
-                  Mod({"Region": "us", "Id": "1"}, {"Qty": "9"}, {}))
-    rows = {("eu", "7"): {"Region": "eu", "Id": "7", "Name": "bolt", "Qty": "3"},
-            ("us", "1"): {"Region": "us", "Id": "1", "Name": None, "Qty": "9"}}
-    types = {"Region": {"code": "STRING"}, "Id": {"code": "INT64"},
-             "Name": {"code": "STRING"}, "Qty": {"code": "INT64"}}
-    ordinals = {"Region": 1, "Id": 2, "Name": 3, "Qty": 4}
-    out = _looked_up(rec, TABLE, TABLE.select(None, "Items"), rows, types, ordinals)
-    assert [m.new_values for m in out.mods] == [{"Name": "bolt", "Qty": "3"},
-                                                {"Name": None, "Qty": "9"}]
-    assert [m.keys for m in out.mods] == [m.keys for m in rec.mods]
-    assert [m.old_values for m in out.mods] == [{"Qty": "2"}, {}]
-    assert [(c.name, c.is_primary_key, c.ordinal_position) for c in out.column_types] == [
-        ("Region", True, 1), ("Id", True, 2), ("Name", False, 3), ("Qty", False, 4)]
-    assert out.commit_timestamp == rec.commit_timestamp and out.mod_type == "UPDATE"
-
-
-def test_looked_up_refuses_a_missing_row_and_passes_deletes() -> None:
-    rec = _record("INSERT", Mod({"Region": "eu", "Id": "7"}, {"Qty": "3"}))
-    with pytest.raises(ChangeStreamError, match="not found at its commit timestamp"):
-        _looked_up(rec, TABLE, TABLE.key, {}, {}, {})
+def test_a_delete_needs_no_read() -> None:
     deleted = _record("DELETE", Mod({"Region": "eu", "Id": "7"}))
-    assert _looked_up(deleted, TABLE, TABLE.key, {}, {}, {}) is deleted
     # A DELETE needs no read at all: the DoFn returns it without a client.
     fn = _LookupFn(DB, None, "MEDIUM", 1.0, DEFAULT_LOOKUP_RETRY)
     assert list(fn.process(deleted)) == [deleted]
@@ -156,16 +100,40 @@ def test_the_dofn_travels_without_its_client() -> None:
     assert copy._reader is fn._reader  # one reader per process and arguments
 
 
+def _stream_after(*upstream: Any, **source: Any) -> str | None:
+    """The stream LookupRows learns from validation of ``source | *upstream | LookupRows``."""
+    p = cf.Pipeline("check")
+    pc = p | cf.ReadChangeStream(DB, "OrdersStream", **source)
+    for step in upstream:
+        pc = pc | step
+    lookup = LookupRows(DB)
+    pc | lookup | cf.Collect()
+    p.validate()
+    (label,) = [label for label, t in p.nodes() if isinstance(t, LookupRows)]
+    fn = p.transform(label).fn
+    assert isinstance(fn, _LookupFn)
+    return fn.stream
+
+
+def test_rows_roll_forward_only_when_lookup_sees_every_record_with_every_column() -> None:
+    assert _stream_after() == "OrdersStream"
+    assert _stream_after(tables=["Orders"], skip_unchanged=True) == "OrdersStream"
+    assert _stream_after(cf.Filter(lambda r: True)) is None  # records may be missing
+    assert _stream_after(columns={"Orders": ["Status"]}) is None  # columns are missing
+    assert _stream_after(mod_types=["INSERT", "UPDATE"]) is None
+    assert _stream_after(typed=False) is None  # the records' values are in another form
+
+
 # -- the emulator -------------------------------------------------------------------------
 
 
-def _stale_row(db: Any, key: int, ts: Timestamp) -> dict[str, Any] | None:
+def _stale(db: Any, table: str, columns: list[str], key: Any, ts: Timestamp
+           ) -> dict[str, Any] | None:
     """The test's own stale read (the stock client, typed values) at ``ts``."""
     from google.cloud.spanner import KeySet
 
-    columns = [SHOP_KEY, *SHOP_COLUMNS]
     with db.snapshot(read_timestamp=ts) as snap:
-        rows = list(snap.read(SHOP_TABLE, columns, KeySet(keys=[[key]])))
+        rows = list(snap.read(table, columns, KeySet(keys=[[key]])))
     return dict(zip(columns, rows[0], strict=True)) if rows else None
 
 
@@ -180,65 +148,181 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.emulator
-@pytest.mark.parametrize("dialect", ["GOOGLE_STANDARD_SQL", "POSTGRESQL"])
-@pytest.mark.parametrize("capture", ["NEW_VALUES", "OLD_AND_NEW_VALUES"])
-def test_every_looked_up_row_is_the_row_at_its_commit_timestamp(
-    spanner_emulator: Emulator, dialect: str, capture: str
-) -> None:
-    name = unique("lookup")
-    db = create_shop_database(spanner_emulator, name, dialect, capture)  # type: ignore[arg-type]
-    start = Timestamp.now()
-    workload = Workload(db, rate=None, seed=5, multi_row_share=0.5)
-    workload.run(count=25)
-    live = sorted(workload.live_keys)
-    assert live, "the workload left no row to delete later"
-    doomed = live[0]
-    from google.cloud.spanner import KeySet
+def _after(db: Any, batch: Any) -> int:
+    return Timestamp.from_datetime(batch.committed).ns
 
-    with db.batch() as batch:  # deleted after its changes: a stale read still finds it
-        batch.delete(SHOP_TABLE, KeySet(keys=[[doomed]]))
-    last = Timestamp.from_datetime(batch.committed).ns
 
-    path = spanner_emulator.database_path(name)
+def _run(path: str, stream: str, name: str, start: int, end: int, *upstream: Any,
+         **lookup: Any) -> tuple[list[DataChangeRecord], list[DataChangeRecord], Counter[str]]:
+    """Read [start, end] through LookupRows; (raw records, looked-up records, the reads it
+    made by kind). One batch spans the window, so each partition is read in one slice (one
+    bundle)."""
     raw: cf.Collect[DataChangeRecord] = cf.Collect()
     full: cf.Collect[DataChangeRecord] = cf.Collect()
     pipeline = cf.Pipeline(name)
     records = pipeline | cf.ReadChangeStream(
-        path, SHOP_STREAM, start_at=start.rfc3339(),
-        end_at=Timestamp.from_ns(last + 1_000).rfc3339(), heartbeat="250ms",
+        path, stream, start_at=Timestamp.from_ns(start).rfc3339(),
+        end_at=Timestamp.from_ns(end).rfc3339(), heartbeat="10s",
     )
     records | "raw" >> raw
-    records | LookupRows(database=path) | "full" >> full
-    summary = pipeline.run(metadata="memory://", batch_interval="100ms", max_batch_span="2s")
+    for step in upstream:
+        records = records | step
+    reader = cached_reader(path, "HIGH", 7.0, DEFAULT_LOOKUP_RETRY)  # the one LookupRows uses
+    before = Counter(reader.reads)
+    records | LookupRows(database=path, priority="HIGH", call_timeout=7.0, **lookup) | full
+    summary = pipeline.run(metadata="memory://", batch_interval="100ms", max_batch_span="1h")
     assert summary.reason == "end reached"
+    return raw.items, full.items, reader.reads - before
 
-    def ident(r: DataChangeRecord) -> tuple[str, str, str]:
-        return (r.server_transaction_id, r.record_sequence, r.partition_token)
 
-    originals = {ident(r): r for r in raw.items}
-    assert len(full.items) == len(raw.items) > 20
-    checked = updates = 0
-    doomed_seen = False
-    for record in full.items:
-        original = originals[ident(record)]
+def _ident(r: DataChangeRecord) -> tuple[str, str, str]:
+    return (r.server_transaction_id, r.record_sequence, r.partition_token)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("dialect", ["GOOGLE_STANDARD_SQL", "POSTGRESQL"])
+@pytest.mark.parametrize(
+    "capture", ["NEW_VALUES", "OLD_AND_NEW_VALUES", "NEW_ROW", "NEW_ROW_AND_OLD_VALUES"]
+)
+def test_every_looked_up_row_is_the_row_at_its_commit_timestamp(
+    spanner_emulator: Emulator, dialect: str, capture: str
+) -> None:
+    from google.cloud.spanner import KeySet
+
+    name = unique("lookup")
+    db = create_shop_database(spanner_emulator, name, dialect, capture)  # type: ignore[arg-type]
+    before = Workload(db, rate=None, seed=4, multi_row_share=0.5)
+    before.run(count=12)  # rows that exist before the window: their first change needs a read
+    start = max(Timestamp.now().ns, max(c.commit_ns for c in before.changes)) + 1_000
+    workload = Workload(db, rate=None, seed=5, multi_row_share=0.5)
+    workload.run(count=20)
+    often, again, doomed = sorted(workload.live_keys)[:3]
+    columns = [SHOP_KEY, "Status", "Quantity"]
+    for status, quantity in (("A", 1), ("B", 2), ("C", 3)):  # one key changed many times
+        with db.batch() as batch:
+            batch.update(SHOP_TABLE, [SHOP_KEY, "Status"], [[often, status]])
+        with db.batch() as batch:
+            batch.update(SHOP_TABLE, [SHOP_KEY, "Quantity"], [[often, quantity]])
+    with db.batch() as batch:  # deleted, inserted again with part of the row, then updated
+        batch.delete(SHOP_TABLE, KeySet(keys=[[again]]))
+    with db.batch() as batch:
+        batch.insert(SHOP_TABLE, columns, [[again, "NEW", 5]])
+    with db.batch() as batch:
+        batch.update(SHOP_TABLE, [SHOP_KEY, "Customer"], [[again, "ada"]])
+    with db.batch() as batch:
+        batch.update(SHOP_TABLE, [SHOP_KEY, "Status"], [[doomed, "LAST"]])
+    with db.batch() as batch:  # deleted after its changes: a stale read still finds it
+        batch.delete(SHOP_TABLE, KeySet(keys=[[doomed]]))
+    end = max(Timestamp.now().ns, _after(db, batch)) + 1_000
+
+    path = spanner_emulator.database_path(name)
+    raw, full, reads = _run(path, SHOP_STREAM, name, start, end)
+    originals = {_ident(r): r for r in raw}
+    assert len(full) == len(raw) > 20
+    checked = 0
+    seen: set[int] = set()
+    for record in full:
+        original = originals[_ident(record)]
         assert [m.keys for m in record.mods] == [m.keys for m in original.mods]
         assert [m.old_values for m in record.mods] == [m.old_values for m in original.mods]
         if record.mod_type == "DELETE":
             assert record == original
             continue
         assert {c.name for c in record.column_types} == {SHOP_KEY, *SHOP_COLUMNS}
-        for mod, before in zip(record.mods, original.mods, strict=True):
+        for mod, mine in zip(record.mods, original.mods, strict=True):
             key = int(mod.keys[SHOP_KEY])
             assert set(mod.new_values) == set(SHOP_COLUMNS)
             # The stream's own values are in the same (typed) form as the looked-up ones.
-            assert {c: mod.new_values[c] for c in before.new_values} == dict(before.new_values)
-            expected = _stale_row(db, key, record.commit_timestamp)
+            assert {c: mod.new_values[c] for c in mine.new_values} == dict(mine.new_values)
+            expected = _stale(db, SHOP_TABLE, [SHOP_KEY, *SHOP_COLUMNS], key,
+                              record.commit_timestamp)
             assert expected is not None
             assert _typed(dict(mod.new_values)) == {c: expected[c] for c in SHOP_COLUMNS}
             checked += 1
-            updates += record.mod_type == "UPDATE"
-            doomed_seen |= key == doomed
-    assert checked > 10 and updates > 0
-    assert doomed_seen, "the row deleted later was never looked up"
-    assert _stale_row(db, doomed, Timestamp.from_ns(last + 1_000)) is None  # it is gone now
+            seen.add(key)
+    assert checked > 20 and {often, again, doomed} <= seen
+    assert _stale(db, SHOP_TABLE, [SHOP_KEY], doomed, Timestamp.from_ns(end)) is None
+
+    # Reads: none at a commit timestamp, at most one per bundle (a partition's slice), where
+    # a read per record would have made one per INSERT or UPDATE record.
+    bundles = {r.partition_token for r in raw if r.mod_type != "DELETE"}
+    per_record = sum(r.mod_type != "DELETE" for r in raw)
+    assert reads["commit"] == 0
+    assert reads["bundle"] <= len(bundles) < per_record
+    if capture in ("NEW_VALUES", "OLD_AND_NEW_VALUES"):
+        assert reads["bundle"] >= 1  # updates of rows from before the window
+
+
+_ITEMS_DDL = [
+    "CREATE TABLE Items (Id INT64 NOT NULL, Name STRING(MAX), Qty INT64, "
+    "Doubled INT64 AS (Qty * 2) STORED, "
+    "Touched TIMESTAMP OPTIONS (allow_commit_timestamp = true)) PRIMARY KEY (Id)",
+    "CREATE CHANGE STREAM Every FOR Items OPTIONS (value_capture_type = 'NEW_VALUES')",
+    "CREATE CHANGE STREAM NamesOnly FOR Items(Name) OPTIONS (value_capture_type = 'NEW_VALUES')",
+]
+_ITEMS = ["Id", "Name", "Qty", "Doubled", "Touched"]
+
+
+@pytest.fixture(scope="module")
+def items_window(spanner_emulator: Emulator) -> tuple[Any, str, int, int]:
+    """Items with 6 rows before a window in which they change (the database, its path,
+    the window's start and end)."""
+    from google.cloud.spanner import COMMIT_TIMESTAMP
+
+    name = unique("items")
+    db = spanner_emulator.create_database(name, _ITEMS_DDL)
+    with db.batch() as batch:
+        batch.insert("Items", ["Id", "Name", "Qty"], [[i, f"n{i}", i] for i in range(6)])
+    start = max(Timestamp.now().ns, _after(db, batch)) + 1_000
+    for i in range(6):
+        with db.batch() as batch:
+            batch.update("Items", ["Id", "Qty"], [[i % 3, 10 + i]])
+        with db.batch() as batch:
+            batch.update("Items", ["Id", "Name"], [[3 + i % 3, f"m{i}"]])
+    with db.batch() as batch:  # the emulator reports the commit-timestamp placeholder
+        batch.update("Items", ["Id", "Touched"], [[1, COMMIT_TIMESTAMP]])
+    with db.batch() as batch:
+        batch.update("Items", ["Id", "Qty"], [[1, 99]])
+    end = max(Timestamp.now().ns, _after(db, batch)) + 1_000
+    return db, spanner_emulator.database_path(name), start, end
+
+
+def _check_items(db: Any, full: list[DataChangeRecord], columns: list[str]) -> int:
+    checked = 0
+    for record in full:
+        for mod in record.mods:
+            expected = _stale(db, "Items", columns, int(mod.keys["Id"]), record.commit_timestamp)
+            assert expected is not None
+            assert dict(mod.new_values) == {c: expected[c] for c in columns if c != "Id"}
+            checked += 1
+    return checked
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize(
+    ("case", "stream", "columns", "filtered"),
+    [
+        ("rolled", "Every", ["Name", "Qty", "Touched"], False),
+        ("generated", "Every", None, False),
+        ("untracked", "NamesOnly", ["Name", "Qty"], False),
+        ("filtered", "Every", ["Name", "Qty"], True),
+    ],
+)
+def test_rows_the_stream_cannot_give_are_read_at_each_commit_timestamp(
+    items_window: tuple[Any, str, int, int], case: str, stream: str,
+    columns: list[str] | None, filtered: bool,
+) -> None:
+    db, path, start, end = items_window
+    upstream = [cf.Filter(lambda r: True)] if filtered else []
+    raw, full, reads = _run(path, stream, unique(case), start, end, *upstream,
+                             columns=columns)
+    read = ["Id", *(columns or _ITEMS[1:])]
+    assert len(full) == len(raw) and _check_items(db, full, read) == len(raw)
+    if case == "rolled":
+        # One read for the bundle, one at the commit of the placeholder, one after it (the
+        # row stays unknown until a mod writes every column).
+        assert len(raw) == 14
+        assert (reads["bundle"], reads["commit"]) == (1, 2)
+    else:
+        assert reads["bundle"] == 0
+        assert reads["commit"] == len({r.commit_timestamp for r in raw})

@@ -1,0 +1,205 @@
+"""The fused chain's bundles: a DoFn with ``bundle_size > 1`` gets consecutive elements of a
+task at once; outputs, counters and error handling stay what a record-at-a-time run
+gives; heartbeats and the byte quota end bundles early, so a held bundle never blocks
+reading. Run on both runners where the engine is involved."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import cloudpickle
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.quota import approx_size, process_quota
+from cdcflow.engine.runner import Runner
+from cdcflow.engine.task import FailedElement, run_task
+from cdcflow.model import DataChangeRecord
+from cdcflow.policy import ErrorPolicy
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.stream import ChangeStreamQuery, StreamInfo
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms import (
+    Collect,
+    DetectPartitions,
+    DoFn,
+    Filter,
+    FlatMap,
+    Map,
+    ParDo,
+    ReadPartition,
+)
+from tests.engine.test_loop import run
+from tests.engine.test_task import T0, S, items, program, task
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Spark workers lack tests/
+
+
+def _v(element: Any) -> int:
+    return int(element.mods[0].new_values["v"]) if hasattr(element, "mods") else int(element)
+
+
+class _Tag(DoFn[Any, tuple[int, int, int]]):
+    """(value, bundle number in this task, bundle length): which bundle each element was in."""
+
+    def __init__(self, size: int) -> None:
+        self.bundle_size = size
+        self.bundles = 0
+
+    def process(self, element: Any) -> Iterable[tuple[int, int, int]]:
+        return [(_v(element), 0, 1)]
+
+    def process_bundle(self, elements: Sequence[Any]) -> Sequence[Iterable[tuple[int, int, int]]]:
+        self.bundles += 1
+        return [[(_v(e), self.bundles, len(elements))] for e in elements]
+
+
+class _Scale(DoFn[Any, int]):
+    """x -> [10x] (none for 7), the same by process and process_bundle; fails on 3."""
+
+    def __init__(self, size: int) -> None:
+        self.bundle_size = size
+
+    def process(self, element: Any) -> Iterable[int]:
+        v = _v(element)
+        if v == 3:
+            raise ValueError("bad 3")
+        return [] if v == 7 else [10 * v]
+
+    def process_bundle(self, elements: Sequence[Any]) -> Sequence[Iterable[int]]:
+        return [self.process(e) for e in elements]
+
+
+def _stream(n: int, partitions: int = 1, spacing: int = 1000) -> ScriptedChangeStream:
+    s = ScriptedChangeStream("S", partitions=partitions, buckets=8 * partitions, origin=T0)
+    for i in range(n):
+        s.write("T", i, "INSERT", {"v": i}, at=T0 + S + i * spacing)
+    return s
+
+
+def test_bundles_are_runs_of_consecutive_records_up_to_the_size() -> None:
+    result = run_task(program(_stream(11), ParDo(_Tag(4)), Collect()),
+                      task("p0", T0, T0 + 100 * S))
+    assert items(result) == [(i, i // 4 + 1, 4 if i < 8 else 3) for i in range(11)]
+
+
+def _branching(size: int, dead: Any) -> Any:
+    return program(
+        _stream(12),
+        "dup" >> FlatMap(lambda r: [r, r] if _v(r) % 2 else [r]),
+        [
+            ["scale" >> ParDo(_Scale(size)), "big" >> Filter(lambda x: x > 20), "A" >> Collect()],
+            ["B" >> Collect()],
+            ["tag" >> Map(_v), "C" >> Collect()],
+        ],
+        policy=ErrorPolicy(retries=1, backoff=0.001, then="skip", dead_letter=dead),
+    )
+
+
+def test_a_bundled_run_gives_what_a_record_at_a_time_run_gives() -> None:
+    results = []
+    for size in (1, 5):
+        dead = "dead" >> Collect()
+        results.append(run_task(_branching(size, dead), task("p0", T0, T0 + 100 * S)))
+    one, bundled = results
+    for label in ("A", "B", "C"):
+        assert items(bundled, label) == items(one, label)
+    assert items(one, "A") == [40, 50, 50, 60, 80, 90, 90, 100, 110, 110]
+    failed = [f for f in items(bundled, "dead") if isinstance(f, FailedElement)]
+    assert [(f.label, _v(f.element)) for f in failed] == [("scale", 3), ("scale", 3)]
+    assert [_v(f.element) for f in items(one, "dead")] == [3, 3]
+    # The same counts, but a bundle holds more bytes at once.
+    held = ("bundle_retries", "inflight_bytes_peak")
+    assert ({k: v for k, v in bundled.counters.items() if k not in held}
+            == {k: v for k, v in one.counters.items() if k not in held})
+    assert bundled.counters["inflight_bytes_peak"] > one.counters["inflight_bytes_peak"]
+    # Records 0-4 give "scale" 0 1 1 2 3 3 4, taken 5 at a time: both chunks hold a 3, so
+    # both raised inside process_bundle and ran element by element.
+    assert bundled.counters["bundle_retries"] == 2 and "bundle_retries" not in one.counters
+
+
+def test_a_heartbeat_ends_a_bundle() -> None:
+    s = ScriptedChangeStream("S", partitions=1, buckets=8, origin=T0)
+    for burst in range(3):  # three bursts of 3 records, a second apart
+        for i in range(3):
+            s.write("T", burst * 3 + i, "INSERT", {"v": burst * 3 + i},
+                    at=T0 + (burst + 1) * S + i * 1000)
+    prog = program(s, ParDo(_Tag(100)), Collect(), read=ReadPartition(heartbeat="100ms"))
+    result = run_task(prog, task("p0", T0, T0 + 10 * S))
+    assert items(result) == [(i, i // 3 + 1, 3) for i in range(9)]
+
+
+def test_bundles_under_max_inflight_keep_record_order() -> None:
+    read = ReadPartition(max_inflight=4)
+    prog = program(_stream(50), ParDo(_Tag(3)), Map(lambda t: t[0]), Collect(), read=read)
+    result = run_task(prog, task("p0", T0, T0 + 100 * S))
+    assert items(result) == list(range(50))
+
+
+def _key(t: tuple[int, int, int]) -> int:
+    return t[0]
+
+
+class _Slow:
+    """A client that takes a millisecond per data record, so that concurrent tasks fill
+    their bundles at the same time."""
+
+    def __init__(self, inner: ScriptedChangeStream) -> None:
+        self.inner = inner
+
+    def describe_stream(self, stream: str) -> StreamInfo:
+        return self.inner.describe_stream(stream)
+
+    def read(self, query: ChangeStreamQuery) -> Iterator[Any]:
+        for record in self.inner.read(query):
+            if isinstance(record, DataChangeRecord):
+                time.sleep(0.001)
+            yield record
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_inflight", [1, 4])
+def test_a_quota_smaller_than_the_bundles_of_every_task_does_not_deadlock(
+    runner: Runner, max_inflight: int
+) -> None:
+    # Four partitions read at once, each wanting bundles of 1000 records, with a quota of a
+    # few records: a task whose next record does not fit runs its held bundle first.
+    s = _stream(400, partitions=4)
+    size = approx_size(next(iter(s.expected_records(T0, T0 + 10 * S))))
+    limit = int(12.5 * size)  # bundles end at 4 records; four tasks holding 3 each fill it
+    out: Collect[tuple[int, int, int]] = Collect()
+    p = cf.Pipeline("bundles")
+    (p
+     | DetectPartitions(stream="S", start_at=T0, end_at=T0 + 2 * S, client=_Slow(s))
+     | ReadPartition(heartbeat="10s", max_inflight=max_inflight, max_inflight_bytes=limit)
+     | ParDo(_Tag(1000))
+     | out)
+    if isinstance(runner, InMemoryRunner):
+        process_quota(limit).reset_peak()
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            run(runner, p, max_batch_span=3600.0)
+        except BaseException as exc:  # reported below
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=go, daemon=True).start()
+    assert done.wait(100), "the run did not finish: held bundles deadlocked the quota"
+    assert not failure, failure
+    assert sorted(map(_key, out.items)) == list(range(400))
+    # A bundle ends at a quarter of the quota's bytes: never more than 4 records here.
+    assert max(t[2] for t in out.items) <= limit // 4 // size + 1
+    if isinstance(runner, InMemoryRunner):
+        stats = process_quota().stats()
+        assert stats.peak <= limit and stats.used == 0
