@@ -96,7 +96,13 @@ class Timestamp(datetime):
     TypeError, as between datetimes.
     """
 
+    # Slots, not a __dict__: decoders make one Timestamp per record and value, and a dict
+    # each would double the allocations (and the garbage collector's work). ``_ns`` caches
+    # :attr:`ns` (None until first computed; decoders that know it set it at once).
+    __slots__ = ("_nanosecond", "_ns")
+
     _nanosecond: int
+    _ns: int | None
 
     def __new__(cls, *args: Any, nanosecond: int = 0, **kwargs: Any) -> Timestamp:
         if "tzinfo" not in kwargs and len(args) < 8:
@@ -109,6 +115,7 @@ class Timestamp(datetime):
             msg = f"nanosecond must be in 0..999 (the part below microseconds), got {nanosecond}"
             raise ValueError(msg)
         self._nanosecond = nanosecond
+        self._ns = None
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -127,18 +134,23 @@ class Timestamp(datetime):
     @property
     def ns(self) -> int:
         """Integer nanoseconds since the Unix epoch."""
-        delta: timedelta = datetime.__sub__(self, _EPOCH)
-        micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
-        return micros * 1000 + self._nanosecond
+        ns = self._ns
+        if ns is None:
+            delta: timedelta = datetime.__sub__(self, _EPOCH)
+            micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+            ns = self._ns = micros * 1000 + self._nanosecond
+        return ns
 
     @classmethod
     def from_ns(cls, ns: int) -> Timestamp:
         micros, nanos = divmod(ns, 1000)
         dt = _EPOCH + timedelta(microseconds=micros)
-        return cls(
+        ts = cls(
             dt.year, dt.month, dt.day, dt.hour, dt.minute, dt.second, dt.microsecond,
             tzinfo=UTC, nanosecond=nanos,
         )
+        ts._ns = ns
+        return ts
 
     @classmethod
     def from_datetime(cls, value: datetime) -> Timestamp:

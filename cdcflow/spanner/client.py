@@ -63,7 +63,7 @@ from cdcflow.model import (
     Timestamp,
     record_position,
 )
-from cdcflow.spanner.decode import row_decoder
+from cdcflow.spanner.flat import MessageDecoder
 from cdcflow.spanner.retry import ObservedRead, QueryStats, is_transient, status_name
 from cdcflow.spanner.shape import RecordShaper
 from cdcflow.spanner.snapshot import read_snapshot
@@ -409,12 +409,20 @@ class SpannerChangeStreamClient:
             responses = self.transport.execute_streaming_sql(
                 sql, params, priority=self.priority, timeout=self.query_timeout
             )
-            decode = None
-            for row_type, row in assemble_rows(responses):
-                if decode is None:
-                    first = clock() - began
-                    decode = row_decoder(row_type.fields[0].type_, self._shaper)
-                records = decode(row[0], label)
+            decoder = MessageDecoder(self._shaper)
+            decode = decoder.decode
+            for message in responses:
+                arrived = clock()
+                records = decode(message, label)
+                if first is None and decoder.rows_seen:
+                    first = arrived - began
+                if records:
+                    paused = clock()
+                    yield from records
+                    held += clock() - paused
+                    paused = None
+            records = decoder.finish(label)
+            if records:
                 paused = clock()
                 yield from records
                 held += clock() - paused
@@ -458,16 +466,18 @@ class SpannerChangeStreamClient:
     ) -> Iterator[ChangeRecord]:
         start = query.start
         last: int | None = None  # position of the last record yielded
-        seen: set[tuple[str, str, str]] = set()  # identities yielded at ``last``
+        at_last: set[tuple[str, str, str]] = set()  # identities yielded at ``last``
+        seen: set[tuple[str, str, str]] = set()  # while re-reading: those of the failed read
         resume: int | None = None  # while re-reading: drop what is at or before this
         failed = 0  # failures in a row without progress
         streak_began = 0.0  # when the first of them began, on the policy's clock
+        end = query.end
         while True:
             progressed = False
             began = self.retry.clock()
             try:
                 for record in self._query(
-                    info, query.partition_token, start, query.end, query.heartbeat_millis, stats
+                    info, query.partition_token, start, end, query.heartbeat_millis, stats
                 ):
                     pos = record_position(record)
                     if resume is not None:
@@ -477,13 +487,18 @@ class SpannerChangeStreamClient:
                             continue
                         if pos > resume:
                             resume = None
-                    if pos >= query.end:
+                    if pos >= end:
                         # The server's bounds are inclusive of end - 1 ns; never past it.
                         continue
                     if pos != last:
                         last = pos
-                        seen = set()
-                    seen.add(_identity(record))
+                        at_last = set()
+                    if type(record) is DataChangeRecord:  # _identity, inline: the hot path
+                        at_last.add(
+                            ("data", record.record_sequence, record.server_transaction_id)
+                        )
+                    else:
+                        at_last.add(_identity(record))
                     progressed = True
                     yield record
                 return
@@ -501,6 +516,9 @@ class SpannerChangeStreamClient:
                     raise translated from exc
                 if last is not None:
                     start = resume = last
+                    # what was yielded at ``last`` by every read so far (``at_last``
+                    # grows while ``last`` holds)
+                    seen = set(at_last)
 
     def _translate(self, exc: Exception, query: ChangeStreamQuery | None) -> Exception:
         """A cdcflow error naming the fix for a permanent Spanner error."""
