@@ -98,11 +98,13 @@ class Timestamp(datetime):
 
     # Slots, not a __dict__: decoders make one Timestamp per record and value, and a dict
     # each would double the allocations (and the garbage collector's work). ``_ns`` caches
-    # :attr:`ns` (None until first computed; decoders that know it set it at once).
-    __slots__ = ("_nanosecond", "_ns")
+    # :attr:`ns`, ``_text`` :meth:`rfc3339` (None until first computed; decoders that know
+    # them set them at once).
+    __slots__ = ("_nanosecond", "_ns", "_text")
 
     _nanosecond: int
     _ns: int | None
+    _text: str | None
 
     def __new__(cls, *args: Any, nanosecond: int = 0, **kwargs: Any) -> Timestamp:
         if "tzinfo" not in kwargs and len(args) < 8:
@@ -116,6 +118,7 @@ class Timestamp(datetime):
             raise ValueError(msg)
         self._nanosecond = nanosecond
         self._ns = None
+        self._text = None
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -190,12 +193,18 @@ class Timestamp(datetime):
     def rfc3339(self) -> str:
         """RFC 3339 text in UTC with nine fractional digits, e.g.
         ``2024-05-01T12:00:00.123456789Z``."""
-        if self.tzinfo is not UTC and self.utcoffset():
-            return Timestamp.from_ns(self.ns).rfc3339()  # built with another zone: say it in Z
-        return (
-            f"{self.year:04d}-{self.month:02d}-{self.day:02d}T{self.hour:02d}:{self.minute:02d}:"
-            f"{self.second:02d}.{self.microsecond:06d}{self._nanosecond:03d}Z"
-        )
+        text = self._text
+        if text is None:
+            if self.tzinfo is not UTC and self.utcoffset():
+                text = Timestamp.from_ns(self.ns).rfc3339()  # another zone: say it in Z
+            else:
+                text = (
+                    f"{self.year:04d}-{self.month:02d}-{self.day:02d}T{self.hour:02d}:"
+                    f"{self.minute:02d}:{self.second:02d}.{self.microsecond:06d}"
+                    f"{self._nanosecond:03d}Z"
+                )
+            self._text = text
+        return text
 
     def __str__(self) -> str:
         return self.rfc3339()

@@ -121,8 +121,72 @@ def to_json_dict(element: Any) -> dict[str, Any]:
     raise SinkError(msg)
 
 
+#: What orjson writes differently (datetimes, with nine digits), or not at all (Decimal,
+#: bytes, sets, attrs instances, ...): converted by :func:`_default` with the rules above.
+_OPTIONS = (orjson.OPT_APPEND_NEWLINE | orjson.OPT_PASSTHROUGH_DATETIME
+            | orjson.OPT_PASSTHROUGH_DATACLASS)
+_DEFAULTS: dict[type, Any] = {Timestamp: Timestamp.rfc3339, Decimal: str}
+
+
+def _default(value: Any) -> Any:
+    convert = _DEFAULTS.get(type(value))
+    if convert is not None:
+        return convert(value)
+    if attrs.has(type(value)):
+        # its fields as they are: orjson writes them, calling back here for what it cannot
+        return {name: getattr(value, name) for name in _field_names(type(value))}
+    return to_json_value(value)
+
+
+#: Types whose values hold no float (checked by identity: the fast path of _non_finite).
+_NO_FLOAT = frozenset({str, int, bool, type(None), Timestamp, Decimal, datetime, date, bytes})
+
+
+def _non_finite(value: Any) -> bool:
+    """Whether a float that is not finite hides in ``value``, its dicts, lists, tuples and
+    attrs instances (orjson writes one as null; the rules say "NaN", "Infinity",
+    "-Infinity")."""
+    stack = [value]
+    push = stack.append
+    while stack:
+        container = stack.pop()
+        kind = type(container)
+        if kind is dict or isinstance(container, Mapping):
+            items: Any = container.values()
+        elif kind is list or kind is tuple or isinstance(container, list | tuple):
+            items = container
+        elif attrs.has(kind):
+            items = [getattr(container, name) for name in _field_names(kind)]
+        elif isinstance(container, float):
+            if container - container:  # NaN and the infinities: x - x is NaN, else 0.0
+                return True
+            continue
+        else:
+            continue
+        for item in items:
+            kind = type(item)
+            if kind in _NO_FLOAT:
+                continue
+            if kind is float:
+                if item - item:
+                    return True
+            else:
+                push(item)
+    return False
+
+
 def dumps_line(element: Any) -> bytes:
     """One JSONL line (UTF-8, ending in a newline) for ``element`` (see :func:`to_json_dict`)."""
+    if isinstance(element, dict) or attrs.has(type(element)):
+        # orjson walks the element in C, calling _default only for what it cannot write
+        # the way the rules say; a null in the line may be a float that is not finite
+        try:
+            line = orjson.dumps(element, default=_default, option=_OPTIONS)
+        except (orjson.JSONEncodeError, SinkError):
+            pass  # a key that is not a str, a huge int: the rules' own way says what
+        else:
+            if b"null" not in line or not _non_finite(element):
+                return line
     try:
         return orjson.dumps(to_json_dict(element), option=orjson.OPT_APPEND_NEWLINE)
     except orjson.JSONEncodeError as exc:  # e.g. an int beyond 64 bits

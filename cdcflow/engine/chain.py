@@ -28,6 +28,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import cloudpickle
+import orjson
 
 from cdcflow.engine.listener import note_task_done
 from cdcflow.engine.program import TaskProgram
@@ -93,6 +94,8 @@ class Chain:
         self._skipped = 0
         self._retries = 0
         self._counts: dict[str, int] = {}  # touched on the reader thread only
+        self._counter_keys: dict[str, tuple[str, str, str]] = {}
+        self._processes: dict[str, Callable[[Any], list[Any]]] = {}
         self._count_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: InflightTracker | None = None
@@ -216,16 +219,14 @@ class Chain:
             if isinstance(node, Sink):
                 out.append((label, element))
                 return
-            key_in = f"elements_in/{label}"
+            key_in, key_out, _ = self._keys(label)
             counts[key_in] = counts.get(key_in, 0) + 1
-            call = functools.partial(_process, node, element)
-            outputs = self._guarded(label, record, element, call)
+            outputs = self._guarded(label, record, element, self._process(label, node), element)
             if isinstance(outputs, _Skipped):
                 if self._program.dead_letter_label is not None:
                     out.append((self._program.dead_letter_label,
                                 self._failed(label, record, element, outputs)))
                 return
-            key_out = f"elements_out/{label}"
             counts[key_out] = counts.get(key_out, 0) + len(outputs)
             for value in outputs:
                 for nxt in self._succ[label]:
@@ -251,27 +252,45 @@ class Chain:
             if wanted is not None and label not in wanted:
                 continue  # a replay for other sinks: this one has the batch already
             writer = self._writer(label)
-            key = f"sink_writes/{label}"
+            key = self._keys(label)[2]
             counts[key] = counts.get(key, 0) + 1
             if label == dead:
                 writer.write(element)  # a failing dead-letter sink fails the task
                 counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
                 continue
-            done = self._guarded(label, record, element, functools.partial(writer.write, element))
+            done = self._guarded(label, record, element, writer.write, element)
             if isinstance(done, _Skipped) and dead is not None and (
                 wanted is None or dead in wanted
             ):
                 self._writer(dead).write(self._failed(label, record, element, done))
                 counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
 
+    def _keys(self, label: str) -> tuple[str, str, str]:
+        """The counter keys of a step: elements in, elements out, sink writes (made once:
+        they are counted for every element)."""
+        keys = self._counter_keys.get(label)
+        if keys is None:
+            keys = self._counter_keys[label] = (
+                f"elements_in/{label}", f"elements_out/{label}", f"sink_writes/{label}"
+            )
+        return keys
+
+    def _process(self, label: str, node: ParDo[Any, Any] | Sink[Any, Any]) -> Any:
+        """``node``'s processing of one element (its outputs as a list), made once."""
+        call = self._processes.get(label)
+        if call is None:
+            call = self._processes[label] = functools.partial(_process, node)
+        return call
+
     def _guarded(
-        self, label: str, record: DataChangeRecord, element: Any, call: Callable[[], Any]
+        self, label: str, record: DataChangeRecord, element: Any, call: Callable[[Any], Any],
+        argument: Any,
     ) -> Any:
-        """``call()`` under the error policy: its value, or _Skipped when skipped."""
+        """``call(argument)`` under the error policy: its value, or _Skipped when skipped."""
         failed = 0
         while True:
             try:
-                return call()
+                return call(argument)
             except SinkIOError:
                 raise  # the sink's storage failed, not the element: the batch is retried
             except PipelineStopped:
@@ -411,14 +430,33 @@ def _process(node: ParDo[Any, Any] | Sink[Any, Any], element: Any) -> list[Any]:
 
 def approx_size(record: DataChangeRecord) -> int:
     """An estimate of a record's memory in bytes, for the byte quota: 256 for the record,
-    plus for every key and value of its mods the payload (a string's UTF-8 length, a bytes
-    value's length, a JSON value or array summed over its items, recursively) and
-    :data:`_PER_VALUE` for the object around it. Linear in the record's values."""
-    n = 256
-    for mod in record.mods:
-        for values in (mod.keys, mod.new_values, mod.old_values):
-            n += _dict_size(values)
-    return n
+    plus the payload of its mods' keys and values (their JSON text, as orjson writes it in
+    C: strings in UTF-8, JSON values and arrays whole; a bytes value's length; a value JSON
+    cannot hold, such as a Timestamp or a Decimal, 4 bytes) and :data:`_PER_VALUE` for
+    each key and each value around it. Linear in the record's values."""
+    extra = 0
+
+    def other(value: Any) -> Any:  # what orjson cannot write: counted here, written as null
+        nonlocal extra
+        if isinstance(value, bytes | bytearray | memoryview):
+            extra += len(value)
+        elif isinstance(value, Mapping):
+            return dict(value)
+        elif isinstance(value, set | frozenset):
+            return list(value)
+        return None
+
+    values = [(m.keys, m.new_values, m.old_values) for m in record.mods]
+    try:
+        body = len(orjson.dumps(values, default=other))
+    except (TypeError, orjson.JSONEncodeError):  # a key that is not a str, a huge int
+        n = 256
+        for mod in record.mods:
+            for part in (mod.keys, mod.new_values, mod.old_values):
+                n += _dict_size(part)
+        return n
+    entries = sum(len(k) + len(n) + len(o) for k, n, o in values)
+    return 256 + body + extra + 2 * _PER_VALUE * entries
 
 
 #: What a key or value costs besides its payload (the object header and its reference).

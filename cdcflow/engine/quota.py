@@ -161,7 +161,8 @@ class ByteQuota:
                 )
                 raise ValueError(msg)
             self._used -= n
-            self._cond.notify_all()
+            if self._queue:  # only a queued acquire waits on the condition
+                self._cond.notify_all()
 
     def notify(self) -> None:
         """Wake every waiter so that it re-checks its ``until``."""

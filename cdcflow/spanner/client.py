@@ -396,7 +396,7 @@ class SpannerChangeStreamClient:
 
     def _query(
         self, info: StreamInfo, token: str | None, start: int, end: int, heartbeat: int,
-        stats: QueryStats,
+        stats: QueryStats, sizes: dict[int, int],
     ) -> Iterator[ChangeRecord]:
         sql, params = self._statement(info, token, start, end, heartbeat)
         label = token if token is not None else INITIAL_PARTITION_TOKEN
@@ -409,7 +409,7 @@ class SpannerChangeStreamClient:
             responses = self.transport.execute_streaming_sql(
                 sql, params, priority=self.priority, timeout=self.query_timeout
             )
-            decoder = MessageDecoder(self._shaper)
+            decoder = MessageDecoder(self._shaper, sizes)
             decode = decoder.decode
             for message in responses:
                 arrived = clock()
@@ -443,26 +443,30 @@ class SpannerChangeStreamClient:
         if query.end <= query.start:
             return ObservedRead(iter(()), stats)
         info = self.describe_stream(query.stream)
+        sizes: dict[int, int] = {}  # what the decoder measured of the records it gives
         if info.partition_mode == "MUTABLE_KEY_RANGE":
-            return ObservedRead(self._read_windows(query, info, stats), stats)
-        return ObservedRead(self._read(query, info, stats), stats)
+            return ObservedRead(self._read_windows(query, info, stats, sizes), stats, sizes)
+        return ObservedRead(self._read(query, info, stats, sizes), stats, sizes)
 
     def _read_windows(
-        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats
+        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats,
+        sizes: dict[int, int],
     ) -> Iterator[ChangeRecord]:
         """MUTABLE_KEY_RANGE queries need an end at most 30 minutes after the start: read
         the slice in consecutive windows, and stop at the partition's end record."""
         start = query.start
         while start < query.end:
             end = min(query.end, start + _MUTABLE_WINDOW_NS)
-            for record in self._read(attrs.evolve(query, start=start, end=end), info, stats):
+            window = attrs.evolve(query, start=start, end=end)
+            for record in self._read(window, info, stats, sizes):
                 yield record
                 if isinstance(record, PartitionEndRecord):
                     return
             start = end
 
     def _read(
-        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats
+        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats,
+        sizes: dict[int, int],
     ) -> Iterator[ChangeRecord]:
         start = query.start
         last: int | None = None  # position of the last record yielded
@@ -477,7 +481,8 @@ class SpannerChangeStreamClient:
             began = self.retry.clock()
             try:
                 for record in self._query(
-                    info, query.partition_token, start, end, query.heartbeat_millis, stats
+                    info, query.partition_token, start, end, query.heartbeat_millis, stats,
+                    sizes,
                 ):
                     pos = record_position(record)
                     if resume is not None:

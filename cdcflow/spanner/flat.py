@@ -54,7 +54,7 @@ from cdcflow.spanner.records import (
     DataBuilder,
 )
 from cdcflow.spanner.shape import RecordShaper
-from cdcflow.spanner.transport import RowAssembler
+from cdcflow.spanner.transport import RowAssembler, merge_values
 from cdcflow.spanner.values import parse_timestamp
 
 __all__ = ["MessageDecoder", "decode_messages"]
@@ -102,6 +102,9 @@ _MESSAGES: list[tuple[str, list[tuple[str, int, str, str]]]] = [
     ("SV4", [("list_value", 6, "SL3", "optional")]),
     ("Split", [("metadata", 1, "bytes", "optional"), ("values", 2, "SV4", "repeated"),
                ("chunked_value", 3, "bool", "optional")]),
+    # each row's value as its bytes
+    ("Rows", [("metadata", 1, "bytes", "optional"), ("values", 2, "bytes", "repeated"),
+              ("chunked_value", 3, "bool", "optional")]),
     # one string per row
     ("Scalars", [("metadata", 1, "bytes", "optional"), ("values", 2, _LEAF, "optional"),
                  ("chunked_value", 3, "bool", "optional")]),
@@ -141,15 +144,19 @@ class _Types:
 
         self.merged = cls("Merged").FromString
         self.split = cls("Split").FromString
+        self.rows = cls("Rows").FromString
+        self.row = cls("V4").FromString  # one row's value, merged
+        self.split_row = cls("SV4").FromString  # one row's value, ChangeRecords apart
         self.scalars = cls("Scalars").FromString
         self.list = cls("L1").FromString  # a serialized ListValue of STRUCTs, merged
         self.mods = cls("ModL1").FromString  # the same, strings as bytes
         self.mod_texts_field = pool.FindMessageTypeByName(f"{package}.ModLeaf").fields_by_name["s"]
         self.partial_result_set = PartialResultSet.pb().FromString
         self.metadata = ResultSetMetadata.pb().FromString
-        from google.protobuf.struct_pb2 import ListValue
+        from google.protobuf.struct_pb2 import ListValue, Value
 
         self.list_value = ListValue.FromString
+        self.value = Value.FromString
 
 
 @functools.cache
@@ -160,50 +167,91 @@ def _types() -> _Types:
 # --- decoding a stream ----------------------------------------------------------------------
 
 Records = list[ChangeRecord]
-_FastDecode = Callable[[Any, str], "Records | None"]
 
 
 class MessageDecoder:
     """Decodes the PartialResultSets of one query, in order, into records.
 
     A message may be a protobuf PartialResultSet or its serialized bytes (what
-    :class:`~cdcflow.spanner.transport.GrpcTransport` yields); bytes of the change stream
-    shapes take the fast paths of this module. Data change records are shaped by
-    ``shaper`` (default: typed values, no filter). ``rows_seen`` turns True once a message
-    carried a value.
+    :class:`~cdcflow.spanner.transport.GrpcTransport` yields). For the change stream
+    shapes, messages take the fast paths of this module (a protobuf message is serialized
+    first); a message that carries a chunk of a value is decoded row by row, the chunked
+    row by the generic decoder once whole. Other results go through
+    :class:`~cdcflow.spanner.transport.RowAssembler` and :func:`row_decoder`. Data change
+    records are shaped by ``shaper``. ``rows_seen`` turns True once a message carried a
+    value.
     """
 
-    def __init__(self, shaper: RecordShaper) -> None:
+    def __init__(self, shaper: RecordShaper, sizes: dict[int, int] | None = None) -> None:
         self._shaper = shaper
         self._assembler = RowAssembler()
         self._generic: Callable[[Any, str], Records] | None = None
-        self._fast: _FastDecode | None = None
+        self._fast: _ScalarRows | _GoogleSqlRows | None = None
+        self._column: Any = None
+        self._pending: Any = None  # the start of a chunked value (a protobuf Value)
         self._typed = False  # whether the metadata was seen and decoders chosen
         self.rows_seen = False
+        #: the sizes of the records the last :meth:`decode` gave that the decoder measured,
+        #: by ``id()`` (see DataBuilder.run); the others are for the caller to measure
+        self.sizes: dict[int, int] = {} if sizes is None else sizes
 
     def decode(self, message: bytes | Any, token: str) -> Records:
         """The records the message completes (a chunked value waits for the next one)."""
         types = _types()
-        if isinstance(message, bytes):
-            if not self._typed:
-                head = types.scalars(message)  # any of the three: metadata is field 1
-                if head.metadata:
-                    row_type = types.metadata(head.metadata).row_type
-                    self._assembler.start(row_type)
-                    self._choose(row_type)
-            fast = self._fast
-            if fast is not None and self._assembler.idle():
-                records = fast(message, token)
-                if records is not None:
-                    return records
-            message = types.partial_result_set(message)
-        return self._rows(self._assembler.add(message), token)
+        self.sizes.clear()
+        if not self._typed:
+            if isinstance(message, bytes):
+                metadata = types.scalars(message).metadata  # field 1 in every shape
+                if metadata:
+                    self._choose(types.metadata(metadata).row_type)
+            elif message.HasField("metadata"):
+                self._choose(message.metadata.row_type)
+        fast = self._fast
+        if fast is None:
+            if isinstance(message, bytes):
+                message = types.partial_result_set(message)
+            return self._assembled(self._assembler.add(message), token)
+        if not isinstance(message, bytes):
+            message = message.SerializeToString()
+        if self._pending is None:
+            records = fast.message(message, token)
+            if records is not None:
+                return records
+        return self._by_row(message, token)
 
     def finish(self, token: str) -> Records:
         """The records of a last row the stream ended in the middle of (rare)."""
-        return self._rows(self._assembler.finish(), token)
+        self.sizes.clear()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            assert self._generic is not None
+            return self._generic(pending, token)
+        return self._assembled(self._assembler.finish(), token)
 
-    def _rows(self, rows: list[tuple[Any, list[Any]]], token: str) -> Records:
+    def _by_row(self, message: bytes, token: str) -> Records:
+        """A message decoded row by row: its first value ends a chunked one, its last may
+        begin one."""
+        assert self._fast is not None and self._generic is not None
+        types = _types()
+        parsed = types.rows(message)
+        values: list[Any] = list(parsed.values)
+        if values:
+            self.rows_seen = True
+        if self._pending is not None and values:
+            values[0] = merge_values(self._pending, types.value(values[0]), self._column)
+            self._pending = None
+        if parsed.chunked_value and values:
+            last = values.pop()
+            self._pending = types.value(last) if isinstance(last, bytes) else last
+        out: Records = []
+        for value in values:
+            if isinstance(value, bytes):
+                out.extend(self._fast.row(value, token))
+            else:
+                out.extend(self._generic(value, token))
+        return out
+
+    def _assembled(self, rows: list[tuple[Any, list[Any]]], token: str) -> Records:
         out: Records = []
         for row_type, row in rows:
             self.rows_seen = True
@@ -215,15 +263,16 @@ class MessageDecoder:
 
     def _choose(self, row_type: Any) -> None:
         self._typed = True
-        column = row_type.fields[0].type_
-        self._generic = row_decoder(column, self._shaper)
+        self._assembler.start(row_type)
+        column = self._column = row_type.fields[0].type_
+        generic = self._generic = row_decoder(column, self._shaper)
         if len(row_type.fields) != 1:
             return
         text = text_decoder(column, self._shaper)
         if text is not None:
-            self._fast = _ScalarRows(text, self).decode
+            self._fast = _ScalarRows(text, generic, self)
         elif _googlesql_layouts(column):
-            self._fast = _GoogleSqlRows(self._shaper, self).decode
+            self._fast = _GoogleSqlRows(self._shaper, generic, self, self.sizes)
 
 
 def _names(struct_type: Any) -> tuple[str, ...]:
@@ -260,11 +309,14 @@ def _googlesql_layouts(column: Any) -> bool:
 class _ScalarRows:
     """One string per row: every row's string in one list (NULL rows hold no record)."""
 
-    def __init__(self, text: Callable[[str, str], Records], owner: MessageDecoder) -> None:
+    def __init__(self, text: Callable[[str, str], Records],
+                 generic: Callable[[Any, str], Records], owner: MessageDecoder) -> None:
         self._text = text
+        self._generic = generic
         self._owner = owner
 
-    def decode(self, message: bytes, token: str) -> Records | None:
+    def message(self, message: bytes, token: str) -> Records | None:
+        """The records of a whole message, or None when it carries a chunk."""
         parsed = _types().scalars(message)
         if parsed.chunked_value:
             return None
@@ -280,70 +332,107 @@ class _ScalarRows:
             out.extend(text(value, token))
         return out
 
+    def row(self, value: bytes, token: str) -> Records:
+        """The records of one serialized row value."""
+        return self._generic(_types().value(value), token)
+
 
 def _leaf(array: Any) -> Any:
     """The merged values of every STRUCT of a (merged) ARRAY value."""
     return array.list_value.values.list_value.values
 
 
+def _plain(leaf: Any) -> bool:
+    """No NULL, number or STRUCT among a leaf's values (only strings, bools, lists)."""
+    return not (leaf.n or leaf.d or leaf.st)
+
+
 class _GoogleSqlRows:
     """GoogleSQL ChangeRecord rows (see the module docstring)."""
 
-    def __init__(self, shaper: RecordShaper, owner: MessageDecoder) -> None:
+    def __init__(self, shaper: RecordShaper, generic: Callable[[Any, str], Records],
+                 owner: MessageDecoder, sizes: dict[int, int]) -> None:
         self._builder = DataBuilder(shaper)
+        self._generic = generic
         self._owner = owner
+        self._sizes = sizes
 
-    def decode(self, message: bytes, token: str) -> Records | None:
-        types = _types()
-        merged = types.merged(message)
+    def message(self, message: bytes, token: str) -> Records | None:
+        """The records of a whole message, or None when it needs decoding row by row (it
+        carries a chunk, or its counts do not add up)."""
+        merged = _types().merged(message)
         if merged.chunked_value:
             return None
         leaf = _leaf(_leaf(merged.values))
-        if leaf.n or leaf.d or leaf.st:
-            return self._split(message, token)
+        records = self._merged(leaf, token)
+        if records is not None:
+            if records:
+                self._owner.rows_seen = True
+            return records
+        out: Records = []
+        for row in _types().split(message).values:
+            self._owner.rows_seen = True
+            found = self._split(row, token)
+            if found is None:
+                return None
+            out.extend(found)
+        return out
+
+    def row(self, value: bytes, token: str) -> Records:
+        """The records of one serialized row value."""
+        types = _types()
+        records = self._merged(_leaf(_leaf(types.row(value))), token)
+        if records is None:
+            records = self._split(types.split_row(value), token)
+        if records is None:
+            records = self._generic(types.value(value), token)
+        return records
+
+    def _merged(self, leaf: Any, token: str) -> Records | None:
+        """The records of a leaf merged over whole rows: data change records only, or
+        heartbeats only; else None."""
+        if not _plain(leaf):
+            return None
         strings, bools, lists = leaf.s, leaf.b, leaf.l
         if not strings:
-            return []
-        self._owner.rows_seen = True
+            return [] if not bools and not lists else None
         records = len(bools) // 2
         if records and len(strings) == 9 * records and len(lists) == len(bools) == 2 * records:
             return self._data(strings, bools, lists, token)
         if not bools and not lists:
             return [HeartbeatRecord(token, parse_timestamp(t)) for t in strings]
-        return self._split(message, token)
+        return None
 
-    def _split(self, message: bytes, token: str) -> Records | None:
-        """Each ChangeRecord apart, each of its arrays merged: None when counts do not
-        add up."""
+    def _split(self, row: Any, token: str) -> Records | None:
+        """A row's ChangeRecords apart, each of their arrays merged: None when counts do
+        not add up."""
         out: Records = []
-        for row in _types().split(message).values:
-            self._owner.rows_seen = True
-            for change_record in row.list_value.values:
-                arrays = change_record.list_value.values
-                if len(arrays) != 3:
-                    return None
-                data, heartbeats, children = arrays
-                leaf = _leaf(data)
-                strings, bools, lists = leaf.s, leaf.b, leaf.l
-                records = len(bools) // 2
-                if (leaf.n or leaf.d or leaf.st or len(strings) != 9 * records
-                        or len(lists) != 2 * records or len(bools) != 2 * records):
-                    return None
-                if records:
-                    out.extend(self._data(strings, bools, lists, token))
-                leaf = _leaf(heartbeats)
-                if leaf.n or leaf.d or leaf.st or leaf.b or leaf.l:
-                    return None
-                out.extend(HeartbeatRecord(token, parse_timestamp(t)) for t in leaf.s)
-                leaf = _leaf(children)
-                strings, lists = leaf.s, leaf.l
-                if (leaf.n or leaf.d or leaf.st or leaf.b or len(strings) != 2 * len(lists)):
-                    return None
-                it = iter(strings)
-                for (start, sequence), listed in zip(zip(it, it, strict=True), lists, strict=True):
-                    out.append(ChildPartitionsRecord(
-                        token, parse_timestamp(start), sequence, _children(listed)
-                    ))
+        for change_record in row.list_value.values:
+            arrays = change_record.list_value.values
+            if len(arrays) != 3:
+                return None
+            data, heartbeats, children = arrays
+            leaf = _leaf(data)
+            strings, bools, lists = leaf.s, leaf.b, leaf.l
+            records = len(bools) // 2
+            if (not _plain(leaf) or len(strings) != 9 * records
+                    or len(lists) != 2 * records or len(bools) != 2 * records):
+                return None
+            if records:
+                out.extend(self._data(strings, bools, lists, token))
+            leaf = _leaf(heartbeats)
+            if not _plain(leaf) or leaf.b or leaf.l:
+                return None
+            out.extend(HeartbeatRecord(token, parse_timestamp(t)) for t in leaf.s)
+            leaf = _leaf(children)
+            strings, lists = leaf.s, leaf.l
+            if not _plain(leaf) or leaf.b or len(strings) != 2 * len(lists):
+                return None
+            it = iter(strings)
+            for (start, sequence), listed in zip(zip(it, it, strict=True), lists, strict=True):
+                out.append(ChildPartitionsRecord(
+                    token, parse_timestamp(start), sequence, _children(listed)
+                ))
         return out
 
     def _data(self, strings: Any, bools: Any, lists: Any, token: str) -> Records:
@@ -351,7 +440,7 @@ class _GoogleSqlRows:
         return self._builder.run(token, zip(
             zip(s, s, s, s, s, s, s, s, s, strict=True), zip(b, b, strict=True),
             zip(li, li, strict=True), strict=True,
-        ), _mod_texts, _columns)
+        ), _mod_texts, _columns, self._sizes)
 
 
 def _mod_texts(raw: bytes) -> Any:

@@ -39,13 +39,20 @@ __all__ = [
     "CHILD_PARTITIONS_LAYOUT",
     "COLUMN_LAYOUT",
     "DATA_LAYOUT",
+    "ENTRY_BYTES",
     "HEARTBEAT_LAYOUT",
     "MOD_LAYOUT",
+    "RECORD_BYTES",
     "TOP_LAYOUT",
     "DataBuilder",
 ]
 
 _loads = orjson.loads
+
+#: A record's size beyond its mods, and what a key or a value costs besides its payload
+#: (its object and its reference, twice: key and value): cdcflow.engine.chain's measure.
+RECORD_BYTES = 256
+ENTRY_BYTES = 2 * 48
 
 # The documented field order of the GoogleSQL ChangeRecord STRUCTs.
 TOP_LAYOUT = ("data_change_record", "heartbeat_record", "child_partitions_record")
@@ -136,6 +143,7 @@ class DataBuilder:
         self, token: str, records: Iterable[tuple[Any, Any, Any]],
         mod_texts: Callable[[bytes], Sequence[str]],
         parse_columns: Callable[[bytes], Iterable[ColumnType]],
+        sizes: dict[int, int] | None = None,
     ) -> list[ChangeRecord]:
         """The records (and stand-ins) of a run of data change records, each given as
         ``((commit_timestamp, record_sequence, transaction_id, table, mod_type, capture,
@@ -143,7 +151,10 @@ class DataBuilder:
         (is_last, is_system_transaction), (columns, mods))`` with the column types and mods
         lists serialized (``mod_texts(mods)`` gives their JSON texts, ``parse_columns`` the
         column types): what :meth:`plan`, :meth:`mods` and :meth:`record` make of each, in
-        one loop (the hot path of every GoogleSQL read)."""
+        one loop (the hot path of every GoogleSQL read). Without a filter, ``sizes`` (if
+        given) gets each record's size by ``id()``: :data:`RECORD_BYTES`, the serialized
+        mods' bytes (their JSON texts) and :data:`ENTRY_BYTES` per key and value of its
+        mods; the measure of ``cdcflow.engine.chain.approx_size``, read off the wire."""
         if not self._plain:
             out: list[ChangeRecord] = []
             wants = self.shaper.wants
@@ -181,11 +192,13 @@ class DataBuilder:
                 previous = (table, columns, plan)
             convert = plan.in_place
             shaped = []
+            entries = 0
             it = iter(mod_texts(mods))
             for k, n, o in zip(it, it, it, strict=True):
                 kd = loads(k) if k else {}
                 nd = loads(n) if n else {}
                 od = loads(o) if o else {}
+                entries += len(kd) + len(nd) + len(od)
                 if convert is not None:
                     try:
                         convert(kd)
@@ -197,10 +210,13 @@ class DataBuilder:
                         plan.mod(loads(k or "{}"), loads(n or "{}"), loads(o or "{}"))
                         raise
                 shaped.append(Mod(kd, nd, od))
-            append(DataChangeRecord(
+            record = DataChangeRecord(
                 token, parse_timestamp(ts), seq, txn, last, table, plan.columns, shaped,
                 mod_type, capture, int(n_rec), int(n_part), tag, system,
-            ))
+            )
+            append(record)
+            if sizes is not None:
+                sizes[id(record)] = RECORD_BYTES + len(mods) + ENTRY_BYTES * entries
         return made
 
     def record(

@@ -23,7 +23,9 @@ from typing import Any, Protocol
 
 from cdcflow.errors import ConfigurationError
 
-__all__ = ["GrpcTransport", "Param", "RowAssembler", "Transport", "assemble_rows"]
+__all__ = [
+    "GrpcTransport", "Param", "RowAssembler", "Transport", "assemble_rows", "merge_values",
+]
 
 #: A query parameter: (Spanner type code name, wire value as text or None for NULL).
 Param = tuple[str, str | None]
@@ -290,8 +292,10 @@ _CODE_ARRAY = 8
 _CODE_STRUCT = 9
 
 
-def _merge(lhs: Any, rhs: Any, type_: Any) -> Any:
-    """Join a value split across two PartialResultSets (Spanner's chunking rules)."""
+def merge_values(lhs: Any, rhs: Any, type_: Any) -> Any:
+    """Join a value split across two PartialResultSets (Spanner's chunking rules): the
+    protobuf ``Value`` ``lhs`` ends in the middle of what ``rhs`` continues; ``type_`` is
+    the column's ``Type``."""
     from google.protobuf.struct_pb2 import ListValue, Value
 
     code = type_.code
@@ -311,7 +315,7 @@ def _merge(lhs: Any, rhs: Any, type_: Any) -> Any:
                 and last.WhichOneof("kind") != "null_value"
             )
             if mergeable:
-                left[-1] = _merge(last, first, elem)
+                left[-1] = merge_values(last, first, elem)
                 right = right[1:]
         return Value(list_value=ListValue(values=left + right))
     if code in _FLOAT_CODES and lhs.WhichOneof("kind") != "string_value":
@@ -352,7 +356,7 @@ class RowAssembler:
             return []
         row_type, width, row = self.row_type, self._width, self._row
         if self._pending is not None:
-            values[0] = _merge(self._pending, values[0], row_type.fields[len(row)].type_)
+            values[0] = merge_values(self._pending, values[0], row_type.fields[len(row)].type_)
             self._pending = None
         if prs.chunked_value:
             self._pending = values.pop()

@@ -128,6 +128,8 @@ def _parse_fast(text: str) -> Timestamp | None:
     )
     ts._nanosecond = frac % 1000
     ts._ns = seconds * 1_000_000_000 + frac
+    # Spanner's usual form is already what rfc3339() writes (nine digits, Z)
+    ts._text = text if len(digits) == 9 and rest[-1] == "Z" and text[10] == "T" else None
     return ts
 
 

@@ -150,12 +150,16 @@ class JsonlWriter(_FileWriter):
         self._count = 0
 
     def write(self, element: Any) -> None:
-        self._usable()
+        if self._broken is not None:
+            raise SinkIOError(self._broken)
         line = dumps_line(element)  # the element's fault raises here, before any byte
-        with self._storage("write"):
-            if self._file is None:
-                self._file = self._create()
-            self._file.write(line)
+        try:  # what _storage does, inline: this runs for every element
+            file = self._file
+            if file is None:
+                file = self._file = self._create()
+            file.write(line)
+        except OSError as exc:
+            self._break("write", exc)
         self._count += 1
 
     def close(self) -> WrittenFile | None:
