@@ -14,8 +14,8 @@ import cloudpickle
 import pytest
 
 import cdcflow as cf
-from cdcflow.engine.runner import Task, TaskResult
 from cdcflow.engine.chain import approx_size
+from cdcflow.engine.runner import Task, TaskResult
 from cdcflow.engine.task import FailedElement, TaskProgram, execute_task, run_task
 from cdcflow.errors import PipelineStopped
 from cdcflow.model import (
