@@ -139,39 +139,56 @@ def _default(value: Any) -> Any:
 
 
 #: Types whose values hold no float (checked by identity: the fast path of _non_finite).
-_NO_FLOAT = frozenset({str, int, bool, type(None), Timestamp, Decimal, datetime, date, bytes})
+_NO_FLOAT: frozenset[type] = frozenset(
+    {str, int, bool, type(None), Timestamp, Decimal, datetime, date, bytes}
+)
 
 
 def _non_finite(value: Any) -> bool:
     """Whether a float that is not finite hides in ``value``, its dicts, lists, tuples and
     attrs instances (orjson writes one as null; the rules say "NaN", "Infinity",
     "-Infinity")."""
-    stack = [value]
-    push = stack.append
-    while stack:
-        container = stack.pop()
-        kind = type(container)
-        if kind is dict or isinstance(container, Mapping):
-            items: Any = container.values()
-        elif kind is list or kind is tuple or isinstance(container, list | tuple):
-            items = container
-        elif attrs.has(kind):
-            items = [getattr(container, name) for name in _field_names(kind)]
-        elif isinstance(container, float):
-            if container - container:  # NaN and the infinities: x - x is NaN, else 0.0
+    kind = type(value)
+    if kind is dict:
+        return _non_finite_in(value.values())
+    if kind is list or kind is tuple:
+        return _non_finite_in(value)
+    return _non_finite_other(value)
+
+
+def _non_finite_in(
+    items: Any, no_float: frozenset[type] = _NO_FLOAT, dict_: type = dict,
+    float_: type = float, list_: type = list, tuple_: type = tuple,
+) -> bool:
+    # The hot loop (every value of every line with a null): names bound as defaults
+    for item in items:
+        kind = type(item)
+        if kind in no_float:
+            continue
+        if kind is dict_:
+            if _non_finite_in(item.values()):
                 return True
-            continue
-        else:
-            continue
-        for item in items:
-            kind = type(item)
-            if kind in _NO_FLOAT:
-                continue
-            if kind is float:
-                if item - item:
-                    return True
-            else:
-                push(item)
+        elif kind is float_:
+            if item - item:  # NaN and the infinities: x - x is NaN, else 0.0
+                return True
+        elif kind is list_ or kind is tuple_:
+            if _non_finite_in(item):
+                return True
+        elif _non_finite_other(item):
+            return True
+    return False
+
+
+def _non_finite_other(value: Any) -> bool:
+    """:func:`_non_finite` of what is not a plain dict, list or tuple."""
+    if isinstance(value, Mapping):
+        return _non_finite_in(value.values())
+    if isinstance(value, list | tuple):
+        return _non_finite_in(value)
+    if attrs.has(type(value)):
+        return _non_finite_in([getattr(value, name) for name in _field_names(type(value))])
+    if isinstance(value, float):
+        return bool(value - value)
     return False
 
 

@@ -74,7 +74,9 @@ class ByteQuota:
     def __init__(self, limit: int = DEFAULT_QUOTA_BYTES) -> None:
         _check_limit(limit)
         self._limit = limit
-        self._cond = threading.Condition()
+        # the condition's lock, taken directly where nothing waits (a C-level `with`)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._used = 0
         self._peak = 0
         self._waits = 0
@@ -110,6 +112,23 @@ class ByteQuota:
         self._used += n
         self._peak = max(self._peak, self._used)
 
+    def try_acquire(self, n: int) -> bool:
+        """Take ``n`` bytes if :meth:`acquire` would admit them at once (nobody waits and
+        they fit); else take nothing and return False."""
+        if n < 0:
+            msg = f"try_acquire({n}): a size is 0 bytes or more"
+            raise ValueError(msg)
+        with self._lock:
+            used = self._used
+            if self._queue or not (used == 0 or used + n <= self._limit):
+                return False
+            if n > self._limit:
+                self._oversized += 1
+            used = self._used = used + n
+            if used > self._peak:
+                self._peak = used
+            return True
+
     def acquire(
         self, n: int, *, timeout: float | None = None, until: Callable[[], bool] | None = None
     ) -> bool:
@@ -122,8 +141,14 @@ class ByteQuota:
             msg = f"acquire({n}): a size is 0 bytes or more"
             raise ValueError(msg)
         with self._cond:
-            if not self._queue and self._fits(n):
-                self._admit(n)
+            used = self._used
+            if not self._queue and (used == 0 or used + n <= self._limit):
+                # _admit, inline: the path of nearly every element
+                if n > self._limit:
+                    self._oversized += 1
+                used = self._used = used + n
+                if used > self._peak:
+                    self._peak = used
                 return True
             if until is not None and until():
                 return False
@@ -153,7 +178,7 @@ class ByteQuota:
         if n < 0:
             msg = f"release({n}): a size is 0 bytes or more"
             raise ValueError(msg)
-        with self._cond:
+        with self._lock:
             if n > self._used:
                 msg = (
                     f"release({n}) with only {self._used} bytes held: release exactly what "

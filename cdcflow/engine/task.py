@@ -150,7 +150,10 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
     size_of = getattr(reading, "size_of", None)
     try:
         for record in reading:
-            position = record_position(record)
+            position = (
+                record.commit_timestamp.ns if type(record) is DataChangeRecord
+                else record_position(record)
+            )
             if ended_at is not None:
                 # Several child records may share the end position (the root query gives
                 # one per partition); anything else after the end is not ours.

@@ -497,7 +497,7 @@ class SpannerChangeStreamClient:
                         continue
                     if pos != last:
                         last = pos
-                        at_last = set()
+                        at_last.clear()
                     if type(record) is DataChangeRecord:  # _identity, inline: the hot path
                         at_last.add(
                             ("data", record.record_sequence, record.server_transaction_id)

@@ -29,7 +29,7 @@ Both ways give the same records (tests decode every wire shape both ways).
 
 from __future__ import annotations
 
-import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -159,9 +159,18 @@ class _Types:
         self.value = Value.FromString
 
 
-@functools.cache
+_TYPES: _Types | None = None
+_types_lock = threading.Lock()
+
+
 def _types() -> _Types:
-    return _Types()
+    """The message types, built on first use (in every process that decodes)."""
+    global _TYPES
+    if _TYPES is None:
+        with _types_lock:
+            if _TYPES is None:
+                _TYPES = _Types()
+    return _TYPES
 
 
 # --- decoding a stream ----------------------------------------------------------------------
@@ -446,7 +455,7 @@ class _GoogleSqlRows:
 def _mod_texts(raw: bytes) -> Any:
     """The JSON texts of a serialized mods list: keys, new values, old values of each mod
     in turn (empty for a NULL); bytes or str."""
-    types = _types()
+    types = _TYPES or _types()
     kinds = types.mods(raw).values.list_value.values.ListFields()
     if len(kinds) == 1 and kinds[0][0] is types.mod_texts_field and len(kinds[0][1]) % 3 == 0:
         return kinds[0][1]
