@@ -21,10 +21,12 @@ list them exactly):
   list: 3 strings (name, type, ordinal position) and a bool per column;
 * PostgreSQL JSONB rows and MUTABLE_KEY_RANGE protos: one string per row.
 
-Counts that do not add up (a NULL where Spanner sends a value, a layout a newer server
-sends) send the message to the generic decoders of :mod:`cdcflow.spanner.decode`, as does
-every message that carries a chunk of a value (``chunked_value``) and the one after it.
-Both ways give the same records (tests decode every wire shape both ways).
+A message that carries a chunk of a value (``chunked_value``, Spanner's way with large
+rows), and the one after it, is decoded row by row: each whole row the same way, one at a
+time; the chunked value, once whole, by the generic decoders of
+:mod:`cdcflow.spanner.decode`. Counts that do not add up (a NULL where Spanner sends a
+value, a layout a newer server sends) send the message, or the row, to those decoders
+too. Both ways give the same records (tests decode every wire shape both ways).
 """
 
 from __future__ import annotations
