@@ -97,7 +97,15 @@ class Timestamp(datetime):
     TypeError, as between datetimes.
     """
 
+    # Slots, not a __dict__: decoders make one Timestamp per record and value, and a dict
+    # each would double the allocations (and the garbage collector's work). ``_ns`` caches
+    # :attr:`ns`, ``_text`` :meth:`rfc3339` (None until first computed; decoders that know
+    # them set them at once).
+    __slots__ = ("_nanosecond", "_ns", "_text")
+
     _nanosecond: int
+    _ns: int | None
+    _text: str | None
 
     def __new__(cls, *args: Any, nanosecond: int = 0, **kwargs: Any) -> Timestamp:
         if "tzinfo" not in kwargs and len(args) < 8:
@@ -110,6 +118,8 @@ class Timestamp(datetime):
             msg = f"nanosecond must be in 0..999 (the part below microseconds), got {nanosecond}"
             raise ValueError(msg)
         self._nanosecond = nanosecond
+        self._ns = None
+        self._text = None
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -128,18 +138,23 @@ class Timestamp(datetime):
     @property
     def ns(self) -> int:
         """Integer nanoseconds since the Unix epoch."""
-        delta: timedelta = datetime.__sub__(self, _EPOCH)
-        micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
-        return micros * 1000 + self._nanosecond
+        ns = self._ns
+        if ns is None:
+            delta: timedelta = datetime.__sub__(self, _EPOCH)
+            micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+            ns = self._ns = micros * 1000 + self._nanosecond
+        return ns
 
     @classmethod
     def from_ns(cls, ns: int) -> Timestamp:
         micros, nanos = divmod(ns, 1000)
         dt = _EPOCH + timedelta(microseconds=micros)
-        return cls(
+        ts = cls(
             dt.year, dt.month, dt.day, dt.hour, dt.minute, dt.second, dt.microsecond,
             tzinfo=UTC, nanosecond=nanos,
         )
+        ts._ns = ns
+        return ts
 
     @classmethod
     def from_datetime(cls, value: datetime) -> Timestamp:
@@ -179,12 +194,18 @@ class Timestamp(datetime):
     def rfc3339(self) -> str:
         """RFC 3339 text in UTC with nine fractional digits, e.g.
         ``2024-05-01T12:00:00.123456789Z``."""
-        if self.tzinfo is not UTC and self.utcoffset():
-            return Timestamp.from_ns(self.ns).rfc3339()  # built with another zone: say it in Z
-        return (
-            f"{self.year:04d}-{self.month:02d}-{self.day:02d}T{self.hour:02d}:{self.minute:02d}:"
-            f"{self.second:02d}.{self.microsecond:06d}{self._nanosecond:03d}Z"
-        )
+        text = self._text
+        if text is None:
+            if self.tzinfo is not UTC and self.utcoffset():
+                text = Timestamp.from_ns(self.ns).rfc3339()  # another zone: say it in Z
+            else:
+                text = (
+                    f"{self.year:04d}-{self.month:02d}-{self.day:02d}T{self.hour:02d}:"
+                    f"{self.minute:02d}:{self.second:02d}.{self.microsecond:06d}"
+                    f"{self._nanosecond:03d}Z"
+                )
+            self._text = text
+        return text
 
     def __str__(self) -> str:
         return self.rfc3339()

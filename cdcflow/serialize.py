@@ -121,8 +121,89 @@ def to_json_dict(element: Any) -> dict[str, Any]:
     raise SinkError(msg)
 
 
+#: What orjson writes differently (datetimes, with nine digits), or not at all (Decimal,
+#: bytes, sets, attrs instances, ...): converted by :func:`_default` with the rules above.
+_OPTIONS = (orjson.OPT_APPEND_NEWLINE | orjson.OPT_PASSTHROUGH_DATETIME
+            | orjson.OPT_PASSTHROUGH_DATACLASS)
+_DEFAULTS: dict[type, Any] = {Timestamp: Timestamp.rfc3339, Decimal: str}
+
+
+def _default(value: Any) -> Any:
+    convert = _DEFAULTS.get(type(value))
+    if convert is not None:
+        return convert(value)
+    if attrs.has(type(value)):
+        # its fields as they are: orjson writes them, calling back here for what it cannot
+        return {name: getattr(value, name) for name in _field_names(type(value))}
+    return to_json_value(value)
+
+
+#: Types whose values hold no float (checked by identity: the fast path of _non_finite).
+_NO_FLOAT: frozenset[type] = frozenset(
+    {str, int, bool, type(None), Timestamp, Decimal, datetime, date, bytes}
+)
+
+
+def _non_finite(value: Any) -> bool:
+    """Whether a float that is not finite hides in ``value``, its dicts, lists, tuples and
+    attrs instances (orjson writes one as null; the rules say "NaN", "Infinity",
+    "-Infinity")."""
+    kind = type(value)
+    if kind is dict:
+        return _non_finite_in(value.values())
+    if kind is list or kind is tuple:
+        return _non_finite_in(value)
+    return _non_finite_other(value)
+
+
+def _non_finite_in(
+    items: Any, no_float: frozenset[type] = _NO_FLOAT, dict_: type = dict,
+    float_: type = float, list_: type = list, tuple_: type = tuple,
+) -> bool:
+    # The hot loop (every value of every line with a null): names bound as defaults
+    for item in items:
+        kind = type(item)
+        if kind in no_float:
+            continue
+        if kind is dict_:
+            if _non_finite_in(item.values()):
+                return True
+        elif kind is float_:
+            if item - item:  # NaN and the infinities: x - x is NaN, else 0.0
+                return True
+        elif kind is list_ or kind is tuple_:
+            if _non_finite_in(item):
+                return True
+        elif _non_finite_other(item):
+            return True
+    return False
+
+
+def _non_finite_other(value: Any) -> bool:
+    """:func:`_non_finite` of what is not a plain dict, list or tuple."""
+    if isinstance(value, Mapping):
+        return _non_finite_in(value.values())
+    if isinstance(value, list | tuple):
+        return _non_finite_in(value)
+    if attrs.has(type(value)):
+        return _non_finite_in([getattr(value, name) for name in _field_names(type(value))])
+    if isinstance(value, float):
+        return bool(value - value)
+    return False
+
+
 def dumps_line(element: Any) -> bytes:
     """One JSONL line (UTF-8, ending in a newline) for ``element`` (see :func:`to_json_dict`)."""
+    if isinstance(element, dict) or attrs.has(type(element)):
+        # orjson walks the element in C, calling _default only for what it cannot write
+        # the way the rules say; a null in the line may be a float that is not finite
+        try:
+            line = orjson.dumps(element, default=_default, option=_OPTIONS)
+        except (orjson.JSONEncodeError, SinkError):
+            pass  # a key that is not a str, a huge int: the rules' own way says what
+        else:
+            if b"null" not in line or not _non_finite(element):
+                return line
     try:
         return orjson.dumps(to_json_dict(element), option=orjson.OPT_APPEND_NEWLINE)
     except orjson.JSONEncodeError as exc:  # e.g. an int beyond 64 bits

@@ -211,6 +211,11 @@ class ChangeStreamClient(Protocol):
     records of the root query carry ``INITIAL_PARTITION_TOKEN``. Transient errors are
     retried inside with bounded backoff; the iterator raises only when retries are spent
     (:class:`~cdcflow.errors.TransientError`) or on a permanent error.
+
+    Optionally, what ``read`` returns has ``size_of(record) -> int | None``: the size in
+    bytes of the record just yielded, measured while decoding it (the Spanner reader's, from
+    the JSON it parsed), in the measure of ``cdcflow.engine.quota.approx_size``, which the
+    task uses for the byte quota when a read does not say (None).
     """
 
     def describe_stream(self, stream: str) -> StreamInfo:

@@ -127,3 +127,40 @@ def test_typed_mod_values_of_every_spanner_type() -> None:
     assert line["mods"][0]["keys"] == {"I": -(2**63)}
     assert line["mods"][0]["new_values"] == {**wire_values, "J": {"a": [1, None]}}
     assert to_json_value(float("inf")) == "Infinity" and to_json_value(1.5) == 1.5
+
+
+class _Color(enum.Enum):
+    RED = "red"
+    PRICE = Decimal("1.5")
+
+
+@dataclasses.dataclass
+class _Point:
+    x: float
+    at: datetime
+
+
+@pytest.mark.parametrize("element", [
+    {"nan": float("nan"), "inf": [1.0, float("inf")], "neg": {"x": float("-inf")}, "n": None},
+    {"none": None, "ok": 1.5, "nested": {"deep": [None, (2.5, None)]}},
+    {"ts": Timestamp.parse("2024-05-01T12:00:00.000000001Z"), "naive": datetime(2024, 5, 1),
+     "aware": datetime(2024, 5, 1, tzinfo=UTC), "day": date(2024, 2, 29)},
+    {"d": Decimal("12345678901234567890.123456789"), "nan": Decimal("NaN"), "b": b"\x00\xff",
+     "ba": bytearray(b"ab"), "set": {3, 1, 2}, "tuple": (1, "a"), "enum": _Color.RED,
+     "enum2": _Color.PRICE},
+    {"point": _Point(float("nan"), datetime(2024, 1, 1, tzinfo=UTC)), "key": {1: "int key"}},
+    {"big": 2**70},
+    _record(),
+    HeartbeatRecord("p", Timestamp.parse("2024-05-01T12:00:00Z")),
+    {"record": _record(), "mods": _record().mods},
+])
+def test_dumps_line_writes_what_the_rules_say(element: object) -> None:
+    """dumps_line lets orjson walk the element; the line is the rules' own, byte for byte:
+    orjson.dumps(to_json_dict(element)) (or the same SinkError)."""
+    try:
+        expected = orjson.dumps(to_json_dict(element), option=orjson.OPT_APPEND_NEWLINE)
+    except (SinkError, orjson.JSONEncodeError):
+        with pytest.raises(SinkError):
+            dumps_line(element)
+        return
+    assert dumps_line(element) == expected

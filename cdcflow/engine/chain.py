@@ -31,7 +31,7 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -94,6 +94,9 @@ class Chain:
         self._nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = pickle.loads(program.chain)
         self._succ = program.successors
         self._steps = frozenset(program.step_labels)
+        self._ends = self._steps | {
+            label for label, node in self._nodes.items() if isinstance(node, Sink)
+        }
         self._step_inputs: dict[str, list[Any]] = {}
         self._policy = program.policy
         self._attempt = uuid.uuid4().hex  # unique per execution: retries write elsewhere
@@ -104,6 +107,15 @@ class Chain:
         self._retries = 0
         self._bundle_retries = 0  # bundles whose process_bundle raised
         self._counts: dict[str, int] = {}  # touched on the reader thread only
+        # made once per step: they serve every element
+        self._counter_keys = {
+            label: (f"elements_in/{label}", f"elements_out/{label}", f"sink_writes/{label}")
+            for label in self._nodes
+        }
+        self._processes: dict[str, Callable[[Any], Sequence[Any]]] = {
+            label: functools.partial(_process, node)
+            for label, node in self._nodes.items() if isinstance(node, ParDo)
+        }
         self._count_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: InflightTracker | None = None
@@ -111,6 +123,7 @@ class Chain:
         self._release_lock = threading.Lock()
         self._quota: ByteQuota = process_quota(quota_limit(program.max_inflight_bytes))
         self._held = 0  # bytes of this chain's records charged to the quota, not yet returned
+        self._peak_held = 0
         if program.max_inflight > 1:
             self._inflight = InflightTracker(program.max_inflight, self._quota.limit)
         self._bundle_size = max(
@@ -135,7 +148,8 @@ class Chain:
                 self._run_bundle()
             return
         if self._inflight is None:
-            self._deliver(record, self._evaluate(record))
+            # on this thread: the steps count straight into the chain's counters
+            self._deliver(record, self._evaluate(record, self._counts))
             self._give_back(size)
             return
         self._submit([(record, position, size)], lambda: [self._evaluate(record)])
@@ -178,18 +192,19 @@ class Chain:
         """Charge ``size`` bytes to the process's quota: the one place reading blocks on
         memory. While it waits, this chain delivers its own completed records (giving
         their bytes back), so tasks holding bytes never wait on each other forever."""
-        began = time.perf_counter()
-        while not self._quota.acquire(size, until=self._must_give_back):
-            self._run_bundle()  # a held bundle would hold its bytes while this one waits
-            self._flush()
-        waited = time.perf_counter() - began
         counts = self._counts
-        if waited > 0.001:  # admitted at once takes microseconds: this one waited for room
-            counts["quota_waits"] = counts.get("quota_waits", 0) + 1
-            counts["quota_wait_us"] = counts.get("quota_wait_us", 0) + int(waited * 1e6)
-        self._held += size
-        if self._held > counts.get("inflight_bytes_peak", 0):
-            counts["inflight_bytes_peak"] = self._held
+        if not self._quota.try_acquire(size):  # room at once: the usual case, untimed
+            began = time.perf_counter()
+            while not self._quota.acquire(size, until=self._must_give_back):
+                self._run_bundle()  # a held bundle would hold its bytes while this one waits
+                self._flush()
+            waited = time.perf_counter() - began
+            if waited > 0.001:  # admitted at once takes microseconds: this one waited
+                counts["quota_waits"] = counts.get("quota_waits", 0) + 1
+                counts["quota_wait_us"] = counts.get("quota_wait_us", 0) + int(waited * 1e6)
+        held = self._held = self._held + size
+        if held > self._peak_held:
+            self._peak_held = counts["inflight_bytes_peak"] = held
 
     def _must_give_back(self) -> bool:
         # Read without the lock: a stale answer only delays.
@@ -255,30 +270,28 @@ class Chain:
 
     # -- running transforms -----------------------------------------------------------------
 
-    def _evaluate(self, record: DataChangeRecord) -> _Evaluated:
+    def _evaluate(
+        self, record: DataChangeRecord, counts: dict[str, int] | None = None
+    ) -> _Evaluated:
         """Run every ParDo on ``record``; the sink deliveries in chain order, and how many
-        elements each ParDo took and gave (counted here, merged on the reader thread)."""
+        elements each ParDo took and gave: counted in ``counts`` (the chain's own, on the
+        reader thread), else in a dict of their own (merged on the reader thread)."""
         out: list[Delivery] = []
-        counts: dict[str, int] = {}
+        if counts is None:
+            counts = {}
 
         def visit(label: str, element: Any) -> None:
-            if label in self._steps:
-                out.append((label, element))  # the engine folds it on the driver
-                return
-            node = self._nodes[label]
-            if isinstance(node, Sink):
+            if label in self._ends:  # a sink, or a step the engine folds on the driver
                 out.append((label, element))
                 return
-            key_in = f"elements_in/{label}"
+            key_in, key_out, _ = self._counter_keys[label]
             counts[key_in] = counts.get(key_in, 0) + 1
-            call = functools.partial(_process, node, element)
-            outputs = self._guarded(label, record, element, call)
+            outputs = self._guarded(label, record, element, self._processes[label], element)
             if isinstance(outputs, _Skipped):
                 if self._program.dead_letter_label is not None:
                     out.append((self._program.dead_letter_label,
                                 self._failed(label, record, element, outputs)))
                 return
-            key_out = f"elements_out/{label}"
             counts[key_out] = counts.get(key_out, 0) + len(outputs)
             for value in outputs:
                 for nxt in self._succ[label]:
@@ -363,15 +376,16 @@ class Chain:
                     with self._count_lock:
                         self._bundle_retries += 1
             for index, _, element in chunk:
-                call = functools.partial(_process, node, element)
-                results.append(self._guarded(label, records[index], element, call))
+                results.append(self._guarded(label, records[index], element,
+                                             self._processes[label], element))
         return results
 
     def _deliver(self, record: DataChangeRecord, evaluated: _Evaluated) -> None:
         dead = self._program.dead_letter_label
         counts = self._counts
-        for key, n in evaluated.counts.items():
-            counts[key] = counts.get(key, 0) + n
+        if evaluated.counts is not counts:
+            for key, n in evaluated.counts.items():
+                counts[key] = counts.get(key, 0) + n
         wanted = self._task.sinks
         for label, element in evaluated.deliveries:
             if label in self._steps:
@@ -382,14 +396,14 @@ class Chain:
                 continue
             if wanted is not None and label not in wanted:
                 continue  # a replay for other sinks: this one has the batch already
-            writer = self._writer(label)
-            key = f"sink_writes/{label}"
+            writer = self._writers.get(label) or self._writer(label)
+            key = self._counter_keys[label][2]
             counts[key] = counts.get(key, 0) + 1
             if label == dead:
                 writer.write(element)  # a failing dead-letter sink fails the task
                 counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
                 continue
-            done = self._guarded(label, record, element, functools.partial(writer.write, element))
+            done = self._guarded(label, record, element, writer.write, element)
             if isinstance(done, _Skipped) and dead is not None and (
                 wanted is None or dead in wanted
             ):
@@ -397,13 +411,14 @@ class Chain:
                 counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
 
     def _guarded(
-        self, label: str, record: DataChangeRecord, element: Any, call: Callable[[], Any]
+        self, label: str, record: DataChangeRecord, element: Any, call: Callable[[Any], Any],
+        argument: Any,
     ) -> Any:
-        """``call()`` under the error policy: its value, or _Skipped when skipped."""
+        """``call(argument)`` under the error policy: its value, or _Skipped when skipped."""
         failed = 0
         while True:
             try:
-                return call()
+                return call(argument)
             except SinkIOError:
                 raise  # the sink's storage failed, not the element: the batch is retried
             except PipelineStopped:
@@ -541,9 +556,11 @@ def _origin(record: Any) -> tuple[str, Any]:
     return getattr(record, "partition_token", ""), getattr(record, "commit_timestamp", None)
 
 
-def _process(node: ParDo[Any, Any] | Sink[Any, Any], element: Any) -> list[Any]:
+def _process(node: ParDo[Any, Any] | Sink[Any, Any], element: Any) -> Sequence[Any]:
     assert isinstance(node, ParDo)
     produced = node.fn.process(element)
+    if type(produced) is tuple or type(produced) is list:  # Map's, Filter's: as they are
+        return produced
     return [] if produced is None else list(produced)
 
 

@@ -26,6 +26,7 @@ idempotent sink commits the output is exactly once. Steps 2 and 3 live in
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -252,7 +253,7 @@ class Engine:
                         batches.restore_staged()
                         steps.load(self.store)
                         self.listener.on_start(name, self.runner.name, self.store.url)
-                        with self._signals():
+                        with self._signals(), _settled_heap():
                             summary = self._loop(batches)
                     finally:
                         batches.close()  # waits for a batch read ahead and aborts its output
@@ -450,6 +451,20 @@ class Engine:
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
+
+
+@contextmanager
+def _settled_heap() -> Iterator[None]:
+    """While the batches run, what was set up before them (modules, clients, the program,
+    the store) sits in the collector's permanent generation: a full collection, which the
+    records a run makes trigger every few tens of thousands, then walks only the run's own
+    objects instead of every object of the process (tens of milliseconds each time). Given
+    back to the collector when the run ends."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _check_locations(sinks: dict[str, Sink[Any, Any]]) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import orjson
 
 from cdcflow.model import DataChangeRecord
 
@@ -85,7 +86,9 @@ class ByteQuota:
     def __init__(self, limit: int = DEFAULT_QUOTA_BYTES) -> None:
         _check_limit(limit)
         self._limit = limit
-        self._cond = threading.Condition()
+        # the condition's lock, taken directly where nothing waits (a C-level `with`)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._used = 0
         self._peak = 0
         self._waits = 0
@@ -121,6 +124,23 @@ class ByteQuota:
         self._used += n
         self._peak = max(self._peak, self._used)
 
+    def try_acquire(self, n: int) -> bool:
+        """Take ``n`` bytes if :meth:`acquire` would admit them at once (nobody waits and
+        they fit); else take nothing and return False."""
+        if n < 0:
+            msg = f"try_acquire({n}): a size is 0 bytes or more"
+            raise ValueError(msg)
+        with self._lock:
+            used = self._used
+            if self._queue or not (used == 0 or used + n <= self._limit):
+                return False
+            if n > self._limit:
+                self._oversized += 1
+            used = self._used = used + n
+            if used > self._peak:
+                self._peak = used
+            return True
+
     def acquire(
         self, n: int, *, timeout: float | None = None, until: Callable[[], bool] | None = None
     ) -> bool:
@@ -133,8 +153,14 @@ class ByteQuota:
             msg = f"acquire({n}): a size is 0 bytes or more"
             raise ValueError(msg)
         with self._cond:
-            if not self._queue and self._fits(n):
-                self._admit(n)
+            used = self._used
+            if not self._queue and (used == 0 or used + n <= self._limit):
+                # _admit, inline: the path of nearly every element
+                if n > self._limit:
+                    self._oversized += 1
+                used = self._used = used + n
+                if used > self._peak:
+                    self._peak = used
                 return True
             if until is not None and until():
                 return False
@@ -164,7 +190,7 @@ class ByteQuota:
         if n < 0:
             msg = f"release({n}): a size is 0 bytes or more"
             raise ValueError(msg)
-        with self._cond:
+        with self._lock:
             if n > self._used:
                 msg = (
                     f"release({n}) with only {self._used} bytes held: release exactly what "
@@ -172,7 +198,8 @@ class ByteQuota:
                 )
                 raise ValueError(msg)
             self._used -= n
-            self._cond.notify_all()
+            if self._queue:  # only a queued acquire waits on the condition
+                self._cond.notify_all()
 
     def notify(self) -> None:
         """Wake every waiter so that it re-checks its ``until``."""
@@ -235,14 +262,33 @@ def process_quota(limit: int | None = None) -> ByteQuota:
 
 def approx_size(record: DataChangeRecord) -> int:
     """An estimate of a record's memory in bytes, for the byte quota: 256 for the record,
-    plus for every key and value of its mods the payload (a string's UTF-8 length, a bytes
-    value's length, a JSON value or array summed over its items, recursively) and
-    :data:`_PER_VALUE` for the object around it. Linear in the record's values."""
-    n = 256
-    for mod in record.mods:
-        for values in (mod.keys, mod.new_values, mod.old_values):
-            n += _dict_size(values)
-    return n
+    plus the payload of its mods' keys and values (their JSON text, as orjson writes it in
+    C: strings in UTF-8, JSON values and arrays whole; a bytes value's length; a value JSON
+    cannot hold, such as a Timestamp or a Decimal, 4 bytes) and :data:`_PER_VALUE` for
+    each key and each value around it. Linear in the record's values."""
+    extra = 0
+
+    def other(value: Any) -> Any:  # what orjson cannot write: counted here, written as null
+        nonlocal extra
+        if isinstance(value, bytes | bytearray | memoryview):
+            extra += len(value)
+        elif isinstance(value, Mapping):
+            return dict(value)
+        elif isinstance(value, set | frozenset):
+            return list(value)
+        return None
+
+    values = [(m.keys, m.new_values, m.old_values) for m in record.mods]
+    try:
+        body = len(orjson.dumps(values, default=other))
+    except (TypeError, orjson.JSONEncodeError):  # a key that is not a str, a huge int
+        n = 256
+        for mod in record.mods:
+            for part in (mod.keys, mod.new_values, mod.old_values):
+                n += _dict_size(part)
+        return n
+    entries = sum(len(k) + len(n) + len(o) for k, n, o in values)
+    return 256 + body + extra + 2 * _PER_VALUE * entries
 
 
 #: What a key or value costs besides its payload (the object header and its reference).

@@ -146,9 +146,15 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
                 children.setdefault(token, ChildSeen(token, (), position, announced=True))
 
     reading = make_client(program.source).read(query)
+    # A reader that measured its records while decoding them (the Spanner reader) says
+    # their size; any other record is measured here.
+    size_of = getattr(reading, "size_of", None)
     try:
         for record in reading:
-            position = record_position(record)
+            position = (
+                record.commit_timestamp.ns if type(record) is DataChangeRecord
+                else record_position(record)
+            )
             if ended_at is not None:
                 # Several child records may share the end position (the root query gives
                 # one per partition); anything else after the end is not ours.
@@ -160,7 +166,7 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
             if not tracker.try_claim(position):
                 break
             if isinstance(record, DataChangeRecord):
-                n = approx_size(record)
+                n = (size_of(record) if size_of is not None else None) or approx_size(record)
                 records += 1
                 size += n
                 commit_times.add(position)

@@ -63,11 +63,12 @@ from cdcflow.model import (
     Timestamp,
     record_position,
 )
-from cdcflow.spanner.decode import row_decoder
+from cdcflow.spanner.flat import MessageDecoder
 from cdcflow.spanner.retry import ObservedRead, QueryStats, is_transient, status_name
 from cdcflow.spanner.shape import RecordShaper
 from cdcflow.spanner.snapshot import read_snapshot
 from cdcflow.spanner.tracked import tracked_columns
+from cdcflow.spanner.translate import error_text, session_gone, translate, unreachable
 from cdcflow.spanner.transport import (
     GrpcTransport,
     Param,
@@ -87,7 +88,6 @@ _PRIORITIES = ("LOW", "MEDIUM", "HIGH")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT_NS = {"s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86_400 * 10**9}
 _DEFAULT_RETENTION_NS = 86_400 * 10**9
-_READER_ROLE = "roles/spanner.databaseReader"
 #: MUTABLE_KEY_RANGE change stream queries accept at most 30 minutes between start and end.
 _MUTABLE_WINDOW_NS = 30 * 60 * 10**9
 
@@ -226,13 +226,13 @@ class SpannerChangeStreamClient:
     def _worth_retrying(exc: BaseException) -> bool:
         if isinstance(exc, ChangeStreamError | StreamNotFoundError | TransientError):
             return False
-        return _session_gone(exc) or is_transient(exc)
+        return session_gone(exc) or is_transient(exc)
 
     def _retry_if(self, exc: BaseException) -> bool:
         """The policy's predicate: transient errors and a lost session (renewed here)."""
         if not self._worth_retrying(exc):
             return False
-        if _session_gone(exc):
+        if session_gone(exc):
             self.transport.reset_session()
         return True
 
@@ -255,7 +255,7 @@ class SpannerChangeStreamClient:
         if self._worth_retrying(exc):
             msg = (
                 f"Spanner kept failing after {failed} attempts ({status_name(exc)}: "
-                f"{_text(exc)}); check the database's health and quota, then run again"
+                f"{error_text(exc)}); check the database's health and quota, then run again"
             )
             return TransientError(msg)
         return self._translate(exc, query)
@@ -291,9 +291,9 @@ class SpannerChangeStreamClient:
             dialect = self.dialect()
         except TransientError as e:
             # The first contact: a server that never answered is a configuration problem.
-            if e.__cause__ is not None and _unreachable(e.__cause__):
+            if e.__cause__ is not None and unreachable(e.__cause__):
                 msg = (
-                    f"cannot reach {endpoint()}: {_text(e.__cause__)[:160]}; is it running, "
+                    f"cannot reach {endpoint()}: {error_text(e.__cause__)[:160]}; is it running, "
                     "and is the host:port right?"
                 )
                 raise ConfigurationError(msg) from None
@@ -396,7 +396,7 @@ class SpannerChangeStreamClient:
 
     def _query(
         self, info: StreamInfo, token: str | None, start: int, end: int, heartbeat: int,
-        stats: QueryStats,
+        stats: QueryStats, sizes: dict[int, int],
     ) -> Iterator[ChangeRecord]:
         sql, params = self._statement(info, token, start, end, heartbeat)
         label = token if token is not None else INITIAL_PARTITION_TOKEN
@@ -409,12 +409,20 @@ class SpannerChangeStreamClient:
             responses = self.transport.execute_streaming_sql(
                 sql, params, priority=self.priority, timeout=self.query_timeout
             )
-            decode = None
-            for row_type, row in assemble_rows(responses):
-                if decode is None:
-                    first = clock() - began
-                    decode = row_decoder(row_type.fields[0].type_, self._shaper)
-                records = decode(row[0], label)
+            decoder = MessageDecoder(self._shaper, sizes)
+            decode = decoder.decode
+            for message in responses:
+                arrived = clock()
+                records = decode(message, label)
+                if first is None and decoder.rows_seen:
+                    first = arrived - began
+                if records:
+                    paused = clock()
+                    yield from records
+                    held += clock() - paused
+                    paused = None
+            records = decoder.finish(label)
+            if records:
                 paused = clock()
                 yield from records
                 held += clock() - paused
@@ -435,39 +443,46 @@ class SpannerChangeStreamClient:
         if query.end <= query.start:
             return ObservedRead(iter(()), stats)
         info = self.describe_stream(query.stream)
+        sizes: dict[int, int] = {}  # what the decoder measured of the records it gives
         if info.partition_mode == "MUTABLE_KEY_RANGE":
-            return ObservedRead(self._read_windows(query, info, stats), stats)
-        return ObservedRead(self._read(query, info, stats), stats)
+            return ObservedRead(self._read_windows(query, info, stats, sizes), stats, sizes)
+        return ObservedRead(self._read(query, info, stats, sizes), stats, sizes)
 
     def _read_windows(
-        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats
+        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats,
+        sizes: dict[int, int],
     ) -> Iterator[ChangeRecord]:
         """MUTABLE_KEY_RANGE queries need an end at most 30 minutes after the start: read
         the slice in consecutive windows, and stop at the partition's end record."""
         start = query.start
         while start < query.end:
             end = min(query.end, start + _MUTABLE_WINDOW_NS)
-            for record in self._read(attrs.evolve(query, start=start, end=end), info, stats):
+            window = attrs.evolve(query, start=start, end=end)
+            for record in self._read(window, info, stats, sizes):
                 yield record
                 if isinstance(record, PartitionEndRecord):
                     return
             start = end
 
     def _read(
-        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats
+        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats,
+        sizes: dict[int, int],
     ) -> Iterator[ChangeRecord]:
         start = query.start
         last: int | None = None  # position of the last record yielded
-        seen: set[tuple[str, str, str]] = set()  # identities yielded at ``last``
+        at_last: set[tuple[str, str, str]] = set()  # identities yielded at ``last``
+        seen: set[tuple[str, str, str]] = set()  # while re-reading: those of the failed read
         resume: int | None = None  # while re-reading: drop what is at or before this
         failed = 0  # failures in a row without progress
         streak_began = 0.0  # when the first of them began, on the policy's clock
+        end = query.end
         while True:
             progressed = False
             began = self.retry.clock()
             try:
                 for record in self._query(
-                    info, query.partition_token, start, query.end, query.heartbeat_millis, stats
+                    info, query.partition_token, start, end, query.heartbeat_millis, stats,
+                    sizes,
                 ):
                     pos = record_position(record)
                     if resume is not None:
@@ -477,13 +492,18 @@ class SpannerChangeStreamClient:
                             continue
                         if pos > resume:
                             resume = None
-                    if pos >= query.end:
+                    if pos >= end:
                         # The server's bounds are inclusive of end - 1 ns; never past it.
                         continue
                     if pos != last:
                         last = pos
-                        seen = set()
-                    seen.add(_identity(record))
+                        at_last.clear()
+                    if type(record) is DataChangeRecord:  # _identity, inline: the hot path
+                        at_last.add(
+                            ("data", record.record_sequence, record.server_transaction_id)
+                        )
+                    else:
+                        at_last.add(_identity(record))
                     progressed = True
                     yield record
                 return
@@ -501,75 +521,13 @@ class SpannerChangeStreamClient:
                     raise translated from exc
                 if last is not None:
                     start = resume = last
+                    # what was yielded at ``last`` by every read so far (``at_last``
+                    # grows while ``last`` holds)
+                    seen = set(at_last)
 
     def _translate(self, exc: Exception, query: ChangeStreamQuery | None) -> Exception:
         """A cdcflow error naming the fix for a permanent Spanner error."""
-        status = status_name(exc)
-        if status is None:
-            return exc  # not an RPC error (cdcflow's own, or a bug): keep it as it is
-        text = _text(exc)
-        stream = query.stream if query is not None else "?"
-        if status == "PERMISSION_DENIED":
-            msg = (
-                f"permission denied reading {self.database}: grant the caller {_READER_ROLE} "
-                f"(or a role with spanner.databases.select) on the database ({text})"
-            )
-            return ChangeStreamError(msg)
-        if status == "UNAUTHENTICATED":
-            msg = (
-                "Spanner rejected the credentials: run `gcloud auth application-default login`, "
-                "set GOOGLE_APPLICATION_CREDENTIALS, or set SPANNER_EMULATOR_HOST for the "
-                f"emulator ({text})"
-            )
-            return ChangeStreamError(msg)
-        if "Instance not found" in text:
-            msg = f"instance of {self.database} does not exist: fix the path or create it ({text})"
-            return StreamNotFoundError(msg)
-        if "Database not found" in text:
-            msg = f"database {self.database} does not exist: fix the path or create it ({text})"
-            return StreamNotFoundError(msg)
-        if "Table-valued function not found" in text or (
-            "read_json_" in text and "does not exist" in text
-        ):
-            msg = (
-                f"change stream {stream!r} not found in {self.database}: fix the name or create "
-                f"it with CREATE CHANGE STREAM ({text})"
-            )
-            return StreamNotFoundError(msg)
-        if "too far in the past" in text or "retention" in text.lower():
-            start = _rfc3339(query.start) if query is not None else "?"
-            msg = (
-                f"start {start} is outside the retention period of change stream {stream!r}: "
-                "start later (for example start_at='-1h'), or raise the stream's "
-                f"retention_period; reset the pipeline if its stored position is too old ({text})"
-            )
-            return ChangeStreamError(msg)
-        if "partition_token is invalid" in text:
-            msg = (
-                f"partition token does not belong to change stream {stream!r}: the stored "
-                f"state is from another stream or database; reset the pipeline ({text})"
-            )
-            return ChangeStreamError(msg)
-        msg = f"change stream query on {self.database} failed ({status}: {text})"
-        return ChangeStreamError(msg)
-
-
-def _unreachable(exc: BaseException) -> bool:
-    """A connection that never came up (refused, unknown host), as opposed to one that broke."""
-    text = _text(exc)
-    return status_name(exc) == "UNAVAILABLE" and (
-        "failed to connect to all addresses" in text or "DNS resolution failed" in text
-        or "Connection refused" in text
-    )
-
-
-def _session_gone(exc: BaseException) -> bool:
-    return status_name(exc) == "NOT_FOUND" and "Session not found" in str(exc)
-
-
-def _text(exc: BaseException) -> str:
-    message = getattr(exc, "message", None)
-    return message if isinstance(message, str) else str(exc)
+        return translate(exc, self.database, query)
 
 
 def _check_identifier(stream: str) -> None:

@@ -50,8 +50,9 @@ from cdcflow.model import (
     PartitionStartRecord,
     Timestamp,
 )
-from cdcflow.spanner.shape import RecordShaper, TablePlan, default_shaper
-from cdcflow.spanner.values import Converter, convert_in_place, decoders, parse_timestamp
+from cdcflow.spanner.records import DATA_LAYOUT, MOD_LAYOUT, TOP_LAYOUT, DataBuilder
+from cdcflow.spanner.shape import RecordShaper, default_shaper
+from cdcflow.spanner.values import parse_timestamp
 
 __all__ = [
     "DecodeError",
@@ -62,6 +63,7 @@ __all__ = [
     "plain_value",
     "records_from_stock_row",
     "row_decoder",
+    "text_decoder",
 ]
 
 #: Decodes the first column of one result row (a protobuf ``Value``) into records.
@@ -83,21 +85,12 @@ def _element_struct(array_type: Any) -> Any:
     return array_type.array_element_type.struct_type
 
 
-#: A plan's converters: column name -> converter, and the same as a tuple of items.
-_Conversion = tuple[dict[str, Converter], tuple[tuple[str, Converter], ...]]
-
-
 # --- GoogleSQL STRUCT rows ------------------------------------------------------------------
 
 
-_DATA_LAYOUT = (
-    "commit_timestamp", "record_sequence", "server_transaction_id",
-    "is_last_record_in_transaction_in_partition", "table_name", "column_types", "mods",
-    "mod_type", "value_capture_type", "number_of_records_in_transaction",
-    "number_of_partitions_in_transaction", "transaction_tag", "is_system_transaction",
-)
-_TOP_LAYOUT = ("data_change_record", "heartbeat_record", "child_partitions_record")
-_MOD_LAYOUT = ("keys", "new_values", "old_values")
+_DATA_LAYOUT = DATA_LAYOUT
+_TOP_LAYOUT = TOP_LAYOUT
+_MOD_LAYOUT = MOD_LAYOUT
 
 
 def _names(struct_type: Any) -> tuple[str, ...]:
@@ -110,15 +103,11 @@ class _StructDecoder:
     Reading a protobuf field builds a Python wrapper object, which dominates the cost,
     so when the metadata has the documented field order the fields are unpacked in one
     step; any other order (fields added by a newer server) goes through name lookups.
+    The record itself is made by a :class:`~cdcflow.spanner.records.DataBuilder`.
     """
 
     def __init__(self, column_type: Any, shaper: RecordShaper = default_shaper) -> None:
-        self._shaper = shaper
-        # Without a filter a plan keeps every column and checks nothing: its mods are the
-        # parsed JSON dicts converted in place (see _fast_mods_of), no second dict per mod.
-        self._plain = shaper.filter is None
-        self._converters: dict[Any, _Conversion] = {}
-        self._last_stand_in: tuple[str, str] | None = None
+        self._builder = DataBuilder(shaper)
         outer = _element_struct(column_type)
         top = _field_index(outer)
         types = {f.name: f.type_ for f in outer.fields}
@@ -173,105 +162,42 @@ class _StructDecoder:
                     out.append(self._child_partitions(rec.list_value.values, token))
         return out
 
-    def _plan(self, table: str, value: Any) -> TablePlan:
-        key = ("struct", table, value.SerializeToString())
-        plan = self._shaper.cached(key)
-        if plan is None:
-            name_i, type_i, pk_i, pos_i = self._col
-            columns = []
-            for col in value.list_value.values:
-                f = col.list_value.values
-                columns.append(ColumnType(
-                    f[name_i].string_value, _json_obj(f[type_i].string_value),
-                    f[pk_i].bool_value, int(f[pos_i].string_value),
-                ))
-            plan = self._shaper.plan(key, table, columns)
-        return plan
+    def _columns(self, raw: bytes) -> list[ColumnType]:
+        """The column types of their serialized ``ListValue``."""
+        from google.protobuf.struct_pb2 import ListValue
 
-    def _conversion(self, plan: TablePlan) -> _Conversion:
-        found = self._converters.get(plan)
-        if found is None:
-            converters = decoders(plan.columns) if self._shaper.typed else {}
-            found = (converters, tuple(converters.items()))
-            self._converters[plan] = found
-        return found
+        name_i, type_i, pk_i, pos_i = self._col
+        columns = []
+        for col in ListValue.FromString(raw).values:
+            f = col.list_value.values
+            columns.append(ColumnType(
+                f[name_i].string_value, _json_obj(f[type_i].string_value),
+                f[pk_i].bool_value, int(f[pos_i].string_value),
+            ))
+        return columns
 
-    def _plain_mods(self, value: Any, plan: TablePlan) -> list[Mod]:
-        """Mods of a plan that keeps every column and checks nothing (no filter): what
-        ``plan.mod`` gives, converted in the parsed dicts; a value that is not its column's
-        wire form goes through ``plan.mod`` again for its DecodeError."""
-        loads = _loads
-        convs, items = self._conversion(plan)
-        mods = []
-        for mod in value.list_value.values:
-            k, n, o = mod.list_value.values
-            # NULL JSON arrives as string_value "" (an empty map for the model).
-            keys, new, old = k.string_value, n.string_value, o.string_value
-            kd = loads(keys or "{}")
-            nd = loads(new or "{}")
-            od = loads(old or "{}")
-            if items:
-                try:
-                    convert_in_place(kd, convs, items)
-                    if nd:
-                        convert_in_place(nd, convs, items)
-                    if od:
-                        convert_in_place(od, convs, items)
-                except Exception:
-                    # plan.mod raises the DecodeError naming the column; should it not,
-                    # the converter's own error stands
-                    plan.mod(loads(keys or "{}"), loads(new or "{}"), loads(old or "{}"))
-                    raise
-            mods.append(Mod(kd, nd, od))
-        return mods
-
-    def _mods(self, value: Any, plan: TablePlan, check_unchanged: bool) -> list[Mod]:
-        loads = _loads
-        mods = []
-        shape = plan.mod
-        if self._fast_mods and self._plain:
-            return self._plain_mods(value, plan)
+    def _mod_texts(self, value: Any) -> list[str]:
+        """The mods' JSON texts: keys, new values, old values of each in turn ("" for
+        NULL)."""
         if self._fast_mods:
-            for mod in value.list_value.values:
-                k, n, o = mod.list_value.values
-                # NULL JSON arrives as string_value "" (an empty map for the model).
-                shaped = shape(
-                    loads(k.string_value or "{}"), loads(n.string_value or "{}"),
-                    loads(o.string_value or "{}"), check_unchanged,
-                )
-                if shaped is not None:
-                    mods.append(shaped)
-            return mods
+            return [v.string_value for m in value.list_value.values for v in m.list_value.values]
         ki, ni, oi = self._mod_keys, self._mod_new, self._mod_old
+        texts = []
         for mod in value.list_value.values:
             m = mod.list_value.values
-            shaped = shape(
-                _json_obj(m[ki].string_value),
-                _json_obj(m[ni].string_value) if ni >= 0 else {},
-                _json_obj(m[oi].string_value) if oi >= 0 else {},
-                check_unchanged,
-            )
-            if shaped is not None:
-                mods.append(shaped)
-        return mods
-
-    def _stand_in(self, token: str, ts: Any) -> HeartbeatRecord | None:
-        """A dropped record's position as a heartbeat, once per position in a row: the
-        records of a transaction share one commit timestamp."""
-        key = (token, ts.string_value)
-        if key == self._last_stand_in:
-            return None
-        self._last_stand_in = key
-        return HeartbeatRecord(token, parse_timestamp(key[1]))
+            texts.append(m[ki].string_value)
+            texts.append(m[ni].string_value if ni >= 0 else "")
+            texts.append(m[oi].string_value if oi >= 0 else "")
+        return texts
 
     def _data(self, f: Any, token: str) -> DataChangeRecord | HeartbeatRecord | None:
-        shaper = self._shaper
+        builder = self._builder
         d = self._d
         # The table name and mod type first: a record the filter drops costs only these.
         table_name = f[d["table_name"]].string_value
         mod_type_name = f[d["mod_type"]].string_value
-        if not shaper.wants(table_name, mod_type_name):
-            return self._stand_in(token, f[d["commit_timestamp"]])
+        if not builder.shaper.wants(table_name, mod_type_name):
+            return builder.stand_in(token, f[d["commit_timestamp"]].string_value)
         if self._fast_data:
             (ts, seq, txn, last, _, cols, mods, _, vct, n_rec, n_part, tag, system) = f
         else:
@@ -283,17 +209,12 @@ class _StructDecoder:
             tag = f[tag_i] if tag_i >= 0 else None
             system = f[sys_i] if sys_i >= 0 else None
         capture = vct.string_value
-        shaped = self._mods(
-            mods, plan := self._plan(table_name, cols),
-            shaper.checks_unchanged(mod_type_name, capture),
-        )
-        if shaper.dropped(shaped):
-            return self._stand_in(token, ts)
-        return DataChangeRecord(
-            token, parse_timestamp(ts.string_value), seq.string_value, txn.string_value,
-            last.bool_value, table_name, plan.columns, shaped, mod_type_name, capture,
-            int(n_rec.string_value), int(n_part.string_value),
-            tag.string_value if tag is not None else "",
+        plan = builder.plan(table_name, cols.list_value.SerializeToString(), self._columns)
+        shaped = builder.mods(plan, self._mod_texts(mods), mod_type_name, capture)
+        return builder.record(
+            token, ts.string_value, seq.string_value, txn.string_value, last.bool_value,
+            table_name, plan, shaped, mod_type_name, capture, n_rec.string_value,
+            n_part.string_value, tag.string_value if tag is not None else "",
             system.bool_value if system is not None else False,
         )
 
@@ -409,10 +330,18 @@ def decode_json_record(
     return out
 
 
-def _jsonb_decoder(shaper: RecordShaper) -> Callable[[Any, str], list[ChangeRecord]]:
-    def decode(value: Any, token: str) -> list[ChangeRecord]:
-        text = value.string_value
+def _jsonb_text(shaper: RecordShaper) -> Callable[[str, str], list[ChangeRecord]]:
+    def decode(text: str, token: str) -> list[ChangeRecord]:
         return decode_json_record(_loads(text), token, shaper) if text else []
+
+    return decode
+
+
+def _jsonb_decoder(shaper: RecordShaper) -> Callable[[Any, str], list[ChangeRecord]]:
+    text_decode = _jsonb_text(shaper)
+
+    def decode(value: Any, token: str) -> list[ChangeRecord]:
+        return text_decode(value.string_value, token)
 
     return decode
 
@@ -534,12 +463,21 @@ def _proto_message_class() -> Any:
     return ChangeStreamRecord.pb()
 
 
+def _proto_text(shaper: RecordShaper) -> Callable[[str, str], list[ChangeRecord]]:
+    def decode(text: str, token: str) -> list[ChangeRecord]:
+        raw = base64.b64decode(text)
+        return [decode_proto_record(_proto_message_class().FromString(raw), token, shaper)]
+
+    return decode
+
+
 def _proto_decoder(shaper: RecordShaper) -> Callable[[Any, str], list[ChangeRecord]]:
+    text_decode = _proto_text(shaper)
+
     def decode(value: Any, token: str) -> list[ChangeRecord]:
         if value.WhichOneof("kind") != "string_value":
             return []
-        raw = base64.b64decode(value.string_value)
-        return [decode_proto_record(_proto_message_class().FromString(raw), token, shaper)]
+        return text_decode(value.string_value, token)
 
     return decode
 
@@ -570,6 +508,21 @@ def row_decoder(
         return _proto_decoder(shaper)
     msg = f"unexpected change stream column type {column_type}; upgrade cdcflow"
     raise DecodeError(msg)
+
+
+def text_decoder(
+    column_type: Any, shaper: RecordShaper = default_shaper
+) -> Callable[[str, str], list[ChangeRecord]] | None:
+    """For a ChangeRecord column that holds one string per row (PostgreSQL JSONB, and
+    MUTABLE_KEY_RANGE ChangeStreamRecord protos as base64): the decoder of that string and
+    the partition token, as :func:`row_decoder`'s decodes a row whose value is that string
+    (a NULL row holds no record). None for any other column type."""
+    code = column_type.code
+    if code == _CODE_JSON:
+        return _jsonb_text(shaper)
+    if code in (_CODE_PROTO, _CODE_BYTES):
+        return _proto_text(shaper)
+    return None
 
 
 # --- the stock client's decoded rows (reference path) ---------------------------------------

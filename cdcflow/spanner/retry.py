@@ -153,13 +153,22 @@ class ObservedRead(Iterator[ChangeRecord]):
     record). :meth:`counters` ends the read (a query still open is closed, so its duration
     is counted) and returns the read's :class:`QueryStats` counters: call it once the
     records are consumed or abandoned; records are not available after it.
+    :meth:`size_of` tells the size the decoder measured of the record just read.
     """
 
-    __slots__ = ("_records", "_stats")
+    __slots__ = ("_records", "_sizes", "_stats")
 
-    def __init__(self, records: Iterator[ChangeRecord], stats: QueryStats) -> None:
+    def __init__(self, records: Iterator[ChangeRecord], stats: QueryStats,
+                 sizes: dict[int, int] | None = None) -> None:
         self._records = records
         self._stats = stats
+        self._sizes = sizes if sizes is not None else {}
+
+    def size_of(self, record: ChangeRecord) -> int | None:
+        """The bytes the decoder measured for ``record``, the record just read (the
+        measure of ``cdcflow.engine.quota.approx_size``, taken from the wire), or None
+        when it did not measure it. Ask before reading the next record."""
+        return self._sizes.get(id(record))
 
     def __iter__(self) -> Iterator[ChangeRecord]:
         return self._records

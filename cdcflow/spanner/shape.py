@@ -22,7 +22,13 @@ import orjson
 
 from cdcflow.errors import DecodeError
 from cdcflow.model import ColumnType, DataChangeRecord, HeartbeatRecord, Mod, Timestamp
-from cdcflow.spanner.values import decode_values, decoder_for, decoders, type_code
+from cdcflow.spanner.values import (
+    converter_in_place,
+    decode_values,
+    decoder_for,
+    decoders,
+    type_code,
+)
 from cdcflow.stream import RecordFilter
 
 __all__ = ["RecordShaper", "TablePlan", "default_shaper"]
@@ -41,10 +47,12 @@ class TablePlan:
 
     ``columns`` are the column types a record carries (pruned to the kept columns);
     ``names`` the names of all columns the server listed, in its order (protobuf mods
-    refer to columns by that index).
+    refer to columns by that index); ``in_place`` converts a dict of wire values (fresh
+    from a JSON parser) in place, as :meth:`mod` converts values, or is None when nothing
+    needs converting (see :func:`~cdcflow.spanner.values.converter_in_place`).
     """
 
-    __slots__ = ("_converters", "_keep", "_table", "columns", "names")
+    __slots__ = ("_converters", "_keep", "_table", "columns", "in_place", "names")
 
     def __init__(
         self, table: str, columns: tuple[ColumnType, ...], keep: frozenset[str] | None,
@@ -58,6 +66,7 @@ class TablePlan:
         self._keep = keep
         self.columns = columns
         self._converters = decoders(columns) if typed else {}
+        self.in_place = converter_in_place(self._converters)
 
     def mod(
         self, keys: Mapping[str, Any], new: Mapping[str, Any], old: Mapping[str, Any],

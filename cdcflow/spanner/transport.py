@@ -3,8 +3,10 @@
 :class:`GrpcTransport` sends ``ExecuteStreamingSql`` through the stock client's GAPIC
 layer (so credentials, ``SPANNER_EMULATOR_HOST``, endpoints and headers behave as usual)
 but with ``retry=None`` and a deadline: retrying is the caller's job, with bounded
-backoff (:mod:`cdcflow.spanner.retry`). It yields raw protobuf ``PartialResultSet``
-messages; :func:`assemble_rows` merges chunked values into rows of protobuf ``Value``.
+backoff (:mod:`cdcflow.spanner.retry`). It yields each ``PartialResultSet`` as the bytes
+the server sent (on the client's own gRPC channel, with the GAPIC layer's headers and error
+mapping): the change stream reader parses them itself (:mod:`cdcflow.spanner.flat`), and
+:func:`assemble_rows` merges chunked values into rows of protobuf ``Value`` for anyone else.
 
 The transport is the seam tests wrap to inject failures (see ``Transport``).
 """
@@ -21,7 +23,9 @@ from typing import Any, Protocol
 
 from cdcflow.errors import ConfigurationError
 
-__all__ = ["GrpcTransport", "Param", "Transport", "assemble_rows"]
+__all__ = [
+    "GrpcTransport", "Param", "RowAssembler", "Transport", "assemble_rows", "merge_values",
+]
 
 #: A query parameter: (Spanner type code name, wire value as text or None for NULL).
 Param = tuple[str, str | None]
@@ -32,7 +36,8 @@ _SESSION_MAX_AGE_S = 7 * 86_400
 
 
 class Transport(Protocol):
-    """Runs one streaming query; yields protobuf ``PartialResultSet`` messages."""
+    """Runs one streaming query; yields ``PartialResultSet`` messages: protobuf messages or
+    their serialized bytes (faster to decode: see :mod:`cdcflow.spanner.flat`)."""
 
     def execute_streaming_sql(
         self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
@@ -95,6 +100,7 @@ class GrpcTransport:
         self._api: Any = None
         self._session: str | None = None
         self._session_born = 0.0
+        self._raw: Any = None  # the serialized-answer RPC; False: the client has no channel
         self._lock = threading.Lock()
 
     def _spanner_api(self) -> Any:
@@ -139,17 +145,55 @@ class GrpcTransport:
         with self._lock:
             self._session = None
 
+    def _raw_rpc(self, api: Any) -> Any:
+        """ExecuteStreamingSql on the client's gRPC channel, answering each message as the
+        bytes the server sent; wrapped like the GAPIC method (headers, errors mapped to
+        google.api_core exceptions). None when the client's transport has no gRPC channel."""
+        if self._raw is None:
+            channel = getattr(getattr(api, "transport", None), "grpc_channel", None)
+            if channel is None:
+                self._raw = False
+            else:
+                from google.api_core import gapic_v1
+                from google.cloud.spanner_v1.services.spanner.transports.base import (
+                    DEFAULT_CLIENT_INFO,
+                )
+                from google.cloud.spanner_v1.types import ExecuteSqlRequest
+
+                stub = channel.unary_stream(
+                    "/google.spanner.v1.Spanner/ExecuteStreamingSql",
+                    request_serializer=ExecuteSqlRequest.serialize,
+                    response_deserializer=None,
+                )
+                self._raw = gapic_v1.method.wrap_method(  # type: ignore[no-untyped-call]
+                    stub, default_retry=None, default_timeout=None,
+                    client_info=DEFAULT_CLIENT_INFO,
+                )
+        return self._raw or None
+
     def execute_streaming_sql(
         self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
     ) -> Iterator[Any]:
+        from google.api_core import gapic_v1
         from google.cloud.spanner_v1.types import PartialResultSet
 
         api = self._spanner_api()
         request = _request(self.session(), sql, params, priority)
-        stream = api.execute_streaming_sql(
-            request=request, metadata=self._metadata(), retry=None, timeout=timeout
-        )
-        to_pb = PartialResultSet.pb
+        raw = self._raw_rpc(api)
+        to_pb: Any
+        if raw is not None:
+            routing = gapic_v1.routing_header.to_grpc_metadata(  # type: ignore[no-untyped-call]
+                (("session", request.session),)
+            )
+            stream = raw(
+                request, retry=None, timeout=timeout, metadata=[*self._metadata(), routing]
+            )
+            to_pb = bytes
+        else:
+            stream = api.execute_streaming_sql(
+                request=request, metadata=self._metadata(), retry=None, timeout=timeout
+            )
+            to_pb = PartialResultSet.pb
         if self.prefetch < 1:
             try:
                 for item in stream:
@@ -168,6 +212,7 @@ class GrpcTransport:
                 with contextlib.suppress(Exception):
                     self._api.delete_session(name=self._session, metadata=self._metadata())
             self._session = None
+            self._raw = None
             if self._owns_client and self._client is not None:
                 with contextlib.suppress(Exception):
                     self._client.close()
@@ -247,8 +292,10 @@ _CODE_ARRAY = 8
 _CODE_STRUCT = 9
 
 
-def _merge(lhs: Any, rhs: Any, type_: Any) -> Any:
-    """Join a value split across two PartialResultSets (Spanner's chunking rules)."""
+def merge_values(lhs: Any, rhs: Any, type_: Any) -> Any:
+    """Join a value split across two PartialResultSets (Spanner's chunking rules): the
+    protobuf ``Value`` ``lhs`` ends in the middle of what ``rhs`` continues; ``type_`` is
+    the column's ``Type``."""
     from google.protobuf.struct_pb2 import ListValue, Value
 
     code = type_.code
@@ -268,7 +315,7 @@ def _merge(lhs: Any, rhs: Any, type_: Any) -> Any:
                 and last.WhichOneof("kind") != "null_value"
             )
             if mergeable:
-                left[-1] = _merge(last, first, elem)
+                left[-1] = merge_values(last, first, elem)
                 right = right[1:]
         return Value(list_value=ListValue(values=left + right))
     if code in _FLOAT_CODES and lhs.WhichOneof("kind") != "string_value":
@@ -276,34 +323,76 @@ def _merge(lhs: Any, rhs: Any, type_: Any) -> Any:
     return Value(string_value=lhs.string_value + rhs.string_value)
 
 
+class RowAssembler:
+    """Rows from protobuf PartialResultSets, fed one at a time (see :func:`assemble_rows`).
+
+    ``row_type`` is the ``StructType`` of the result metadata, taken from the first message
+    unless :meth:`start` set it (a reader that read the metadata itself).
+    """
+
+    __slots__ = ("_pending", "_row", "_width", "row_type")
+
+    def __init__(self) -> None:
+        self.row_type: Any = None
+        self._width = 0
+        self._row: list[Any] = []
+        self._pending: Any = None
+
+    def start(self, row_type: Any) -> None:
+        """Set the result's row type (the first message's metadata)."""
+        self.row_type = row_type
+        self._width = len(row_type.fields)
+
+    def idle(self) -> bool:
+        """No row begun: no chunk waits for its rest, no row lacks columns."""
+        return self._pending is None and not self._row
+
+    def add(self, prs: Any) -> list[tuple[Any, list[Any]]]:
+        """The rows ``prs`` completes, as ``(row_type, values)``."""
+        if self.row_type is None:
+            self.start(prs.metadata.row_type)
+        values: list[Any] = list(prs.values)
+        if not values:
+            return []
+        row_type, width, row = self.row_type, self._width, self._row
+        if self._pending is not None:
+            values[0] = merge_values(self._pending, values[0], row_type.fields[len(row)].type_)
+            self._pending = None
+        if prs.chunked_value:
+            self._pending = values.pop()
+        out = []
+        for value in values:
+            row.append(value)
+            if len(row) == width:
+                out.append((row_type, row))
+                row = []
+        self._row = row
+        return out
+
+    def finish(self) -> list[tuple[Any, list[Any]]]:
+        """The last row, when the stream ended on a chunk that completes it."""
+        row, self._row = self._row, []
+        if self._pending is not None:
+            row.append(self._pending)
+            self._pending = None
+        return [(self.row_type, row)] if row and len(row) == self._width else []
+
+
 def assemble_rows(responses: Iterator[Any]) -> Iterator[tuple[Any, list[Any]]]:
-    """Rows from protobuf PartialResultSets: yields ``(row_type, values)`` per row.
+    """Rows from PartialResultSets (protobuf messages or their serialized bytes): yields
+    ``(row_type, values)`` per row.
 
     ``row_type`` is the ``StructType`` of the result metadata (sent with the first
     message); ``values`` holds one protobuf ``Value`` per column.
     """
-    row_type: Any = None
-    width = 0
-    row: list[Any] = []
-    pending: Any = None
+    assembler = RowAssembler()
+    parse: Any = None
     for prs in responses:
-        if row_type is None:
-            row_type = prs.metadata.row_type
-            width = len(row_type.fields)
-        values: list[Any] = list(prs.values)
-        if not values:
-            continue
-        if pending is not None:
-            values[0] = _merge(pending, values[0], row_type.fields[len(row)].type_)
-            pending = None
-        if prs.chunked_value:
-            pending = values.pop()
-        for value in values:
-            row.append(value)
-            if len(row) == width:
-                yield row_type, row
-                row = []
-    if pending is not None:
-        row.append(pending)
-    if row and len(row) == width:
-        yield row_type, row
+        if isinstance(prs, bytes):
+            if parse is None:
+                from google.cloud.spanner_v1.types import PartialResultSet
+
+                parse = PartialResultSet.pb().FromString
+            prs = parse(prs)
+        yield from assembler.add(prs)
+    yield from assembler.finish()

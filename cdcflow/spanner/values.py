@@ -45,6 +45,7 @@ from cdcflow.model import ColumnType, Timestamp
 __all__ = [
     "Converter",
     "convert_in_place",
+    "converter_in_place",
     "decode_values",
     "decoder_for",
     "decoders",
@@ -70,43 +71,65 @@ _loads = orjson.loads
 # --- timestamps -----------------------------------------------------------------------------
 
 _CACHE_LIMIT = 4096
+#: Recent timestamps by text. Small on purpose: values repeat close together (a
+#: transaction's records, a column set to the commit timestamp), and a cached Timestamp
+#: lives long enough to reach the collector's oldest generation, whose collections then
+#: come often and cost milliseconds each (they walk every object of the process).
+_TS_CACHE_LIMIT = 64
 _ts_cache: dict[str, Timestamp] = {}
-_second_cache: dict[str, tuple[int, int, int, int, int, int]] = {}
+#: "YYYY-MM-DDTHH:MM:SS" -> (year, month, day, hour, minute, second, seconds since the epoch)
+_second_cache: dict[str, tuple[int, int, int, int, int, int, int]] = {}
 _datetime_new = datetime.__new__
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: What n fractional digits are worth in nanoseconds.
+_SCALE = (0, 100_000_000, 10_000_000, 1_000_000, 100_000, 10_000, 1_000, 100, 10, 1)
+
+
+def _second(head: str) -> tuple[int, int, int, int, int, int, int] | None:
+    """``YYYY-MM-DDTHH:MM:SS`` as its fields and seconds since the epoch, or None."""
+    if len(head) != 19 or head[4] != "-" or head[10] not in "Tt ":
+        return None
+    try:
+        fields = (int(head[0:4]), int(head[5:7]), int(head[8:10]),
+                  int(head[11:13]), int(head[14:16]), int(head[17:19]))
+        delta = _datetime_new(datetime, *fields, 0, UTC) - _EPOCH
+    except ValueError:
+        return None  # Timestamp.parse says what is wrong
+    found = (*fields, delta.days * 86_400 + delta.seconds)
+    if len(_second_cache) >= _CACHE_LIMIT:
+        _second_cache.clear()
+    _second_cache[head] = found
+    return found
 
 
 def _parse_fast(text: str) -> Timestamp | None:
     """RFC 3339 in UTC (``Z`` or ``+00:00``) with 0..9 fractional digits, else None."""
-    n = len(text)
-    if text[-1] == "Z":
-        end = n - 1
-    elif text.endswith("+00:00"):
-        end = n - 6
+    found = _second_cache.get(text[:19]) or _second(text[:19])
+    if found is None:
+        return None
+    rest = text[19:]
+    if rest[-1:] == "Z":
+        digits = rest[1:-1]
+    elif rest[-6:] == "+00:00":
+        digits = rest[1:-6]
     else:
         return None
-    if end == 19:
-        frac = "000000000"
-    elif end > 20 and text[19] == "." and end - 20 <= 9:
-        frac = text[20:end]
-        if len(frac) < 9:
-            frac = (frac + "000000000")[:9]
-    else:
-        return None
-    head = _second_cache.get(text[:19])
-    if head is None:
-        if n < 20 or text[4] != "-" or text[10] not in "Tt ":
+    if rest[0] != "." or not 0 < len(digits) <= 9 or not digits.isdecimal():
+        if rest not in ("Z", "+00:00"):
             return None
-        head = (
-            int(text[0:4]), int(text[5:7]), int(text[8:10]),
-            int(text[11:13]), int(text[14:16]), int(text[17:19]),
-        )
-        if len(_second_cache) >= _CACHE_LIMIT:
-            _second_cache.clear()
-        _second_cache[text[:19]] = head
+        frac = 0
+    else:
+        frac = int(digits) * _SCALE[len(digits)]
+    year, month, day, hour, minute, second, seconds = found
     # Timestamp's constructor validates keyword arguments in Python; this is the same
     # object built directly (a datetime plus the nanoseconds below the microsecond).
-    ts: Timestamp = _datetime_new(Timestamp, *head, int(frac[:6]), UTC)
-    ts._nanosecond = int(frac[6:])
+    ts: Timestamp = _datetime_new(
+        Timestamp, year, month, day, hour, minute, second, frac // 1000, UTC
+    )
+    ts._nanosecond = frac % 1000
+    ts._ns = seconds * 1_000_000_000 + frac
+    # Spanner's usual form is already what rfc3339() writes (nine digits, Z)
+    ts._text = text if len(digits) == 9 and rest[-1] == "Z" and text[10] == "T" else None
     return ts
 
 
@@ -118,8 +141,8 @@ def parse_timestamp(text: str) -> Timestamp:
     ts = _ts_cache.get(text)
     if ts is not None:
         return ts
-    ts = (_parse_fast(text) if len(text) >= 20 else None) or Timestamp.parse(text)
-    if len(_ts_cache) >= _CACHE_LIMIT:
+    ts = _parse_fast(text) or Timestamp.parse(text)
+    if len(_ts_cache) >= _TS_CACHE_LIMIT:
         _ts_cache.clear()
     _ts_cache[text] = ts
     return ts
@@ -232,6 +255,57 @@ def convert_in_place(
             if value is not None:
                 values[name] = convert(value)
     return values
+
+
+#: Converters written inline by :func:`converter_in_place` (the same result, without a call).
+_INLINE: dict[Converter, str] = {
+    int: "int(v)",
+    float: "float(v)",
+    _numeric: "(Decimal(v) if v.__class__ is str else numeric(v))",
+    _json: "(loads(v) if v.__class__ is str else v)",
+    parse_timestamp: "parse_timestamp(v)",
+}
+#: Above this many converters a dict smaller than a quarter of them is walked instead.
+_UNROLL = 8
+
+
+def converter_in_place(
+    converters: Mapping[str, Converter],
+) -> Callable[[dict[str, Any]], None] | None:
+    """A function doing ``convert_in_place(values, converters, ...)`` for these converters
+    (None when there are none), written out for them: one ``get`` and one inline conversion
+    per column, no loop. For many columns, a dict much smaller than the list (a mod's keys,
+    an update of one column) is walked instead. Raises what a converter raises, leaving the
+    dict partly converted."""
+    items = tuple(converters.items())
+    if not items:
+        return None
+    env: dict[str, Any] = {
+        "Decimal": Decimal, "numeric": _numeric, "loads": _loads,
+        "parse_timestamp": parse_timestamp, "convert_in_place": convert_in_place,
+        "converters": dict(converters), "items": items,
+    }
+    lines = ["def convert(d):"]
+    if len(items) > _UNROLL:
+        lines += [
+            f"    if len(d) * 4 < {len(items)}:",
+            "        convert_in_place(d, converters, items)",
+            "        return",
+        ]
+    for i, (name, convert) in enumerate(items):
+        expression = _INLINE.get(convert)
+        if expression is None:
+            env[f"c{i}"] = convert
+            expression = f"c{i}(v)"
+        # repr() of a str is a Python literal of it: any column name is safe here
+        lines += [
+            f"    v = d.get({name!r})",
+            "    if v is not None:",
+            f"        d[{name!r}] = {expression}",
+        ]
+    exec("\n".join(lines), env)  # the source holds literals and names of env only
+    function: Callable[[dict[str, Any]], None] = env["convert"]
+    return function
 
 
 # --- Python -> wire -------------------------------------------------------------------------

@@ -70,6 +70,8 @@ class ScriptedTransport:
 
     ``chunk=True`` splits every row across two messages (``chunked_value``), as Spanner
     does with large values. ``error`` builds the exception a ``fail_after`` failure raises.
+    Messages are serialized, as :class:`~cdcflow.spanner.transport.GrpcTransport` yields
+    them; ``serialized=False`` yields protobuf messages instead (the seam takes both).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class ScriptedTransport:
         fail_after: Sequence[int] = (),
         error: Callable[[], BaseException] = _service_unavailable,
         chunk: bool = False,
+        serialized: bool = True,
     ) -> None:
         if dialect not in ("GOOGLE_STANDARD_SQL", "POSTGRESQL"):
             msg = f"ScriptedTransport(dialect={dialect!r}): use GOOGLE_STANDARD_SQL or POSTGRESQL"
@@ -103,6 +106,7 @@ class ScriptedTransport:
         self.retention = retention
         self.error = error
         self.chunk = chunk
+        self.serialized = serialized
         self.queries: list[ScriptedQuery] = []
         self.resets = 0
         self.closed = False
@@ -186,7 +190,7 @@ class ScriptedTransport:
         for i, message in enumerate(messages):
             if i == limit:
                 raise self.error()
-            yield message
+            yield message.SerializeToString() if self.serialized else message
 
     def _column_type(self) -> Any:
         if self.partition_mode == "MUTABLE_KEY_RANGE":

@@ -92,7 +92,7 @@ class _CallableDoFn(DoFn[InT, OutT], Generic[InT, OutT, R]):
 
 class _MapFn(_CallableDoFn[InT, OutT, OutT]):
     def process(self, element: InT) -> Iterable[OutT]:
-        return (self._call(element),)
+        return (self.fn(element, *self.args, **self.kwargs),)  # _call, inline: per element
 
 
 class _FlatMapFn(_CallableDoFn[InT, OutT, Iterable[OutT]]):

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.emulator
 def test_a_small_backlog_is_read_whole_by_the_stock_reader_and_cdcflow(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    bench_catchup.main(["--changes", "300", "--no-spark"])
+    bench_catchup.main(["--shapes", "300x20", "--no-spark"])
     out = capsys.readouterr().out
     names = ("stock reader (1 thread)", "cdcflow run (in-memory)")
     rows: dict[str, list[list[str]]] = {name: [] for name in names}
@@ -26,6 +26,8 @@ def test_a_small_backlog_is_read_whole_by_the_stock_reader_and_cdcflow(
         assert len(cells) == 3, out
         assert cells[0][0] == "300" and float(cells[0][2]) > 0  # changes, changes/s
     assert "WRONG" not in out and "target >= 4x the stock reader" in out
+    assert any(line.startswith(f"  {bench_catchup.CEILING} (") and " 300 " in line
+               for line in out.splitlines()), out  # the emulator's ceiling, every change
     # where the time went: the phases add up to the run's seconds (launch to exit)
     stock, run = rows["stock reader (1 thread)"][1], rows["cdcflow run (in-memory)"][1]
     assert stock[0::2] == ["imports", "reading", "end"], stock

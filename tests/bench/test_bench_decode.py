@@ -30,3 +30,11 @@ def test_served_messages_decode_to_the_records() -> None:
     got = [r for _, row in rows for r in decode(row[0], "bench-token")]
     assert got == bench_decode.make_records(5)
     assert all(len(getattr(r, "mods", ())) == 3 for r in got)
+
+
+def test_decode_only_counts_every_record_and_its_floor() -> None:
+    results = bench_decode.decode_only(30, tables=3, rows_per_message=7, rounds=1)
+    assert [r.records for r in results] == [30, 30, 30, 30]
+    assert results[-1].name.startswith("floor")
+    text = bench_decode.decode_table(results, "decode only", results[0])
+    assert "typed / floor:" in text and "floor / raw grpc:" in text

@@ -14,6 +14,7 @@ import cloudpickle
 import pytest
 
 import cdcflow as cf
+from cdcflow.engine.quota import approx_size
 from cdcflow.engine.runner import Task, TaskResult
 from cdcflow.engine.task import FailedElement, TaskProgram, execute_task, run_task
 from cdcflow.errors import PipelineStopped
@@ -391,3 +392,37 @@ def test_heartbeats_only_advance_progress() -> None:
     assert result.records == 0 and result.position == T0 + 10 * S and not result.ended
     assert all(not isinstance(x, HeartbeatRecord) for x in items(result))
 
+
+
+class _Measured:
+    """A client whose reads say each record's size (as the Spanner reader's do)."""
+
+    def __init__(self, inner: ScriptedChangeStream, size: int) -> None:
+        self.inner = inner
+        self.size = size
+
+    def describe_stream(self, stream: str) -> StreamInfo:
+        return self.inner.describe_stream(stream)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def read(self, query: ChangeStreamQuery) -> Any:
+        outer = self
+
+        class Reading:
+            def __iter__(self) -> Any:
+                return iter(outer.inner.read(query))
+
+            def size_of(self, record: ChangeRecord) -> int | None:
+                return outer.size if isinstance(record, DataChangeRecord) else None
+
+        return Reading()
+
+
+def test_a_reader_that_measures_its_records_sets_their_size() -> None:
+    s = scripted(4)
+    result = run_task(program(_Measured(s, 12_345), Collect()), task("p0", T0, T0 + 100 * S))
+    assert result.records == 4 and result.bytes == 4 * 12_345
+    plain = run_task(program(s, Collect()), task("p0", T0, T0 + 100 * S))
+    assert plain.bytes == sum(approx_size(r) for r in items(plain))

@@ -628,8 +628,13 @@ class _Failing(_Recording):
 
 
 def _one_row_per_message(stream: Iterator[Any]) -> Iterator[Any]:
-    """Split the emulator's multi-row messages so a failure can land between rows."""
+    """Split the emulator's multi-row messages so a failure can land between rows (the
+    transport answers serialized messages: split ones are protobuf messages)."""
+    from google.cloud.spanner_v1.types import PartialResultSet
+
     for prs in stream:
+        if isinstance(prs, bytes):
+            prs = PartialResultSet.pb().FromString(prs)
         if prs.chunked_value or len(prs.values) <= 1:
             yield prs
             continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from datetime import date
 from decimal import Decimal
 from typing import Any
@@ -44,6 +45,7 @@ from cdcflow.spanner.decode import (
     records_from_stock_row,
     row_decoder,
 )
+from cdcflow.spanner.flat import decode_messages
 from cdcflow.spanner.shape import RecordShaper, default_shaper
 from cdcflow.spanner.transport import assemble_rows
 
@@ -89,13 +91,33 @@ RECORDS: list[ChangeRecord] = [
 ]
 
 
-def _fast(messages: list[Any], shaper: RecordShaper = default_shaper) -> list[ChangeRecord]:
+def _rows(messages: list[Any], shaper: RecordShaper) -> list[ChangeRecord]:
     out: list[ChangeRecord] = []
     decode = None
     for row_type, row in assemble_rows(iter(messages)):
         if decode is None:
             decode = row_decoder(row_type.fields[0].type_, shaper)
         out.extend(decode(row[0], TOKEN))
+    return out
+
+
+def _serialized(messages: list[Any], shaper: RecordShaper) -> list[ChangeRecord]:
+    """The reader's path: the messages as the server sends them (spanner.flat)."""
+    fresh = RecordShaper(shaper.typed, shaper.filter)  # plans of its own
+    return list(decode_messages(iter(m.SerializeToString() for m in messages), TOKEN, fresh))
+
+
+def _fast(messages: list[Any], shaper: RecordShaper = default_shaper) -> list[ChangeRecord]:
+    """Decoded from protobuf rows and from the serialized messages: both the same (or the
+    same error)."""
+    try:
+        out = _rows(messages, shaper)
+    except Exception as exc:
+        with pytest.raises(type(exc), match=re.escape(str(exc))):
+            _serialized(messages, shaper)
+        raise
+    # repr: the same values, NaNs included (a NaN equals nothing, itself neither)
+    assert repr(_serialized(messages, shaper)) == repr(out)
     return out
 
 

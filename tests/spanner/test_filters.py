@@ -23,6 +23,7 @@ from cdcflow.model import (
 from cdcflow.spanner import wire
 from cdcflow.spanner.client import SpannerChangeStreamClient
 from cdcflow.spanner.decode import records_from_stock_row, row_decoder
+from cdcflow.spanner.flat import decode_messages
 from cdcflow.spanner.retry import RetryPolicy
 from cdcflow.spanner.shape import RecordShaper
 from cdcflow.spanner.transport import assemble_rows
@@ -80,6 +81,10 @@ def _decode(shape: str, shaper: RecordShaper, records: list[ChangeRecord] | None
     for row_type, row in assemble_rows(iter(messages)):
         decode = decode or row_decoder(row_type.fields[0].type_, shaper)
         out.extend(decode(row[0], TOKEN))
+    # the reader's path: serialized messages, the merged fast paths of spanner.flat
+    serialized = [m.SerializeToString() for m in messages]
+    fresh = RecordShaper(shaper.typed, shaper.filter)  # plans of its own
+    assert list(decode_messages(iter(serialized), TOKEN, fresh)) == out
     return out
 
 
