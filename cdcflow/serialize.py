@@ -160,22 +160,23 @@ def _non_finite_in(
     items: Any, no_float: frozenset[type] = _NO_FLOAT, dict_: type = dict,
     float_: type = float, list_: type = list, tuple_: type = tuple,
 ) -> bool:
-    # The hot loop (every value of every line with a null): names bound as defaults
-    for item in items:
-        kind = type(item)
-        if kind in no_float:
-            continue
-        if kind is dict_:
-            if _non_finite_in(item.values()):
+    # The hot loop (every value of every line with a null): names bound as defaults, and
+    # nested dicts and lists walked from a stack, not by a call each
+    stack = [items]
+    while stack:
+        for item in stack.pop():
+            kind = type(item)
+            if kind in no_float:
+                continue
+            if kind is dict_:
+                stack.append(item.values())
+            elif kind is float_:
+                if item - item:  # NaN and the infinities: x - x is NaN, else 0.0
+                    return True
+            elif kind is list_ or kind is tuple_:
+                stack.append(item)
+            elif _non_finite_other(item):
                 return True
-        elif kind is float_:
-            if item - item:  # NaN and the infinities: x - x is NaN, else 0.0
-                return True
-        elif kind is list_ or kind is tuple_:
-            if _non_finite_in(item):
-                return True
-        elif _non_finite_other(item):
-            return True
     return False
 
 
