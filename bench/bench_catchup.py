@@ -13,7 +13,7 @@ the whole backlog, following child partitions to the end:
 
 both with a pipeline ending in a sink that counts the mods it is given (no output: the
 read path is measured, as for the reference). Printed side by side as changes/s and ratios
-to the reference. Targets (issue 12): in-memory >= 4x, Spark local[2] >= 2x.
+to the reference. Targets: in-memory >= 4x, Spark local[2] >= 2x.
 
 Then where each reader's time went, from its own timestamps (the cdcflow runs log JSON
 lines; the stock reader notes when its imports ended): ``imports`` (the interpreter and

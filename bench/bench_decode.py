@@ -15,7 +15,7 @@ Every reader is consumed two ways: one by one, each item dropped once counted (w
 pipeline's task does: it pushes each record through the chain and lets it go), and kept
 in a list until the end (each round then also pays the interpreter's garbage collector,
 which walks every live record, and every object of the process, again and again as the
-list grows). The targets (issue 12) are judged one by one, the consumer's shape; both are
+list grows). The targets are judged one by one, the consumer's shape; both are
 printed.
 
 Then, decoding only (the serialized messages in memory, no server): the same records

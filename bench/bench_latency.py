@@ -16,7 +16,7 @@ A Cloud Spanner emulator (started here, partitions splitting and merging every 3
   finished child process) less that of a run of one batch (start-up and shut-down), per
   second of wall time between the two.
 
-Targets (issue 12): with ``--latency low``, p50 <= 0.3 s and p99 <= 1 s.
+Targets: with ``--latency low``, p50 <= 0.3 s and p99 <= 1 s.
 
 ``python -m bench.bench_latency [--seconds S] [--idle S] [--rate TPS]``.
 """

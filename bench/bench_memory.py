@@ -6,7 +6,7 @@ of payload per record, 1 GB in all by default) runs through ``ReadPartition(max_
 behind it, in order) and a sink that takes 1 ms per element and keeps nothing, on the
 in-memory runner with 4 threads. Each quota runs in a fresh process, which prints its
 baseline RSS (after imports), its peak RSS (VmHWM), and the quota's own peak of held
-bytes. Target (issue 12): peak RSS <= quota + 200 MB for a 1 GB backlog.
+bytes. Target: peak RSS <= quota + 200 MB for a 1 GB backlog.
 
 ``python -m bench.bench_memory [--mb N] [--quotas 256,32,8]``; ``CDCFLOW_BENCH_BACKLOG_MB``
 sets the default backlog size (e.g. 128 for a quick run).

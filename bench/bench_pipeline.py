@@ -19,7 +19,7 @@ Printed side by side:
   JSON values serialized), committed.
 
 A pipeline's rate is its records over the seconds of the batch that read them (plan,
-task, sink and store commit). Target (issue 12): Read -> Map -> WriteFiles >= 60% of the
+task, sink and store commit). Target: Read -> Map -> WriteFiles >= 60% of the
 decode-only rate. ``python -m bench.bench_pipeline [--records N] [--rounds R]``.
 """
 
