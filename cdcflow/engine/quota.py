@@ -14,9 +14,9 @@ environment variable of the process where the tasks run. One quota per process: 
 tasks of pipelines with different limits share a process, the last one to start sets it.
 
 What the quota does not count: what a sink keeps after ``write`` returns. Writers stream
-or spill (WriteFiles, Consume, WriteSpark's staging files, WriteTables' spool) and keep
-little; Collect (for tests) and Print (a terminal's output) keep their whole slice until
-the task ends, as their commit message.
+or spill (WriteFiles, Consume, WriteSpark's staging files, WriteTables' and Print's local
+spool files) and keep little; Collect, for tests, keeps its whole slice until the task
+ends, as its commit message.
 """
 
 from __future__ import annotations

@@ -209,11 +209,11 @@ def local_prefix() -> str:
     return f"{PREFIX}{os.getpid()}-"
 
 
-def sweep(directory: str | None, spool_age: float = 3600.0) -> int:
+def sweep(directory: str | None, spool_age: float = 3600.0, prefix: str = PREFIX) -> int:
     """Remove what dead processes of this host left in ``directory`` (the temporary
-    directory when None): spill directories, and task spool files older than
-    ``spool_age`` seconds (a live run's driver may still be about to read a younger one).
-    Returns how many entries it removed."""
+    directory when None) under names ``<prefix><pid>-...``: spill directories, and task
+    spool files (``.spool``) older than ``spool_age`` seconds (a live run's driver may
+    still be about to read a younger one). Returns how many entries it removed."""
     directory = directory or tempfile.gettempdir()
     removed = 0
     try:
@@ -222,7 +222,7 @@ def sweep(directory: str | None, spool_age: float = 3600.0) -> int:
         return 0
     now = time.time()
     for entry in entries:
-        m = re.match(rf"{PREFIX}(\d+)-", entry.name)
+        m = re.match(rf"{re.escape(prefix)}(\d+)-", entry.name)
         if m is None or _alive(int(m.group(1))):
             continue
         try:

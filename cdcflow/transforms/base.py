@@ -134,6 +134,12 @@ class DoFn(Generic[InT, OutT]):
     task before the first element, ``teardown`` after the last (also when the task fails).
     A DoFn is pickled into every task: keep clients and pools out of ``__init__``.
 
+    Threads. With ``ReadPartition(max_inflight=N)``, N > 1, the task calls ``process`` of
+    one instance from up to N threads at once (for different records): it must be
+    thread-safe. Keep per-call state in locals, and state that is not safe to share (a
+    connection without its own pool, a buffer) in a ``threading.local`` made in ``setup``.
+    ``setup`` and ``teardown`` run once per task, on one thread.
+
     Bundles. A DoFn that can do better with many elements at once (one query for many
     keys) sets ``bundle_size`` above 1 and overrides :meth:`process_bundle`. The task then
     cuts its records into bundles of consecutive records (at most the largest

@@ -7,20 +7,26 @@ output: together with the engine's deterministic replay they give exactly-once r
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import socket
 import sys
+import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, Generic, Literal, TypeVar
 
+import attrs
 import orjson
 
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.serialize import to_json_value
+from cdcflow.transforms._tablespool import sweep
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 from cdcflow.transforms.files import WriteFiles, WrittenFile
 
-__all__ = ["Collect", "Print", "WriteFiles", "WrittenFile"]
+__all__ = ["PRINT_MEMORY", "Collect", "Print", "PrintedLines", "WriteFiles", "WrittenFile"]
 
 E = TypeVar("E")
 V = TypeVar("V")
@@ -106,13 +112,77 @@ def _json_text(element: Any) -> str:
     return orjson.dumps(to_json_value(element)).decode()
 
 
-class Print(Sink[Any, list[str]]):
+#: Bytes of text a Print writer holds in memory before it spills its lines to local disk.
+PRINT_MEMORY = 1 << 20
+_PRINT_PREFIX = "cdcflow-print-"
+
+
+@attrs.frozen
+class PrintedLines:
+    """A Print writer's commit message: its task's lines, the earlier ones in a local
+    spool file (pickled chunks of lines) when it spilled, the rest inline."""
+
+    lines: tuple[str, ...] = ()
+    spool: str | None = None
+
+    def all(self) -> Iterator[str]:
+        if self.spool is not None:
+            with open(self.spool, "rb") as f:
+                while True:
+                    try:
+                        yield from pickle.load(f)
+                    except EOFError:
+                        break
+        yield from self.lines
+
+    def discard(self) -> None:
+        if self.spool is not None:
+            with contextlib.suppress(OSError):  # gone already: a commit took it
+                os.remove(self.spool)
+
+
+class _LineWriter:
+    """A task's lines: in memory up to :data:`PRINT_MEMORY` bytes, then appended to a local
+    spool file when ``spill`` (the task runs on the driver's machine, which reads it)."""
+
+    def __init__(self, convert: Callable[[Any], str], spill: bool) -> None:
+        self._convert, self._spill = convert, spill
+        self._lines: list[str] = []
+        self._bytes = 0
+        self._path: str | None = None
+
+    def write(self, element: Any) -> None:
+        line = self._convert(element)
+        self._lines.append(line)
+        self._bytes += len(line) + 1
+        if self._spill and self._bytes > PRINT_MEMORY:
+            if self._path is None:
+                fd, self._path = tempfile.mkstemp(prefix=f"{_PRINT_PREFIX}{os.getpid()}-",
+                                                  suffix=".spool")
+                os.close(fd)
+            with open(self._path, "ab") as f:
+                pickle.dump(self._lines, f, protocol=pickle.HIGHEST_PROTOCOL)
+            self._lines, self._bytes = [], 0
+
+    def close(self) -> PrintedLines:
+        message = PrintedLines(tuple(self._lines), self._path)
+        self._lines, self._path = [], None
+        return message
+
+    def abort(self) -> None:
+        PrintedLines(spool=self._path).discard()
+        self._lines, self._path = [], None
+
+
+class Print(Sink[Any, PrintedLines]):
     """Prints committed elements on the driver: once, in order, only for committed batches.
 
     ``format="json"`` prints one JSON document per element (see :mod:`cdcflow.serialize`);
-    ``format="repr"`` prints ``repr(element)``. Writers buffer the lines of their task, as
-    text, until it ends (the lines travel to the driver in the commit message): like
-    Collect, meant for output a terminal can show, not for a large backlog.
+    ``format="repr"`` prints ``repr(element)``. Writers keep the lines of their task as
+    text until it ends (the lines travel to the driver in the commit message); past
+    :data:`PRINT_MEMORY` bytes a writer on the driver's machine spills them to a local file
+    the commit reads (a cluster's executors keep them in memory). Meant for output a
+    terminal or a pipe reads.
     """
 
     def __init__(self, format: Literal["json", "repr"] = "json") -> None:
@@ -123,6 +193,7 @@ class Print(Sink[Any, list[str]]):
         self._batches = _OncePerBatch()
         self._closed = False
         self._stop: Callable[[str], None] | None = None
+        self._driver_host: str | None = None  # where setup ran: tasks there may spill
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -139,18 +210,27 @@ class Print(Sink[Any, list[str]]):
 
     def setup(self, ctx: SinkContext) -> None:
         self._stop = ctx.request_stop
+        self._driver_host = socket.gethostname()
+        sweep(None, prefix=_PRINT_PREFIX)  # what killed runs left
 
-    def open_writer(self, ctx: WriterContext) -> SinkWriter[Any, list[str]]:
-        return _BufferWriter(_json_text if self.format == "json" else repr)
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[Any, PrintedLines]:
+        local = self._driver_host is None or socket.gethostname() == self._driver_host
+        return _LineWriter(_json_text if self.format == "json" else repr, local)
 
-    def commit(self, batch_id: int, messages: Sequence[list[str]]) -> None:
+    def abort(self, batch_id: int, messages: Sequence[PrintedLines]) -> None:
+        for message in messages:
+            message.discard()
+
+    def commit(self, batch_id: int, messages: Sequence[PrintedLines]) -> None:
         if not self._batches.claim(batch_id) or self._closed:
+            self.abort(batch_id, messages)
             return
         out: IO[str] = sys.stdout  # looked up now, so redirected output is honoured
         try:
             for message in messages:
-                for line in message:
+                for line in message.all():
                     print(line, file=out)
+                message.discard()
             out.flush()
         except BrokenPipeError:
             # The reader went away (`cdcflow run ... | head`): it read what it wanted. The
@@ -162,3 +242,4 @@ class Print(Sink[Any, list[str]]):
             os.close(devnull)
             if self._stop is not None:
                 self._stop("output closed")
+            self.abort(batch_id, messages)  # the lines not printed: their spool files

@@ -202,11 +202,13 @@ class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
     ``heartbeat``: how often an idle partition reports progress. ``max_inflight`` > 1 runs
     the downstream transforms of up to that many records concurrently inside a task; output
     still reaches sinks in record order and progress advances only through the contiguously
-    completed prefix. ``max_inflight_bytes`` is the byte quota of each process running the
-    pipeline's tasks (the driver, or a Spark executor's Python worker), shared by all of
-    its tasks: a record is charged when it is read and given back when every sink has
-    taken it, and reading blocks while the quota is used up. None (the default) uses the
-    process's default, 256 MiB or the ``CDCFLOW_MAX_INFLIGHT_BYTES`` environment variable.
+    completed prefix; the DoFns then run on several threads at once and must be thread-safe
+    (see :class:`~cdcflow.transforms.base.DoFn`). ``max_inflight_bytes`` is the byte quota
+    of each process running the pipeline's tasks (the driver, or a Spark executor's Python
+    worker), shared by all of its tasks: a record is charged when it is read and given
+    back when every sink has taken it, and reading blocks while the quota is used up. None
+    (the default) uses the process's default, 256 MiB or the ``CDCFLOW_MAX_INFLIGHT_BYTES``
+    environment variable.
     """
 
     kind = "Read"

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import socket
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import HeartbeatRecord, Timestamp
-from cdcflow.transforms.base import Sink, WriterContext
+from cdcflow.transforms.base import Sink, SinkContext, WriterContext
 from cdcflow.transforms.sinks import Collect, Print
 
 
@@ -66,6 +70,41 @@ def test_print_prints_committed_batches_once(capsys: pytest.CaptureFixture[str])
     assert capsys.readouterr().out == "'s'\n"
     with pytest.raises(PipelineDefinitionError, match="'json' or 'repr'"):
         Print(format="xml")  # type: ignore[arg-type]
+
+
+def test_print_spills_a_large_task_to_a_local_file_and_prints_it_in_order(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr("cdcflow.transforms.sinks.PRINT_MEMORY", 64)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sink = Print(format="repr")
+    sink.setup(SinkContext("p", "Print", str(tmp_path)))
+    lines = [f"line {i}\nwith a newline" for i in range(40)]
+    message = _run_task(sink, 1, "a", lines, "x")
+    assert message.spool is not None and len(message.lines) < 40  # most went to disk
+    assert os.path.exists(message.spool)
+    sink.commit(1, [message])
+    assert capsys.readouterr().out == "".join(f"{line!r}\n" for line in lines)
+    assert not os.path.exists(message.spool)  # the commit took it
+    aborted = _run_task(sink, 2, "a", lines, "y")
+    assert aborted.spool is not None
+    sink.abort(2, [aborted])
+    assert not os.path.exists(aborted.spool)
+
+
+def test_print_on_another_machine_keeps_its_lines_in_the_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("cdcflow.transforms.sinks.PRINT_MEMORY", 64)
+    sink = Print()
+    sink.setup(SinkContext("p", "Print", "."))
+    shipped = pickle.loads(pickle.dumps(sink))
+    monkeypatch.setattr(socket, "gethostname", lambda: "an-executor")
+    writer = shipped.open_writer(WriterContext("p", "Print", 1, "a", 0, 1, "x"))
+    for i in range(100):
+        writer.write(i)
+    message = writer.close()
+    assert message.spool is None and message.lines == tuple(str(i) for i in range(100))
 
 
 def test_collect_and_print_write_nowhere_of_their_own() -> None:
