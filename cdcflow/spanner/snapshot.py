@@ -165,16 +165,19 @@ def key_columns(rows: Rows, table: str, dialect: Dialect) -> list[tuple[str, boo
 
 
 def table_columns(
-    rows: Rows, table: str, tracked: Iterable[str], dialect: Dialect
+    rows: Rows, table: str, tracked: Iterable[str], dialect: Dialect,
+    key_order: Sequence[tuple[str, bool]] | None = None,
 ) -> list[tuple[str, bool, int]]:
     """The columns of ``table`` that are in ``tracked`` (the stream's columns of it) or
     keys, in table order: (name, is a key column, ordinal position), from
-    information_schema."""
+    information_schema (``key_order``: the :func:`key_columns` already read)."""
     ordered = rows(
         "SELECT column_name, ordinal_position FROM information_schema.columns "
         + _where_table(table, dialect)
     )
-    keys = {name for name, _ in key_columns(rows, table, dialect)}
+    if key_order is None:
+        key_order = key_columns(rows, table, dialect)
+    keys = {name for name, _ in key_order}
     wanted = set(tracked) | keys
     by_position = sorted((int(plain_value(r[1])), r[0].string_value) for r in ordered)
     return [(c, c in keys, n) for n, c in by_position if c in wanted]
@@ -221,13 +224,12 @@ def split_snapshot(
 
 
 def _key_order(
-    transport: GrpcTransport, session: Session, retry: RetryPolicy, rows: Rows, table: str,
-    dialect: Dialect, read_timestamp_ns: int,
+    transport: GrpcTransport, session: Session, retry: RetryPolicy,
+    keys: Sequence[tuple[str, bool]], table: str, dialect: Dialect, read_timestamp_ns: int,
 ) -> KeyOrder:
-    """``table``'s key order: its key columns' directions from information_schema and
-    their exact types (PostgreSQL's annotations included) from the metadata of a query
-    that returns no row."""
-    keys = key_columns(rows, table, dialect)
+    """``table``'s key order: its key columns' directions (``keys``, from
+    information_schema) and their exact types (PostgreSQL's annotations included) from
+    the metadata of a query that returns no row."""
     if not keys:
         msg = f"table {table!r} has no primary key in information_schema: is the name right?"
         raise ChangeStreamError(msg)
@@ -298,7 +300,8 @@ def read_snapshot(
     ChangeStreamError naming the fix when the timestamp is older than the database keeps
     versions (``version_retention_period``).
     """
-    columns = table_columns(rows, table, tracked, dialect)
+    keys = key_columns(rows, table, dialect)
+    columns = table_columns(rows, table, tracked, dialect, keys)
     if not columns:
         msg = f"table {table!r} has no columns in information_schema: is the name right?"
         raise ChangeStreamError(msg)
@@ -311,7 +314,7 @@ def read_snapshot(
     try:
         if key_range is not None:
             try:
-                order = _key_order(transport, session, retry, rows, table, dialect,
+                order = _key_order(transport, session, retry, keys, table, dialect,
                                    read_timestamp_ns)
             except Exception as exc:
                 raise too_old(exc, read_timestamp_ns) from exc

@@ -137,7 +137,7 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         if tables_to_snapshot and client is not None and not isinstance(client, SnapshotClient):
             msg = (
                 f"DetectPartitions(client={self._client_name}, snapshot=...): this client cannot "
-                "read tables; give it snapshot_tables and snapshot methods "
+                "read tables; give it snapshot_tables, snapshot_split and snapshot methods "
                 "(cdcflow.stream.SnapshotClient), or leave snapshot out"
             )
             raise PipelineDefinitionError(msg)
