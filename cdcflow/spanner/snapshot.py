@@ -22,12 +22,13 @@ google-cloud-spanner is imported lazily, in the functions only.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import ChangeStreamError
-from cdcflow.keyrange import KeyRange, range_token, split_ranges
+from cdcflow.errors import ChangeStreamError, TransientError
+from cdcflow.keyrange import Key, KeyRange, range_token, split_ranges
 from cdcflow.model import (
     ColumnType,
     DataChangeRecord,
@@ -51,6 +52,8 @@ from cdcflow.spanner.decode import plain_value
 from cdcflow.spanner.keyorder import Dialect, KeyColumn, KeyOrder, Params, order_by, quote
 from cdcflow.spanner.shape import RecordShaper
 from cdcflow.spanner.transport import GrpcTransport
+
+_log = logging.getLogger("cdcflow.spanner")
 
 __all__ = [
     "SNAPSHOT_CHUNK_ROWS",
@@ -200,27 +203,65 @@ def split_snapshot(
     (:func:`cdcflow.keyrange.split_ranges`); [] when it has at most that many rows.
 
     One query ordered by the key (:func:`cdcflow.spanner.keyorder.order_by`: the table's
-    own order, so Spanner streams it without sorting); only the bounds are kept.
+    own order, so Spanner streams it without sorting); only the bounds are kept. A query
+    that fails midway is resumed after the last key it gave (see :func:`_scan_keys`).
     """
     keys = key_columns(rows, table, dialect)
     if not keys:
         msg = f"table {table!r} has no primary key in information_schema: is the name right?"
         raise ChangeStreamError(msg)
-    sql = "SELECT {} FROM {} {}".format(
-        ", ".join(quote(name, dialect) for name, _ in keys), _from(table, dialect),
-        order_by(keys, dialect),
-    )
-    request = {"sql": sql, "transaction": read_at(read_timestamp_ns),
-               "request_options": {"priority": _PRIORITIES[priority]}}
     session = Session(transport)
     try:
-        found = translated(stream_rows(transport, session, retry, request, timeout),
-                            read_timestamp_ns)
-        return split_ranges(
-            (tuple(plain_value(v) for v in values) for _, values in found), rows_per_task
-        )
+        scan = _scan_keys(transport, session, retry, keys, table=table, dialect=dialect,
+                          read_timestamp_ns=read_timestamp_ns, timeout=timeout,
+                          options={"request_options": {"priority": _PRIORITIES[priority]}})
+        return split_ranges(scan, rows_per_task)
     finally:
         session.close()
+
+
+def _scan_keys(
+    transport: GrpcTransport, session: Session, retry: RetryPolicy,
+    keys: Sequence[tuple[str, bool]], *, table: str, dialect: Dialect, read_timestamp_ns: int,
+    timeout: float, options: Mapping[str, Any],
+) -> Iterator[Key]:
+    """``table``'s keys (wire form) in key order at ``read_timestamp_ns``.
+
+    A query that fails after its first row (the client's policy retries failures before
+    it) is issued again for the keys after the last one it gave (:meth:`KeyOrder.where`'s
+    ``after``, typed from the first query's metadata), so a long scan is never read again
+    from its start; every resumed query has made progress, so resuming ends.
+    """
+    select = "SELECT {} FROM {}".format(
+        ", ".join(quote(name, dialect) for name, _ in keys), _from(table, dialect))
+    order: KeyOrder | None = None
+    last: Key | None = None
+    while True:
+        request: dict[str, Any] = {"sql": f"{select} {order_by(keys, dialect)}",
+                                   "transaction": read_at(read_timestamp_ns), **options}
+        if last is not None:
+            assert order is not None
+            condition, params = order.where(after=last)
+            request.update(sql=f"{select} WHERE {condition} {order_by(keys, dialect)}",
+                           **_params(params))
+        progressed = False
+        try:
+            for row_type, values in translated(
+                stream_rows(transport, session, retry, request, timeout), read_timestamp_ns
+            ):
+                if order is None:
+                    order = KeyOrder([
+                        KeyColumn(name, type_json(f.type_), desc)
+                        for (name, desc), f in zip(keys, row_type.fields, strict=True)
+                    ], dialect)
+                last = tuple(plain_value(v) for v in values)
+                progressed = True
+                yield last
+            return
+        except TransientError:
+            if not progressed:
+                raise  # the policy's retries before the first row are spent
+            _log.info("the key scan of %s failed midway; resuming after %r", table, last)
 
 
 def _key_order(

@@ -287,3 +287,29 @@ def _query(table: _Table, sql: str, params: dict[str, Any]) -> list[int]:
         api.delete_session(name=session.name, metadata=[
             ("google-cloud-resource-prefix", transport.database)])
 
+
+
+def test_a_key_scan_failing_midway_resumes_after_its_last_key(
+    table: _Table, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cdcflow.spanner.snapshot as snapshot
+    from cdcflow.errors import TransientError
+
+    real = snapshot.stream_rows
+    queries: list[str] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        queries.append(args[3]["sql"])
+        for n, row in enumerate(real(*args, **kwargs), 1):
+            yield row
+            if len(queries) <= 2 and n == 70:  # the first two queries fail after 70 keys
+                raise TransientError("injected")
+
+    monkeypatch.setattr(snapshot, "stream_rows", flaky)
+    ranges = table.client.snapshot_split(table.stream, table.table, table.at, 40)
+    assert len(queries) == 3
+    assert "WHERE" not in queries[0] and all("WHERE" in q for q in queries[1:])
+    ordered = table.ordered
+    assert len(ranges) == -(-ROWS // 40)
+    for i, r in enumerate(ranges):
+        assert sorted(table.read(r)) == sorted(v for _, v in ordered[40 * i: 40 * (i + 1)])
