@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdcflow.engine.listener import EngineListener
+from cdcflow.engine.runner import Runner
 from cdcflow.keyrange import token_range
 from cdcflow.metadata import MemoryStore, SQLiteStore
 from cdcflow.model import (
@@ -70,11 +71,13 @@ def _mods(records: list[DataChangeRecord]) -> Counter[tuple[str, tuple[Any, ...]
     return Counter((r.table_name, tuple(sorted(m.keys.items()))) for r in records for m in r.mods)
 
 
-def test_a_large_table_is_read_in_key_ranges_in_bounded_batches_before_the_stream() -> None:
+def test_a_large_table_is_read_in_key_ranges_in_bounded_batches_before_the_stream(
+    runner: Runner,
+) -> None:
     s = shop()
     singers = len(s.rows_at("Singers", START - 1))
     out, plans, store = Collect(), Plans(), MemoryStore()
-    summary = run(InMemoryRunner(workers=2), split_pipeline(s, out), store, plans)
+    summary = run(runner, split_pipeline(s, out), store, plans)
     assert summary.reason == "end reached"
 
     first, *later = plans.plans
