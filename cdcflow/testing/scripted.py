@@ -402,9 +402,11 @@ class ScriptedChangeStream:
     ) -> list[KeyRange]:
         """``table``'s key ranges as of ``read_timestamp_ns`` (see
         :class:`~cdcflow.stream.SnapshotClient`; the key order is
-        :mod:`cdcflow.testing.tablestate`'s). Counted in ``reads`` like a read."""
+        :mod:`cdcflow.testing.tablestate`'s). A read of ``"snapshot/<table>"`` for
+        :meth:`fail_reads`, which fails before any key."""
         self._check_stream(stream)
-        self._read_fails(None)
+        if self._read_fails(snapshot_token(table)):
+            list(failing(iter(()), 0, self._fail_error))  # raises
         rows = rows_at(self._initial.get(table, ()), self._txns, table, read_timestamp_ns)
         return split_of(table, rows, rows_per_task)
 

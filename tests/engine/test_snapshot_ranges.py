@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.runner import Runner
-from cdcflow.keyrange import token_range
+from cdcflow.keyrange import range_token, token_range
 from cdcflow.metadata import MemoryStore, SQLiteStore
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
@@ -159,8 +159,6 @@ def test_a_crash_after_some_ranges_committed_reads_only_the_pending_ones_again(
 def test_a_failed_range_read_commits_nothing_and_the_replay_reads_its_batch_again() -> None:
     s = shop()
     ranges = s.snapshot_split("S", "Singers", START - 1, ROWS_PER_TASK)
-    from cdcflow.keyrange import range_token
-
     failing = shop().fail_reads(1, after_records=0, token=range_token("Singers", ranges[4]))
     store = MemoryStore()
     with pytest.raises(Exception, match="scripted failure"):
@@ -194,3 +192,18 @@ def test_the_twin_s_ranges_cover_its_table_once(rows: list[Any], rows_per_task: 
     for r in ranges:
         n = sum(len(rec.mods) for rec in s.snapshot("S", "T", 0, r))
         assert n == rows_per_task or r.hi is None
+
+
+def test_a_failed_split_stores_no_range_and_the_replay_splits_the_same() -> None:
+    store = MemoryStore()
+    failing = shop().fail_reads(1, token="snapshot/Singers")
+    with pytest.raises(Exception, match="scripted failure"):
+        run(InMemoryRunner(), split_pipeline(failing, Collect()), store)
+    assert not any(token_range(p.token) for p in store.partitions("snap")
+                   if is_snapshot_token(p.token))
+    s, out = shop(), Collect()
+    assert run(InMemoryRunner(), split_pipeline(s, out), store).reason == "end reached"
+    tokens = {r.partition_token for r in out.items if r.is_snapshot and r.table_name == "Singers"}
+    assert tokens == {range_token("Singers", r) for r in s.snapshot_split(
+        "S", "Singers", START - 1, ROWS_PER_TASK)}
+    assert replay(out.items) == truth(s, END)
