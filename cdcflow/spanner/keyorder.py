@@ -54,22 +54,24 @@ def quote(name: str, dialect: Dialect) -> str:
     return "`" + name + "`"  # GoogleSQL names hold no backquote
 
 
-def order_by(columns: Sequence[tuple[str, bool]], dialect: Dialect) -> str:
-    """``ORDER BY`` the key ``columns`` ((name, descending), in key order): the table's key
-    order, NULL and NaN placed as :class:`KeyOrder` places them (each dialect's default)."""
-    return "ORDER BY " + ", ".join(
-        quote(name, dialect) + (" DESC" if desc else "") for name, desc in columns
-    )
-
-
 @attrs.frozen
 class KeyColumn:
     """A primary key column: its name, Spanner type (as JSON, ``{"code": "INT64"}``, the
-    form of a result's metadata) and direction."""
+    form of a result's metadata; empty while unknown), direction, and whether it holds
+    NULL (a NOT NULL column's predicates leave the NULL tests out)."""
 
     name: str
-    type: Mapping[str, Any]
+    type: Mapping[str, Any] = attrs.field(factory=dict)
     descending: bool = False
+    nullable: bool = True
+
+
+def order_by(columns: Sequence[KeyColumn], dialect: Dialect) -> str:
+    """``ORDER BY`` the key ``columns`` (in key order): the table's key order, NULL and NaN
+    placed as :class:`KeyOrder` places them (each dialect's default)."""
+    return "ORDER BY " + ", ".join(
+        quote(c.name, dialect) + (" DESC" if c.descending else "") for c in columns
+    )
 
 
 def _or(terms: Sequence[str]) -> str:
@@ -101,10 +103,16 @@ class _Column:
         self.nan = google and column.type.get("code") in _FLOATS
         ascending = ([_NULL, _NAN, _VALUE] if self.nan else [_NULL, _VALUE]) if google else [
             _VALUE, _NULL]
+        if not column.nullable:
+            ascending.remove(_NULL)
         self.classes = ascending[::-1] if column.descending else ascending
+        self.name = column.name
 
     def kind(self, value: KeyValue) -> str:
         if value is None:
+            if _NULL not in self.classes:
+                msg = f"a key bound has NULL for {self.name!r}, a NOT NULL key column"
+                raise ValueError(msg)
             return _NULL
         return _NAN if self.nan and value == "NaN" else _VALUE
 
@@ -122,7 +130,7 @@ class _Column:
             return _FALSE
         if set(kinds) == set(self.classes):
             return _TRUE
-        if set(kinds) == set(self.classes) - {_NULL}:
+        if _NULL in self.classes and set(kinds) == set(self.classes) - {_NULL}:
             return f"{self.sql} IS NOT NULL"
         return _or([self.member(k) for k in kinds])
 

@@ -26,6 +26,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from cdcflow.backoff import RetryPolicy
 from cdcflow.errors import ChangeStreamError, TransientError
 from cdcflow.keyrange import Key, KeyRange, range_token, split_ranges
@@ -155,21 +157,23 @@ def _from(table: str, dialect: Dialect) -> str:
     return ".".join(quote(part, dialect) for part in table.split("."))
 
 
-def key_columns(rows: Rows, table: str, dialect: Dialect) -> list[tuple[str, bool]]:
-    """The primary key columns of ``table`` in key order: (name, descending), from
-    information_schema."""
+def key_columns(rows: Rows, table: str, dialect: Dialect) -> list[KeyColumn]:
+    """The primary key columns of ``table`` in key order, with their direction and
+    nullability (types unknown: a query's metadata gives them), from information_schema."""
     return [
-        (r[0].string_value, r[1].string_value.upper() == "DESC") for r in rows(
-            "SELECT column_name, column_ordering FROM information_schema.index_columns "
-            f"{_where_table(table, dialect)} AND index_type = 'PRIMARY_KEY' "
-            "ORDER BY ordinal_position"
+        KeyColumn(r[0].string_value, {}, r[1].string_value.upper() == "DESC",
+                  r[2].string_value.upper() != "NO")
+        for r in rows(
+            "SELECT column_name, column_ordering, is_nullable "
+            f"FROM information_schema.index_columns {_where_table(table, dialect)} "
+            "AND index_type = 'PRIMARY_KEY' ORDER BY ordinal_position"
         )
     ]
 
 
 def table_columns(
     rows: Rows, table: str, tracked: Iterable[str], dialect: Dialect,
-    key_order: Sequence[tuple[str, bool]] | None = None,
+    key_order: Sequence[KeyColumn] | None = None,
 ) -> list[tuple[str, bool, int]]:
     """The columns of ``table`` that are in ``tracked`` (the stream's columns of it) or
     keys, in table order: (name, is a key column, ordinal position), from
@@ -180,7 +184,7 @@ def table_columns(
     )
     if key_order is None:
         key_order = key_columns(rows, table, dialect)
-    keys = {name for name, _ in key_order}
+    keys = {c.name for c in key_order}
     wanted = set(tracked) | keys
     by_position = sorted((int(plain_value(r[1])), r[0].string_value) for r in ordered)
     return [(c, c in keys, n) for n, c in by_position if c in wanted]
@@ -222,7 +226,7 @@ def split_snapshot(
 
 def _scan_keys(
     transport: GrpcTransport, session: Session, retry: RetryPolicy,
-    keys: Sequence[tuple[str, bool]], *, table: str, dialect: Dialect, read_timestamp_ns: int,
+    keys: Sequence[KeyColumn], *, table: str, dialect: Dialect, read_timestamp_ns: int,
     timeout: float, options: Mapping[str, Any],
 ) -> Iterator[Key]:
     """``table``'s keys (wire form) in key order at ``read_timestamp_ns``.
@@ -233,7 +237,7 @@ def _scan_keys(
     from its start; every resumed query has made progress, so resuming ends.
     """
     select = "SELECT {} FROM {}".format(
-        ", ".join(quote(name, dialect) for name, _ in keys), _from(table, dialect))
+        ", ".join(quote(c.name, dialect) for c in keys), _from(table, dialect))
     order: KeyOrder | None = None
     last: Key | None = None
     while True:
@@ -251,8 +255,8 @@ def _scan_keys(
             ):
                 if order is None:
                     order = KeyOrder([
-                        KeyColumn(name, type_json(f.type_), desc)
-                        for (name, desc), f in zip(keys, row_type.fields, strict=True)
+                        attrs.evolve(c, type=type_json(f.type_))
+                        for c, f in zip(keys, row_type.fields, strict=True)
                     ], dialect)
                 last = tuple(plain_value(v) for v in values)
                 progressed = True
@@ -266,7 +270,7 @@ def _scan_keys(
 
 def _key_order(
     transport: GrpcTransport, session: Session, retry: RetryPolicy,
-    keys: Sequence[tuple[str, bool]], table: str, dialect: Dialect, read_timestamp_ns: int,
+    keys: Sequence[KeyColumn], table: str, dialect: Dialect, read_timestamp_ns: int,
 ) -> KeyOrder:
     """``table``'s key order: its key columns' directions (``keys``, from
     information_schema) and their exact types (PostgreSQL's annotations included) from
@@ -275,7 +279,7 @@ def _key_order(
         msg = f"table {table!r} has no primary key in information_schema: is the name right?"
         raise ChangeStreamError(msg)
     sql = "SELECT {} FROM {} LIMIT 0".format(
-        ", ".join(quote(name, dialect) for name, _ in keys), _from(table, dialect)
+        ", ".join(quote(c.name, dialect) for c in keys), _from(table, dialect)
     )
     api = transport._spanner_api()
 
@@ -289,8 +293,7 @@ def _key_order(
     answer = retried(retry, session, query)
     fields = type(answer).pb(answer).metadata.row_type.fields
     return KeyOrder([
-        KeyColumn(name, type_json(f.type_), desc)
-        for (name, desc), f in zip(keys, fields, strict=True)
+        attrs.evolve(c, type=type_json(f.type_)) for c, f in zip(keys, fields, strict=True)
     ], dialect)
 
 

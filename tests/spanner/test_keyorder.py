@@ -50,6 +50,7 @@ COLUMNS: list[tuple[str, str, bool, str, list[Any]]] = [
                                 Decimal("-0.5"), Decimal(0), Decimal("1e-9")]),
 ]
 ROWS = 300
+NOT_NULL = "g"  # GoogleSQL's one NOT NULL key column
 
 
 def _cell(value: Any) -> Any:
@@ -67,10 +68,15 @@ class _Table:
         self.dialect = dialect
         google = dialect == "GOOGLE_STANDARD_SQL"
         cols = [c for c in COLUMNS if google or c[3]]
-        self.keys = [(name, desc and google) for name, _, desc, _, _ in cols]
+        self.keys = [
+            KeyColumn(name, {"code": _code(kind if google else pg)}, desc and google,
+                      google and name != NOT_NULL)
+            for name, kind, desc, pg, _ in cols
+        ]
         if google:
             ddl = ["CREATE TABLE K ({}, v INT64 NOT NULL) PRIMARY KEY ({})".format(
-                ", ".join(f"{n} {t}" for n, t, _, _, _ in cols),
+                ", ".join(f"{n} {t}" + (" NOT NULL" if n == NOT_NULL else "")
+                          for n, t, _, _, _ in cols),
                 ", ".join(n + (" DESC" if d else "") for n, _, d, _, _ in cols)),
                 "CREATE CHANGE STREAM S FOR ALL"]
         else:
@@ -90,11 +96,11 @@ class _Table:
                 rng.choice(pool[: 2 + i] if i < 3 else pool)
                 for i, (_, _, _, _, pool) in enumerate(cols)
             )
-            if not google:
-                key = tuple(
-                    v if v is not None else next(p for p in c[4] if p is not None)
-                    for v, c in zip(key, cols, strict=True)
-                )
+            key = tuple(  # NOT NULL columns: all of PostgreSQL's, one of GoogleSQL's
+                v if v is not None or (google and c[0] != NOT_NULL)
+                else next(p for p in c[4] if p is not None)
+                for v, c in zip(key, cols, strict=True)
+            )
             rows.setdefault(tuple(_cell(v) for v in key), len(rows))
         with self.db.batch() as batch:
             batch.insert(self.table, [n for n, *_ in cols] + ["v"],
@@ -106,7 +112,8 @@ class _Table:
 
     def _ordered(self) -> list[tuple[Key, int]]:
         """(key in the wire form, v) of every row, in ORDER BY key order."""
-        names = ", ".join(f'"{n}"' if self.dialect == "POSTGRESQL" else n for n, _ in self.keys)
+        names = ", ".join(f'"{c.name}"' if self.dialect == "POSTGRESQL" else c.name
+                          for c in self.keys)
         sql = f"SELECT {names}, v FROM {self.table} {order_by(self.keys, self.dialect)}"  # type: ignore[arg-type]
         with self.db.snapshot(read_timestamp=Timestamp.from_ns(self.at)) as snap:
             rows = list(snap.execute_sql(sql))
@@ -181,9 +188,9 @@ def test_order_by_is_the_modelled_key_order(table: _Table) -> None:
 
     def rank(key: Key) -> tuple[Any, ...]:
         out = []
-        for v, (_, desc), kind in zip(key, table.keys, types, strict=True):
+        for v, column, kind in zip(key, table.keys, types, strict=True):
             r = _class_rank(sort_value(v, kind), google)
-            out.append(_Reversed(r) if desc else r)
+            out.append(_Reversed(r) if column.descending else r)
         return tuple(out)
 
     keys = [k for k, _ in table.ordered]
@@ -243,18 +250,11 @@ def test_consecutive_ranges_read_every_row_once(table: _Table) -> None:
 
 def test_rows_strictly_after_a_key(table: _Table) -> None:
     """The ``after`` bound (a key scan resumed past the last key it read)."""
-    google = table.dialect == "GOOGLE_STANDARD_SQL"
-    names = [n for n, _ in table.keys]
-    order = KeyOrder(
-        [KeyColumn(n, {"code": _code(t if google else p)}, d)
-         for (n, d), (_, t, _, p, _) in zip(table.keys, [c for c in COLUMNS if google or c[3]],
-                                            strict=True)],
-        table.dialect,  # type: ignore[arg-type]
-    )
+    order = KeyOrder(table.keys, table.dialect)  # type: ignore[arg-type]
     for i in (0, 1, 150, ROWS - 1):
         condition, params = order.where(after=table.ordered[i][0])
         got = _query(table, f"SELECT v FROM {table.table} WHERE {condition}", params)
-        assert sorted(got) == sorted(v for _, v in table.ordered[i + 1:]), (i, names)
+        assert sorted(got) == sorted(v for _, v in table.ordered[i + 1:]), i
 
 
 def _code(kind: str) -> str:
@@ -313,3 +313,29 @@ def test_a_key_scan_failing_midway_resumes_after_its_last_key(
     assert len(ranges) == -(-ROWS // 40)
     for i, r in enumerate(ranges):
         assert sorted(table.read(r)) == sorted(v for _, v in ordered[40 * i: 40 * (i + 1)])
+
+
+def test_where_without_bounds_and_bounds_that_select_nothing() -> None:
+    google = KeyOrder([KeyColumn("a", {"code": "INT64"}), KeyColumn("b", {"code": "FLOAT64"})],
+                      "GOOGLE_STANDARD_SQL")
+    assert google.where() == ("TRUE", {})
+    assert google.where(hi=(None,)) == ("FALSE", {})  # nothing sorts before NULL there
+    condition, params = google.where(lo=("5", "NaN"), hi=("5", 1.5))
+    assert params == {"lo0": ({"code": "INT64"}, "5"), "hi0": ({"code": "INT64"}, "5"),
+                      "hi1": ({"code": "FLOAT64"}, 1.5)}  # NaN is IS_NAN, no parameter
+    assert "(`a` = @lo0 AND `b` IS NOT NULL)" in condition  # b at or after NaN: not NULL
+    pg = KeyOrder([KeyColumn("a", {"code": "INT64"}, nullable=False)], "POSTGRESQL")
+    assert pg.where(lo=("1",), hi=("9",)) == (
+        '("a" >= $1 AND "a" < $2)', {"p1": ({"code": "INT64"}, "1"),
+                                     "p2": ({"code": "INT64"}, "9")})
+    with pytest.raises(ValueError, match="more values than the key has columns"):
+        pg.where(lo=("1", "2"))
+    with pytest.raises(ValueError, match="key columns"):
+        KeyOrder([], "POSTGRESQL")
+    assert order_by([KeyColumn("a"), KeyColumn("b", descending=True)],
+                    "GOOGLE_STANDARD_SQL") == "ORDER BY `a`, `b` DESC"
+    not_null = KeyOrder([KeyColumn("a", {"code": "INT64"}, nullable=False)],
+                        "GOOGLE_STANDARD_SQL")
+    assert not_null.where(lo=("1",), hi=("9",))[0] == "(`a` >= @lo0 AND `a` < @hi0)"
+    with pytest.raises(ValueError, match="NOT NULL"):
+        not_null.where(lo=(None,))
