@@ -13,7 +13,8 @@ for Spanner, and model it column by column:
   them, as PostgreSQL compares it) then NULL. That is each dialect's ORDER BY default in
   both directions (NULL is the smallest value in GoogleSQL and the largest in
   PostgreSQL), so :func:`order_by` needs no NULLS FIRST / LAST, which GoogleSQL lacks.
-  (PostgreSQL key columns are NOT NULL: its NULL class is there for completeness.)
+  A NOT NULL column has no NULL class (PostgreSQL's key columns are all NOT NULL), so its
+  predicates carry no ``IS NULL`` tests.
 - Within the values class, ``<``, ``=`` and ``>`` compare as ORDER BY sorts (GoogleSQL's
   comparisons are false for NaN, which is a class of its own there).
 
