@@ -54,8 +54,9 @@ __all__ = [
 INITIAL_PARTITION_TOKEN = "Parent0"
 
 #: Prefix of the tokens of snapshot partitions: ``snapshot/<table>`` reads the table as of
-#: the instant before the stream's start (see :func:`snapshot_token`). Change stream
-#: tokens never contain a '/'.
+#: the instant before the stream's start (see :func:`snapshot_token`), and
+#: ``snapshot/<table>/<index>/<range>`` one key range of it (:mod:`cdcflow.keyrange`).
+#: Change stream tokens and table names never contain a '/'.
 SNAPSHOT_TOKEN_PREFIX = "snapshot/"
 
 #: Largest position, "no end": the largest signed 64-bit value (2262-04-11), so positions
@@ -417,7 +418,8 @@ def snapshot_token(table: str) -> str:
 
 
 def is_snapshot_token(token: str) -> bool:
-    """Whether ``token`` names a snapshot partition (one table's initial snapshot)."""
+    """Whether ``token`` names a snapshot partition (a table's initial snapshot, or a key
+    range of it)."""
     return token.startswith(SNAPSHOT_TOKEN_PREFIX)
 
 
@@ -426,7 +428,7 @@ def snapshot_table(token: str) -> str:
     if not is_snapshot_token(token):
         msg = f"{token!r} is not a snapshot token (those start {SNAPSHOT_TOKEN_PREFIX!r})"
         raise ValueError(msg)
-    return token[len(SNAPSHOT_TOKEN_PREFIX):]
+    return token[len(SNAPSHOT_TOKEN_PREFIX):].partition("/")[0]
 
 
 class PartitionState(enum.StrEnum):

@@ -13,6 +13,7 @@ from typing import Literal, Protocol, runtime_checkable
 import attrs
 
 from cdcflow.errors import PipelineDefinitionError
+from cdcflow.keyrange import KeyRange
 from cdcflow.model import ChangeRecord, DataChangeRecord
 
 __all__ = [
@@ -251,19 +252,31 @@ class SnapshotClient(Protocol):
     ``snapshot_tables(stream)``: the tables ``stream`` tracks, as change records name
     them, sorted.
 
-    ``snapshot(stream, table, read_timestamp_ns)``: every row of ``table`` as of exactly
-    ``read_timestamp_ns`` (a stale read: every commit at or before it, none after), in
-    DataChangeRecords of mod type INSERT with ``is_snapshot=True``, ``commit_timestamp``
-    the read timestamp, ``server_transaction_id`` ``"snapshot"``, ``record_sequence`` the
-    chunk number (zero-padded; a record holds up to a chunk of rows), and the columns
-    ``stream`` tracks, typed and filtered with the client's read options like change
-    records. A record the filter keeps nothing of is not yielded. Partition token of the
-    records: :func:`cdcflow.model.snapshot_token` of the table. Transient errors are
-    retried before the first row; later ones raise (the engine replays the batch).
+    ``snapshot_split(stream, table, read_timestamp_ns, rows_per_task)``: ``table``'s
+    primary keys as of exactly ``read_timestamp_ns``, read in the table's key order and
+    cut into key ranges of about ``rows_per_task`` rows
+    (:func:`cdcflow.keyrange.split_ranges`); [] when the table has at most that many rows.
+
+    ``snapshot(stream, table, read_timestamp_ns, key_range=None)``: every row of ``table``
+    (of ``key_range`` only, when given: exactly the keys in ``[lo, hi)`` in the table's key
+    order) as of exactly ``read_timestamp_ns`` (a stale read: every commit at or before
+    it, none after), in DataChangeRecords of mod type INSERT with ``is_snapshot=True``,
+    ``commit_timestamp`` the read timestamp, ``server_transaction_id`` ``"snapshot"``,
+    ``record_sequence`` the chunk number (zero-padded; a record holds up to a chunk of
+    rows), and the columns ``stream`` tracks, typed and filtered with the client's read
+    options like change records. A record the filter keeps nothing of is not yielded.
+    Partition token of the records: :func:`cdcflow.model.snapshot_token` of the table, or
+    :func:`cdcflow.keyrange.range_token` of the range. Transient errors are retried before
+    the first row; later ones raise (the engine replays the batch).
     """
 
     def snapshot_tables(self, stream: str) -> list[str]: ...
 
+    def snapshot_split(
+        self, stream: str, table: str, read_timestamp_ns: int, rows_per_task: int
+    ) -> list[KeyRange]: ...
+
     def snapshot(
-        self, stream: str, table: str, read_timestamp_ns: int
+        self, stream: str, table: str, read_timestamp_ns: int,
+        key_range: KeyRange | None = None,
     ) -> Iterator[DataChangeRecord]: ...

@@ -16,10 +16,12 @@ commit means no ``on_partitions``). Its thread runs between :meth:`StuckWatch.st
 :meth:`StuckWatch.stop` (a context manager does both).
 
 Two kinds of partitions are never stuck, whatever their watermark does: a CREATED partition
-whose parents are not all FINISHED (it waits for them: the root behind the snapshot
-partitions, a merge's child behind a lagging parent; it is watched once they finish), and a
-snapshot partition (``snapshot/<table>``), read in one slice whose end it reaches only once
-the whole table is read, however long that takes; the query deadline bounds that read.
+that waits (for parents that are not all FINISHED: a merge's child behind a lagging parent;
+or, for a stream partition, for the snapshot: the root waits for every snapshot partition,
+the key ranges its tables split into included; it is watched once they finish), and a
+snapshot partition (``snapshot/<table>`` or a key range of it), read in one slice whose end
+it reaches only once its rows are read, however long that takes; the query deadline bounds
+that read.
 
 Batches commit all of their slices or none, so a read that hangs holds back the stored
 watermark of every partition of its batch. The watch names only the partitions whose read
@@ -152,15 +154,17 @@ class StuckDetector:
         """
         parts = list(partitions)
         unfinished = {p.token for p in parts if p.state != PartitionState.FINISHED}
+        snapshotting = any(is_snapshot_token(t) for t in unfinished)
         with self._lock:
             seen: set[str] = set()
             for p in parts:
                 if p.state == PartitionState.FINISHED or is_snapshot_token(p.token):
                     continue
-                if p.state == PartitionState.CREATED and unfinished.intersection(
-                    p.parent_tokens
+                if p.state == PartitionState.CREATED and (
+                    snapshotting or unfinished.intersection(p.parent_tokens)
                 ):
-                    continue  # waits for its parents (a parent no longer stored finished)
+                    continue  # waits: for the snapshot, or its parents (one no longer stored
+                    # finished)
                 seen.add(p.token)
                 track = self._tracks.get(p.token)
                 if track is None or p.watermark != track.watermark:

@@ -131,3 +131,20 @@ def test_partitions_waiting_for_parents_and_snapshot_reads_are_not_stuck() -> No
     watch.on_partitions(done, clock.t)
     clock.t += 6 * S
     assert sorted(s.token for s in watch.check()) == ["child", "root"]
+
+
+def test_the_root_waits_for_key_ranges_of_the_snapshot_without_being_stuck() -> None:
+    clock = Clock()
+    watch = StuckWatch(StuckDetector(5), clock=clock)
+    watch.on_start("ranges", "memory", "memory://")
+    table = part("snapshot/Orders", NOW - S + 1, "FINISHED")
+    key_range = attrs.evolve(part('snapshot/Orders/00001/[["7"],null]', NOW - S, "RUNNING"),
+                             parent_tokens=(table.token,))
+    root = attrs.evolve(part("root", NOW - S + 1, "CREATED"), parent_tokens=(table.token,))
+    watch.on_partitions([table, key_range, root], clock.t)
+    clock.t += 60 * S  # a long read of the range: the root's parent finished long ago
+    assert watch.check() == []
+    watch.on_partitions([table, attrs.evolve(key_range, state=PartitionState.FINISHED), root],
+                        clock.t)
+    clock.t += 6 * S
+    assert [s.token for s in watch.check()] == ["root"]  # watched once the snapshot is done

@@ -92,6 +92,7 @@ class Batches:
         clock: Callable[[], int], fence: Callable[[], int], retry: RetryPolicy,
         view: PartitionView, idle: IdleSchedule, steps: BatchSteps, staged: StagedSinks,
         sinks: Mapping[str, Sink[Any, Any]], program_bytes: bytes, span_ns: int, gc_ttl_ns: int,
+        snapshot_slices: int | None = None,
     ) -> None:
         self.name = name
         self.store = store
@@ -109,6 +110,8 @@ class Batches:
         self._sinks = dict(sinks)
         self._program = program_bytes
         self._span_ns = span_ns
+        #: Most snapshot partitions a batch reads (the source's snapshot_tasks_per_batch).
+        self.snapshot_slices = snapshot_slices
         self._gc_ttl_ns = gc_ttl_ns
         self._ahead: _Ahead | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -175,7 +178,8 @@ class Batches:
         if all_finished(projected):
             return
         waiting = self.idle.waiting(projected, now)
-        nxt, transitions = plan_batch(projected, now, self._span_ns, plan.batch_id + 1, waiting)
+        nxt, transitions = plan_batch(projected, now, self._span_ns, plan.batch_id + 1, waiting,
+                                      self.snapshot_slices)
         if not nxt.slices:
             return
         nxt = attrs.evolve(nxt, planned_at=now)

@@ -17,9 +17,14 @@ Invariants these functions rely on and keep:
   merges. Garbage collection deletes a FINISHED partition only after all of its children
   have started, so a parent missing for a CREATED child is one not discovered yet (see
   :func:`ready_partitions`).
-- Snapshot partitions (``snapshot/<table>``, see :mod:`cdcflow.engine.snapshot`) are
-  ordinary partitions without parents, one slice of 1 ns each; the root partition lists
-  them as parents, so these same rules start the stream after every snapshot committed.
+- Snapshot partitions (``snapshot/<table>`` and the key ranges a large table is split
+  into, ``snapshot/<table>/<n>/...``; see :mod:`cdcflow.engine.snapshot`) are read in one
+  slice of 1 ns each. A table's partition has no parents, and its ranges are its children
+  (inserted once, like a split's). No other partition is ready while any snapshot
+  partition is unfinished (:func:`ready_partitions`), so the stream starts after every
+  snapshot row committed, ranges included, although the root lists only the tables'
+  partitions as parents. At most ``max_snapshot_slices`` snapshot partitions are read per
+  batch (:func:`plan_batch`), which bounds what a crash during the snapshot reads again.
 - The batch end ``T`` is never ahead of the clock and at most ``max_span_ns`` after the
   low watermark, so one lagging partition bounds how far the others run ahead.
 """
@@ -40,6 +45,7 @@ from cdcflow.model import (
     PartitionState,
     PartitionUpdate,
     Slice,
+    is_snapshot_token,
 )
 
 __all__ = [
@@ -67,12 +73,18 @@ def ready_partitions(partitions: Sequence[PartitionMetadata]) -> list[PartitionM
     told apart by the low watermark: an undiscovered parent has an unfinished ancestor
     whose watermark is below the child's start, so a child with a missing parent is ready
     only once no unfinished partition is below its start.
+
+    Snapshot first: while any snapshot partition is unfinished, only snapshot partitions
+    are ready. Every snapshot row (commit timestamp ``start - 1 ns``) is then committed
+    before the first change is read, whichever partition (a table, a key range of it)
+    holds it.
     """
     state = {p.token: p.state for p in partitions}
     low = low_watermark(partitions)
+    snapshotting = any(is_snapshot_token(p.token) and p.state != _FINISHED for p in partitions)
     ready = []
     for p in partitions:
-        if p.state != _CREATED:
+        if p.state != _CREATED or (snapshotting and not is_snapshot_token(p.token)):
             continue
         if all(
             state[parent] == _FINISHED if parent in state else low >= p.start
@@ -104,6 +116,7 @@ def plan_batch(
     max_span_ns: int,
     batch_id: int,
     waiting: Collection[str] = frozenset(),
+    max_snapshot_slices: int | None = None,
 ) -> tuple[BatchPlan, dict[str, PartitionState]]:
     """Plan batch ``batch_id``: its slices, and the state transitions to write with it.
 
@@ -116,17 +129,23 @@ def plan_batch(
     engine waits instead of writing it.
 
     Partitions in ``waiting`` (idle ones the engine reads less often) get no slice this
-    batch; a ready CREATED partition always starts.
+    batch; a ready CREATED partition always starts. At most ``max_snapshot_slices``
+    snapshot partitions get a slice (None: all), the first in (start, token) order; the
+    others keep their state for a later batch.
 
     Slices are ordered by (start, token) so a plan is deterministic.
     """
     if max_span_ns <= 0:
         msg = f"max_span_ns must be positive, got {max_span_ns}; use e.g. 10 s = 10_000_000_000"
         raise ValueError(msg)
+    if max_snapshot_slices is not None and max_snapshot_slices < 1:
+        msg = f"max_snapshot_slices must be 1 or more (or None), got {max_snapshot_slices}"
+        raise ValueError(msg)
     batch_end = min(now_ns, low_watermark(partitions) + max_span_ns)
     ready = {p.token for p in ready_partitions(partitions)}
     slices: list[Slice] = []
     transitions: dict[str, PartitionState] = {}
+    snapshot_room = len(partitions) if max_snapshot_slices is None else max_snapshot_slices
     for p in sorted(partitions, key=lambda p: (p.start, p.token)):
         starts_now = p.token in ready
         if not starts_now and p.state not in (PartitionState.RUNNING, PartitionState.SCHEDULED):
@@ -136,6 +155,10 @@ def plan_batch(
         end = min(batch_end, p.end)
         if p.watermark >= end:
             continue
+        if is_snapshot_token(p.token):
+            if snapshot_room <= 0:
+                continue
+            snapshot_room -= 1
         slices.append(Slice(p.token, p.watermark, end))
         if p.state != PartitionState.RUNNING:
             transitions[p.token] = PartitionState.RUNNING
@@ -234,7 +257,9 @@ def fold(
             raise RunnerContractError(msg)
         finished = r.ended or r.position >= parent.end
         updates.append(PartitionUpdate(r.token, r.position, finished))
-        if sum(not c.announced for c in r.children) >= 2 and r.token != INITIAL_PARTITION_TOKEN:
+        if sum(not c.announced for c in r.children) >= 2 and not (
+            r.token == INITIAL_PARTITION_TOKEN or is_snapshot_token(r.token)
+        ):  # the root's children and a table's key ranges are not a split of the stream
             splits += 1
         for seen in r.children:
             if seen.token in stored or seen.token in children:

@@ -248,6 +248,7 @@ class Engine:
                         view=PartitionView(self.store, name), idle=idle, steps=steps,
                         staged=staged, sinks=sinks, program_bytes=program_bytes,
                         span_ns=int(opts.max_batch_span * _NS), gc_ttl_ns=int(opts.gc_ttl * _NS),
+                        snapshot_slices=program.source.snapshot_tasks_per_batch,
                     )
                     try:
                         batches.restore_staged()
@@ -308,8 +309,9 @@ class Engine:
                 f"({Timestamp.from_ns(start)}); give an end_at at or after start_at"
             )
             raise PipelineDefinitionError(msg)
-        # Snapshot then stream: the root waits for one partition per table (see
-        # cdcflow.engine.snapshot), so the stream starts after every snapshot row.
+        # Snapshot then stream: the root waits for one partition per table, its parents,
+        # and for the key ranges those split into (lifecycle.ready_partitions: snapshot
+        # first), so the stream starts after every snapshot row (cdcflow.engine.snapshot).
         snapshots = snapshot_partitions(program, start, now, make_client)
         root = PartitionMetadata(
             token=INITIAL_PARTITION_TOKEN, parent_tokens=tuple(p.token for p in snapshots),
@@ -383,7 +385,8 @@ class Engine:
                     break
                 span = int(opts.max_batch_span * _NS)
                 waiting = run.idle.waiting(parts, now)
-                plan, transitions = plan_batch(parts, now, span, next_id, waiting)
+                plan, transitions = plan_batch(parts, now, span, next_id, waiting,
+                                               run.snapshot_slices)
                 if not plan.slices:
                     # Nothing can advance yet: the clock has not passed the low watermark,
                     # or every partition is idle and waiting for its next read.

@@ -53,6 +53,7 @@ from cdcflow.errors import (
     StreamNotFoundError,
     TransientError,
 )
+from cdcflow.keyrange import KeyRange
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     MAX_NS,
@@ -66,7 +67,7 @@ from cdcflow.model import (
 from cdcflow.spanner.flat import MessageDecoder
 from cdcflow.spanner.retry import ObservedRead, QueryStats, is_transient, status_name
 from cdcflow.spanner.shape import RecordShaper
-from cdcflow.spanner.snapshot import read_snapshot
+from cdcflow.spanner.snapshot import read_snapshot, split_snapshot
 from cdcflow.spanner.tracked import tracked_columns
 from cdcflow.spanner.translate import error_text, session_gone, translate, unreachable
 from cdcflow.spanner.transport import (
@@ -345,24 +346,43 @@ class SpannerChangeStreamClient:
         """The tables ``stream`` tracks, sorted."""
         return sorted(self.tracked_columns(self.describe_stream(stream).name))
 
+    def snapshot_split(
+        self, stream: str, table: str, read_timestamp_ns: int, rows_per_task: int
+    ) -> list[KeyRange]:
+        """``table``'s keys as of ``read_timestamp_ns`` cut into key ranges of about
+        ``rows_per_task`` rows ([] for a table of at most that many; see
+        :func:`cdcflow.spanner.snapshot.split_snapshot`)."""
+        self.describe_stream(stream)
+        return split_snapshot(
+            self._grpc(), lambda sql: self._rows(sql, {}), table=table,
+            read_timestamp_ns=read_timestamp_ns, dialect=self.dialect(),
+            rows_per_task=rows_per_task, retry=self.retry, priority=self.priority,
+            timeout=self.query_timeout,
+        )
+
     def snapshot(
-        self, stream: str, table: str, read_timestamp_ns: int
+        self, stream: str, table: str, read_timestamp_ns: int,
+        key_range: KeyRange | None = None,
     ) -> Iterator[DataChangeRecord]:
-        """``table`` (the columns ``stream`` tracks) as of exactly ``read_timestamp_ns``, in
-        snapshot records typed and filtered like change records (see
-        :mod:`cdcflow.spanner.snapshot`). Needs the default gRPC transport."""
+        """``table`` (``key_range`` of it; the columns ``stream`` tracks) as of exactly
+        ``read_timestamp_ns``, in snapshot records typed and filtered like change records
+        (see :mod:`cdcflow.spanner.snapshot`)."""
         name = self.describe_stream(stream).name
+        return read_snapshot(
+            self._grpc(), lambda sql: self._rows(sql, {}), table=table,
+            tracked=self.tracked_columns(name).get(table, ()),
+            read_timestamp_ns=read_timestamp_ns, dialect=self.dialect(), shaper=self._shaper,
+            retry=self.retry, priority=self.priority, timeout=self.query_timeout,
+            data_boost=self.data_boost, key_range=key_range,
+        )
+
+    def _grpc(self) -> GrpcTransport:
+        """The gRPC transport snapshots read through (they need its sessions' API)."""
         transport = self.transport
         if not isinstance(transport, GrpcTransport):
             msg = f"a snapshot reads through GrpcTransport, not {type(transport).__name__}"
             raise ConfigurationError(msg)
-        return read_snapshot(
-            transport, lambda sql: self._rows(sql, {}), table=table,
-            tracked=self.tracked_columns(name).get(table, ()),
-            read_timestamp_ns=read_timestamp_ns, dialect=self.dialect(), shaper=self._shaper,
-            retry=self.retry, priority=self.priority, timeout=self.query_timeout,
-            data_boost=self.data_boost,
-        )
+        return transport
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -6,25 +6,31 @@ column values a change record's mods use), into DataChangeRecords of mod type IN
 :class:`~cdcflow.spanner.shape.RecordShaper` exactly as change records are (typed values,
 the pushed-down filter). Both clients build their snapshot records with it.
 
-:class:`SpannerSnapshotReader` reads a table at an exact read timestamp on Spanner with
-partitioned queries (PartitionQuery at the read timestamp, then each partition streamed;
-with ``data_boost=True`` each partition runs on Data Boost). Partitioned queries are what
-Spanner offers for reading a large table in parallel without holding one long-running
-query; the emulator serves them too, so the same path runs in tests. The partitions are
-read one after the other within the task (one task per table).
+:func:`read_snapshot` reads a table, or one key range of it, at an exact read timestamp on
+Spanner with partitioned queries (PartitionQuery at the read timestamp, then each
+partition streamed; with ``data_boost=True`` each partition runs on Data Boost).
+Partitioned queries are what Spanner offers for reading a large table without holding one
+long-running query; the emulator serves them too, so the same path runs in tests. The
+partitions are read one after the other within the task. :func:`split_snapshot` reads a
+table's keys in key order and cuts them into key ranges, each then read by a task of its
+own (:mod:`cdcflow.engine.snapshot`). The plumbing (sessions, read-only transactions,
+retries) is :mod:`cdcflow.spanner._readonly`'s.
 
-google-cloud-spanner is imported lazily, in the reader's methods only.
+google-cloud-spanner is imported lazily, in the functions only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
+
+import attrs
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.errors import ChangeStreamError, TransientError
+from cdcflow.keyrange import Key, KeyRange, range_token, split_ranges
 from cdcflow.model import (
     ColumnType,
     DataChangeRecord,
@@ -32,16 +38,32 @@ from cdcflow.model import (
     Timestamp,
     snapshot_token,
 )
+from cdcflow.spanner._readonly import (
+    RPC_TIMEOUT,
+    Session,
+    call_metadata,
+    partitions,
+    read_at,
+    retried,
+    stream_rows,
+    too_old,
+    translated,
+    type_json,
+)
 from cdcflow.spanner.decode import plain_value
-from cdcflow.spanner.retry import is_transient, status_name
+from cdcflow.spanner.keyorder import Dialect, KeyColumn, KeyOrder, Params, order_by, quote
 from cdcflow.spanner.shape import RecordShaper
-from cdcflow.spanner.transport import GrpcTransport, assemble_rows
+from cdcflow.spanner.transport import GrpcTransport
+
+_log = logging.getLogger("cdcflow.spanner")
 
 __all__ = [
     "SNAPSHOT_CHUNK_ROWS",
     "SNAPSHOT_TRANSACTION_ID",
+    "key_columns",
     "read_snapshot",
     "snapshot_records",
+    "split_snapshot",
     "table_columns",
 ]
 
@@ -58,9 +80,11 @@ def snapshot_records(
     rows: Iterable[Mapping[str, Any]],
     shaper: RecordShaper,
     chunk_rows: int = SNAPSHOT_CHUNK_ROWS,
+    token: str | None = None,
 ) -> Iterator[DataChangeRecord]:
     """Snapshot records of ``table``'s ``rows`` (column name -> wire value, every column of
-    ``columns``), read at ``read_timestamp_ns``.
+    ``columns``), read at ``read_timestamp_ns`` by the snapshot partition ``token`` (the
+    table's, :func:`~cdcflow.model.snapshot_token`, by default).
 
     One record per ``chunk_rows`` rows, ``record_sequence`` the chunk number (8 digits),
     commit timestamp the read timestamp, ``server_transaction_id`` ``"snapshot"``, value
@@ -75,7 +99,7 @@ def snapshot_records(
         return
     keys = [c.name for c in columns if c.is_primary_key]
     others = [c.name for c in columns if not c.is_primary_key]
-    token = snapshot_token(table)
+    token = snapshot_token(table) if token is None else token
     at = Timestamp.from_ns(read_timestamp_ns)
     types = tuple(columns)
 
@@ -110,10 +134,7 @@ def snapshot_records(
 
 #: Runs one metadata query; returns its rows of protobuf ``Value``.
 Rows = Callable[[str], list[list[Any]]]
-Dialect = Literal["GOOGLE_STANDARD_SQL", "POSTGRESQL"]
-_Row = tuple[Any, list[Any]]  # (row type, protobuf values)
 _PRIORITIES = {"LOW": 1, "MEDIUM": 2, "HIGH": 3}
-_RPC_TIMEOUT = 60.0
 
 
 def _literal(text: str) -> str:
@@ -127,184 +148,174 @@ def _split(table: str, dialect: Dialect) -> tuple[str, str]:
     return schema or ("public" if dialect == "POSTGRESQL" else ""), name
 
 
-def _quote(name: str, dialect: Dialect) -> str:
-    if dialect == "POSTGRESQL":
-        return '"' + name.replace('"', '""') + '"'
-    return "`" + name + "`"  # information_schema's names: no backquote in them
+def _where_table(table: str, dialect: Dialect) -> str:
+    schema, name = _split(table, dialect)
+    return f"WHERE table_schema = {_literal(schema)} AND table_name = {_literal(name)}"
+
+
+def _from(table: str, dialect: Dialect) -> str:
+    return ".".join(quote(part, dialect) for part in table.split("."))
+
+
+def key_columns(rows: Rows, table: str, dialect: Dialect) -> list[KeyColumn]:
+    """The primary key columns of ``table`` in key order, with their direction and
+    nullability (types unknown: a query's metadata gives them), from information_schema."""
+    return [
+        KeyColumn(r[0].string_value, {}, r[1].string_value.upper() == "DESC",
+                  r[2].string_value.upper() != "NO")
+        for r in rows(
+            "SELECT column_name, column_ordering, is_nullable "
+            f"FROM information_schema.index_columns {_where_table(table, dialect)} "
+            "AND index_type = 'PRIMARY_KEY' ORDER BY ordinal_position"
+        )
+    ]
 
 
 def table_columns(
-    rows: Rows, table: str, tracked: Iterable[str], dialect: Dialect
+    rows: Rows, table: str, tracked: Iterable[str], dialect: Dialect,
+    key_order: Sequence[KeyColumn] | None = None,
 ) -> list[tuple[str, bool, int]]:
     """The columns of ``table`` that are in ``tracked`` (the stream's columns of it) or
     keys, in table order: (name, is a key column, ordinal position), from
-    information_schema."""
-    schema, name = _split(table, dialect)
-    where = f"WHERE table_schema = {_literal(schema)} AND table_name = {_literal(name)}"
+    information_schema (``key_order``: the :func:`key_columns` already read)."""
     ordered = rows(
-        f"SELECT column_name, ordinal_position FROM information_schema.columns {where}"
+        "SELECT column_name, ordinal_position FROM information_schema.columns "
+        + _where_table(table, dialect)
     )
-    keys = {
-        r[0].string_value for r in rows(
-            f"SELECT column_name FROM information_schema.index_columns {where} "
-            "AND index_type = 'PRIMARY_KEY'"
-        )
-    }
+    if key_order is None:
+        key_order = key_columns(rows, table, dialect)
+    keys = {c.name for c in key_order}
     wanted = set(tracked) | keys
     by_position = sorted((int(plain_value(r[1])), r[0].string_value) for r in ordered)
     return [(c, c in keys, n) for n, c in by_position if c in wanted]
 
 
-def _type_json(type_pb: Any) -> Any:
-    from google.protobuf.json_format import MessageToDict
-
-    return MessageToDict(type_pb, preserving_proto_field_name=True)
-
-
-def _pb_timestamp(ns: int) -> Any:
-    from google.protobuf.timestamp_pb2 import Timestamp as PbTimestamp
-
-    return PbTimestamp(seconds=ns // 1_000_000_000, nanos=ns % 1_000_000_000)
-
-
-def _metadata(database: str) -> list[tuple[str, str]]:
-    return [("google-cloud-resource-prefix", database)]
-
-
-class _Session:
-    """A plain session of one snapshot read, created on first use, deleted by
-    :meth:`close`.
-
-    A read holds a read-only transaction across PartitionQuery and every partition's
-    query. A session runs one transaction at a time (the emulator's and Spanner's regular
-    sessions; a new BeginTransaction invalidates the previous one: "Invalid transaction ID.
-    Transaction ID must be >= N"), and the tables of a snapshot are read concurrently by
-    tasks sharing one client, so each read takes a session of its own instead of the
-    transport's shared one.
-    """
-
-    def __init__(self, transport: GrpcTransport) -> None:
-        self._transport = transport
-        self._name: str | None = None
-
-    def __call__(self) -> str:
-        if self._name is None:
-            created = self._transport._spanner_api().create_session(
-                request={"database": self._transport.database},
-                metadata=_metadata(self._transport.database), retry=None, timeout=_RPC_TIMEOUT,
-            )
-            self._name = str(created.name)
-        return self._name
-
-    def reset(self) -> None:
-        """Forget the session (the server said it no longer exists)."""
-        self._name = None
-
-    def close(self) -> None:
-        """Delete the session; best effort (the server expires an idle one anyway)."""
-        name, self._name = self._name, None
-        if name is not None:
-            # An expired or unreachable session is deleted by the server anyway.
-            with contextlib.suppress(Exception):
-                self._transport._spanner_api().delete_session(
-                    name=name, metadata=_metadata(self._transport.database), retry=None,
-                    timeout=_RPC_TIMEOUT,
-                )
-
-
-def _retried(retry: RetryPolicy, session: _Session, fn: Callable[[], Any]) -> Any:
-    """``fn()`` under ``retry``: transient errors and a lost session (renewed) are retried;
-    once the policy gives up on a transient error it raises TransientError, which the
-    engine answers by running the batch again."""
-    def worth(exc: BaseException) -> bool:
-        if status_name(exc) == "NOT_FOUND" and "Session not found" in str(exc):
-            session.reset()
-            return True
-        return is_transient(exc)
-
-    try:
-        return retry.call(fn, retry_if=worth)
-    except Exception as exc:
-        if not is_transient(exc):
-            raise
-        msg = (
-            f"the snapshot read kept failing ({status_name(exc)}); check the database's "
-            "health and quota, then run again"
-        )
-        raise TransientError(msg) from exc
-
-
-def _partitions(
-    transport: GrpcTransport, session: _Session, retry: RetryPolicy, sql: str,
+def split_snapshot(
+    transport: GrpcTransport,
+    rows: Rows,
+    *,
+    table: str,
     read_timestamp_ns: int,
-) -> tuple[Any, list[bytes]]:
-    """A read-only transaction at exactly ``read_timestamp_ns`` and the partition tokens of
-    ``sql`` in it (an empty list when the query cannot be partitioned)."""
-    api = transport._spanner_api()
-    meta = _metadata(transport.database)
+    dialect: Dialect,
+    rows_per_task: int,
+    retry: RetryPolicy,
+    priority: str = "MEDIUM",
+    timeout: float = 600.0,
+) -> list[KeyRange]:
+    """``table``'s primary keys as of exactly ``read_timestamp_ns``, read in key order
+    (keys only) and cut into ranges of about ``rows_per_task`` rows
+    (:func:`cdcflow.keyrange.split_ranges`); [] when it has at most that many rows.
 
-    def begin() -> Any:
-        return api.begin_transaction(
-            request={"session": session(), "options": {"read_only": {
-                "read_timestamp": _pb_timestamp(read_timestamp_ns),
-            }}},
-            metadata=meta, retry=None, timeout=_RPC_TIMEOUT,
-        )
-
-    txn = _retried(retry, session, begin)
-
-    def partition() -> list[bytes]:
-        try:
-            answer = api.partition_query(
-                request={"session": session(), "transaction": {"id": txn.id},
-                         "sql": sql},
-                metadata=meta, retry=None, timeout=_RPC_TIMEOUT,
-            )
-        except Exception as exc:
-            if status_name(exc) in ("INVALID_ARGUMENT", "UNIMPLEMENTED"):
-                return []  # not root-partitionable here: one plain query instead
-            raise
-        return [p.partition_token for p in answer.partitions]
-
-    return txn, _retried(retry, session, partition)
-
-
-def _stream(
-    transport: GrpcTransport, session: _Session, retry: RetryPolicy,
-    request: Mapping[str, Any], timeout: float,
-) -> Iterator[tuple[Any, list[Any]]]:
-    """Rows of one query. Failures before its first row are retried; a failure after it
-    raises TransientError (the engine replays the batch: rows are not resumable here)."""
-    from google.cloud.spanner_v1.types import ExecuteSqlRequest, PartialResultSet
-
-    api = transport._spanner_api()
-
-    def start() -> tuple[Any, Any, Iterator[tuple[Any, list[Any]]]]:
-        call = api.execute_streaming_sql(
-            request=ExecuteSqlRequest(session=session(), **request),
-            metadata=_metadata(transport.database), retry=None, timeout=timeout,
-        )
-        rows = assemble_rows(PartialResultSet.pb(item) for item in call)
-        return call, next(rows, None), rows  # the first row: errors up to here are retried
-
-    call, first, rows = _retried(retry, session, start)
+    One query ordered by the key (:func:`cdcflow.spanner.keyorder.order_by`: the table's
+    own order, so Spanner streams it without sorting); only the bounds are kept. A query
+    that fails midway is resumed after the last key it gave (see :func:`_scan_keys`).
+    """
+    keys = key_columns(rows, table, dialect)
+    if not keys:
+        msg = f"table {table!r} has no primary key in information_schema: is the name right?"
+        raise ChangeStreamError(msg)
+    session = Session(transport)
     try:
-        if first is None:
-            return
-        yield first
-        yield from rows
-    except Exception as exc:
-        if not is_transient(exc):
-            raise
-        msg = (
-            f"the snapshot query failed midway ({status_name(exc)}); the batch is read again "
-            "under the run's batch_retries"
-        )
-        raise TransientError(msg) from exc
+        scan = _scan_keys(transport, session, retry, keys, table=table, dialect=dialect,
+                          read_timestamp_ns=read_timestamp_ns, timeout=timeout,
+                          options={"request_options": {"priority": _PRIORITIES[priority]}})
+        return split_ranges(scan, rows_per_task)
     finally:
-        cancel = getattr(call, "cancel", None)
-        if cancel is not None:
-            cancel()
+        session.close()
+
+
+def _scan_keys(
+    transport: GrpcTransport, session: Session, retry: RetryPolicy,
+    keys: Sequence[KeyColumn], *, table: str, dialect: Dialect, read_timestamp_ns: int,
+    timeout: float, options: Mapping[str, Any],
+) -> Iterator[Key]:
+    """``table``'s keys (wire form) in key order at ``read_timestamp_ns``.
+
+    A query that fails after its first row (the client's policy retries failures before
+    it) is issued again for the keys after the last one it gave (:meth:`KeyOrder.where`'s
+    ``after``, typed from the first query's metadata), so a long scan is never read again
+    from its start; every resumed query has made progress, so resuming ends.
+    """
+    select = "SELECT {} FROM {}".format(
+        ", ".join(quote(c.name, dialect) for c in keys), _from(table, dialect))
+    order: KeyOrder | None = None
+    last: Key | None = None
+    while True:
+        request: dict[str, Any] = {"sql": f"{select} {order_by(keys, dialect)}",
+                                   "transaction": read_at(read_timestamp_ns), **options}
+        if last is not None:
+            assert order is not None
+            condition, params = order.where(after=last)
+            request.update(sql=f"{select} WHERE {condition} {order_by(keys, dialect)}",
+                           **_params(params))
+        progressed = False
+        try:
+            for row_type, values in translated(
+                stream_rows(transport, session, retry, request, timeout), read_timestamp_ns
+            ):
+                if order is None:
+                    order = KeyOrder([
+                        attrs.evolve(c, type=type_json(f.type_))
+                        for c, f in zip(keys, row_type.fields, strict=True)
+                    ], dialect)
+                last = tuple(plain_value(v) for v in values)
+                progressed = True
+                yield last
+            return
+        except TransientError:
+            if not progressed:
+                raise  # the policy's retries before the first row are spent
+            _log.info("the key scan of %s failed midway; resuming after %r", table, last)
+
+
+def _key_order(
+    transport: GrpcTransport, session: Session, retry: RetryPolicy,
+    keys: Sequence[KeyColumn], table: str, dialect: Dialect, read_timestamp_ns: int,
+) -> KeyOrder:
+    """``table``'s key order: its key columns' directions (``keys``, from
+    information_schema) and their exact types (PostgreSQL's annotations included) from
+    the metadata of a query that returns no row."""
+    if not keys:
+        msg = f"table {table!r} has no primary key in information_schema: is the name right?"
+        raise ChangeStreamError(msg)
+    sql = "SELECT {} FROM {} LIMIT 0".format(
+        ", ".join(quote(c.name, dialect) for c in keys), _from(table, dialect)
+    )
+    api = transport._spanner_api()
+
+    def query() -> Any:
+        return api.execute_sql(
+            request={"session": session(), "sql": sql,
+                     "transaction": read_at(read_timestamp_ns)},
+            metadata=call_metadata(transport.database), retry=None, timeout=RPC_TIMEOUT,
+        )
+
+    answer = retried(retry, session, query)
+    fields = type(answer).pb(answer).metadata.row_type.fields
+    return KeyOrder([
+        attrs.evolve(c, type=type_json(f.type_)) for c, f in zip(keys, fields, strict=True)
+    ], dialect)
+
+
+def _params(params: Params) -> dict[str, Any]:
+    """``params`` as an ExecuteSqlRequest's (and a PartitionQueryRequest's) fields."""
+    from google.cloud.spanner_v1.types import Type
+    from google.protobuf.json_format import ParseDict
+    from google.protobuf.struct_pb2 import Struct
+
+    struct = Struct()
+    types: dict[str, Any] = {}
+    for name, (column_type, value) in params.items():
+        field = struct.fields[name]
+        if isinstance(value, bool):
+            field.bool_value = value
+        elif isinstance(value, int | float):
+            field.number_value = value
+        else:
+            assert isinstance(value, str)  # NULL bounds are IS NULL tests, not parameters
+            field.string_value = value
+        types[name] = Type.wrap(ParseDict(dict(column_type), Type.pb()()))
+    return {"params": struct, "param_types": types} if params else {}
 
 
 def read_snapshot(
@@ -320,54 +331,72 @@ def read_snapshot(
     priority: str = "MEDIUM",
     timeout: float = 600.0,
     data_boost: bool = False,
+    key_range: KeyRange | None = None,
 ) -> Iterator[DataChangeRecord]:
-    """``table`` read at exactly ``read_timestamp_ns``, as snapshot records (see
-    :func:`snapshot_records`), its ``tracked`` columns only (keys always).
+    """``table`` (the rows of ``key_range`` only, when given) read at exactly
+    ``read_timestamp_ns``, as snapshot records (see :func:`snapshot_records`), its
+    ``tracked`` columns only (keys always).
 
     The query runs as a partitioned query in a read-only transaction at that timestamp
     (each partition on Data Boost with ``data_boost``); a query Spanner cannot partition
-    runs as one stale read. Raises ChangeStreamError naming the fix when the timestamp is
-    older than the database keeps versions (``version_retention_period``).
+    runs as one stale read. A key range is the condition of
+    :meth:`cdcflow.spanner.keyorder.KeyOrder.where`, its bounds query parameters. Raises
+    ChangeStreamError naming the fix when the timestamp is older than the database keeps
+    versions (``version_retention_period``).
     """
-    columns = table_columns(rows, table, tracked, dialect)
+    keys = key_columns(rows, table, dialect)
+    columns = table_columns(rows, table, tracked, dialect, keys)
     if not columns:
         msg = f"table {table!r} has no columns in information_schema: is the name right?"
         raise ChangeStreamError(msg)
     sql = "SELECT {} FROM {}".format(
-        ", ".join(_quote(c, dialect) for c, _, _ in columns),
-        ".".join(_quote(part, dialect) for part in table.split(".")),
+        ", ".join(quote(c, dialect) for c, _, _ in columns), _from(table, dialect)
     )
-    options = {"request_options": {"priority": _PRIORITIES[priority]}}
-    session = _Session(transport)
+    options: dict[str, Any] = {"request_options": {"priority": _PRIORITIES[priority]}}
+    token = snapshot_token(table)
+    session = Session(transport)
     try:
+        if key_range is not None:
+            try:
+                order = _key_order(transport, session, retry, keys, table, dialect,
+                                   read_timestamp_ns)
+            except Exception as exc:
+                raise too_old(exc, read_timestamp_ns) from exc
+            condition, params = order.where(key_range.lo, key_range.hi)
+            sql += f" WHERE {condition}"
+            options.update(_params(params))
+            token = range_token(table, key_range)
         yield from _read(transport, session, retry, sql, columns, table=table,
                          read_timestamp_ns=read_timestamp_ns, shaper=shaper, timeout=timeout,
-                         data_boost=data_boost, options=options)
+                         data_boost=data_boost, options=options, token=token)
     finally:
         session.close()
 
 
 def _read(
-    transport: GrpcTransport, session: _Session, retry: RetryPolicy, sql: str,
+    transport: GrpcTransport, session: Session, retry: RetryPolicy, sql: str,
     columns: Sequence[tuple[str, bool, int]], *, table: str, read_timestamp_ns: int,
     shaper: RecordShaper, timeout: float, data_boost: bool, options: Mapping[str, Any],
+    token: str,
 ) -> Iterator[DataChangeRecord]:
-    """The body of :func:`read_snapshot`, on ``session``."""
+    """The body of :func:`read_snapshot`, on ``session``; ``options`` hold the request
+    options and the query's parameters."""
+    params = {k: v for k, v in options.items() if k in ("params", "param_types")}
     try:
-        txn, tokens = _partitions(transport, session, retry, sql, read_timestamp_ns)
+        txn, tokens = partitions(transport, session, retry, sql, read_timestamp_ns, params)
     except Exception as exc:
-        raise _too_old(exc, read_timestamp_ns) from exc
+        raise too_old(exc, read_timestamp_ns) from exc
     if tokens:
         requests = [
-            {"sql": sql, "transaction": {"id": txn.id}, "partition_token": token,
+            {"sql": sql, "transaction": {"id": txn.id}, "partition_token": partition,
              "data_boost_enabled": data_boost, **options}
-            for token in tokens
+            for partition in tokens
         ]
     else:
         requests = [{"sql": sql, "transaction": {"id": txn.id}, **options}]
-    found = _translated(
+    found = translated(
         itertools.chain.from_iterable(
-            _stream(transport, session, retry, r, timeout) for r in requests
+            stream_rows(transport, session, retry, r, timeout) for r in requests
         ),
         read_timestamp_ns,
     )
@@ -376,36 +405,11 @@ def _read(
         return
     known = {name: (key, position) for name, key, position in columns}
     types = tuple(
-        ColumnType(f.name, _type_json(f.type_), *known[f.name]) for f in first[0].fields
+        ColumnType(f.name, type_json(f.type_), *known[f.name]) for f in first[0].fields
     )
     names = [c.name for c in types]
     wire = (
         {n: plain_value(v) for n, v in zip(names, values, strict=True)}
         for _, values in itertools.chain([first], found)
     )
-    yield from snapshot_records(table, read_timestamp_ns, types, wire, shaper)
-
-
-def _translated(rows: Iterator[_Row], read_timestamp_ns: int) -> Iterator[_Row]:
-    try:
-        yield from rows
-    except Exception as exc:
-        translated = _too_old(exc, read_timestamp_ns)
-        if translated is exc:
-            raise
-        raise translated from exc
-
-
-def _too_old(exc: Exception, read_timestamp_ns: int) -> Exception:
-    text = str(getattr(exc, "message", exc))
-    lower = text.lower()
-    if status_name(exc) == "FAILED_PRECONDITION" and any(
-        word in lower for word in ("too old", "staleness", "retention")
-    ):
-        msg = (
-            f"the snapshot reads the tables as of {Timestamp.from_ns(read_timestamp_ns)} (just "
-            "before start_at), older than the database keeps row versions; start later, or "
-            f"raise the database's version_retention_period ({text})"
-        )
-        return ChangeStreamError(msg)
-    return exc
+    yield from snapshot_records(table, read_timestamp_ns, types, wire, shaper, token=token)

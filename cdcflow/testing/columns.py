@@ -33,6 +33,7 @@ from datetime import date, datetime
 from decimal import Decimal
 from typing import Any, Protocol
 
+from cdcflow.keyrange import KeyRange
 from cdcflow.model import ChangeRecord, DataChangeRecord
 from cdcflow.spanner.shape import RecordShaper
 from cdcflow.stream import ChangeStreamQuery, RecordFilter, StreamInfo
@@ -159,8 +160,10 @@ class _Scripted(Protocol):
               ) -> Iterator[ChangeRecord]: ...
     def _expected(self, start: TimeLike | None, end: TimeLike | None, shaper: RecordShaper
                   ) -> list[DataChangeRecord]: ...
-    def _snapshot(self, stream: str, table: str, read_timestamp_ns: int, shaper: RecordShaper
-                  ) -> Iterator[DataChangeRecord]: ...
+    def _snapshot(self, stream: str, table: str, read_timestamp_ns: int, shaper: RecordShaper,
+                  key_range: KeyRange | None = None) -> Iterator[DataChangeRecord]: ...
+    def snapshot_split(self, stream: str, table: str, read_timestamp_ns: int,
+                       rows_per_task: int) -> list[KeyRange]: ...
 
 
 class ScriptedView:
@@ -197,10 +200,16 @@ class ScriptedView:
     def read(self, query: ChangeStreamQuery) -> Iterator[ChangeRecord]:
         return self.base._read(query, self._shaper)
 
-    def snapshot(self, stream: str, table: str, read_timestamp_ns: int
-                 ) -> Iterator[DataChangeRecord]:
-        """The stream's snapshot of ``table``, shaped with these options."""
-        return self.base._snapshot(stream, table, read_timestamp_ns, self._shaper)
+    def snapshot_split(self, stream: str, table: str, read_timestamp_ns: int,
+                       rows_per_task: int) -> list[KeyRange]:
+        """The stream's key ranges of ``table`` (keys are never filtered)."""
+        return self.base.snapshot_split(stream, table, read_timestamp_ns, rows_per_task)
+
+    def snapshot(self, stream: str, table: str, read_timestamp_ns: int,
+                 key_range: KeyRange | None = None) -> Iterator[DataChangeRecord]:
+        """The stream's snapshot of ``table`` (``key_range`` of it), shaped with these
+        options."""
+        return self.base._snapshot(stream, table, read_timestamp_ns, self._shaper, key_range)
 
     def close(self) -> None:
         self.base.close()

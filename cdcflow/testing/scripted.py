@@ -71,25 +71,24 @@ import attrs
 
 from cdcflow.durations import parse_time
 from cdcflow.errors import ChangeStreamError, StreamNotFoundError, TransientError
+from cdcflow.keyrange import KeyRange, range_token
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     MAX_NS,
     ChangeRecord,
     ChildPartition,
     ChildPartitionsRecord,
-    ColumnType,
     DataChangeRecord,
-    Mod,
     ModType,
     Timestamp,
     snapshot_token,
 )
 from cdcflow.spanner.shape import RecordShaper, default_shaper
-from cdcflow.spanner.values import encode_values, encoders
 from cdcflow.stream import ChangeStreamQuery, RecordFilter, StreamInfo
 from cdcflow.testing.columns import ScriptedView, column_types
+from cdcflow.testing.compiled import compile_records, txn_id
 from cdcflow.testing.reads import failing, with_heartbeats
-from cdcflow.testing.tablestate import Row, initial_rows, rows_at, snapshot_of
+from cdcflow.testing.tablestate import Row, initial_rows, rows_at, snapshot_of, split_of
 from cdcflow.testing.transaction import ScriptedChange, ScriptedTransaction, _Txn
 
 __all__ = ["ScriptedChange", "ScriptedChangeStream", "ScriptedTransaction"]
@@ -340,7 +339,7 @@ class ScriptedChangeStream:
             for table, keys, mod_type, new, old in txn.changes:
                 if lo <= txn.at < hi:
                     out.append(
-                        ScriptedChange(txn.at, _txn_id(txn), index, table, keys, mod_type, new,
+                        ScriptedChange(txn.at, txn_id(txn), index, table, keys, mod_type, new,
                                        old)
                     )
                 index += 1
@@ -398,19 +397,36 @@ class ScriptedChangeStream:
         self._check_stream(stream)
         return sorted(self.tables())
 
-    def snapshot(self, stream: str, table: str, read_timestamp_ns: int
-                 ) -> Iterator[DataChangeRecord]:
-        """``table`` as of ``read_timestamp_ns`` (see :class:`~cdcflow.stream.SnapshotClient`);
-        :meth:`fail_reads` with ``token="snapshot/<table>"`` makes it fail."""
-        return self._snapshot(stream, table, read_timestamp_ns, default_shaper)
+    def snapshot_split(
+        self, stream: str, table: str, read_timestamp_ns: int, rows_per_task: int
+    ) -> list[KeyRange]:
+        """``table``'s key ranges as of ``read_timestamp_ns`` (see
+        :class:`~cdcflow.stream.SnapshotClient`; the key order is
+        :mod:`cdcflow.testing.tablestate`'s). A read of ``"snapshot/<table>"`` for
+        :meth:`fail_reads`, which fails before any key."""
+        self._check_stream(stream)
+        if self._read_fails(snapshot_token(table)):
+            list(failing(iter(()), 0, self._fail_error))  # raises
+        rows = rows_at(self._initial.get(table, ()), self._txns, table, read_timestamp_ns)
+        return split_of(table, rows, rows_per_task)
+
+    def snapshot(self, stream: str, table: str, read_timestamp_ns: int,
+                 key_range: KeyRange | None = None) -> Iterator[DataChangeRecord]:
+        """``table`` (``key_range`` of it) as of ``read_timestamp_ns`` (see
+        :class:`~cdcflow.stream.SnapshotClient`); :meth:`fail_reads` with the snapshot
+        partition's token (``"snapshot/<table>"``, or a range's) makes it fail."""
+        return self._snapshot(stream, table, read_timestamp_ns, default_shaper, key_range)
 
     def _snapshot(
-        self, stream: str, table: str, read_timestamp_ns: int, shaper: RecordShaper
+        self, stream: str, table: str, read_timestamp_ns: int, shaper: RecordShaper,
+        key_range: KeyRange | None = None,
     ) -> Iterator[DataChangeRecord]:
         self._check_stream(stream)
-        fail = self._read_fails(snapshot_token(table))
+        fail = self._read_fails(
+            snapshot_token(table) if key_range is None else range_token(table, key_range)
+        )
         rows = rows_at(self._initial.get(table, ()), self._txns, table, read_timestamp_ns)
-        records = snapshot_of(table, rows, read_timestamp_ns, shaper)
+        records = snapshot_of(table, rows, read_timestamp_ns, shaper, key_range)
         return failing(records, self._fail_after, self._fail_error) if fail else records
 
     def describe_stream(self, stream: str) -> StreamInfo:
@@ -520,51 +536,10 @@ class ScriptedChangeStream:
 
     def _compile(self) -> dict[str, list[DataChangeRecord]]:
         """Per partition, its records with mod values in the wire form."""
-        out: dict[str, list[DataChangeRecord]] = {}
-        for txn in sorted(self._txns, key=lambda t: (t.at, t.seq)):
-            groups: dict[tuple[str, str, ModType], list[Mod]] = {}
-            columns: dict[tuple[str, str, ModType], dict[str, ColumnType]] = {}
-            types = column_types(txn.changes)
-            for table, keys, mod_type, new, old in txn.changes:
-                token = self._owner(_bucket(keys, self.buckets), txn.at)
-                group = (token, table, mod_type)
-                groups.setdefault(group, []).append(Mod(keys, new, old))
-                cols = columns.setdefault(group, {})
-                for name in [*keys, *new, *old]:
-                    if name not in cols:
-                        cols[name] = ColumnType(name, types[table][name], name in keys,
-                                                len(cols) + 1)
-            for group, mods in groups.items():
-                convs = encoders(tuple(columns[group].values()))
-                groups[group] = [
-                    Mod(encode_values(m.keys, convs), encode_values(m.new_values, convs),
-                        encode_values(m.old_values, convs))
-                    for m in mods
-                ]
-            by_partition: dict[str, list[tuple[str, str, ModType]]] = {}
-            for group in groups:
-                by_partition.setdefault(group[0], []).append(group)
-            for token, part_groups in by_partition.items():
-                for seq, group in enumerate(part_groups):
-                    _, table, mod_type = group
-                    out.setdefault(token, []).append(
-                        DataChangeRecord(
-                            partition_token=token,
-                            commit_timestamp=Timestamp.from_ns(txn.at),
-                            record_sequence=f"{seq:08d}",
-                            server_transaction_id=_txn_id(txn),
-                            is_last_record_in_transaction_in_partition=seq == len(part_groups) - 1,
-                            table_name=table,
-                            column_types=tuple(columns[group].values()),
-                            mods=tuple(groups[group]),
-                            mod_type=mod_type,
-                            value_capture_type=self.value_capture_type,
-                            number_of_records_in_transaction=len(groups),
-                            number_of_partitions_in_transaction=len(by_partition),
-                            transaction_tag=txn.tag,
-                        )
-                    )
-        return out
+        return compile_records(
+            self._txns, lambda keys, at: self._owner(_bucket(keys, self.buckets), at),
+            self.value_capture_type,
+        )
 
 
 def _ns(value: TimeLike) -> int:
@@ -583,10 +558,6 @@ def _chunks(items: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
 
 def _bucket(keys: Mapping[str, Any], buckets: int) -> int:
     return zlib.crc32(repr(sorted(keys.items())).encode()) % buckets
-
-
-def _txn_id(txn: _Txn) -> str:
-    return f"txn-{txn.seq:08d}"
 
 
 def _record_order(r: DataChangeRecord) -> tuple[int, str, str, str]:

@@ -22,6 +22,12 @@ _PRIORITIES = ("LOW", "MEDIUM", "HIGH")
 
 TimeLike = str | datetime | int
 
+#: A table with more rows is read in key ranges of about this many rows, a task each.
+DEFAULT_SNAPSHOT_ROWS_PER_TASK = 500_000
+#: Most snapshot partitions (tables or key ranges) read in one batch: what a crash during
+#: the snapshot reads again at most.
+DEFAULT_SNAPSHOT_TASKS_PER_BATCH = 32
+
 
 class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
     """Where partitions come from: a change stream of a Spanner database.
@@ -50,12 +56,15 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
     tracks, less those the filter leaves out) as of ``start - 1 ns`` and emit each row as
     an INSERT with ``is_snapshot=True`` and ``commit_timestamp = start - 1 ns``; the
     changes follow from ``start`` on, after every snapshot row (no gap, no overlap: see
-    docs/architecture.md, "Snapshot then stream"). Each table is one partition of the
-    pipeline (``snapshot/<table>``), read in one task on the first batch; the filters
-    apply to snapshot rows too. ``data_boost``: read the snapshot with Spanner Data Boost
-    (independent compute; needs the spanner.databases.useDataBoost permission).
-    ``snapshot`` is part of the stored definition: a resumed run that changes it warns
-    (or, with ``--strict``, refuses).
+    docs/architecture.md, "Snapshot then stream"). Each table is a partition of the
+    pipeline (``snapshot/<table>``); a table of more than ``snapshot_rows_per_task`` rows
+    is split into key ranges of about that many rows, each a partition read by a task of
+    its own, in parallel, and done ranges are never read again after a crash. At most
+    ``snapshot_tasks_per_batch`` snapshot partitions are read per batch: what a crash
+    reads again. The filters apply to snapshot rows too. ``data_boost``: read the
+    snapshot with Spanner Data Boost (independent compute; needs the
+    spanner.databases.useDataBoost permission). ``snapshot`` is part of the stored
+    definition: a resumed run that changes it warns (or, with ``--strict``, refuses).
     """
 
     kind = "Source"
@@ -78,7 +87,14 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         skip_unchanged: bool = False,
         snapshot: bool | Iterable[str] = False,
         data_boost: bool = False,
+        snapshot_rows_per_task: int = DEFAULT_SNAPSHOT_ROWS_PER_TASK,
+        snapshot_tasks_per_batch: int = DEFAULT_SNAPSHOT_TASKS_PER_BATCH,
     ) -> None:
+        for option, count in (("snapshot_rows_per_task", snapshot_rows_per_task),
+                              ("snapshot_tasks_per_batch", snapshot_tasks_per_batch)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                msg = f"DetectPartitions({option}={count!r}): use a whole number, 1 or more"
+                raise PipelineDefinitionError(msg)
         if client is None and (database is None or not _DATABASE.match(database)):
             msg = (
                 f"DetectPartitions(database={database!r}): write the full path "
@@ -121,7 +137,7 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         if tables_to_snapshot and client is not None and not isinstance(client, SnapshotClient):
             msg = (
                 f"DetectPartitions(client={self._client_name}, snapshot=...): this client cannot "
-                "read tables; give it snapshot_tables and snapshot methods "
+                "read tables; give it snapshot_tables, snapshot_split and snapshot methods "
                 "(cdcflow.stream.SnapshotClient), or leave snapshot out"
             )
             raise PipelineDefinitionError(msg)
@@ -140,6 +156,10 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         #: filter keeps) or () for none.
         self.snapshot: tuple[str, ...] | Literal[True] = tables_to_snapshot
         self.data_boost = bool(data_boost)
+        #: A table with more rows than this is read in key ranges of about this many rows.
+        self.snapshot_rows_per_task = snapshot_rows_per_task
+        #: Most snapshot partitions (tables or key ranges) one batch reads.
+        self.snapshot_tasks_per_batch = snapshot_tasks_per_batch
 
     def start_ns(self, now_ns: int) -> int:
         """The first position to read, for a pipeline that has no stored state yet."""
@@ -193,6 +213,7 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         if self.snapshot:
             tables = "all" if self.snapshot is True else ",".join(self.snapshot)
             options += f" snapshot={tables}" + (" data_boost" if self.data_boost else "")
+            options += f" rows_per_task={self.snapshot_rows_per_task}"
         return f"{where} stream={self.stream} start_at={self.start_at!s}{end}{options}"
 
 
@@ -272,13 +293,16 @@ class ReadChangeStream(PTransform[None, DataChangeRecord]):
         skip_unchanged: bool = False,
         snapshot: bool | Iterable[str] = False,
         data_boost: bool = False,
+        snapshot_rows_per_task: int = DEFAULT_SNAPSHOT_ROWS_PER_TASK,
+        snapshot_tasks_per_batch: int = DEFAULT_SNAPSHOT_TASKS_PER_BATCH,
     ) -> None:
         self.detect = DetectPartitions(
             database, stream, start_at, end_at,
             client=client, priority=priority, query_timeout=query_timeout, typed=typed,
             tables=tables, exclude_tables=exclude_tables, columns=columns,
             mod_types=mod_types, skip_unchanged=skip_unchanged, snapshot=snapshot,
-            data_boost=data_boost,
+            data_boost=data_boost, snapshot_rows_per_task=snapshot_rows_per_task,
+            snapshot_tasks_per_batch=snapshot_tasks_per_batch,
         )
         self.read = ReadPartition(
             heartbeat, max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes

@@ -5,8 +5,10 @@ run by test_snapshot.py.
 
 STAGE is ``sinks`` (the sinks committed batch N, the store did not) or ``task`` (at the
 N-th record this process pushes through the pipeline, in the middle of the snapshot when N
-is small). Progress lives in STATE_DIR/state.db, output in STATE_DIR/out. Without a kill
-point the run goes to its end and prints why it ended.
+is small). Batch 1 splits both tables into key ranges; batches 2 to 5 read them, two at a
+time (one record each), and the stream follows. Progress lives in STATE_DIR/state.db,
+output in STATE_DIR/out. Without a kill point the run goes to its end and prints why it
+ended.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ S = 1_000_000_000
 T0 = 1_700_000_000 * S
 START = T0 + 5 * S
 END = T0 + 20 * S
+#: A (2,300 rows) splits into 5 key ranges, B (700) into 2; two snapshot tasks per batch.
+ROWS_PER_TASK = 500
 
 
 def stream() -> ScriptedChangeStream:
@@ -75,7 +79,8 @@ def main() -> None:
     p = cf.Pipeline("snapshot-crash")
     pc = (p
           | DetectPartitions(stream="S", start_at=START, end_at=END - 1, client=stream(),
-                             snapshot=True)
+                             snapshot=True, snapshot_rows_per_task=ROWS_PER_TASK,
+                             snapshot_tasks_per_batch=2)
           | ReadPartition(heartbeat="500ms"))
     if stage == "task":
         pc = pc | Map(KillOnRecord(int(n)))

@@ -382,7 +382,9 @@ def _crash_run(state: Path, kill: str | None) -> subprocess.CompletedProcess[str
     return subprocess.run(args, capture_output=True, text=True, timeout=180, check=False)
 
 
-@pytest.mark.parametrize("kills", [["sinks:1"], ["task:2", "sinks:2"], ["task:3", "task:9"]])
+@pytest.mark.parametrize("kills", [
+    ["sinks:1"], ["task:2", "sinks:2"], ["task:3", "task:9"], ["sinks:3", "task:3"],
+])
 def test_sigkilled_runs_resume_the_snapshot_without_loss_or_duplicates(
     tmp_path: Path, kills: list[str]
 ) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from cdcflow.engine.lifecycle import gc_candidates
 from cdcflow.errors import FencedError, PlanConflictError, StoreError, StoreURLError
+from cdcflow.keyrange import MAX_BOUND_CHARS, KeyRange, range_token, token_range
 from cdcflow.metadata import open_store
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
@@ -26,6 +27,7 @@ from cdcflow.model import (
     PartitionState,
     PartitionUpdate,
     Slice,
+    snapshot_token,
 )
 from cdcflow.spanner._store_schema import (
     BATCH_COLUMNS,
@@ -350,6 +352,30 @@ def test_positions_keep_nanoseconds_and_max_ns_round_trips(
     raw = _sql(store, f"SELECT {text.format('StartTimestamp')}, {text.format('EndTimestamp')} "
                       f"FROM {DEFAULT_TABLE} WHERE PartitionToken = 'a'")
     assert raw == [["2024-05-01T12:00:00.123456789Z", "2262-04-11T23:47:16.854775807Z"]]
+
+
+def test_the_longest_snapshot_range_tokens_are_stored_planned_and_committed(
+    database: str, stores: Callable[[str], SpannerStore]
+) -> None:
+    """A key range's bounds live in its token (cdcflow.keyrange): at their longest they
+    must fit the store's key (PartitionToken is part of the primary key and the indexes'
+    entries, and Spanner allows a key 8 KiB)."""
+    store = stores(f"spanner://{database}")
+    longest = "\u00e9" * (MAX_BOUND_CHARS // 6 - 2)  # 6 characters each as JSON text
+    bound = (longest,)
+    assert len(KeyRange(1, bound, bound).bounds_text()) > 2 * MAX_BOUND_CHARS - 30
+    table = snapshot_token("Orders")
+    tokens = [range_token("Orders", KeyRange(i, bound if i else None, bound)) for i in (0, 1)]
+    store.insert_partitions("p", [part(table, 9, state="RUNNING", end=10)])
+    store.write_plan("p", BatchPlan(1, 10, (Slice(table, 9, 10),), planned_at=1), {})
+    assert store.commit_batch("p", 1, [PartitionUpdate(table, 10, True)], [
+        part(t, 9, parent_tokens=(table,), end=10) for t in tokens])
+    store.write_plan("p", BatchPlan(2, 10, tuple(Slice(t, 9, 10) for t in tokens),
+                                    planned_at=2), {t: PartitionState.RUNNING for t in tokens})
+    assert store.commit_batch("p", 2, [PartitionUpdate(t, 10, True) for t in tokens], [])
+    rows = {p.token: p for p in store.partitions("p")}
+    assert {t: rows[t].state for t in tokens} == dict.fromkeys(tokens, PartitionState.FINISHED)
+    assert [token_range(t) for t in tokens] == [KeyRange(0, None, bound), KeyRange(1, bound, bound)]
 
 
 @pytest.mark.emulator
