@@ -99,7 +99,7 @@ def test_consume_is_at_least_once_in_key_order_across_sigkills(
     assert len(runs) == 3
     change = lambda c: (c["key"], c["ts"], c["op"])  # noqa: E731
     expected = {(int(c.keys[SHOP_KEY]), c.commit_ns, c.mod_type) for c in workload.changes}
-    assert len(expected) == len(workload.changes) > 100
+    assert len(expected) == len(workload.changes) > 60  # ~150 at 20 tx/s, fewer when loaded
     consumed = {change(c) for c in calls}
     assert consumed == expected, (
         f"lost {len(expected - consumed)}, unknown {len(consumed - expected)}")
