@@ -33,6 +33,7 @@ __all__ = [
     "WrittenFile",
     "fsync_dir",
     "parquet_row",
+    "process_alive",
     "storage",
     "write_atomic",
 ]
@@ -419,3 +420,14 @@ class ParquetWriter(_FileWriter):
         self._columns = _Columns()
         self._drop_spills()
         self._remove_temp()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host lives (another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True

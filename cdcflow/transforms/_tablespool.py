@@ -27,6 +27,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from cdcflow.errors import SinkIOError
+from cdcflow.transforms._fileio import process_alive
 from cdcflow.transforms._tablebuild import rfc3339
 from cdcflow.transforms._tablerows import Schema
 
@@ -223,7 +224,7 @@ def sweep(directory: str | None, spool_age: float = 3600.0, prefix: str = PREFIX
     now = time.time()
     for entry in entries:
         m = re.match(rf"{re.escape(prefix)}(\d+)-", entry.name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or process_alive(int(m.group(1))):
             continue
         try:
             if entry.is_dir(follow_symlinks=False):
@@ -237,15 +238,6 @@ def sweep(directory: str | None, spool_age: float = 3600.0, prefix: str = PREFIX
         removed += 1
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
 
 
 def encode(data: pa.RecordBatch | bytes, csv: bool) -> tuple[pa.RecordBatch | bytes, int]:

@@ -38,6 +38,7 @@ from cdcflow.transforms._fileio import (
     ParquetWriter,
     WrittenFile,
     fsync_dir,
+    process_alive,
     storage,
     write_atomic,
 )
@@ -216,6 +217,19 @@ class WriteFiles(Sink[Any, WrittenFile]):
         except OSError as exc:
             msg = f"WriteFiles cannot create {self.directory}: {exc}; choose a writable path"
             raise SinkError(msg) from exc
+        self._sweep_watermark_temps()
+
+    def _sweep_watermark_temps(self) -> None:
+        """Remove this sink's ``_watermark.json`` temporary files that a killed run left
+        (named by the writing process: only a dead one's are removed)."""
+        assert self.directory is not None
+        pattern = re.compile(
+            re.escape(f"._watermark.json.{_label_scope(self._label or '')}.") + r"(\d+)\.tmp")
+        for name in _listdir(self.directory):
+            m = pattern.fullmatch(name)
+            if m is not None and not process_alive(int(m.group(1))):
+                with contextlib.suppress(OSError):  # another run took it first
+                    os.remove(os.path.join(self.directory, name))
 
     def _dir(self) -> str:
         if self.directory is None:

@@ -7,6 +7,8 @@ import errno
 import hashlib
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from cdcflow.errors import (
 )
 from cdcflow.model import HeartbeatRecord, Timestamp
 from cdcflow.transforms.base import Sink, SinkContext, WriterContext
+from cdcflow.transforms.files import _label_scope
 from cdcflow.transforms.sinks import WriteFiles, WrittenFile
 
 
@@ -415,3 +418,22 @@ def test_output_location_needs_setup_for_a_relative_path() -> None:
     with pytest.raises(SinkError, match="setup"):
         WriteFiles("rel").output_location()
     assert WriteFiles("/abs/out", prefix="x").output_location() == "/abs/out/x-*.jsonl"
+
+
+def test_a_killed_runs_watermark_temp_file_is_removed_by_the_next_setup(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = WriteFiles(out)
+    first.setup(SinkContext(pipeline="p", sink_label="out", base_dir=str(tmp_path)))
+    first.on_watermark(5)
+    assert [n for n in os.listdir(out) if n.startswith(".")] == []  # renamed into place
+    # what a run SIGKILLed before its rename left (its process is gone), and the file of a
+    # run still writing one (this process): only the first is garbage
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = out / f"._watermark.json.{_label_scope('out')}.{dead}.tmp"
+    live = out / f"._watermark.json.{_label_scope('out')}.{os.getpid()}.tmp"
+    left.write_bytes(b"{")
+    live.write_bytes(b"{")
+    again = WriteFiles(out)
+    again.setup(SinkContext(pipeline="p", sink_label="out", base_dir=str(tmp_path)))
+    assert not left.exists() and live.exists()
