@@ -1,9 +1,11 @@
-"""``python -m bench``: run every ``bench/bench_*.py`` module's ``main()`` in turn."""
+"""``python -m bench``: run every ``bench/bench_*.py`` module in turn, each in a process of
+its own (a module that freezes the garbage collector or warms a cache must not change the
+next one's figures). ``python -m bench engine tables`` runs only those."""
 
 from __future__ import annotations
 
-import importlib
 import pkgutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,19 +17,19 @@ def main() -> None:
         m.name for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_")
     )
     only = set(sys.argv[1:])
+    failed = []
     for name in names:
         if only and name not in only and name.removeprefix("bench_") not in only:
             continue
-        module = importlib.import_module(f"bench.{name}")
         print(f"== {name} ==", flush=True)
-        saved = sys.argv
-        sys.argv = [f"bench.{name}"]  # each main() parses its own defaults
         t0 = time.perf_counter()
-        try:
-            module.main()
-        finally:
-            sys.argv = saved
+        code = subprocess.run([sys.executable, "-m", f"bench.{name}"], check=False).returncode
+        if code:
+            failed.append(name)
         print(f"({name}: {time.perf_counter() - t0:.1f}s)\n", flush=True)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
