@@ -8,6 +8,7 @@ from cdcflow.errors import PluginError
 from cdcflow.transforms.base import BatchStep, DoFn, ParDo, PTransform, Sink
 from cdcflow.transforms.consume import Consume, Consumed, idempotency_key
 from cdcflow.transforms.core import Filter, FlatMap, Map
+from cdcflow.transforms.rows import Rows
 from cdcflow.transforms.schemas import SchemaChange, SchemaChanges
 from cdcflow.transforms.sinks import Collect, Print, WriteFiles
 from cdcflow.transforms.source import DetectPartitions, ReadChangeStream, ReadPartition
@@ -35,6 +36,7 @@ __all__ = [
     "Print",
     "ReadChangeStream",
     "ReadPartition",
+    "Rows",
     "SchemaChange",
     "SchemaChanges",
     "Sink",

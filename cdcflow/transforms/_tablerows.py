@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any, Literal
@@ -266,41 +266,46 @@ def _values(values: Mapping[str, Any], types: Mapping[str, Any], table: str) -> 
     return out
 
 
-def rows_of(record: DataChangeRecord, style: RowStyle) -> list[dict[str, Any]]:
-    """One row per mod of ``record`` (see WriteTables for both styles)."""
+def rows_of(record: DataChangeRecord, style: RowStyle, *, arrow: bool = True
+            ) -> list[dict[str, Any]]:
+    """One row per mod of ``record`` (see WriteTables for both styles). ``arrow``: values
+    converted by column type as Arrow takes them (timestamps as integer nanoseconds);
+    otherwise as the reader decoded them, the commit timestamp a Timestamp (the ``Rows``
+    step)."""
     types = {c.name: c.type for c in record.column_types}
-    ts = record.commit_timestamp.ns
-    out = []
-    for mod in record.mods:
-        if style == "flat":
-            out.append(_flat(record, mod, types, ts))
-        else:
-            out.append(_debezium(record, mod, types, ts))
-    return out
+    table = record.table_name
+
+    def values(mapping: Mapping[str, Any]) -> dict[str, Any]:
+        return _values(mapping, types, table) if arrow else dict(mapping)
+
+    ts: Any = record.commit_timestamp.ns if arrow else record.commit_timestamp
+    shape = _flat if style == "flat" else _debezium
+    return [shape(record, mod, values, ts) for mod in record.mods]
 
 
-def _flat(record: DataChangeRecord, mod: Mod, types: Mapping[str, Any], ts: int) -> dict[str, Any]:
-    values = mod.old_values if record.mod_type == "DELETE" else mod.new_values
-    row = _values({**values, **mod.keys}, types, record.table_name)
+_Values = Callable[[Mapping[str, Any]], dict[str, Any]]
+
+
+def _flat(record: DataChangeRecord, mod: Mod, values: _Values, ts: Any) -> dict[str, Any]:
+    row = values({**(mod.old_values if record.mod_type == "DELETE" else mod.new_values),
+                  **mod.keys})
     row.update(_op=row_op(record), _commit_ts=ts, _txn=record.server_transaction_id,
                _seq=record.record_sequence, _table=record.table_name)
     return row
 
 
-def _debezium(
-    record: DataChangeRecord, mod: Mod, types: Mapping[str, Any], ts: int
-) -> dict[str, Any]:
-    keys = _values(mod.keys, types, record.table_name)
+def _debezium(record: DataChangeRecord, mod: Mod, values: _Values, ts: Any) -> dict[str, Any]:
+    keys = values(mod.keys)
     before = after = None
     if record.mod_type != "INSERT":
-        before = {**_values(mod.old_values, types, record.table_name), **keys}
+        before = {**values(mod.old_values), **keys}
     if record.mod_type != "DELETE":
-        after = {**_values(mod.new_values, types, record.table_name), **keys}
+        after = {**values(mod.new_values), **keys}
     source = {"table": record.table_name, "commit_timestamp": ts,
               "transaction_id": record.server_transaction_id,
               "record_sequence": record.record_sequence, "partition": record.partition_token}
     return {"before": before, "after": after, "op": _DEBEZIUM_OP[row_op(record)],
-            "source": source, "ts_ms": ts // 1_000_000}
+            "source": source, "ts_ms": record.commit_timestamp.ns // 1_000_000}
 
 
 def arrow_table(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> pa.Table:
