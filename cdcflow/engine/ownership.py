@@ -89,8 +89,9 @@ class Ownership:
         replace = None
         if current is not None and current.run_id != self.run_id:
             if owner_gone(current):
-                _log.info("taking over pipeline %s from %s, whose process is gone",
-                          self.pipeline, current.owner)
+                if current.expires_at:  # not released: that run did not end cleanly
+                    _log.info("taking over pipeline %s from %s, whose process is gone",
+                              self.pipeline, current.owner)
                 replace = current.token
             elif takeover:
                 _log.warning("taking over pipeline %s from %s (--takeover)",

@@ -112,14 +112,30 @@ def test_a_takeover_fences_the_running_driver_out() -> None:
     assert set(values) == set(range(40))
 
 
-def test_a_crashed_run_on_this_host_is_taken_over_at_once() -> None:
+def test_a_crashed_run_on_this_host_is_taken_over_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     store = MemoryStore()
     dead = subprocess.Popen(["true"])
     dead.wait()
     store.acquire_lease("owned", f"{socket.gethostname()}:{dead.pid}", "crashed", 3600 * S)
     out: cf.Collect[Any] = cf.Collect()
-    assert _engine(_pipeline(_stream(), out), store).run().reason == "end reached"
+    with caplog.at_level(logging.INFO, logger="cdcflow.engine"):
+        assert _engine(_pipeline(_stream(), out), store).run().reason == "end reached"
     assert len(out.items) == 40
+    taken = [r.getMessage() for r in caplog.records if "taking over" in r.getMessage()]
+    assert taken == [f"taking over pipeline owned from {socket.gethostname()}:{dead.pid}, "
+                     "whose process is gone"]
+    # a run that ended cleanly released its lease: the next one takes it over silently
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    lease = store.acquire_lease("owned", f"{socket.gethostname()}:{ended.pid}", "ended",
+                                3600 * S, replace=store.lease("owned").token)  # type: ignore[union-attr]
+    store.release_lease("owned", lease)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cdcflow.engine"):
+        assert _engine(_pipeline(_stream(), cf.Collect()), store).run().reason == "end reached"
+    assert not [r for r in caplog.records if "taking over" in r.getMessage()]
 
 
 def test_a_live_owner_elsewhere_is_not_taken_over_without_the_flag() -> None:
