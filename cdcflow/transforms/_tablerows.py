@@ -287,8 +287,9 @@ _Values = Callable[[Mapping[str, Any]], dict[str, Any]]
 
 
 def _flat(record: DataChangeRecord, mod: Mod, values: _Values, ts: Any) -> dict[str, Any]:
-    row = values({**(mod.old_values if record.mod_type == "DELETE" else mod.new_values),
-                  **mod.keys})
+    # keys first (as in the table), and the keys' own values win
+    row = values({**mod.keys, **(mod.old_values if record.mod_type == "DELETE"
+                                  else mod.new_values), **mod.keys})
     row.update(_op=row_op(record), _commit_ts=ts, _txn=record.server_transaction_id,
                _seq=record.record_sequence, _table=record.table_name)
     return row
@@ -298,9 +299,9 @@ def _debezium(record: DataChangeRecord, mod: Mod, values: _Values, ts: Any) -> d
     keys = values(mod.keys)
     before = after = None
     if record.mod_type != "INSERT":
-        before = {**values(mod.old_values), **keys}
+        before = {**keys, **values(mod.old_values), **keys}
     if record.mod_type != "DELETE":
-        after = {**values(mod.new_values), **keys}
+        after = {**keys, **values(mod.new_values), **keys}
     source = {"table": record.table_name, "commit_timestamp": ts,
               "transaction_id": record.server_transaction_id,
               "record_sequence": record.record_sequence, "partition": record.partition_token}

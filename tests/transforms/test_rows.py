@@ -47,6 +47,7 @@ def test_flat_rows_carry_the_columns_and_the_change(runner: Any) -> None:
     assert [(r["_op"], r["id"]) for r in rows] == [
         ("SNAPSHOT", 9), ("INSERT", 1), ("UPDATE", 1), ("DELETE", 1)]
     insert, update, delete = rows[1:]
+    assert list(insert)[:4] == ["id", "total", "price", "at"]
     assert insert["total"] == 10 and type(insert["total"]) is int  # typed by the reader
     assert insert["price"] == Decimal("1.50") and insert["at"] == Timestamp.from_ns(T0 + 5)
     assert insert["_commit_ts"] == Timestamp.from_ns(T0 + 1 * MS)
@@ -61,7 +62,8 @@ def test_debezium_rows_have_the_envelope(runner: Any) -> None:
     create, update, delete = rows
     assert create["before"] is None and create["after"]["total"] == 10
     assert create["after"]["id"] == 1
-    assert update["before"] == {"total": 10, "id": 1} and update["after"] == {"total": 11, "id": 1}
+    assert update["before"] == {"id": 1, "total": 10} and update["after"] == {"id": 1, "total": 11}
+    assert list(update["after"]) == ["id", "total"]  # keys first, as in the table
     assert delete["after"] is None and delete["before"]["total"] == 11
     source = update["source"]
     assert source["table"] == "Orders" and source["partition"].startswith("p")
