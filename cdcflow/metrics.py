@@ -35,7 +35,10 @@ Metrics (type; labels besides ``pipeline``):
 - ``cdcflow_inflight_bytes`` (gauge: the last batch's in-flight bytes at their peak,
   summed over its tasks), ``cdcflow_quota_waits_total`` and
   ``cdcflow_quota_wait_seconds_total`` (counters: reads that waited for in-flight room,
-  and how long), all 0 unless ReadPartition runs with ``max_inflight > 1``.
+  and how long), all 0 unless ReadPartition runs with ``max_inflight > 1``;
+- ``cdcflow_sink_<name>{sink}``: what each sink reports after a batch (``Sink.metrics()``;
+  a counter for a name ending in ``_total``, else a gauge), e.g. WriteTables' files cut by
+  reason, uploads, spool bytes and durable batch.
 
 Spanner and in-flight numbers come from the tasks' counters (see
 :class:`~cdcflow.spanner.retry.QueryStats` and :meth:`cdcflow.engine.chain.Chain.counters`),
@@ -45,11 +48,12 @@ so both runners report them alike.
 from __future__ import annotations
 
 import errno
+import re
 import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from socketserver import ThreadingMixIn
 from types import TracebackType
 from typing import Any
@@ -144,6 +148,7 @@ class PipelineMetrics(EngineListener):
         self._counts: Counter[str] = Counter()
         self._elements: Counter[tuple[str, str]] = Counter()
         self._sink_writes: Counter[str] = Counter()
+        self._sink_numbers: dict[str, dict[str, float]] = {}  # label -> Sink.metrics()
         self._batches: Counter[str] = Counter()
         self._states: dict[str, int] = {}
         self._phases = {phase: _Histogram(PHASE_BUCKETS) for phase in _PHASES}
@@ -188,6 +193,8 @@ class PipelineMetrics(EngineListener):
                     self._spanner_errors[label] += value
                 elif kind in self._queries and label in _QUERY_LE:
                     self._queries[kind].add(_QUERY_LE[label], value)
+            for label, numbers in stats.sink_metrics.items():
+                self._sink_numbers[label] = dict(numbers)
             self._batches["true" if stats.replayed else "false"] += 1
             self._states = dict(stats.partitions)
             for phase, seconds in stats.phases.items():
@@ -224,6 +231,7 @@ class PipelineMetrics(EngineListener):
             counts = Counter(self._counts)
             elements = dict(self._elements)
             sink_writes = dict(self._sink_writes)
+            sink_numbers = {label: dict(n) for label, n in self._sink_numbers.items()}
             batches = dict(self._batches)
             states = dict(self._states)
             phases = {p: (h.buckets(), h.total) for p, h in self._phases.items()}
@@ -291,6 +299,7 @@ class PipelineMetrics(EngineListener):
         for sink, value in sorted(sink_writes.items()):
             sinks_family.add_metric([name, sink], value)
         yield sinks_family
+        yield from _sink_families(name, sink_numbers)
         yield counter("cdcflow_retries", "Element retries under the error policy.",
                       counts["retries"])
         yield counter("cdcflow_skipped", "Elements the error policy skipped (dead-lettered "
@@ -350,6 +359,34 @@ class PipelineMetrics(EngineListener):
         for partition in stuck[:_TOP]:
             stuck_family.add_metric([name, partition.token], partition.seconds(now))
         yield stuck_family
+
+
+#: What a sink's metric name may be (Sink.metrics()), and the names the engine's own
+#: families take already.
+_SINK_NAME = re.compile(r"[a-z][a-z0-9_]*")
+_SINK_TAKEN = frozenset({"writes", "writes_total"})
+
+
+def _sink_families(pipeline: str, numbers: Mapping[str, Mapping[str, float]]) -> Iterator[Any]:
+    """``cdcflow_sink_<name>{pipeline, sink}`` for what sinks report (``Sink.metrics()``):
+    a counter for a name ending in ``_total``, else a gauge; a name that is no metric
+    name, or one the engine's families take, is left out."""
+    by_name: dict[str, list[tuple[str, float]]] = {}
+    for label, values in sorted(numbers.items()):
+        for key, value in values.items():
+            if _SINK_NAME.fullmatch(key) and key not in _SINK_TAKEN:
+                by_name.setdefault(key, []).append((label, float(value)))
+    for key, samples in sorted(by_name.items()):
+        doc = f"{key.removesuffix('_total').replace('_', ' ')}, as each sink reports it."
+        family: CounterMetricFamily | GaugeMetricFamily
+        if key.endswith("_total"):
+            family = CounterMetricFamily(f"cdcflow_sink_{key[:-6]}", doc,
+                                         labels=["pipeline", "sink"])
+        else:
+            family = GaugeMetricFamily(f"cdcflow_sink_{key}", doc, labels=["pipeline", "sink"])
+        for label, value in samples:
+            family.add_metric([pipeline, label], value)
+        yield family
 
 
 class _Collector(Collector):

@@ -292,7 +292,7 @@ class Batches:
             splits=outcome.splits, merges=outcome.merges, replayed=replay, phases=phases,
             counters=dict(counters),
             commit_times=tuple(t for r in results for t in r.commit_times),
-            sinks_committed_at=sinks_committed_at,
+            sinks_committed_at=sinks_committed_at, sink_metrics=_sink_metrics(self._sinks),
         )
 
     def deliver(
@@ -386,6 +386,21 @@ class Batches:
                 msg = f"runner {self.runner.name!r} returned results out of task order"
                 raise RunnerContractError(msg)
         return results
+
+
+def _sink_metrics(sinks: Mapping[str, Sink[Any, Any]]) -> dict[str, dict[str, float]]:
+    """Each sink's ``metrics()`` (a sink whose metrics fail is left out, with a warning:
+    numbers for operators never stop a run)."""
+    out: dict[str, dict[str, float]] = {}
+    for label, sink in sinks.items():
+        try:
+            numbers = dict(sink.metrics())
+        except Exception as e:
+            _log.warning("sink %r: metrics() failed (%s: %s)", label, type(e).__name__, e)
+            continue
+        if numbers:
+            out[label] = numbers
+    return out
 
 
 def _abort(batch_id: int, sinks: Mapping[str, Sink[Any, Any]]) -> None:

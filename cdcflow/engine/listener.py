@@ -72,6 +72,8 @@ class BatchStats:
     #: committed them (ns): their differences are commit-to-sink latencies
     commit_times: tuple[int, ...] = ()
     sinks_committed_at: int = 0
+    #: what each sink reports after the batch (``Sink.metrics()``), by sink label
+    sink_metrics: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict)
 
 
 @attrs.frozen

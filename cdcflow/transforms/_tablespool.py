@@ -283,6 +283,9 @@ class Uploader:
         self.disk = 0  # bytes of queued cuts in local files
         self.error: BaseException | None = None  # the last storage failure, while retrying
         self.failures = 0
+        # running totals (metrics): files and bytes uploaded, seconds spent, failed tries
+        self.uploaded = self.uploaded_bytes = self.errors = 0
+        self.upload_seconds = 0.0
         self._fatal: BaseException | None = None
         self._stop = False
         self._active = False  # a cut is being uploaded (or its `done` is running)
@@ -346,11 +349,14 @@ class Uploader:
                     return
                 cut = self.queue[0]
                 self._active = True
+            began = time.monotonic()
             try:
                 self._put(cut)
             except (OSError, SinkIOError) as exc:
                 with self.lock:
                     self.error, self.failures = exc, self.failures + 1
+                    self.errors += 1
+                    self.upload_seconds += time.monotonic() - began
                     self.lock.notify_all()
                     self.lock.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -363,6 +369,9 @@ class Uploader:
             backoff = 0.05
             with self.lock:
                 self.queue.popleft()
+                self.uploaded += 1
+                self.uploaded_bytes += cut.size
+                self.upload_seconds += time.monotonic() - began
                 if cut.data is not None:
                     self.memory -= cut.size
                 else:

@@ -14,7 +14,7 @@ A composite transform overrides :meth:`PTransform.expand` and applies other tran
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -373,6 +373,14 @@ class Sink(PrimitiveTransform[E, None], Generic[E, M]):
         includes what keeps it distinct, so only real duplicates compare equal.
         """
         return None
+
+    def metrics(self) -> Mapping[str, float]:
+        """Numbers an operator watches, by name (the default: none). Called on the driver
+        after each batch commits; served as ``cdcflow_sink_<name>{pipeline, sink}``: a name
+        ending in ``_total`` is a counter (a running total since the sink's setup), any other
+        a gauge (its value now). Names are lower-case letters, digits and underscores.
+        """
+        return {}
 
     def close(self) -> None:
         return None

@@ -58,6 +58,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -195,6 +196,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # parquet: encoded / in-memory bytes per table (measured, then of the last file cut)
         self._ratios: dict[str, float] = {}
         self._files = 0
+        self._cuts: Counter[str] = Counter()  # files cut, by reason (metrics)
         self._uploads: Uploader | None = None
         self._made: set[str] = set()  # directories made in storage
         self._driver_host: str | None = None  # where setup ran: tasks there may spool
@@ -395,22 +397,24 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         for key, groups in by_key.items():
             self._stage(key, groups, batch_id)
         self._staged_through = batch_id
-        self._cut(self._due(by_key), batch_id)
+        due = self._due(by_key)
+        for reason in ("size", "interval"):
+            self._cut([k for k, why in due.items() if why == reason], batch_id, reason)
         self._bound(batch_id)
 
-    def _due(self, staged: Mapping[Key, object]) -> list[Key]:
-        """The open files to cut: those that grew past ``file_size`` (only files staged
-        to can have), and those opened ``flush_interval`` ago or more (the first ones in
-        ``_open``, which holds them in the order they were opened). The work follows the
+    def _due(self, staged: Mapping[Key, object]) -> dict[Key, str]:
+        """The open files to cut, with why: those that grew past ``file_size`` (only files
+        staged to can have), and those opened ``flush_interval`` ago or more (the first ones
+        in ``_open``, which holds them in the order they were opened). The work follows the
         tables with data, not the open files."""
-        due = {k: None for k in staged if (o := self._open.get(k)) is not None
+        due = {k: "size" for k in staged if (o := self._open.get(k)) is not None
                and o.size(self._ratio(o)) >= self.file_size}
         now = time.monotonic()
         for key, file in self._open.items():
             if now - file.opened < self.flush_interval:
                 break
-            due[key] = None
-        return list(due)
+            due.setdefault(key, "interval")
+        return due
 
     def _evolve(self, table: str, groups: Sequence[Group], batch_id: int) -> None:
         """Write the table's next schema version first if this batch's rows need one: a
@@ -421,7 +425,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if new is None:
             return
         # Drain: every earlier row of the table is in storage before the new version.
-        self._cut([k for k in self._open if k[0] == table], batch_id)
+        self._cut([k for k in self._open if k[0] == table], batch_id, "schema")
         self.drain()
         self._put(self._path(table, "_schema", f"v{new.version}.json"),
                   new.to_json(self.rows, self.format, self.partition_by))
@@ -443,7 +447,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             size = file.size(ratio)
             after = size + sum(n for _, n in chunks) * (1.0 if file.text else ratio)
             if 2 * size >= self.file_size and after - self.file_size > self.file_size - size:
-                self._cut([key], batch_id)
+                self._cut([key], batch_id, "size")
                 file = None
         if file is None:
             self._files += 1
@@ -484,9 +488,11 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             return {"coerce_timestamps": "us", "allow_truncated_timestamps": True}
         return {}
 
-    def _cut(self, keys: Sequence[Key], batch_id: int) -> None:
-        """Close the open files of ``keys`` and queue them for upload."""
+    def _cut(self, keys: Sequence[Key], batch_id: int, reason: str) -> None:
+        """Close the open files of ``keys`` and queue them for upload; ``reason``: size,
+        interval, schema, spool or flush."""
         uploads = self._queue()
+        self._cuts[reason] += len(keys)
         for key in keys:
             file = self._open[key]
             name = f"part-{file.first}-{file.last}-{file.schema.version}.{self.format}"
@@ -516,7 +522,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if open_bytes > target:  # the open files alone hold it: cut the largest
             self._cut([o.key for o in sorted(self._open.values(),
                                              key=lambda o: -(o.memory + o.disk))][:max(
-                                                 1, len(self._open) // 2)], batch_id)
+                                                 1, len(self._open) // 2)], batch_id,
+                      "spool")
         if not uploads.wait(lambda: self._memory() + self._disk() <= target
                             or (uploads.error is not None and uploads.failures >= 3),
                             timeout=600):
@@ -540,6 +547,23 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         waiting for upload), and ``uploads`` (files queued)."""
         uploads = self._queue()
         return {"memory": self._memory(), "disk": self._disk(), "uploads": len(uploads.queue)}
+
+    def metrics(self) -> dict[str, float]:
+        """Files cut by reason, files and bytes uploaded, upload seconds and failed tries
+        (running totals); the spool's bytes in memory and on disk, files open and queued,
+        and the durable batch (now)."""
+        uploads = self._queue()
+        with uploads.lock:
+            numbers: dict[str, float] = {
+                "files_uploaded_total": uploads.uploaded,
+                "uploaded_bytes_total": uploads.uploaded_bytes,
+                "upload_seconds_total": uploads.upload_seconds,
+                "upload_errors_total": uploads.errors, "uploads_queued": len(uploads.queue)}
+        numbers.update({f"files_cut_{why}_total": self._cuts[why]
+                        for why in ("size", "interval", "schema", "spool", "flush")})
+        numbers.update(spool_memory_bytes=self._memory(), spool_disk_bytes=self._disk(),
+                       open_files=len(self._open), durable_batch=self.durable_batch())
+        return numbers
 
     def _upload(self, cut: Cut) -> None:
         """Runs on the upload thread: one file to storage."""
@@ -575,7 +599,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
 
     def flush(self) -> None:
         """Write every open file and wait for the uploads (the run ends gracefully)."""
-        self._cut(list(self._open), self._staged_through)
+        self._cut(list(self._open), self._staged_through, "flush")
         self.drain()
 
     def abort(self, batch_id: int, messages: Sequence[TaskRows]) -> None:
@@ -585,12 +609,16 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                     os.remove(message.spool)
 
     def close(self) -> None:
+        """Stop the upload thread and drop what is staged (idempotent)."""
         if self._uploads is not None:
             self._uploads.close()
+            self._uploads = None
         for file in self._open.values():
             file.discard()
+        self._open = {}
         if self._stage_dir is not None:
             shutil.rmtree(self._stage_dir, ignore_errors=True)
+            self._stage_dir = None
 
     def _checkpoint(self, step: str, batch_id: int) -> None:
         """Called at each step of a commit ("stage" on the driver; "uploaded" and "marked"

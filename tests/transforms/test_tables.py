@@ -54,9 +54,21 @@ def _record(table: str, i: int, mod: str = "INSERT", *, at: int | None = None,
                             f"txn-{i}", True, table, types, [m], mod, "OLD_AND_NEW_VALUES", 1, 1)
 
 
+_OPENED: list[WriteTables] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_sinks() -> Iterator[None]:
+    """Close every sink a test set up (its upload thread ends with it)."""
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
+
+
 def _sink(url: str, **kw: Any) -> WriteTables:
     sink = WriteTables(url, **kw)
     sink.setup(SinkContext("p", "WriteTables", "/"))
+    _OPENED.append(sink)
     return sink
 
 
@@ -90,6 +102,14 @@ def test_many_small_batches_make_files_near_the_target_size(tmp_path: Path) -> N
                                                       for j in range(40))
     assert table.schema.field("id").type == pa.int64()
     assert sink.durable_batch() == 200
+    # what an operator scrapes (cdcflow_sink_*): every file cut and uploaded, by reason
+    m = sink.metrics()
+    assert m["files_uploaded_total"] == len(files) == (
+        m["files_cut_size_total"] + m["files_cut_flush_total"])
+    assert m["files_cut_size_total"] >= len(files) - 1 and m["files_cut_interval_total"] == 0
+    assert m["uploaded_bytes_total"] == sum(sizes) and m["upload_errors_total"] == 0
+    assert m["spool_memory_bytes"] == m["spool_disk_bytes"] == m["open_files"] == 0
+    assert m["uploads_queued"] == 0 and m["durable_batch"] == 200
 
 
 def test_per_table_directories_schema_first_and_typed_values_from_wire_strings() -> None:
@@ -128,6 +148,8 @@ def test_a_new_column_closes_the_file_and_writes_the_next_schema_version(tmp_pat
     sink.flush()
     names = sorted(p.name for p in (tmp_path / "T").glob("part-*"))
     assert names == ["part-1-1-1.parquet", "part-2-3-2.parquet"]
+    m = sink.metrics()  # the first file cut by the schema change, the second by the flush
+    assert (m["files_cut_schema_total"], m["files_cut_flush_total"]) == (1, 1)
     v2 = json.loads((tmp_path / "T/_schema/v2.json").read_text())
     assert [c["name"] for c in v2["columns"]] == ["id", "name", "email"]
     # the schema file is older than any data file of its version

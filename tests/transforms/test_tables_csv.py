@@ -24,7 +24,9 @@ import pytest
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
 from cdcflow.transforms.base import WriterContext
 from cdcflow.transforms.tables import TaskRows, file_schema
-from tests.transforms.test_tables import STR, T0, _commit, _record, _sink
+from tests.transforms.test_tables import STR, T0, _close_sinks, _commit, _record, _sink
+
+__all__ = ["_close_sinks"]  # the autouse fixture that closes the sinks these tests set up
 
 INT = {"code": "INT64"}
 TYPES: dict[str, Any] = {

@@ -14,7 +14,9 @@ import pyarrow.dataset as ds
 import pytest
 
 from cdcflow.transforms.tables import file_schema, table_schema
-from tests.transforms.test_tables import STR, T0, S, _commit, _record, _sink
+from tests.transforms.test_tables import STR, T0, S, _close_sinks, _commit, _record, _sink
+
+__all__ = ["_close_sinks"]  # the autouse fixture that closes the sinks these tests set up
 
 
 def test_every_version_and_hour_reads_back_with_pyarrow_and_duckdb(tmp_path: Path) -> None:

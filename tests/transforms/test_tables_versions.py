@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.transforms.test_tables import STR, T0, _commit, _record, _sink
+from tests.transforms.test_tables import STR, T0, _close_sinks, _commit, _record, _sink
+
+__all__ = ["_close_sinks"]  # the autouse fixture that closes the sinks these tests set up
 
 EMAIL = {"email": (STR, "x@y")}
 
