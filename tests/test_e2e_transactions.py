@@ -27,7 +27,7 @@ from tests.e2e_features import (
     create_feature_database,
     workload_transactions,
 )
-from tests.e2e_helpers import unique
+from tests.e2e_helpers import in_window, unique
 
 pytestmark = pytest.mark.emulator
 
@@ -91,8 +91,8 @@ def _finish(feature: Feature, workload: Workload, writer: TableWriter, *extra: s
     feature.run(*extra)
 
 
-def _expected(workload: Workload, writer: TableWriter) -> list[Txn]:
-    return workload_transactions(workload) + writer.committed
+def _expected(feature: Feature, workload: Workload, writer: TableWriter) -> list[Txn]:
+    return in_window(feature.env, workload_transactions(workload) + writer.committed)
 
 
 @pytest.mark.parametrize("store", ["sqlite", "spanner"])
@@ -111,7 +111,7 @@ def test_whole_transactions_exactly_once_across_sigkills(
     finally:
         _finish(feature, workload, writer, "--set", "max_batch_span=1s")
     assert killed >= 2
-    expected = _expected(workload, writer)
+    expected = _expected(feature, workload, writer)
     assert check_transactions(feature, expected) == len(expected) > 40
     out = [e for _, _, e in feature.output()]
     # Spanner's transactions came whole: multi-table ones, multi-row ones, and some whose
@@ -138,5 +138,5 @@ def test_whole_transactions_on_spark_across_a_sigkill(
     finally:
         _finish(feature, workload, writer, *extra)
     assert killed == 1
-    expected = _expected(workload, writer)
+    expected = _expected(feature, workload, writer)
     assert check_transactions(feature, expected) == len(expected) > 30
