@@ -29,6 +29,7 @@ from cdcflow.metrics import MetricsServer, PipelineMetrics
 from cdcflow.model import PartitionMetadata, PartitionState, Timestamp
 from cdcflow.stuck import StuckDetector, StuckWatch, default_stuck_after
 from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms.base import SinkContext
 
 S = 1_000_000_000
 NOW = 1_700_000_000 * S
@@ -494,8 +495,15 @@ def _exported_names() -> set[str]:
     metrics = PipelineMetrics("orders", detector=detector, clock=Clock())
     metrics.on_partitions([part("a", NOW - S)], NOW)
     counters = {**batch(1).counters, "spanner_errors/UNAVAILABLE": 1}
+    # what a WriteTables sink reports (its real metric names)
+    tables = cf.WriteTables(f"memory://exported-{os.getpid()}")
+    tables.setup(SinkContext("orders", "lake", "/"))
+    try:
+        numbers = tables.metrics()
+    finally:
+        tables.close()
     metrics.on_batch(batch(1, commit_times=(NOW - S,), sinks_committed_at=NOW,
-                           counters=counters))
+                           counters=counters, sink_metrics={"lake": numbers}))
     return {name for name, _ in parse(metrics.exposition().decode())}
 
 
@@ -509,7 +517,8 @@ def test_the_dashboard_and_alerts_use_only_exported_metrics() -> None:
     assert {"Low-watermark lag", "Records and bytes read", "Batch phases (p90)",
             "Retried, skipped, dead-lettered elements", "Partitions by state",
             "Stuck partitions", "Change stream query latency (p90)", "Spanner errors by code",
-            "In-flight bytes and quota waits"} <= titles
+            "In-flight bytes and quota waits", "Sink files cut and uploaded",
+            "Sink spool"} <= titles
     alerts = (_MONITORING / "cdcflow-alerts.yml").read_text()
     used = set(re.findall(r"cdcflow_[a-z_]+", " ".join(exprs) + alerts))
     assert used and used <= exported, used - exported
