@@ -128,6 +128,7 @@ class Emulator:
         project: str = "test-project",
     ) -> None:
         self.binary = binary or find_emulator_binary()
+        self._own_port = not port  # chosen here: a start that fails may choose another
         self.port = port or free_port()
         self.partition_alive_seconds = partition_alive_seconds
         self.extra_args = list(extra_args)
@@ -145,7 +146,23 @@ class Emulator:
     def log_path(self) -> str | None:
         return self._log.name if self._log is not None else None
 
-    def start(self, timeout: float = 60.0) -> Emulator:
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> Emulator:
+        """Start the process and wait until it answers. A process that exits at start (its
+        port was taken meanwhile, or the binary aborted) is started again, up to
+        ``attempts`` times in all, on a new free port unless the port was given."""
+        attempt = 1
+        while True:
+            self._spawn()
+            died = self._wait_ready(timeout)
+            if died is None:
+                return self
+            if attempt >= attempts:
+                raise CdcflowError(died)
+            attempt += 1
+            if self._own_port:
+                self.port = free_port()
+
+    def _spawn(self) -> None:
         args = [str(self.binary), f"--host_port={self.host}"]
         if self.partition_alive_seconds:
             args.append(
@@ -166,22 +183,21 @@ class Emulator:
             args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_die_with_parent,
         )
-        self._wait_ready(timeout)
-        return self
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float) -> str | None:
+        """None once the emulator answers; what happened if its process exited first.
+        Raises CdcflowError when it does not answer within ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
-                msg = (
+                return (
                     f"the Spanner emulator exited with code {self._proc.returncode} at start; "
                     f"see its log {self.log_path}"
                 )
-                raise CdcflowError(msg)
             with contextlib.suppress(OSError), socket.create_connection(
                 ("127.0.0.1", self.port), timeout=0.5
             ):
-                return
+                return None
             time.sleep(0.1)
         self.stop()
         msg = f"the Spanner emulator did not answer on {self.host} within {timeout:.0f}s"

@@ -74,3 +74,33 @@ def test_binary_that_exits_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     with pytest.raises(Exception, match="exited with code 3"):
         emu.start(timeout=10)
     emu.stop()
+    runs = tmp_path / "runs"
+    emu = Emulator()
+    with pytest.raises(Exception, match="exited with code 3"):
+        emu.start(timeout=10, attempts=2)
+    emu.stop()
+    fake.write_text(f"#!/bin/sh\necho run >> {runs}\nexit 3\n")
+    with pytest.raises(Exception, match="exited with code 3"):
+        Emulator().start(timeout=10, attempts=2)
+    assert runs.read_text().splitlines() == ["run", "run"]  # started twice, then the error
+
+
+def test_a_binary_that_aborts_once_at_start_is_started_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # what the real emulator does now and then: abort (SIGABRT) right after it starts
+    real = find_emulator_binary()
+    flag = tmp_path / "aborted"
+    fake = tmp_path / "emulator_main"
+    fake.write_text(f"#!/bin/sh\nif [ ! -e {flag} ]; then touch {flag}; kill -ABRT $$; fi\n"
+                    f'exec {real} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CDCFLOW_SPANNER_EMULATOR", str(fake))
+    emu = Emulator()
+    first = emu.port
+    try:
+        emu.start(timeout=60)
+        assert flag.exists() and _listening(emu.port)
+        assert emu.port != first  # a port of its own choosing: a fresh one
+    finally:
+        emu.stop()
