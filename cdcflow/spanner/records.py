@@ -118,26 +118,7 @@ class DataBuilder:
                 if mod is not None:
                     out.append(mod)
             return out
-        convert = plan.in_place
-        mods = []
-        for k, n, o in zip(it, it, it, strict=True):
-            kd = loads(k) if k else {}
-            nd = loads(n) if n else {}
-            od = loads(o) if o else {}
-            if convert is not None:
-                try:
-                    convert(kd)
-                    if nd:
-                        convert(nd)
-                    if od:
-                        convert(od)
-                except Exception:
-                    # plan.mod raises the DecodeError naming the column; should it not,
-                    # the converter's own error stands
-                    plan.mod(loads(k or "{}"), loads(n or "{}"), loads(o or "{}"))
-                    raise
-            mods.append(Mod(kd, nd, od))
-        return mods
+        return _plain_mods(plan, texts)[0]
 
     def run(
         self, token: str, records: Iterable[tuple[Any, Any, Any]],
@@ -174,7 +155,7 @@ class DataBuilder:
                     out.append(record)
             return out
         # No filter: every record is kept whole, its mods converted in the parsed dicts.
-        loads = _loads
+        plain_mods = _plain_mods
         cached = self.shaper.cached
         made: list[ChangeRecord] = []
         append = made.append
@@ -190,26 +171,7 @@ class DataBuilder:
                     table, columns, parse_columns
                 )
                 previous = (table, columns, plan)
-            convert = plan.in_place
-            shaped = []
-            entries = 0
-            it = iter(mod_texts(mods))
-            for k, n, o in zip(it, it, it, strict=True):
-                kd = loads(k) if k else {}
-                nd = loads(n) if n else {}
-                od = loads(o) if o else {}
-                entries += len(kd) + len(nd) + len(od)
-                if convert is not None:
-                    try:
-                        convert(kd)
-                        if nd:
-                            convert(nd)
-                        if od:
-                            convert(od)
-                    except Exception:
-                        plan.mod(loads(k or "{}"), loads(n or "{}"), loads(o or "{}"))
-                        raise
-                shaped.append(Mod(kd, nd, od))
+            shaped, entries = plain_mods(plan, mod_texts(mods))
             record = DataChangeRecord(
                 token, parse_timestamp(ts), seq, txn, last, table, plan.columns, shaped,
                 mod_type, capture, int(n_rec), int(n_part), tag, system,
@@ -235,3 +197,33 @@ class DataBuilder:
             int(records_in_transaction), int(partitions_in_transaction), transaction_tag,
             is_system_transaction,
         )
+
+
+def _plain_mods(plan: TablePlan, texts: Sequence[str]) -> tuple[list[Mod], int]:
+    """The mods of ``texts`` (keys, new values, old values of each mod, in turn) with no
+    filter: every mod kept, its values converted in the parsed dicts; and how many keys and
+    values they hold (for the record's size)."""
+    loads = _loads
+    convert = plan.in_place
+    mods = []
+    entries = 0
+    it = iter(texts)
+    for k, n, o in zip(it, it, it, strict=True):
+        kd = loads(k) if k else {}
+        nd = loads(n) if n else {}
+        od = loads(o) if o else {}
+        entries += len(kd) + len(nd) + len(od)
+        if convert is not None:
+            try:
+                convert(kd)
+                if nd:
+                    convert(nd)
+                if od:
+                    convert(od)
+            except Exception:
+                # plan.mod raises the DecodeError naming the column; should it not, the
+                # converter's own error stands
+                plan.mod(loads(k or "{}"), loads(n or "{}"), loads(o or "{}"))
+                raise
+        mods.append(Mod(kd, nd, od))
+    return mods, entries
