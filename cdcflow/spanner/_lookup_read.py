@@ -22,6 +22,7 @@ from cdcflow.model import Timestamp
 from cdcflow.spanner._lookup_rows import Key, TableColumns, unhashable
 from cdcflow.spanner.decode import plain_value
 from cdcflow.spanner.retry import is_transient, status_name
+from cdcflow.spanner.translate import session_gone
 from cdcflow.spanner.transport import GrpcTransport, Param, assemble_rows
 
 __all__ = ["PRIORITIES", "Reader", "StreamColumns", "cached_reader"]
@@ -151,7 +152,7 @@ class Reader:
     # -- retries ---------------------------------------------------------------------------
 
     def _retry_if(self, exc: BaseException) -> bool:
-        if status_name(exc) == "NOT_FOUND" and "Session not found" in str(exc):
+        if session_gone(exc):
             self.transport.reset_session()
             return True
         return is_transient(exc)
