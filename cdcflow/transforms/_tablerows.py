@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any, Literal
@@ -307,15 +307,6 @@ def _debezium(record: DataChangeRecord, mod: Mod, values: _Values, ts: Any) -> d
               "record_sequence": record.record_sequence, "partition": record.partition_token}
     return {"before": before, "after": after, "op": _DEBEZIUM_OP[row_op(record)],
             "source": source, "ts_ms": record.commit_timestamp.ns // 1_000_000}
-
-
-def arrow_table(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> pa.Table:
-    """``rows`` as a table of ``schema`` (missing columns are null)."""
-    try:
-        return pa.Table.from_pylist(list(rows), schema=schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
-        msg = f"WriteTables: rows do not fit the table's schema: {exc}"
-        raise SinkError(msg) from exc
 
 
 def json_value(value: Any) -> Any:

@@ -542,12 +542,6 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def _disk(self) -> int:
         return self._usage.disk + self._queue().disk
 
-    def spool_usage(self) -> dict[str, int]:
-        """Bytes of the driver's spool now: ``memory`` and ``disk`` (open files and files
-        waiting for upload), and ``uploads`` (files queued)."""
-        uploads = self._queue()
-        return {"memory": self._memory(), "disk": self._disk(), "uploads": len(uploads.queue)}
-
     def metrics(self) -> dict[str, float]:
         """Files cut by reason, files and bytes uploaded, upload seconds and failed tries
         (running totals); the spool's bytes in memory and on disk, files open and queued,

@@ -234,7 +234,7 @@ def test_a_batch_looks_only_at_the_files_it_staged_to(
     monkeypatch.setattr(_tablespool.OpenFile, "size", counting)
     for b in range(2, 6):
         _commit(sink, b, [_record("T7", 1000 + b)])
-        assert sink.durable_batch() == 0 and sink.spool_usage()["uploads"] == 0
+        assert sink.durable_batch() == 0 and sink.metrics()["uploads_queued"] == 0
     assert set(sized) == {("T7", "")}  # not the 299 idle tables' files
     sink.flush()
     assert len(list(tmp_path.glob("T*/part-*"))) == 300

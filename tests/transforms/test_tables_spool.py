@@ -100,20 +100,23 @@ def test_slow_uploads_spill_to_disk_without_stalling_commits(root: str, tmp_path
         _commit(sink, b, _records(b, 60, tables=3))
         if b > 1:  # batch 1 writes the tables' schema files, synchronously (schema first)
             slowest = max(slowest, time.monotonic() - start)
-        usage = sink.spool_usage()
+        usage = sink.metrics()
         stage = sink._stage_dir
-        spilled = spilled or (usage["disk"] > 0 and stage is not None
+        spilled = spilled or (usage["spool_disk_bytes"] > 0 and stage is not None
                               and stage.startswith(str(tmp_path)) and any(os.scandir(stage)))
-        queued = max(queued, usage["uploads"])
-        assert usage["memory"] <= 64 * 1024 + 60 * 400  # high watermark + one batch's rows
+        queued = max(queued, int(usage["uploads_queued"]))
+        # high watermark + one batch's rows
+        assert usage["spool_memory_bytes"] <= 64 * 1024 + 60 * 400
     committed = time.monotonic() - t0
     assert spilled, "past the memory high watermark, staged rows spill to local disk"
     assert queued > 3  # uploads lag behind...
     assert slowest < LATENCY  # ...and no commit waited for one
-    assert committed < (queued + sink.spool_usage()["uploads"]) * LATENCY
+    assert committed < (queued + sink.metrics()["uploads_queued"]) * LATENCY
     assert sink.durable_batch() < 40  # what is only spooled is not durable
     sink.flush()
-    assert sink.spool_usage() == {"memory": 0, "disk": 0, "uploads": 0}
+    usage = sink.metrics()
+    assert (usage["spool_memory_bytes"], usage["spool_disk_bytes"], usage["uploads_queued"]) \
+        == (0, 0, 0)
     assert sink.durable_batch() == 40
     sink.close()
     assert not os.path.exists(stage)  # the spill directory is removed
