@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(only after confirming that run is gone)")
     run.add_argument("--strict", action="store_true",
                      help="refuse to resume stored progress made with another source "
-                     "(database, stream, start_at, end_at) instead of warning")
+                     "(database, stream, start_at, end_at) instead of warning; an "
+                     "earlier end_at is applied")
     run.add_argument("--set", dest="settings", action="append", type=_key_value, default=[],
                      metavar="KEY=VALUE", help="an engine or runner option, e.g. "
                      "max_batch_span=30s, gc_ttl=1h, workers=4 (repeatable)")

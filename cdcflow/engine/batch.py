@@ -373,6 +373,8 @@ class Batches:
 
     def _run_tasks(self, plan: BatchPlan, tasks: Sequence[bytes]) -> list[TaskResult]:
         """One result per task, in task order; raise RunnerContractError otherwise."""
+        if not tasks:
+            return []
         raw = self.runner.run_tasks(self._program, tasks)
         if len(raw) != len(tasks):
             msg = (

@@ -124,9 +124,11 @@ def plan_batch(
     partition (RUNNING or SCHEDULED, plus CREATED partitions that are ready) gets the
     slice ``[watermark, min(T, end))`` when that is non-empty. A ready partition moves to
     RUNNING only when it gets a slice; one that starts after ``T`` stays CREATED, so "its
-    children have started" keeps meaning that a reader began on them. A plan with no
-    slices means nothing can advance before the clock passes the low watermark; the
-    engine waits instead of writing it.
+    children have started" keeps meaning that a reader began on them. A partition whose
+    watermark has reached its end without finishing (its end was moved earlier,
+    :mod:`cdcflow.engine.resume`) moves to FINISHED with the plan. A plan with no slices
+    and no transitions means nothing can advance before the clock passes the low
+    watermark; the engine waits instead of writing it.
 
     Partitions in ``waiting`` (idle ones the engine reads less often) get no slice this
     batch; a ready CREATED partition always starts. At most ``max_snapshot_slices``
@@ -151,6 +153,10 @@ def plan_batch(
         if not starts_now and p.state not in (PartitionState.RUNNING, PartitionState.SCHEDULED):
             continue
         if not starts_now and p.token in waiting:
+            continue
+        if p.watermark >= p.end:
+            # Its end was moved before what it read (engine.resume): it is done, unread
+            transitions[p.token] = PartitionState.FINISHED
             continue
         end = min(batch_end, p.end)
         if p.watermark >= end:

@@ -55,6 +55,7 @@ from cdcflow.engine.lifecycle import (
 from cdcflow.engine.listener import EngineListener, RunSummary
 from cdcflow.engine.ownership import Ownership
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
+from cdcflow.engine.resume import resume_source
 from cdcflow.engine.runner import Runner
 from cdcflow.engine.snapshot import snapshot_partitions
 from cdcflow.engine.steps import BatchSteps
@@ -111,7 +112,8 @@ class RunOptions:
     confirming it is gone); ``lease_ttl``: how long this run's lease holds without a
     heartbeat (:mod:`cdcflow.engine.ownership`). ``strict``: refuse to resume stored
     progress made with another source definition (database, stream, start_at, end_at)
-    instead of warning.
+    instead of warning (an earlier end_at is applied all the same:
+    :mod:`cdcflow.engine.resume`).
     ``batch_retries`` / ``retry_backoff``: a batch whose tasks (or sink commits) failed with
     a transient error is run again up to this many times, after a fully jittered wait whose
     cap starts at ``retry_backoff`` and doubles (:class:`cdcflow.backoff.RetryPolicy`).
@@ -237,7 +239,7 @@ class Engine:
                         # The store keeps the batch id floor, so batch ids go on from before
                         # the reset and sinks that name output by batch id never reuse one.
                         self.store.reset(name)
-                    self._first_run(program)
+                    end_cap = self._first_run(program)
                     staged = StagedSinks(self.store, name, sinks, lambda: self._fence)
                     batches = Batches(
                         name=name, store=self.store, runner=self.runner,
@@ -245,7 +247,7 @@ class Engine:
                         retry=self._batch_retry,
                         # Read once; from here on the view applies what this run writes (it
                         # owns the pipeline), so a batch reads nothing from the store.
-                        view=PartitionView(self.store, name), idle=idle, steps=steps,
+                        view=PartitionView(self.store, name, end_cap), idle=idle, steps=steps,
                         staged=staged, sinks=sinks, program_bytes=program_bytes,
                         span_ns=int(opts.max_batch_span * _NS), gc_ttl_ns=int(opts.gc_ttl * _NS),
                         snapshot_slices=program.source.snapshot_tasks_per_batch,
@@ -291,16 +293,15 @@ class Engine:
         assert isinstance(sink, Sink)
         return sink
 
-    def _first_run(self, program: TaskProgram) -> None:
+    def _first_run(self, program: TaskProgram) -> int | None:
+        """Start the pipeline's progress, or check the source it resumes with; returns the
+        end every partition is held to (:func:`cdcflow.engine.resume.end_cap`)."""
         name = self.pipeline.name
         definition = json.dumps(program.source.definition(), sort_keys=True)
-        if self.store.partitions(name) or self.store.pending_plan(name) is not None:
-            stored = self.store.source(name)
-            if stored is None:  # progress from before sources were stored
-                self.store.set_source(name, definition)
-            elif stored != definition:
-                self._source_changed(json.loads(stored), program.source.definition())
-            return
+        stored_parts = self.store.partitions(name)
+        if stored_parts or self.store.pending_plan(name) is not None:
+            return resume_source(self.store, name, program.source.definition(),
+                                 strict=self.options.strict, partitions=stored_parts)
         now = self._clock()
         start, end = program.source.start_ns(now), program.source.end_ns(now)
         if start >= end:
@@ -322,23 +323,7 @@ class Engine:
         self.store.set_source(name, definition)
         _log.info("pipeline %s starts reading at %s%s", name, Timestamp.from_ns(start),
                   f" after a snapshot of {len(snapshots)} tables" if snapshots else "")
-
-    def _source_changed(self, stored: dict[str, Any], now: dict[str, Any]) -> None:
-        changes = ", ".join(
-            f"{key} {stored.get(key)!r} -> {now.get(key)!r}"
-            for key in sorted(set(stored) | set(now)) if stored.get(key) != now.get(key)
-        )
-        msg = (
-            f"pipeline {self.pipeline.name!r}: its source changed since its stored progress "
-            f"began ({changes}); "
-        )
-        if self.options.strict:
-            msg += "run with --reset to start over with the new source, or undo the change"
-            raise PipelineDefinitionError(msg)
-        _log.warning(
-            "%sresuming the stored progress; run with --reset to start over with the new "
-            "source (--strict refuses instead)", msg,
-        )
+        return None
 
     def _loop(self, run: Batches) -> RunSummary:
         name, opts = self.pipeline.name, self.options
@@ -387,9 +372,11 @@ class Engine:
                 waiting = run.idle.waiting(parts, now)
                 plan, transitions = plan_batch(parts, now, span, next_id, waiting,
                                                run.snapshot_slices)
-                if not plan.slices:
+                if not plan.slices and not transitions:
                     # Nothing can advance yet: the clock has not passed the low watermark,
-                    # or every partition is idle and waiting for its next read.
+                    # or every partition is idle and waiting for its next read. (A plan
+                    # with transitions only finishes partitions: it runs as a batch with
+                    # no task, so that they finish the way every partition does.)
                     wait = (low_watermark(parts) - now) / _NS
                     self._wait(min(max(wait, 0.01), max(opts.batch_interval, 0.01)), deadline)
                     continue

@@ -35,11 +35,18 @@ _NS = 1_000_000_000
 
 class PartitionView:
     """The stored partitions of ``pipeline``, read once and then kept in step with what the
-    engine writes (:meth:`planned`, :meth:`committed`, :meth:`deleted`)."""
+    engine writes (:meth:`planned`, :meth:`committed`, :meth:`deleted`).
 
-    def __init__(self, store: MetadataStore, pipeline: str) -> None:
+    With ``end`` (an end_at moved earlier on stored progress, :mod:`cdcflow.engine.resume`)
+    no partition ends after it: a stored partition's end is lowered to it as it is read,
+    and the children of such a partition inherit it."""
+
+    def __init__(self, store: MetadataStore, pipeline: str, end: int | None = None) -> None:
         self._pipeline = pipeline
-        self._parts = {p.token: p for p in store.partitions(pipeline)}
+        parts = store.partitions(pipeline)
+        if end is not None:
+            parts = [attrs.evolve(p, end=end) if p.end > end else p for p in parts]
+        self._parts = {p.token: p for p in parts}
 
     def __len__(self) -> int:
         return len(self._parts)

@@ -1,0 +1,147 @@
+"""Resuming stored progress with another source definition: an earlier end_at is applied
+(every partition, and every child after it, ends there), anything else warns or, with
+``strict``, refuses."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.listener import RunSummary
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.resume import end_cap
+from cdcflow.engine.runner import Runner
+from cdcflow.errors import PipelineDefinitionError
+from cdcflow.metadata import MemoryStore, SQLiteStore
+from cdcflow.metadata.base import MetadataStore
+from cdcflow.model import DataChangeRecord, PartitionState, Timestamp
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.testing import ScriptedChangeStream
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+NAME = "resumed"
+
+
+def _stream() -> ScriptedChangeStream:
+    """40 inserts 250 ms apart over 10 s; partition p0 splits at 2.5 s, its children merge
+    back at 6.5 s (children inherit their parent's end)."""
+    s = ScriptedChangeStream("S", partitions=2, origin=T0)
+    s.split("p0", at=T0 + 5 * S // 2)
+    s.merge(["p0.0", "p0.1"], at=T0 + 13 * S // 2)
+    for i in range(40):
+        s.write("T", i, "INSERT", {"v": i}, at=T0 + (i + 1) * S // 4)
+    return s
+
+
+def _run(
+    stream: ScriptedChangeStream, sink: cf.Collect[DataChangeRecord], store: MetadataStore,
+    end_at: Any, runner: Runner | None = None, **options: Any,
+) -> RunSummary:
+    p = cf.Pipeline(NAME)
+    p | cf.DetectPartitions(stream="S", start_at=T0, end_at=end_at, client=stream) | \
+        cf.ReadPartition() | sink
+    # a run that should end by itself but does not fails (reason "duration"), never hangs
+    opts = RunOptions(**{"batch_interval": 0, "max_batch_span": 1.0, "duration": 30.0,
+                         **options})
+    return Engine(p, store, runner or InMemoryRunner(workers=2), opts).run()
+
+
+def _keys(records: list[DataChangeRecord]) -> list[tuple[int, str, str, str]]:
+    return sorted((r.commit_timestamp.ns, r.server_transaction_id, r.partition_token,
+                   r.record_sequence) for r in records)
+
+
+def test_an_earlier_end_at_is_applied_on_resume(runner: Runner, tmp_path: Path) -> None:
+    stream, sink = _stream(), cf.Collect[DataChangeRecord]()
+    store = SQLiteStore(tmp_path / "state.db")
+    first = _run(stream, sink, store, None, runner, max_batches=2)
+    assert first.reason == "max batches"
+    read_first = len(sink.items)
+    assert read_first < len(stream.expected_records(T0, T0 + 5 * S + 1))  # stopped short
+    store.close()
+
+    store = SQLiteStore(tmp_path / "state.db")  # a new run: the change is stored
+    end = Timestamp.from_ns(T0 + 5 * S)
+    second = _run(stream, sink, store, end.rfc3339(), runner)
+    assert second.reason == "end reached"
+    # every change up to end_at (inclusive) exactly once, none after it
+    assert _keys(sink.items) == _keys(stream.expected_records(T0, T0 + 5 * S + 1))
+    assert all(p.state == PartitionState.FINISHED for p in store.partitions(NAME))
+
+    # The applied end_at is the stored definition now: the same run again has nothing to do
+    again = _run(stream, sink, store, end.rfc3339(), runner)
+    assert again.reason == "end reached" and again.batches == 0
+    store.close()
+
+
+def test_an_end_at_before_what_was_read_finishes_every_partition(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stream, sink, store = _stream(), cf.Collect[DataChangeRecord](), MemoryStore()
+    _run(stream, sink, store, T0 + 9 * S, max_batches=7)
+    read = _keys(sink.items)
+    reached = max(p.watermark for p in store.partitions(NAME))
+    assert reached > T0 + 3 * S
+    with caplog.at_level(logging.INFO, logger="cdcflow.engine"):
+        summary = _run(stream, sink, store, T0 + 3 * S)
+    assert summary.reason == "end reached"
+    assert _keys(sink.items) == read  # nothing more, nothing taken back
+    assert all(p.state == PartitionState.FINISHED for p in store.partitions(NAME))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("end_at is now" in m for m in messages)
+    assert any("past the new end_at" in m and "stays delivered" in m for m in messages)
+    assert not any("source changed" in m for m in messages)
+
+
+@pytest.mark.parametrize("later", [T0 + 8 * S, None, "-1s"])
+def test_a_later_or_relative_end_at_is_not_applied(
+    later: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    stream, sink, store = _stream(), cf.Collect[DataChangeRecord](), MemoryStore()
+    _run(stream, sink, store, T0 + 4 * S)
+    done = _keys(sink.items)
+    assert done == _keys(stream.expected_records(T0, T0 + 4 * S + 1))
+    with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):
+        summary = _run(stream, sink, store, later)
+    # the stored end holds: the run ends at once with the output it had
+    assert summary.reason == "end reached" and _keys(sink.items) == done
+    warned = [r.getMessage() for r in caplog.records if "source changed" in r.getMessage()]
+    assert len(warned) == 1
+    assert "end_at can only move earlier, to an absolute time" in warned[0]
+    assert "--reset" in warned[0]
+    with pytest.raises(PipelineDefinitionError, match="end_at can only move earlier"):
+        _run(stream, sink, store, later, strict=True)
+
+
+def test_strict_applies_an_earlier_end_at() -> None:
+    stream, sink, store = _stream(), cf.Collect[DataChangeRecord](), MemoryStore()
+    _run(stream, sink, store, None, max_batches=1)
+    summary = _run(stream, sink, store, T0 + 2 * S, strict=True)
+    assert summary.reason == "end reached"
+    assert _keys(sink.items) == _keys(stream.expected_records(T0, T0 + 2 * S + 1))
+
+
+def test_a_change_besides_end_at_still_warns(caplog: pytest.LogCaptureFixture) -> None:
+    stream, sink, store = _stream(), cf.Collect[DataChangeRecord](), MemoryStore()
+    _run(stream, sink, store, None, max_batches=1)
+    p = cf.Pipeline(NAME)
+    p | cf.DetectPartitions(stream="S", start_at=T0 + S, end_at=T0 + 2 * S, client=stream) | \
+        cf.ReadPartition() | sink
+    with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):
+        Engine(p, store, InMemoryRunner(), RunOptions(batch_interval=0, max_batches=1)).run()
+    warned = [r.getMessage() for r in caplog.records if "source changed" in r.getMessage()]
+    assert len(warned) == 1 and "start_at" in warned[0] and "end_at" in warned[0]
+
+
+@pytest.mark.parametrize(("end_at", "cap"), [
+    (None, None), ("now", None), ("-10m", None), ("1700000000000000000", T0 + 1),
+    ("2023-11-14T22:13:20Z", T0 + 1), ("2023-11-14T22:13:20", T0 + 1),
+    ("2023-11-14T22:13:20+00:00", T0 + 1),
+])
+def test_end_cap_of_a_definition(end_at: str | None, cap: int | None) -> None:
+    assert end_cap({"end_at": end_at}) == cap
