@@ -298,7 +298,7 @@ class SparkRunner:
         for key, value in settings.items():
             builder = builder.config(key, value)
         began = time.monotonic()
-        self._session = builder.getOrCreate()
+        self._session = _start_session(builder)
         self._owns_session = True
         if _is_local(self._session.sparkContext.master):
             self._session.sparkContext.setLogLevel("ERROR")
@@ -475,3 +475,24 @@ def _extra_python_paths() -> list[str]:
             continue
         extra.append(path)
     return extra
+
+
+#: How often a Spark JVM launcher that died at start is started again.
+_LAUNCH_ATTEMPTS = 3
+
+
+def _start_session(builder: Any) -> Any:
+    """``builder.getOrCreate()``, again (up to :data:`_LAUNCH_ATTEMPTS` times) when the JVM
+    launcher died before it gave its port. PySpark forks that launcher and runs Python in
+    the child before it execs; in a process whose gRPC clients (a Spanner store, a
+    change-stream check) already run threads, the child now and then dies right there.
+    Nothing was started, so starting again is safe."""
+    for attempt in range(1, _LAUNCH_ATTEMPTS):
+        try:
+            return builder.getOrCreate()
+        except Exception as exc:
+            if "JAVA_GATEWAY_EXITED" not in str(exc):
+                raise
+            _log.warning("the Spark JVM launcher exited at start (attempt %d of %d); "
+                         "starting it again", attempt, _LAUNCH_ATTEMPTS)
+    return builder.getOrCreate()

@@ -382,3 +382,35 @@ def test_a_local_cluster_run_killed_mid_run_then_resumed_gives_the_same_files(
     assert second.returncode == 0, second.stderr[-3000:]
     assert committed_files(out) == expected
     assert len(expected) > 20
+
+
+def test_a_jvm_launcher_that_dies_at_start_is_started_again(tmp_path: Path) -> None:
+    """PySpark starts ``$SPARK_HOME/bin/spark-submit``; here it dies once (SIGABRT, as a
+    forked launcher now and then does in a process running gRPC threads) before it execs
+    the real one. The session starts all the same, with a warning."""
+    real = Path(__import__("pyspark").__file__).parent
+    home = tmp_path / "spark-home"
+    home.mkdir()
+    for entry in real.iterdir():
+        if entry.name != "bin":
+            (home / entry.name).symlink_to(entry)
+    (home / "bin").mkdir()
+    for entry in (real / "bin").iterdir():
+        if entry.name != "spark-submit":
+            (home / "bin" / entry.name).symlink_to(entry)
+    flag = tmp_path / "died"
+    launcher = home / "bin" / "spark-submit"
+    launcher.write_text(f"#!/bin/sh\nif [ ! -e {flag} ]; then touch {flag}; kill -ABRT $$; fi\n"
+                        f'exec {real / "bin" / "spark-submit"} "$@"\n')
+    launcher.chmod(0o755)
+    script = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+              "from cdcflow.spark.runner import SparkRunner\n"
+              "r = SparkRunner('local[1]'); r.open('relaunch')\n"
+              "print('sum', r.session.sparkContext.parallelize(range(10)).sum())\n"
+              "r.close()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "SPARK_HOME": str(home)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert flag.exists()  # the first launcher did die
+    assert "sum 45" in done.stdout
+    assert "the Spark JVM launcher exited at start (attempt 1 of 3)" in done.stderr
