@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from cdcflow.engine.lifecycle import all_finished, count_states, low_watermark
 from cdcflow.engine.ownership import owner_gone
+from cdcflow.engine.resume import stored_partitions, stored_source
 from cdcflow.errors import UserInputError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import (
@@ -103,11 +104,14 @@ def _run_text(run: dict[str, Any] | None, now_ns: int) -> str:
 
 
 def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> list[str]:
-    parts = store.partitions(name)
+    parts = stored_partitions(store, name)
     counts = {state: n for state, n in count_states(parts).items() if n}
     low = low_watermark(parts)
     out = [f"pipeline {name}"]
     out.append(f"  run            {_run_text(_run_doc(store.lease(name), now_ns), now_ns)}")
+    source = stored_source(store, name)
+    if source is not None:
+        out.append(f"  source         {_source_text(source)}")
     if not parts:
         out.append("  no partitions yet (the first batch has not been planned)")
     elif all_finished(parts):
@@ -151,6 +155,16 @@ def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> l
         out += _table(["BATCH", "END", "SLICES", "RECORDS", "PLANNED", "TOOK", "PLAN", "READ",
                        "SINKS", "RETRIED", "SKIPPED", "DEAD"], rows)
     return out
+
+
+def _source_text(source: Mapping[str, Any]) -> str:
+    """``stream S of DB, from START to END`` (a definition's times as given)."""
+    end = source.get("end_at")
+    text = (f"stream {source.get('stream')} of {source.get('database')}, from "
+            f"{source.get('start_at')} to {end if end is not None else 'no end'}")
+    if source.get("snapshot"):
+        text += f", after a snapshot of {source['snapshot']}"
+    return text
 
 
 #: The phases of a batch the batch log times (the store commit is not known to itself).
@@ -261,7 +275,7 @@ def _partition_doc(p: PartitionMetadata, now_ns: int, stuck: bool = False) -> di
 def _pipeline_doc(
     store: MetadataStore, name: str, batches: int, now_ns: int, stuck_after: float | None,
 ) -> dict[str, Any]:
-    parts = store.partitions(name)
+    parts = stored_partitions(store, name)
     stuck = _held(store, name, parts, now_ns, stuck_after)
     low = low_watermark(parts) if parts else None
     done = all_finished(parts)
@@ -287,6 +301,7 @@ def _pipeline_doc(
     return {
         "name": name,
         "run": _run_doc(store.lease(name), now_ns),
+        "source": stored_source(store, name),
         "low_watermark": _iso(low),
         "low_watermark_ns": low,
         "lag_seconds": None if low is None else 0.0 if done else _lag_s(low, now_ns),
@@ -312,7 +327,8 @@ def status_document(
     """What :func:`render_status` shows, as plain data (``json.dumps`` takes it).
 
     ``{"store", "now", "pipelines": [{"name", "run" ({"alive", "owner", "run_id", "since",
-    "heartbeat", "expires"}; None: never run), "low_watermark",
+    "heartbeat", "expires"}; None: never run), "source" (the stored source definition:
+    {"database", "stream", "start_at", "end_at", ...} as given; None: none stored), "low_watermark",
     "low_watermark_ns", "lag_seconds", "finished", "partitions_by_state", "partitions":
     [{"token", "state", "watermark", "watermark_ns", "lag_seconds", "stuck", "start", "end",
     "parents", ...}], "stuck_partitions" (tokens), "pending_batch", "recent_batches":
@@ -411,7 +427,7 @@ def render_lineage(
         ) if names else f"no pipelines in {store.url} yet: run one first"
         raise UserInputError(msg)
     name = names[0]
-    parts = store.partitions(name)
+    parts = stored_partitions(store, name)
     ids = {p.token: f"p{i}" for i, p in enumerate(parts)}
     out = [f"digraph {_dot_quote(name)} {{", "  rankdir=LR;",
            "  node [shape=box, style=filled, fontname=Helvetica, fontsize=10];"]

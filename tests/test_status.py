@@ -134,6 +134,30 @@ def test_document_and_text_at_a_fixed_time(store_url: str) -> None:
         store.close()
 
 
+def test_the_source_and_an_end_at_applied_on_resume(tmp_path: Path) -> None:
+    """Status shows the source a pipeline goes on with, and partition ends as its runs see
+    them: after an earlier end_at was applied, a stored partition's end is the new one."""
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    _pipeline("live", T0 + 3600 * S).run("memory", url, batch_interval=0,
+                                         max_batch_span="100ms", max_batches=3)
+    end = T0 + 2 * S
+    # applied: the run goes on to the new end_at (the pipeline stops after one batch)
+    _pipeline("live", end).run("memory", url, batch_interval=0, max_batch_span="100ms",
+                               max_batches=1)
+    store = open_store(url)
+    try:
+        assert any(p.end > end + 1 for p in store.partitions("live"))  # stored as they were
+        (live,) = status_document(store, "live", now_ns=NOW)["pipelines"]
+        assert live["source"]["end_at"] == str(end)
+        ends = {p["end"] for p in live["partitions"] if p["state"] != "FINISHED"}
+        assert ends == {Timestamp.from_ns(end + 1).rfc3339()}
+        text = render_status(store, "live", now_ns=NOW)
+        assert f"source         stream Orders of <ScriptedChangeStream>, from {T0} to {end}" \
+            in text
+    finally:
+        store.close()
+
+
 def test_lineage_shows_the_split_and_the_merge(store_url: str) -> None:
     result = cdcflow("status", "--metadata", store_url, "--pipeline", "done", "--lineage", "dot")
     assert result.returncode == 0, result.stderr

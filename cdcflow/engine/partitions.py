@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from cdcflow.engine.lifecycle import BatchOutcome
+from cdcflow.engine.resume import capped
 from cdcflow.engine.runner import TaskResult
 from cdcflow.metadata import _rules
 from cdcflow.metadata.base import MetadataStore
@@ -43,10 +44,7 @@ class PartitionView:
 
     def __init__(self, store: MetadataStore, pipeline: str, end: int | None = None) -> None:
         self._pipeline = pipeline
-        parts = store.partitions(pipeline)
-        if end is not None:
-            parts = [attrs.evolve(p, end=end) if p.end > end else p for p in parts]
-        self._parts = {p.token: p for p in parts}
+        self._parts = {p.token: p for p in capped(store.partitions(pipeline), end)}
 
     def __len__(self) -> int:
         return len(self._parts)

@@ -20,12 +20,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from cdcflow.durations import parse_time
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import MAX_NS, PartitionMetadata, Timestamp
 
-__all__ = ["end_cap", "resume_source"]
+__all__ = ["capped", "end_cap", "resume_source", "stored_partitions", "stored_source"]
 
 _log = logging.getLogger("cdcflow.engine")
 
@@ -48,6 +50,27 @@ def end_cap(definition: Definition) -> int | None:
     when that is absolute, else None (the partitions carry the end they began with)."""
     at = _absolute_ns(definition.get("end_at"))
     return None if at is None else at + 1
+
+
+def capped(partitions: Sequence[PartitionMetadata], end: int | None) -> list[PartitionMetadata]:
+    """``partitions`` with every end after ``end`` lowered to it (None: as they are)."""
+    if end is None:
+        return list(partitions)
+    return [attrs.evolve(p, end=end) if p.end > end else p for p in partitions]
+
+
+def stored_source(store: MetadataStore, pipeline: str) -> dict[str, Any] | None:
+    """The source definition ``pipeline``'s stored progress goes on with (None: none
+    stored)."""
+    text = store.source(pipeline)
+    return None if text is None else dict(json.loads(text))
+
+
+def stored_partitions(store: MetadataStore, pipeline: str) -> list[PartitionMetadata]:
+    """``pipeline``'s stored partitions as its runs see them: ends lowered to an end_at
+    applied on resume (what :class:`~cdcflow.engine.partitions.PartitionView` holds)."""
+    source = stored_source(store, pipeline)
+    return capped(store.partitions(pipeline), None if source is None else end_cap(source))
 
 
 def resume_source(
