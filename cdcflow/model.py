@@ -192,6 +192,53 @@ class Timestamp(datetime):
     def now(cls, tz: Any = None) -> Timestamp:
         return cls.from_datetime(datetime.now(UTC))
 
+    # datetime's own methods build their results at microsecond precision, and replace()
+    # builds one without __new__ (its slots unset): these keep the nanoseconds.
+
+    def replace(self, *args: Any, **kwargs: Any) -> datetime:  # type: ignore[override]
+        """``datetime.replace``, keeping :attr:`nanosecond` (or taking ``nanosecond=``); a
+        Timestamp, or a plain datetime when ``tzinfo=None`` makes it naive."""
+        nanosecond = kwargs.pop("nanosecond", self._nanosecond)
+        value = datetime(self.year, self.month, self.day, self.hour, self.minute, self.second,
+                         self.microsecond, self.tzinfo, fold=self.fold).replace(*args, **kwargs)
+        if value.tzinfo is None:
+            return value
+        return Timestamp(value.year, value.month, value.day, value.hour, value.minute,
+                         value.second, value.microsecond, value.tzinfo, fold=value.fold,
+                         nanosecond=nanosecond)
+
+    def astimezone(self, tz: Any = None) -> Timestamp:
+        """``datetime.astimezone``, keeping :attr:`nanosecond`."""
+        value = datetime.astimezone(self, tz)
+        if type(value) is not Timestamp:  # a tzinfo whose fromutc() made another type
+            return Timestamp.from_datetime(value)
+        value._nanosecond = self._nanosecond
+        value._ns = None
+        value._text = None
+        return value
+
+    def __add__(self, other: Any) -> Timestamp:
+        if isinstance(other, timedelta):
+            return Timestamp.from_ns(self.ns + _timedelta_ns(other))
+        return NotImplemented
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> Any:
+        if isinstance(other, timedelta):
+            return Timestamp.from_ns(self.ns - _timedelta_ns(other))
+        return datetime.__sub__(self, other)  # datetime - datetime: a timedelta (in µs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when a slot is unset: an instance some other datetime method made
+        # without __new__. It has no nanoseconds; the caches start empty.
+        if name in ("_nanosecond", "_ns", "_text"):
+            value = 0 if name == "_nanosecond" else None
+            object.__setattr__(self, name, value)
+            return value
+        msg = f"'Timestamp' object has no attribute {name!r}"
+        raise AttributeError(msg)
+
     def rfc3339(self) -> str:
         """RFC 3339 text in UTC with nine fractional digits, e.g.
         ``2024-05-01T12:00:00.123456789Z``."""
@@ -259,6 +306,10 @@ class Timestamp(datetime):
         # equal Timestamps share the instant and the nanosecond, so their hashes agree.
         base = datetime.__hash__(self)
         return hash((base, self._nanosecond)) if self._nanosecond else base
+
+
+def _timedelta_ns(value: timedelta) -> int:
+    return ((value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds) * 1000
 
 
 def _ts(value: Any) -> Timestamp:

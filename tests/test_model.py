@@ -181,6 +181,38 @@ def test_pickle_and_copy_keep_the_nanoseconds(ts: Timestamp) -> None:
         assert other == ts and other.ns == ts.ns and hash(other) == hash(ts)
 
 
+_deltas = st.timedeltas(min_value=timedelta(days=-3650), max_value=timedelta(days=3650))
+
+
+@given(_near_ns, _zone, _deltas)
+def test_datetime_methods_keep_the_nanoseconds(ns: int, tz: timezone, delta: timedelta) -> None:
+    ts = _timestamp_in(ns, tz)
+    step = ((delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000
+    for moved in (ts + delta, delta + ts):
+        assert type(moved) is Timestamp and moved.ns == ns + step
+    later = ts - delta
+    assert type(later) is Timestamp and later.ns == ns - step
+    assert ts - _plain(ns - ns % 1000, UTC) == timedelta(0)  # datetime - datetime: µs
+    for zone in (UTC, *_ZONES):
+        there = ts.astimezone(zone)
+        assert type(there) is Timestamp and there.ns == ns and there.utcoffset() == \
+            zone.utcoffset(None)
+    year = ts.replace(year=2020)
+    assert type(year) is Timestamp and year.nanosecond == ts.nanosecond and year.year == 2020
+    assert ts.replace(nanosecond=7).ns == ns - ns % 1000 + 7
+    naive = ts.replace(tzinfo=None)
+    assert type(naive) is datetime and naive.tzinfo is None
+
+
+def test_an_instance_made_without_new_reads_as_no_nanoseconds() -> None:
+    """datetime's C constructors can make a Timestamp without __new__ (slots unset)."""
+    bare = datetime.__new__(Timestamp, 2024, 5, 1, 12, 0, 0, 5, UTC)
+    assert bare.nanosecond == 0 and bare.ns == _BASE_NS + 5000
+    assert bare.rfc3339() == "2024-05-01T12:00:00.000005000Z"
+    with pytest.raises(AttributeError, match="no attribute 'other'"):
+        _ = bare.other  # type: ignore[attr-defined]
+
+
 @given(st.one_of(st.builds(Timestamp.from_ns, _any_ns), _timestamps))
 def test_parse_reads_back_rfc3339(ts: Timestamp) -> None:
     text = ts.rfc3339()
