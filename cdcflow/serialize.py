@@ -125,16 +125,19 @@ def to_json_dict(element: Any) -> dict[str, Any]:
 #: bytes, sets, attrs instances, ...): converted by :func:`_default` with the rules above.
 _OPTIONS = (orjson.OPT_APPEND_NEWLINE | orjson.OPT_PASSTHROUGH_DATETIME
             | orjson.OPT_PASSTHROUGH_DATACLASS)
-_DEFAULTS: dict[type, Any] = {Timestamp: Timestamp.rfc3339, Decimal: str}
 
 
-def _default(value: Any) -> Any:
-    convert = _DEFAULTS.get(type(value))
-    if convert is not None:
-        return convert(value)
-    if attrs.has(type(value)):
+def _default(value: Any, str_: type = str) -> Any:
+    kind = type(value)
+    # The two that every change record holds, first and without a call each: a
+    # Timestamp's text is usually cached already (decoders set it from the wire)
+    if kind is Timestamp:
+        return value._text or value.rfc3339()
+    if kind is Decimal:
+        return str_(value)
+    if attrs.has(kind):
         # its fields as they are: orjson writes them, calling back here for what it cannot
-        return {name: getattr(value, name) for name in _field_names(type(value))}
+        return {name: getattr(value, name) for name in _field_names(kind)}
     return to_json_value(value)
 
 

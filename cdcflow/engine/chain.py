@@ -113,7 +113,7 @@ class Chain:
             for label in self._nodes
         }
         self._processes: dict[str, Callable[[Any], Sequence[Any]]] = {
-            label: functools.partial(_process, node)
+            label: functools.partial(_process, node.fn.process)
             for label, node in self._nodes.items() if isinstance(node, ParDo)
         }
         self._count_lock = threading.Lock()
@@ -138,7 +138,8 @@ class Chain:
     def push(self, record: DataChangeRecord, position: int, size: int) -> None:
         """Run ``record`` (``size`` bytes, :func:`approx_size`) through the chain; blocks
         while the process's byte quota is used up."""
-        self._start()
+        if not self._started:
+            self._start()
         self._wait_for_quota(size)
         if self._bundle_size > 1:
             self._bundle.append((record, position, size))
@@ -279,27 +280,37 @@ class Chain:
         out: list[Delivery] = []
         if counts is None:
             counts = {}
-
-        def visit(label: str, element: Any) -> None:
-            if label in self._ends:  # a sink, or a step the engine folds on the driver
-                out.append((label, element))
-                return
-            key_in, key_out, _ = self._counter_keys[label]
-            counts[key_in] = counts.get(key_in, 0) + 1
-            outputs = self._guarded(label, record, element, self._processes[label], element)
-            if isinstance(outputs, _Skipped):
-                if self._program.dead_letter_label is not None:
-                    out.append((self._program.dead_letter_label,
-                                self._failed(label, record, element, outputs)))
-                return
-            counts[key_out] = counts.get(key_out, 0) + len(outputs)
-            for value in outputs:
-                for nxt in self._succ[label]:
-                    visit(nxt, value)
-
+        visit = self._visit
         for label in self._succ[self._program.read_label]:
-            visit(label, record)
+            visit(label, record, record, counts, out)
         return _Evaluated(out, counts)
+
+    def _visit(
+        self, label: str, element: Any, record: DataChangeRecord, counts: dict[str, int],
+        out: list[Delivery],
+    ) -> None:
+        """:meth:`_evaluate` of ``element`` from step ``label`` on (a method, not a closure
+        made per record: this runs for every element)."""
+        if label in self._ends:  # a sink, or a step the engine folds on the driver
+            out.append((label, element))
+            return
+        key_in, key_out, _ = self._counter_keys[label]
+        counts[key_in] = counts.get(key_in, 0) + 1
+        process = self._processes[label]
+        try:  # _guarded, inline: its first attempt is the usual case
+            outputs = process(element)
+        except Exception as exc:
+            outputs = self._failing(label, record, element, process, element, exc)
+        if isinstance(outputs, _Skipped):
+            if self._program.dead_letter_label is not None:
+                out.append((self._program.dead_letter_label,
+                            self._failed(label, record, element, outputs)))
+            return
+        counts[key_out] = counts.get(key_out, 0) + len(outputs)
+        successors = self._succ[label]
+        for value in outputs:
+            for nxt in successors:
+                self._visit(nxt, value, record, counts, out)
 
     def _evaluate_bundle(self, records: list[DataChangeRecord]) -> list[_Evaluated]:
         """:meth:`_evaluate` of each of ``records``, run node by node so that a bundling
@@ -403,7 +414,11 @@ class Chain:
                 writer.write(element)  # a failing dead-letter sink fails the task
                 counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
                 continue
-            done = self._guarded(label, record, element, writer.write, element)
+            try:  # _guarded, inline: its first attempt is the usual case
+                writer.write(element)
+                continue
+            except Exception as exc:
+                done = self._failing(label, record, element, writer.write, element, exc)
             if isinstance(done, _Skipped) and dead is not None and (
                 wanted is None or dead in wanted
             ):
@@ -415,9 +430,22 @@ class Chain:
         argument: Any,
     ) -> Any:
         """``call(argument)`` under the error policy: its value, or _Skipped when skipped."""
+        try:
+            return call(argument)  # the usual case, without the policy's loop
+        except Exception as exc:
+            return self._failing(label, record, element, call, argument, exc)
+
+    def _failing(
+        self, label: str, record: DataChangeRecord, element: Any, call: Callable[[Any], Any],
+        argument: Any, first: Exception,
+    ) -> Any:
+        """:meth:`_guarded` once ``call(argument)`` raised ``first``."""
         failed = 0
+        error: Exception | None = first
         while True:
             try:
+                if error is not None:
+                    raise error
                 return call(argument)
             except SinkIOError:
                 raise  # the sink's storage failed, not the element: the batch is retried
@@ -431,6 +459,7 @@ class Chain:
                     time.sleep(decision.after)
                     with self._count_lock:
                         self._retries += 1
+                    error = None
                     continue
                 where = (
                     f"{label!r} failed on a change of partition {token} "
@@ -556,9 +585,9 @@ def _origin(record: Any) -> tuple[str, Any]:
     return getattr(record, "partition_token", ""), getattr(record, "commit_timestamp", None)
 
 
-def _process(node: ParDo[Any, Any] | Sink[Any, Any], element: Any) -> Sequence[Any]:
-    assert isinstance(node, ParDo)
-    produced = node.fn.process(element)
+def _process(process: Callable[[Any], Any], element: Any) -> Sequence[Any]:
+    """What a DoFn's ``process`` gave for ``element``, as a sequence."""
+    produced = process(element)
     if type(produced) is tuple or type(produced) is list:  # Map's, Filter's: as they are
         return produced
     return [] if produced is None else list(produced)
