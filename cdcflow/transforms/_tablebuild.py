@@ -46,6 +46,7 @@ NO_BEFORE = frozenset({"INSERT", "SNAPSHOT"})
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _SUB = datetime.__sub__
 _TS = pa.timestamp("ns", tz="UTC")
+_NS = attrgetter("ns")  # Timestamp.ns; AttributeError for a datetime or text
 _SNAPSHOT = attrgetter("is_snapshot")
 
 
@@ -121,6 +122,10 @@ def full_ops(captures: set[str]) -> frozenset[str]:
 
 def timestamps(values: list[Any]) -> pa.Array:
     """Timestamps (Timestamp, datetime, RFC 3339 text or None) as timestamp[ns, UTC]."""
+    try:  # the usual case, Timestamps only (the decoder's): their cached nanoseconds
+        return pa.array([None if v is None else _NS(v) for v in values], pa.int64()).cast(_TS)
+    except (AttributeError, TypeError):
+        pass  # a datetime or text among them (Timestamp.ns reads slots they lack)
     try:
         micros = pa.array([None if v is None else _SUB(v, _EPOCH) for v in values],
                           pa.duration("us")).cast(pa.int64())
