@@ -9,7 +9,7 @@ from datetime import datetime
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import Timestamp
 
-__all__ = ["parse_duration", "parse_size", "parse_time"]
+__all__ = ["is_relative_time", "parse_duration", "parse_size", "parse_time"]
 
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -34,6 +34,14 @@ def parse_duration(text: str | float | int) -> float:
         msg = f"not a duration: {text!r}; write e.g. 250ms, 1s, 5m or 1h30m"
         raise ValueError(msg)
     return total
+
+
+def is_relative_time(value: str | datetime | int) -> bool:
+    """Whether :func:`parse_time` reads ``value`` relative to now (``"now"``, ``"-10m"``)."""
+    if not isinstance(value, str):
+        return False
+    s = value.strip()
+    return s.lower() == "now" or s.startswith("-")
 
 
 def parse_time(value: str | datetime | int, now_ns: int | None = None) -> int:

@@ -44,6 +44,7 @@ import cloudpickle
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.dag import Dag
+from cdcflow.durations import is_relative_time
 from cdcflow.engine.batch import Batches
 from cdcflow.engine.durability import StagedSinks
 from cdcflow.engine.lifecycle import (
@@ -299,10 +300,13 @@ class Engine:
         name = self.pipeline.name
         definition = json.dumps(program.source.definition(), sort_keys=True)
         stored_parts = self.store.partitions(name)
-        if stored_parts or self.store.pending_plan(name) is not None:
-            return resume_source(self.store, name, program.source.definition(),
-                                 strict=self.options.strict, partitions=stored_parts)
         now = self._clock()
+        if stored_parts or self.store.pending_plan(name) is not None:
+            source = program.source
+            absolute = source.end_at is not None and not is_relative_time(source.end_at)
+            return resume_source(self.store, name, source.definition(),
+                                 source.end_ns(now) if absolute else None,
+                                 strict=self.options.strict, partitions=stored_parts)
         start, end = program.source.start_ns(now), program.source.end_ns(now)
         if start >= end:
             msg = (
