@@ -104,12 +104,12 @@ def _run_text(run: dict[str, Any] | None, now_ns: int) -> str:
 
 
 def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> list[str]:
-    parts = stored_partitions(store, name)
+    source = stored_source(store, name)
+    parts = stored_partitions(store, name, source)
     counts = {state: n for state, n in count_states(parts).items() if n}
     low = low_watermark(parts)
     out = [f"pipeline {name}"]
     out.append(f"  run            {_run_text(_run_doc(store.lease(name), now_ns), now_ns)}")
-    source = stored_source(store, name)
     if source is not None:
         out.append(f"  source         {_source_text(source)}")
     if not parts:
@@ -275,7 +275,8 @@ def _partition_doc(p: PartitionMetadata, now_ns: int, stuck: bool = False) -> di
 def _pipeline_doc(
     store: MetadataStore, name: str, batches: int, now_ns: int, stuck_after: float | None,
 ) -> dict[str, Any]:
-    parts = stored_partitions(store, name)
+    source = stored_source(store, name)
+    parts = stored_partitions(store, name, source)
     stuck = _held(store, name, parts, now_ns, stuck_after)
     low = low_watermark(parts) if parts else None
     done = all_finished(parts)
@@ -301,7 +302,7 @@ def _pipeline_doc(
     return {
         "name": name,
         "run": _run_doc(store.lease(name), now_ns),
-        "source": stored_source(store, name),
+        "source": source,
         "low_watermark": _iso(low),
         "low_watermark_ns": low,
         "lag_seconds": None if low is None else 0.0 if done else _lag_s(low, now_ns),
@@ -427,7 +428,7 @@ def render_lineage(
         ) if names else f"no pipelines in {store.url} yet: run one first"
         raise UserInputError(msg)
     name = names[0]
-    parts = stored_partitions(store, name)
+    parts = stored_partitions(store, name, stored_source(store, name))
     ids = {p.token: f"p{i}" for i, p in enumerate(parts)}
     out = [f"digraph {_dot_quote(name)} {{", "  rankdir=LR;",
            "  node [shape=box, style=filled, fontname=Helvetica, fontsize=10];"]

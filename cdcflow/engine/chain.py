@@ -439,44 +439,42 @@ class Chain:
         self, label: str, record: DataChangeRecord, element: Any, call: Callable[[Any], Any],
         argument: Any, first: Exception,
     ) -> Any:
-        """:meth:`_guarded` once ``call(argument)`` raised ``first``."""
-        failed = 0
-        error: Exception | None = first
+        """:meth:`_guarded` once ``call(argument)`` raised ``first``: what the error policy
+        decides, attempt after attempt."""
+        exc, failed = first, 0
         while True:
-            try:
-                if error is not None:
-                    raise error
-                return call(argument)
-            except SinkIOError:
-                raise  # the sink's storage failed, not the element: the batch is retried
-            except PipelineStopped:
-                raise  # already decided further down (a sink with a policy of its own)
-            except Exception as exc:
-                failed += 1
-                token, at = _origin(record)
-                decision = self._policy.decide(exc, element, token, failed)
-                if isinstance(decision, Retry):
-                    time.sleep(decision.after)
-                    with self._count_lock:
-                        self._retries += 1
-                    error = None
-                    continue
-                where = (
-                    f"{label!r} failed on a change of partition {token} "
-                    f"committed at {at} after {failed} attempt(s): "
-                    f"{type(exc).__name__}: {exc}"
-                )
-                if isinstance(decision, Stop):
-                    msg = (
-                        f"{where}. Nothing past this record was committed; fix the cause and "
-                        "run again to resume, or skip such elements with "
-                        "ErrorPolicy(then='skip')"
-                    )
-                    raise PipelineStopped(msg) from exc
-                _log.warning("skipped an element: %s", where)
+            if isinstance(exc, SinkIOError | PipelineStopped):
+                # the sink's storage failed, not the element (the batch is retried), or it
+                # was decided further down (a sink with a policy of its own)
+                raise exc
+            failed += 1
+            token, at = _origin(record)
+            decision = self._policy.decide(exc, element, token, failed)
+            if isinstance(decision, Retry):
+                time.sleep(decision.after)
                 with self._count_lock:
-                    self._skipped += 1
-                return _Skipped(f"{type(exc).__name__}: {exc}")
+                    self._retries += 1
+                try:
+                    return call(argument)
+                except Exception as again:
+                    exc = again
+                    continue
+            where = (
+                f"{label!r} failed on a change of partition {token} "
+                f"committed at {at} after {failed} attempt(s): "
+                f"{type(exc).__name__}: {exc}"
+            )
+            if isinstance(decision, Stop):
+                msg = (
+                    f"{where}. Nothing past this record was committed; fix the cause and "
+                    "run again to resume, or skip such elements with "
+                    "ErrorPolicy(then='skip')"
+                )
+                raise PipelineStopped(msg) from exc
+            _log.warning("skipped an element: %s", where)
+            with self._count_lock:
+                self._skipped += 1
+            return _Skipped(f"{type(exc).__name__}: {exc}")
 
     def _failed(
         self, label: str, record: DataChangeRecord, element: Any, skipped: _Skipped

@@ -297,17 +297,16 @@ class Engine:
     def _first_run(self, program: TaskProgram) -> int | None:
         """Start the pipeline's progress, or check the source it resumes with; returns the
         end every partition is held to (:func:`cdcflow.engine.resume.end_cap`)."""
-        name = self.pipeline.name
-        definition = json.dumps(program.source.definition(), sort_keys=True)
+        name, source = self.pipeline.name, program.source
+        definition = source.definition()
         stored_parts = self.store.partitions(name)
         now = self._clock()
         if stored_parts or self.store.pending_plan(name) is not None:
-            source = program.source
             absolute = source.end_at is not None and not is_relative_time(source.end_at)
-            return resume_source(self.store, name, source.definition(),
+            return resume_source(self.store, name, definition,
                                  source.end_ns(now) if absolute else None,
                                  strict=self.options.strict, partitions=stored_parts)
-        start, end = program.source.start_ns(now), program.source.end_ns(now)
+        start, end = source.start_ns(now), source.end_ns(now)
         if start >= end:
             msg = (
                 f"DetectPartitions: end_at ({Timestamp.from_ns(end - 1)}) is before start_at "
@@ -324,7 +323,7 @@ class Engine:
             heartbeat_millis=program.heartbeat_millis, created_at=now,
         )
         self.store.insert_partitions(name, [*snapshots, root])
-        self.store.set_source(name, definition)
+        self.store.set_source(name, json.dumps(definition, sort_keys=True))
         _log.info("pipeline %s starts reading at %s%s", name, Timestamp.from_ns(start),
                   f" after a snapshot of {len(snapshots)} tables" if snapshots else "")
         return None

@@ -58,10 +58,12 @@ def stored_source(store: MetadataStore, pipeline: str) -> dict[str, Any] | None:
     return None if text is None else dict(json.loads(text))
 
 
-def stored_partitions(store: MetadataStore, pipeline: str) -> list[PartitionMetadata]:
-    """``pipeline``'s stored partitions as its runs see them: ends lowered to an end_at
-    applied on resume (what :class:`~cdcflow.engine.partitions.PartitionView` holds)."""
-    source = stored_source(store, pipeline)
+def stored_partitions(
+    store: MetadataStore, pipeline: str, source: Definition | None
+) -> list[PartitionMetadata]:
+    """``pipeline``'s stored partitions as its runs see them under its stored ``source``
+    (:func:`stored_source`): ends lowered to an end_at applied on resume (what
+    :class:`~cdcflow.engine.partitions.PartitionView` holds)."""
     return capped(store.partitions(pipeline), None if source is None else end_cap(source))
 
 
