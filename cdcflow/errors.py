@@ -31,8 +31,10 @@ __all__ = [
     "RunnerContractError",
     "SinkError",
     "SinkIOError",
+    "SinkSetupError",
     "SparkTaskError",
     "StoreError",
+    "StoreSetupError",
     "StoreURLError",
     "StreamNotFoundError",
     "TaskAttemptError",
@@ -126,6 +128,12 @@ class StoreError(CdcflowError):
     """The metadata store refused or failed an operation."""
 
 
+class StoreSetupError(StoreError, ConfigurationError):
+    """A metadata store cannot be opened (a path that cannot be written, a file that is not
+    a store, a server that does not answer, a database that does not exist); the message
+    says what to check. Exit code 2."""
+
+
 class WatermarkRegressionError(StoreError):
     """A commit tried to move a partition's watermark backwards."""
 
@@ -136,6 +144,12 @@ class PlanConflictError(StoreError):
 
 class SinkError(CdcflowError):
     """A sink failed to write or commit; the batch is not committed and will be replayed."""
+
+
+class SinkSetupError(SinkError, ConfigurationError):
+    """A sink cannot reach or open its storage before the first batch (a wrong URL, no
+    credentials, a server that does not answer): nothing was read; the message says what
+    to check. Exit code 2."""
 
 
 class SinkIOError(TransientError):

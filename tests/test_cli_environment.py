@@ -100,3 +100,25 @@ def test_emulator_start_refuses_bad_ddl_and_bad_names_in_one_line(tmp_path: Path
     done, took = _cdcflow("emulator", "start", "--database", "Bad-Name!", cwd=tmp_path,
                           env=_env())
     assert "database name 'Bad-Name!' is not valid" in _error_line(done) and took < 10
+
+
+def test_a_sqlite_store_that_cannot_be_opened_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    path = _pipeline(tmp_path, "projects/p/instances/i/databases/d")
+    (tmp_path / "a-directory").mkdir()
+    (tmp_path / "not-sqlite.db").write_bytes(b"these are not the bytes of a database" * 100)
+    for where, says in (("a-directory", "cannot open the SQLite store"),
+                        ("not-sqlite.db", "is not a usable SQLite database")):
+        done, _ = _cdcflow("run", str(path), "--for", "3s", "--metadata",
+                           f"sqlite:///{tmp_path / where}", cwd=tmp_path, env=_env())
+        assert says in _error_line(done)
+
+
+def test_a_spanner_store_that_does_not_answer_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done, _ = _cdcflow("status", "--metadata", "spanner://projects/test-project/instances/test-instance/databases/meta",
+                       cwd=tmp_path, env=_env(SPANNER_EMULATOR_HOST=f"127.0.0.1:{port}"))
+    line = _error_line(done)
+    assert f"cannot reach the emulator at 127.0.0.1:{port}" in line
+    assert "spanner://projects/test-project/instances/test-instance/databases/meta" in line

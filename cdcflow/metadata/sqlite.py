@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import StoreError
+from cdcflow.errors import StoreError, StoreSetupError
 from cdcflow.metadata import _rules
 from cdcflow.model import (
     BatchPlan,
@@ -153,7 +153,7 @@ class SQLiteStore:
         except OSError as e:
             msg = f"cannot create the directory of the SQLite store {self._path}: {e}; "
             msg += "choose a writable location"
-            raise StoreError(msg) from e
+            raise StoreSetupError(msg) from e
         try:
             # isolation_level=None: transactions are begun and ended explicitly below.
             conn = sqlite3.connect(
@@ -161,7 +161,7 @@ class SQLiteStore:
             )
         except sqlite3.Error as e:
             msg = f"cannot open the SQLite store {self._path}: {e}; check the path and permissions"
-            raise StoreError(msg) from e
+            raise StoreSetupError(msg) from e
         self._conn: sqlite3.Connection | None = conn
         try:
             self._setup(conn, busy_timeout)
@@ -185,7 +185,7 @@ class SQLiteStore:
         except sqlite3.DatabaseError as e:
             msg = f"{self._path} is not a usable SQLite database ({e}); point the URL at "
             msg += "a new file or at a cdcflow store"
-            raise StoreError(msg) from e
+            raise StoreSetupError(msg) from e
         with self._write() as c:
             c.execute("CREATE TABLE IF NOT EXISTS cdcflow_schema (version INTEGER NOT NULL)")
             row = c.execute("SELECT MAX(version) FROM cdcflow_schema").fetchone()
@@ -209,7 +209,7 @@ class SQLiteStore:
                     f"newer cdcflow; this one reads up to version {SCHEMA_VERSION}: upgrade "
                     "cdcflow, or use another file"
                 )
-                raise StoreError(msg)
+                raise StoreSetupError(msg)
 
     @classmethod
     def from_url(cls, url: str) -> SQLiteStore:

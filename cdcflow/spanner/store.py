@@ -75,7 +75,7 @@ from typing import Any, TypeVar
 import attrs
 
 from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import StoreError
+from cdcflow.errors import StoreError, StoreSetupError
 from cdcflow.metadata import _rules
 from cdcflow.model import (
     BatchPlan,
@@ -91,6 +91,8 @@ from cdcflow.spanner import _store_txn as steps
 from cdcflow.spanner._store_schema import DEFAULT_TABLE, parse_spanner_url, to_ns
 from cdcflow.spanner._store_sql import Dialect, StoreSql, Tables
 from cdcflow.spanner.retry import status_name
+from cdcflow.spanner.translate import error_text, unreachable
+from cdcflow.spanner.transport import endpoint
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
@@ -105,6 +107,8 @@ __all__ = [
 #: Retries of every store operation. Many short first waits, because the emulator aborts
 #: any overlapping transactions; at most 40 attempts, none starting after 120 s.
 DEFAULT_RETRY = RetryPolicy(attempts=40, initial=0.01, maximum=1.0, deadline=120.0)
+#: Seconds a refused connection is retried at the first contact before the store gives up.
+CONNECT_PATIENCE = 3.0
 #: Deadline of each RPC in seconds; a call that exceeds it fails with DEADLINE_EXCEEDED and
 #: is retried like any transient error.
 DEFAULT_CALL_TIMEOUT = 30.0
@@ -161,6 +165,7 @@ class SpannerStore:
         self.transactions = 0
         self._batch_log_size = _rules.check_log_size(batch_log_size)
         self._client = client
+        self._own_client = client is None  # made from the environment (see _open)
         self._db: Any = None
         self._sql: StoreSql | None = None
         self._schema_ready = False
@@ -226,7 +231,28 @@ class SpannerStore:
 
     def _database(self) -> Any:
         if self._db is None:
-            self._db = self._retrying("connecting", self._open, fix="check the URL and access")
+            began = time.monotonic()
+
+            def retry_if(e: BaseException) -> bool:
+                # a server that refuses for seconds at the first contact is not there
+                cause = e.error if isinstance(e, schema.BrokenCall) else e
+                if unreachable(cause) and time.monotonic() - began > CONNECT_PATIENCE:
+                    return False
+                return schema.transient(e)
+
+            try:
+                self._db = self._retrying("connecting", self._open, retry_if=retry_if,
+                                          fix="check the URL and access")
+            except StoreError as e:  # the first contact: the store cannot be used at all
+                cause = e.__cause__
+                if isinstance(cause, schema.BrokenCall):
+                    cause = cause.error
+                if cause is not None and unreachable(cause) and self._own_client:
+                    msg = (f"the Spanner store {self.url}: cannot reach {endpoint()}: "
+                           f"{error_text(cause)[:160]}; is it running, and is the host:port "
+                           "right?")
+                    raise StoreSetupError(msg) from cause
+                raise StoreSetupError(str(e)) from cause
         return self._db
 
     def _open(self) -> Any:

@@ -31,9 +31,31 @@ from cdcflow.transforms._fileio import process_alive
 from cdcflow.transforms._tablebuild import rfc3339
 from cdcflow.transforms._tablerows import Schema
 
-__all__: list[str] = []
+__all__ = ["storage_errors"]
 
 Key = tuple[str, str]  # (table, date partition directory)
+
+_STORAGE_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+def storage_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """What a storage call can raise when the storage, not the data, fails: ``OSError`` (what
+    fsspec maps most failures to), and the errors its object-store clients let through
+    untranslated (botocore's, for a refused connection, missing credentials or a timeout;
+    aiohttp's), those of the clients installed; and ``more``."""
+    global _STORAGE_ERRORS
+    if not _STORAGE_ERRORS:
+        found: list[type[BaseException]] = [OSError]
+        with contextlib.suppress(ImportError):
+            from botocore.exceptions import BotoCoreError, ClientError
+
+            found += [BotoCoreError, ClientError]
+        with contextlib.suppress(ImportError):
+            from aiohttp import ClientError as HTTPClientError
+
+            found.append(HTTPClientError)
+        _STORAGE_ERRORS = tuple(found)
+    return (*_STORAGE_ERRORS, *more)
 
 
 @attrs.define
@@ -269,10 +291,12 @@ class Uploader:
     order: a replay after a crash relies on a key's largest ``last`` in storage, which must
     never pass a file that is missing).
 
-    ``put(cut)`` uploads one file and raises SinkIOError (or OSError) on a storage failure:
-    the cut stays at the head of the queue and is retried with backoff, and ``error`` says
-    why until it succeeds. Any other exception stops the thread and is re-raised by
-    :meth:`check` in the driver. ``done(cut)`` runs after each upload, outside the lock.
+    ``put(cut)`` uploads one file and raises SinkIOError (or one of :func:`storage_errors`)
+    on a storage failure: the cut stays at the head of the queue and is retried with
+    backoff, and ``error`` says why until it succeeds. ``done(cut)`` runs after each
+    upload, outside the lock (the thread stays busy until it returns); a storage failure in
+    it is retried the same way, without uploading the cut again. Any other exception stops
+    the thread and is re-raised by :meth:`check` in the driver.
     """
 
     def __init__(self, put: Callable[[Cut], None], done: Callable[[Cut], None]) -> None:
@@ -352,19 +376,11 @@ class Uploader:
             began = time.monotonic()
             try:
                 self._put(cut)
-            except (OSError, SinkIOError) as exc:
-                with self.lock:
-                    self.error, self.failures = exc, self.failures + 1
-                    self.errors += 1
-                    self.upload_seconds += time.monotonic() - began
-                    self.lock.notify_all()
-                    self.lock.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+            except storage_errors(SinkIOError) as exc:
+                backoff = self._failed(exc, backoff, time.monotonic() - began)
                 continue
             except BaseException as exc:  # handed to the driver by check()
-                with self.lock:
-                    self._fatal = exc
-                    self.lock.notify_all()
+                self._die(exc)
                 return
             backoff = 0.05
             with self.lock:
@@ -377,16 +393,38 @@ class Uploader:
                 else:
                     self.disk -= cut.size
                 self.error, self.failures = None, 0
-            try:
-                self._done(cut)
-            except BaseException as exc:  # handed to the driver by check()
-                with self.lock:
-                    self._fatal = exc
-                    self.lock.notify_all()
-                return
+            while True:
+                try:
+                    self._done(cut)
+                    break
+                except storage_errors(SinkIOError) as exc:
+                    backoff = self._failed(exc, backoff, 0.0)
+                    if self._stop:
+                        return
+                except BaseException as exc:  # handed to the driver by check()
+                    self._die(exc)
+                    return
+            backoff = 0.05
             with self.lock:
+                self.error, self.failures = None, 0
                 self._active = False
                 self.lock.notify_all()
+
+    def _failed(self, exc: BaseException, backoff: float, seconds: float) -> float:
+        """Note a storage failure, wait ``backoff`` (a close ends the wait); the next one."""
+        with self.lock:
+            self.error, self.failures = exc, self.failures + 1
+            self.errors += 1
+            self.upload_seconds += seconds
+            self.lock.notify_all()
+            if not self._stop:
+                self.lock.wait(backoff)
+        return min(backoff * 2, 5.0)
+
+    def _die(self, exc: BaseException) -> None:
+        with self.lock:
+            self._fatal = exc
+            self.lock.notify_all()
 
     def busy(self) -> bool:
         """Whether an upload (or what follows it) is running; call holding ``lock``."""

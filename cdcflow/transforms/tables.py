@@ -5,7 +5,8 @@ Layout under ``url``::
 
     <table>/_schema/v<k>.json                                 columns, types, keys, checksum
     <table>/[date=YYYY-MM-DD/[hour=HH/]]part-<first>-<last>-<k>.<parquet|jsonl|csv>
-    _cdcflow/durable.json                                     {"durable_batch": D, ...}
+    _cdcflow/durable.json                                     {"durable_batch": D,
+                                                               "pipeline": name, ...}
 
 A *key* is one (table, date partition) directory. Each key has at most one open file,
 staged in the driver's spool (memory, spilling to local disk past ``spool_memory``; see
@@ -66,7 +67,13 @@ import fsspec
 import orjson
 
 from cdcflow.durations import parse_duration, parse_size
-from cdcflow.errors import PipelineDefinitionError, SinkError, SinkIOError
+from cdcflow.errors import (
+    OutputConflictError,
+    PipelineDefinitionError,
+    SinkError,
+    SinkIOError,
+    SinkSetupError,
+)
 from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._tablebuild import conform
 from cdcflow.transforms._tableread import file_schema, table_schema
@@ -79,6 +86,7 @@ from cdcflow.transforms._tablespool import (
     Usage,
     encode,
     local_prefix,
+    storage_errors,
     sweep,
 )
 from cdcflow.transforms._tabletask import Group, TaskRows, Writer, next_version
@@ -200,6 +208,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._uploads: Uploader | None = None
         self._made: set[str] = set()  # directories made in storage
         self._driver_host: str | None = None  # where setup ran: tasks there may spool
+        self._pipeline = ""  # the pipeline whose output the URL holds (set up by setup)
 
     _DRIVER_STATE = ("_fs", "_open", "_usage", "_flushed", "_schemas", "_uploads", "_made")
 
@@ -237,15 +246,37 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         try:
             self._fs, self._root = fsspec.core.url_to_fs(url, **self.storage_options)
             self._fs.makedirs(self._root, exist_ok=True)
-        except (OSError, ValueError, ImportError) as exc:
-            msg = f"WriteTables cannot open {self.url}: {exc}; check the URL and credentials"
-            raise SinkError(msg) from exc
-        self._root = self._root.rstrip("/")
+            self._root = self._root.rstrip("/")
+            self._claim(ctx.pipeline)
+        except storage_errors(SinkIOError, ValueError, ImportError) as exc:
+            msg = (f"WriteTables cannot open {self.url}: {type(exc).__name__}: {exc}; check "
+                   "the URL, that the storage answers, and the credentials")
+            raise SinkSetupError(msg) from exc
         self._driver_host = socket.gethostname()
         sweep(self.local_dir)  # what runs that died left behind (spilled rows)
         if self.local_dir is not None:
             sweep(None)  # the tasks' spool files
         self._uploads = Uploader(self._upload, self._uploaded)
+
+    def _claim(self, pipeline: str) -> None:
+        """Make the URL this pipeline's: ``durable.json`` names the pipeline whose output it
+        holds. Another pipeline's output there is refused (its batch ids are not this
+        pipeline's: a replay would skip this pipeline's rows as written)."""
+        path = self._path("_cdcflow", "durable.json")
+        data = self._read(path)
+        owner = orjson.loads(data).get("pipeline") if data else None
+        if owner is not None and owner != pipeline:
+            msg = (f"WriteTables: {self.url} holds the output of pipeline {owner!r}, not "
+                   f"{pipeline!r}; give each pipeline its own URL")
+            raise OutputConflictError(msg)
+        self._pipeline = pipeline
+        if owner is None:
+            durable = int(orjson.loads(data)["durable_batch"]) if data else 0
+            self._put(path, self._mark_doc(durable))
+
+    def _mark_doc(self, durable: int) -> bytes:
+        return orjson.dumps({"durable_batch": durable, "pipeline": self._pipeline,
+                             "at": str(Timestamp.now())})
 
     def _storage(self) -> Any:
         if self._fs is None:
@@ -271,7 +302,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             return data
         except FileNotFoundError:
             return None
-        except OSError as exc:
+        except storage_errors() as exc:
             msg = f"WriteTables cannot read {path}: {exc}"
             raise SinkIOError(msg) from exc
 
@@ -293,7 +324,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                 fs.pipe_file(target, data)
             if target != path:
                 fs.mv(target, path)
-        except OSError as exc:
+        except storage_errors() as exc:
             msg = f"WriteTables cannot write {path}: {exc}; the batch will be retried"
             raise SinkIOError(msg) from exc
 
@@ -334,7 +365,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         fs = self._storage()
         try:
             names = fs.find(self._root) if fs.exists(self._root) else []
-        except OSError as exc:
+        except storage_errors() as exc:
             msg = f"WriteTables cannot list {self._root}: {exc}"
             raise SinkIOError(msg) from exc
         lasts = [int(m.group(2)) for n in names if (m := _PART.search(n))]
@@ -345,7 +376,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             pattern = self._path(key[0], key[1], "part-*")
             try:
                 names = self._storage().glob(pattern)
-            except OSError as exc:
+            except storage_errors() as exc:
                 msg = f"WriteTables cannot list {pattern}: {exc}"
                 raise SinkIOError(msg) from exc
             self._flushed[key] = max(
@@ -356,7 +387,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if table not in self._schemas:
             try:
                 names = self._storage().glob(self._path(table, "_schema", "v*.json"))
-            except OSError as exc:
+            except storage_errors() as exc:
                 msg = f"WriteTables cannot list {table}'s schemas: {exc}"
                 raise SinkIOError(msg) from exc
             versions = sorted(int(m.group(1)) for n in names
@@ -577,8 +608,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             return
         self._checkpoint("uploaded", cut.batch_id)
         durable = self._mark()
-        doc = {"durable_batch": durable, "at": str(Timestamp.now())}
-        self._put(self._path("_cdcflow", "durable.json"), orjson.dumps(doc))
+        self._put(self._path("_cdcflow", "durable.json"), self._mark_doc(durable))
         self._durable = max(self._durable or 0, durable)
         self._checkpoint("marked", cut.batch_id)
 
