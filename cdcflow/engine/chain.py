@@ -514,7 +514,14 @@ class Chain:
             node.fn.teardown()
         messages: dict[str, Any] = {}
         for label in list(self._writers):
-            messages[label] = self._writers.pop(label).close()
+            writer = self._writers.pop(label)
+            messages[label] = writer.close()
+            # a writer with an error policy of its own (Consume) counts what it did
+            counted = getattr(writer, "policy_counters", None)
+            if counted is not None:
+                counts = counted()
+                self._skipped += int(counts.get("skipped", 0))
+                self._retries += int(counts.get("retries", 0))
         return messages
 
     def abort(self) -> None:

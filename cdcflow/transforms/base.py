@@ -264,7 +264,9 @@ class SinkWriter(Protocol[E_contra, M_co]):
 
     Runs where the task runs (an executor on Spark). A writer is used by one task, from
     one thread: ``write`` for every element, then exactly one of ``close`` (the task
-    succeeded) or ``abort`` (it failed).
+    succeeded) or ``abort`` (it failed). A writer that applies an error policy of its own
+    (``Consume``) may also have ``policy_counters() -> {"skipped": n, "retries": n}``,
+    read after ``close`` and counted with the task's (summary, status, metrics).
     """
 
     def write(self, element: E_contra) -> None: ...

@@ -363,6 +363,12 @@ class _ConsumeWriter(Generic[E]):
             retries=c["retries"], timeouts=c["timeouts"], errors=tuple(self._errors),
         )
 
+    def policy_counters(self) -> dict[str, int]:
+        """What the error policy did in this task (the engine adds it to the task's
+        counters: the run summary, ``status`` and the metrics count Consume's skips and
+        retries with the pipeline's)."""
+        return {"skipped": self._counts["skipped"], "retries": self._counts["retries"]}
+
     def abort(self) -> None:
         """Drop the waiting elements; wait for the running calls (at most ``timeout``, or
         ``drain_timeout`` without one), so that a replay does not overlap them."""

@@ -463,6 +463,47 @@ def test_every_change_is_consumed_once_in_per_key_order(runner: Runner, tmp_path
     assert (pids == {os.getpid()}) == (runner.name == "memory")
 
 
+class _Flaky:
+    """Raises ConnectionError on the first call for a record whose value is divisible by 5
+    (a retry acks it) and ValueError on every call for one divisible by 7 (skipped)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __call__(self, r: cf.DataChangeRecord) -> None:
+        i = r.mods[0].new_values["i"]
+        if i % 7 == 0:
+            msg = f"bad {i}"
+            raise ValueError(msg)
+        if i % 5 == 0 and not os.path.exists(f"{self.path}.{i}"):
+            open(f"{self.path}.{i}", "w").close()
+            msg = f"flaky {i}"
+            raise ConnectionError(msg)
+
+
+def test_consumes_skips_and_retries_are_counted_with_the_pipelines(
+    runner: Runner, tmp_path: Path
+) -> None:
+    s = _stream()
+    values = [r.mods[0].new_values["i"] for r in s.expected_records(T0, END)]
+    consume = Consume(_Flaky(tmp_path / "seen"), max_inflight=4, key=_row,
+                      on_error=ErrorPolicy(retries=2, backoff=0.001, then="skip"))
+    batches: list[Any] = []
+
+    class Batches(EngineListener):
+        def on_batch(self, stats: Any) -> None:
+            batches.append(stats)
+
+    summary = _run(runner, s, consume, listener=Batches())
+    skipped = sum(1 for i in values if i % 7 == 0)
+    retried = 2 * skipped + sum(1 for i in values if i % 5 == 0 and i % 7 != 0)
+    assert skipped > 0 and retried > skipped
+    assert consume.stats().skipped == skipped and consume.stats().retries == retried
+    assert (summary.skipped, summary.retried) == (skipped, retried)
+    assert sum(b.counters.get("skipped", 0) for b in batches) == skipped
+    assert sum(b.counters.get("retries", 0) for b in batches) == retried
+
+
 def test_stop_commits_nothing_of_the_batch_and_replays_it(
     runner: Runner, tmp_path: Path
 ) -> None:
