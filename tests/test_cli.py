@@ -320,11 +320,14 @@ pipeline = cf.Pipeline("forever")
 """
 
 
-def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runner", ["memory", pytest.param("spark", marks=pytest.mark.spark)])
+def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path, runner: str) -> None:
+    # On Spark too: PySpark's own SIGINT handler (cancel every job) must not replace ours.
     path = write(tmp_path, FOREVER)
     env = {**os.environ, "NO_COLOR": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cdcflow", "run", str(path), "--batch-interval", "100ms"],
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--batch-interval", "100ms",
+         "--runner", runner, *(["--master", "local[1]"] if runner == "spark" else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     assert proc.stderr is not None

@@ -34,8 +34,10 @@ import logging
 import os
 import pickle
 import re
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -486,13 +488,23 @@ def _start_session(builder: Any) -> Any:
     launcher died before it gave its port. PySpark forks that launcher and runs Python in
     the child before it execs; in a process whose gRPC clients (a Spanner store, a
     change-stream check) already run threads, the child now and then dies right there.
-    Nothing was started, so starting again is safe."""
-    for attempt in range(1, _LAUNCH_ATTEMPTS):
-        try:
-            return builder.getOrCreate()
-        except Exception as exc:
-            if "JAVA_GATEWAY_EXITED" not in str(exc):
-                raise
-            _log.warning("the Spark JVM launcher exited at start (attempt %d of %d); "
-                         "starting it again", attempt, _LAUNCH_ATTEMPTS)
-    return builder.getOrCreate()
+    Nothing was started, so starting again is safe.
+
+    PySpark's SparkContext takes over SIGINT (its handler cancels every job and raises
+    KeyboardInterrupt); the handler that was there (cdcflow's: stop after the current
+    batch) is put back."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        for attempt in range(1, _LAUNCH_ATTEMPTS):
+            try:
+                return builder.getOrCreate()
+            except Exception as exc:
+                if "JAVA_GATEWAY_EXITED" not in str(exc):
+                    raise
+                _log.warning("the Spark JVM launcher exited at start (attempt %d of %d); "
+                             "starting it again", attempt, _LAUNCH_ATTEMPTS)
+        return builder.getOrCreate()
+    finally:
+        if (handler is not None and signal.getsignal(signal.SIGINT) is not handler
+                and threading.current_thread() is threading.main_thread()):
+            signal.signal(signal.SIGINT, handler)
