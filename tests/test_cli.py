@@ -83,6 +83,29 @@ def assert_usage_error(result: subprocess.CompletedProcess[str], *fragments: str
 # -- bad input: exit 2, one line ----------------------------------------------------------
 
 
+def test_a_function_that_cannot_be_pickled_is_named_in_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        import threading
+        import cdcflow as cf
+        from cdcflow.testing import ScriptedChangeStream
+
+        lock = threading.Lock()
+        stream = ScriptedChangeStream("S", partitions=1, origin=10**18)
+
+        def locked(r):
+            with lock:
+                return r
+
+        pipeline = cf.Pipeline("unpicklable")
+        (pipeline | cf.DetectPartitions(stream="S", start_at=10**18, end_at=10**18 + 10**9,
+                                        client=stream)
+         | cf.ReadPartition() | cf.Map(locked) | cf.Print())
+    """)
+    assert_usage_error(cdcflow("run", str(path), cwd=tmp_path),
+                       "step 'Map(locked)' cannot be sent to its tasks",
+                       "cannot pickle '_thread.lock' object", "setup()")
+
+
 def test_missing_file(tmp_path: Path) -> None:
     assert_usage_error(cdcflow("run", str(tmp_path / "nope.py")), "not found")
 

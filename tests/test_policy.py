@@ -14,7 +14,7 @@ import pytest
 
 import cdcflow as cf
 import cdcflow.testing
-from cdcflow.errors import PipelineStopped
+from cdcflow.errors import PipelineDefinitionError, PipelineStopped
 from cdcflow.policy import Decision, ErrorPolicy, FailedElement, Retry, Skip, Stop
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import Collect, Map, ReadChangeStream
@@ -75,8 +75,17 @@ def test_handler_decides_every_failure_and_replaces_retries() -> None:
 
 def test_handler_must_answer_with_a_decision() -> None:
     policy = ErrorPolicy(handler=lambda e, el, tok, n: "retry")  # type: ignore[arg-type,return-value]
-    with pytest.raises(TypeError, match=r"return Retry\(after=seconds\), Skip\(\) or Stop\(\)"):
+    answer = r"returned 'retry' .* return Retry\(after=seconds\), Skip\(\) or Stop\(\)"
+    with pytest.raises(PipelineDefinitionError, match=answer):
         policy.decide(ValueError(), 1, "tok", 1)
+
+    def broken(e: Exception, el: object, tok: str, n: int) -> Decision:
+        raise KeyError("oops")
+
+    raised = (r"handler broken raised KeyError: 'oops' deciding about ValueError: bad "
+              r"\(partition tok, attempt 2\)")
+    with pytest.raises(PipelineStopped, match=raised):
+        ErrorPolicy(handler=broken).decide(ValueError("bad"), 1, "tok", 2)
     with pytest.raises(TypeError, match="must be a function"):
         ErrorPolicy(handler="skip")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="numbered from 1"):

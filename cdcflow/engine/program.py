@@ -114,7 +114,7 @@ class TaskProgram:
             # A driver-side program runs its chain on the driver's thread, in output order.
             max_inflight=read.max_inflight if root == read_label else 1,
             max_inflight_bytes=read.max_inflight_bytes,
-            chain=cloudpickle.dumps(nodes),
+            chain=_pickled(nodes),
             successors=successors,
             policy=attrs.evolve(policy, dead_letter=None),  # the sink travels in ``chain``
             sink_labels=sink_labels,
@@ -132,3 +132,25 @@ def _descendants(pipeline: Dag, label: str) -> set[str]:
             found.add(nxt)
             todo.extend(pipeline.downstream(nxt))
     return found
+
+
+def _pickled(nodes: dict[str, Any]) -> bytes:
+    """The chain's steps as tasks receive them; PipelineDefinitionError naming the step
+    when one cannot be pickled (a lock, a client, an open file among what it uses)."""
+    try:
+        data: bytes = cloudpickle.dumps(nodes)
+    except Exception as exc:
+        failing = []
+        for label, node in nodes.items():
+            try:
+                cloudpickle.dumps(node)
+            except Exception:
+                failing.append(label)
+        msg = (
+            f"step {', '.join(map(repr, failing)) or 'of the pipeline'} cannot be sent to its "
+            f"tasks ({type(exc).__name__}: {exc}): a function or object it uses holds what "
+            "cannot be pickled, such as a lock, a client or an open file; make that in a "
+            "DoFn's setup(), or inside the function"
+        )
+        raise PipelineDefinitionError(msg) from exc
+    return data

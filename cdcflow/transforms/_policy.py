@@ -15,7 +15,9 @@ import attrs
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.durations import parse_duration
+from cdcflow.errors import PipelineDefinitionError, PipelineStopped
 from cdcflow.transforms.base import Sink
+from cdcflow.transforms.core import callable_name
 
 __all__ = ["Decision", "ErrorHandler", "ErrorPolicy", "Retry", "Skip", "Stop"]
 
@@ -126,11 +128,20 @@ class ErrorPolicy:
             if attempt <= self.retries:
                 return Retry(self.retry_policy().delay(attempt))
             return Skip() if self.then == "skip" else Stop()
-        decision = self.handler(error, element, partition_token, attempt)
+        try:
+            decision = self.handler(error, element, partition_token, attempt)
+        except Exception as exc:
+            msg = (
+                f"the ErrorPolicy handler {callable_name(self.handler)} raised "
+                f"{type(exc).__name__}: {exc} deciding about {type(error).__name__}: {error} "
+                f"(partition {partition_token}, attempt {attempt}); nothing past that element "
+                "was committed: fix the handler and run again"
+            )
+            raise PipelineStopped(msg) from exc
         if not isinstance(decision, Retry | Skip | Stop):
             msg = (
-                f"ErrorPolicy.handler returned {decision!r} for {type(error).__name__}; "
-                "return Retry(after=seconds), Skip() or Stop()"
+                f"the ErrorPolicy handler {callable_name(self.handler)} returned {decision!r} "
+                f"for {type(error).__name__}; return Retry(after=seconds), Skip() or Stop()"
             )
-            raise TypeError(msg)
+            raise PipelineDefinitionError(msg)
         return decision

@@ -229,7 +229,7 @@ def test_a_handler_that_raises_fails_the_writer() -> None:
 
     writer = _writer(Consume(lambda e: 1 / 0, on_error=ErrorPolicy(handler=handler)))
     writer.write(1)
-    with pytest.raises(RuntimeError, match="handler broke"):
+    with pytest.raises(PipelineStopped, match="handler raised RuntimeError: handler broke"):
         writer.close()
 
 
