@@ -35,6 +35,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -45,6 +46,7 @@ from typing import Any
 from cdcflow.errors import (
     CdcflowError,
     ChangeStreamError,
+    ConfigurationError,
     PipelineStopped,
     SparkTaskError,
     TaskAttemptError,
@@ -94,6 +96,7 @@ _FINAL_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 _LOCAL = re.compile(r"^local(?:\[(\*|\d+)\])?$")
+_LOCAL_FORMS = re.compile(r"^local(\[(\*|\d+)(,\d+)?\])?$|^local-cluster\[\d+, *\d+, *\d+\]$")
 _SPARK_TASK = re.compile(r"Task (\d+) in stage \S+ failed (\d+) times")
 _CDCFLOW_TASK = re.compile(r"cdcflow task (\d+) failed")
 # A transient error travels to the driver in the failure's text, pickled, as [carried:...]:
@@ -123,6 +126,31 @@ def local_master(master: str | None) -> str:
     if match is None:
         return master
     return f"local[{match.group(1) or '1'},{_LOCAL_TASK_ATTEMPTS}]"
+
+
+def check_master(master: str) -> None:
+    """Refuse at once, in one line, a ``local`` master Spark cannot parse, and a
+    ``spark://`` master none of whose hosts accepts a connection (Spark itself tries for a
+    minute, then fails with pages of Java stack traces)."""
+    fix = "is it running, and is the host:port right?"
+    if master.startswith("local"):
+        if not _LOCAL_FORMS.match(master):
+            msg = (f"{master!r} is not a Spark master: use local[*], local[N], "
+                   "spark://HOST:PORT, yarn or k8s://https://HOST:PORT")
+            raise ConfigurationError(msg)
+        return
+    if not master.startswith("spark://"):
+        return
+    failures = []
+    for where in master[len("spark://"):].split(","):
+        host, _, port = where.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+            return
+        except (OSError, ValueError) as exc:
+            failures.append(f"{where}: {exc}")
+    msg = f"cannot reach the Spark master {master} ({'; '.join(failures)}); {fix}"
+    raise ConfigurationError(msg)
 
 
 def active_session() -> Any:
@@ -296,6 +324,7 @@ class SparkRunner:
             self._pick_job_group(app_name)
             return
         settings = self._settings(app_name)
+        check_master(settings["spark.master"])
         builder = SparkSession.builder
         for key, value in settings.items():
             builder = builder.config(key, value)

@@ -414,3 +414,36 @@ def test_a_jvm_launcher_that_dies_at_start_is_started_again(tmp_path: Path) -> N
     assert flag.exists()  # the first launcher did die
     assert "sum 45" in done.stdout
     assert "the Spark JVM launcher exited at start (attempt 1 of 3)" in done.stderr
+
+
+def test_a_master_spark_cannot_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "p.py"
+    path.write_text(textwrap.dedent("""
+        import cdcflow as cf
+        from cdcflow.testing import ScriptedChangeStream
+
+        stream = ScriptedChangeStream("S", partitions=1, origin=10**18)
+        pipeline = cf.Pipeline("masters")
+        (pipeline | cf.DetectPartitions(stream="S", start_at=10**18, end_at=10**18 + 10**9,
+                                        client=stream)
+         | cf.ReadPartition() | cf.Print())
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "CDCFLOW_DEBUG"}
+    for master, says in (("local[abc]", "'local[abc]' is not a Spark master: use local[*]"),
+                         (f"spark://127.0.0.1:{port}",
+                          f"cannot reach the Spark master spark://127.0.0.1:{port}")):
+        began = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "cdcflow", "run", str(path), "--runner", "spark",
+             "--master", master], capture_output=True, text=True, timeout=120, env=env,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines()[-1].startswith(f"cdcflow: error: {says}")
+        assert "Traceback" not in done.stderr and "Exception" not in done.stderr
+        assert time.monotonic() - began < 30
