@@ -189,8 +189,9 @@ class Workload:
         if rate is not None and rate <= 0:
             msg = f"Workload(rate={rate}): use a positive number of transactions per second"
             raise ValueError(msg)
-        if max_rows < 1 or not 0 <= multi_row_share <= 1:
-            msg = "Workload: max_rows must be >= 1 and multi_row_share within 0..1"
+        if max_rows < 1 or not 0 <= multi_row_share <= 1 or key_space < 2:
+            msg = ("Workload: max_rows must be >= 1, multi_row_share within 0..1 and "
+                   "key_space >= 2 (keys are 1 .. key_space - 1)")
             raise ValueError(msg)
         self.database = database
         self.rate = rate
@@ -300,7 +301,7 @@ class Workload:
             rows = self._rng.randint(2, self.max_rows)
         planned: list[tuple[ModType, int, dict[str, Any]]] = []
         touched: set[int] = set()
-        for _ in range(rows):
+        for _ in range(min(rows, self.key_space - 1)):  # each key at most once
             planned.append(self._choose(live, touched))
         commit_ns = self._commit(planned)
         with self._lock:
@@ -337,6 +338,10 @@ class Workload:
             values = self._values()
             return "UPDATE", key, {c: values[c] for c in SHOP_COLUMNS if c in chosen}
         if candidates and roll < 0.6:
+            key = self._rng.choice(candidates)
+            touched.add(key)
+            return "DELETE", key, {}
+        if len(live | touched) >= self.key_space - 1:  # no key left to insert: delete one
             key = self._rng.choice(candidates)
             touched.add(key)
             return "DELETE", key, {}

@@ -105,6 +105,22 @@ def test_the_recorded_changes_replay_to_the_table(
 
 
 @pytest.mark.emulator
+@pytest.mark.timeout(120)
+def test_a_key_space_smaller_than_the_transactions_never_stalls(
+    spanner_emulator: Emulator,
+) -> None:
+    # Keys 1..3: every key is soon live, and a transaction may want more rows than keys.
+    db = create_shop_database(spanner_emulator, _name())
+    workload = Workload(db, rate=None, seed=2, max_rows=6, multi_row_share=0.7, key_space=4)
+    done = workload.run(count=150)
+    assert len(done) == 150 and all(1 <= len(tx.changes) <= 3 for tx in done)
+    assert _rows(db) == _replay(workload.changes)
+    assert workload.live_keys <= {1, 2, 3}
+    with pytest.raises(ValueError, match="key_space >= 2"):
+        Workload(db, key_space=1)
+
+
+@pytest.mark.emulator
 def test_a_second_workload_continues_on_the_existing_rows(spanner_emulator: Emulator) -> None:
     db = create_shop_database(spanner_emulator, _name())
     first = Workload(db, rate=None, seed=1)
