@@ -54,6 +54,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one ``cdcflow: error:`` line like every other."""
 
     def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):
+            # "--for -5s": argparse takes a value that starts with "-" for an option
+            message += " (a value that starts with '-' is written --option=VALUE)"
         msg = f"{message}; see `{self.prog} --help`"
         raise UsageError(msg)
 
@@ -461,6 +464,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         url = args.metadata
     elif args.file:
         path, _ = split_target(args.file)
+        if not path.is_file():
+            msg = (f"no pipeline file {args.file}: give the pipeline's file (its state is in "
+                   ".cdcflow/ beside it) or --metadata URL")
+            raise UserInputError(msg)
         url = f"sqlite:///{path.resolve().parent / '.cdcflow' / 'state.db'}"
     else:
         msg = "status needs a store: give --metadata URL (or the pipeline FILE for its default)"

@@ -109,7 +109,8 @@ def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> l
     counts = {state: n for state, n in count_states(parts).items() if n}
     low = low_watermark(parts)
     out = [f"pipeline {name}"]
-    out.append(f"  run            {_run_text(_run_doc(store.lease(name), now_ns), now_ns)}")
+    run = _run_doc(store.lease(name), now_ns)
+    out.append(f"  run            {_run_text(run, now_ns)}")
     if source is not None:
         out.append(f"  source         {_source_text(source)}")
     if not parts:
@@ -126,7 +127,8 @@ def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> l
         out.append(
             f"  pending batch  {pending.batch_id}: {len(pending.slices)} slices up to "
             f"{_stamp(pending.end)}, planned {_ago(pending.planned_at, now_ns)} ago "
-            "(the next run replays it)"
+            + ("(the running run is committing it)" if run is not None and run["alive"]
+               else "(the next run replays it)")
         )
     active = [p for p in parts if p.state != PartitionState.FINISHED]
     held = _held(store, name, parts, now_ns, None)

@@ -157,6 +157,9 @@ def test_unknown_runner(tmp_path: Path) -> None:
 def test_bad_duration(tmp_path: Path) -> None:
     path = write(tmp_path, VALID)
     assert_usage_error(cdcflow("run", str(path), "--for", "10 parsecs"), "not a duration")
+    assert_usage_error(cdcflow("run", str(path), "--for", "-5s"), "expected one argument",
+                       "written --option=VALUE")
+    assert_usage_error(cdcflow("run", str(path), "--for=-5s"), "not a duration: '-5s'")
 
 
 def test_unknown_set_key_lists_valid_ones(tmp_path: Path) -> None:
@@ -280,6 +283,8 @@ def test_status_shows_partitions(
 def test_status_of_missing_sqlite_file(tmp_path: Path) -> None:
     assert_usage_error(cdcflow("status", "--metadata", f"sqlite:///{tmp_path}/none.db"),
                        "no state at")
+    assert_usage_error(cdcflow("status", str(tmp_path / "nope.py")),
+                       f"no pipeline file {tmp_path / 'nope.py'}: give the pipeline's file")
 
 
 # -- emulator start ------------------------------------------------------------------------

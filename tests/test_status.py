@@ -20,6 +20,7 @@ import pytest
 
 import cdcflow as cf
 from cdcflow.engine.lifecycle import count_states, low_watermark
+from cdcflow.engine.ownership import Ownership
 from cdcflow.errors import UserInputError
 from cdcflow.metadata import open_store
 from cdcflow.model import BatchPlan, Slice, Timestamp
@@ -127,7 +128,15 @@ def test_document_and_text_at_a_fixed_time(store_url: str) -> None:
         assert live["low_watermark"] == Timestamp.from_ns(live["low_watermark_ns"]).rfc3339()
         text = render_status(store, "live", now_ns=NOW)
         assert "run            not running (last run " in text
-        assert "pending batch  7: " in text
+        assert "pending batch  7: " in text and "(the next run replays it)" in text
+        # while a run is alive, its pending batch is the one it is committing
+        owner = Ownership(store, "live", 60.0, lambda: None)
+        owner.acquire(takeover=False)
+        try:
+            text = render_status(store, "live")
+            assert "pending batch  7: " in text and "(the running run is committing it)" in text
+        finally:
+            owner.release()
         with pytest.raises(UserInputError, match=r"no pipeline named 'nope'.*done, live"):
             status_document(store, "nope")
     finally:
