@@ -267,7 +267,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         owner = orjson.loads(data).get("pipeline") if data else None
         if owner is not None and owner != pipeline:
             msg = (f"WriteTables: {self.url} holds the output of pipeline {owner!r}, not "
-                   f"{pipeline!r}; give each pipeline its own URL")
+                   f"{pipeline!r}; give each pipeline its own URL (for a renamed pipeline, "
+                   "write its new name in _cdcflow/durable.json there)")
             raise OutputConflictError(msg)
         self._pipeline = pipeline
         if owner is None:
