@@ -235,7 +235,7 @@ class Batches:
             nonlocal idle_noted
             now = self._clock()
             if not idle_noted:
-                self.idle.read(done, now)
+                self.idle.read(done, now, plan.planned_at or None)
                 idle_noted = True
             if first_attempt and read_ahead is not None and read_ahead():
                 self._read_ahead(plan, done, now)

@@ -119,17 +119,22 @@ class IdleSchedule:
             if p.state == PartitionState.RUNNING and due.get(p.token, 0) > now_ns
         }
 
-    def read(self, results: Sequence[TaskResult], now_ns: int) -> None:
+    def read(self, results: Sequence[TaskResult], now_ns: int, planned_ns: int | None = None
+             ) -> None:
         """Note what each read partition held: data resets it, an idle slice that reached
         near the clock doubles its wait (catching up on the past is never idle; a finished
-        partition is forgotten)."""
+        partition is forgotten). "Near the clock" is judged at ``planned_ns``, when the
+        batch was planned (default ``now_ns``): a batch that took long to read is not
+        catching up for that (else a slow batch of many idle partitions would keep every
+        one of them read, and its successors as slow)."""
         if self.max_ns <= 0:
             return
+        planned = now_ns if planned_ns is None else planned_ns
         for r in results:
             if r.ended:
                 self._streak.pop(r.token, None)
                 self._due.pop(r.token, None)
-            elif r.records or now_ns - r.position > self.max_ns:
+            elif r.records or planned - r.position > self.max_ns:
                 self._streak[r.token] = 0
                 self._due[r.token] = 0
             else:

@@ -46,6 +46,19 @@ def test_catching_up_is_never_idle_and_a_zero_cap_reads_everything() -> None:
     assert off.waiting([_part("a")], now) == set()
 
 
+def test_a_batch_that_took_long_to_read_is_not_catching_up() -> None:
+    # A batch of many idle partitions planned at `planned` read to near that time, but its
+    # tasks took longer than the cap: judged by the clock after them, every slice would
+    # look far behind, be read again at once, and the next batch would be as slow.
+    idle = IdleSchedule(base_delay=1.0, max_delay=5.0)
+    planned = 1000 * S
+    after = planned + 8 * S
+    idle.read([TaskResult("a", planned - S // 10, False)], after, planned)
+    assert idle.waiting([_part("a")], after) == {"a"}
+    idle.read([TaskResult("b", planned - 60 * S, False)], after, planned)  # truly behind
+    assert idle.waiting([_part("b")], after) == set()
+
+
 class _Counting(MemoryStore):
     def __init__(self) -> None:
         super().__init__()
