@@ -3,6 +3,7 @@ sizes ("64MiB", "500KB")."""
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 
@@ -16,22 +17,26 @@ _UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, 
 
 
 def parse_duration(text: str | float | int) -> float:
-    """Seconds in a duration such as ``"250ms"``, ``"1.5s"``, ``"1h30m"`` or a bare number."""
+    """Seconds in a duration such as ``"250ms"``, ``"1.5s"``, ``"1h30m"`` or a bare number
+    (a finite one: ``nan`` and ``inf`` are not durations)."""
+    msg = f"not a duration: {text!r}; write e.g. 250ms, 1s, 5m or 1h30m"
     if isinstance(text, int | float):
+        if not math.isfinite(text):
+            raise ValueError(msg)
         return float(text)
     s = text.strip().lower()
     try:
-        return float(s)
+        total = float(s)
     except ValueError:
-        pass
-    pos, total = 0, 0.0
-    for m in _PART.finditer(s):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _UNITS[m.group(2)]
-        pos = m.end()
-    if pos != len(s) or not s:
-        msg = f"not a duration: {text!r}; write e.g. 250ms, 1s, 5m or 1h30m"
+        pos, total = 0, 0.0
+        for m in _PART.finditer(s):
+            if m.start() != pos:
+                break
+            total += float(m.group(1)) * _UNITS[m.group(2)]
+            pos = m.end()
+        if pos != len(s) or not s:
+            raise ValueError(msg) from None
+    if not math.isfinite(total):
         raise ValueError(msg)
     return total
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import os
 import types
 import typing
@@ -209,7 +210,8 @@ def coerce_option(spec: OptionSpec, value: Any) -> Any:
             msg = f"{spec.name}={value!r}: {e}"
             raise UserInputError(msg) from None
     if kind in ("duration", "float"):
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = (isinstance(value, int | float) and not isinstance(value, bool)
+              and math.isfinite(value))
         value = float(value) if ok else value
     elif kind == "int":
         ok = isinstance(value, int) and not isinstance(value, bool)

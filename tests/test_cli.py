@@ -160,6 +160,9 @@ def test_bad_duration(tmp_path: Path) -> None:
     assert_usage_error(cdcflow("run", str(path), "--for", "-5s"), "expected one argument",
                        "written --option=VALUE")
     assert_usage_error(cdcflow("run", str(path), "--for=-5s"), "not a duration: '-5s'")
+    assert_usage_error(cdcflow("run", str(path), "--for", "nan"), "not a duration: 'nan'")
+    assert_usage_error(cdcflow("run", str(path), "--set", "batch_interval=inf"),
+                       "batch_interval takes a duration")
 
 
 def test_unknown_set_key_lists_valid_ones(tmp_path: Path) -> None:

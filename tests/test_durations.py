@@ -1,10 +1,11 @@
-"""Sizes as WriteTables takes them: "64MiB", "500KB", bytes; a bad one names the fix."""
+"""Sizes as WriteTables takes them ("64MiB", "500KB", bytes) and durations ("250ms",
+"1h30m", seconds); a bad one names the fix."""
 
 from __future__ import annotations
 
 import pytest
 
-from cdcflow.durations import parse_size
+from cdcflow.durations import parse_duration, parse_size
 from cdcflow.errors import PipelineDefinitionError
 
 
@@ -18,3 +19,11 @@ def test_sizes_in_binary_and_decimal_units() -> None:
 def test_a_bad_size_says_how_to_write_one() -> None:
     with pytest.raises(PipelineDefinitionError, match=r"write e\.g\. 64MiB"):
         parse_size("64 megs")
+
+
+def test_durations_and_what_is_not_one() -> None:
+    assert parse_duration("1h30m") == 5400.0
+    assert parse_duration(" 250MS ") == 0.25 and parse_duration("2") == parse_duration(2) == 2.0
+    for bad in ("nan", "NaN", "inf", "-inf", "1e400", float("nan"), float("inf"), "5 parsecs"):
+        with pytest.raises(ValueError, match=r"not a duration: .*write e\.g\. 250ms"):
+            parse_duration(bad)

@@ -112,6 +112,10 @@ def test_unknown_option_lists_the_valid_keys() -> None:
         ({"max_batches": 0}, "bad run option: RunOptions.max_batches must be more than 0"),
         ({"gc_ttl": "-1s"}, "not a duration"),
         ({"gc_ttl": -1}, "RunOptions.gc_ttl must be 0 or more"),
+        ({"duration": "nan"}, "duration='nan': not a duration"),
+        ({"batch_interval": float("nan")}, "batch_interval takes a duration"),
+        ({"gc_ttl": "inf"}, "not a duration"),
+        ({"lease_ttl": float("inf")}, "lease_ttl takes a duration"),
     ],
 )
 def test_bad_values_name_what_the_option_takes(options: dict[str, object], fragment: str) -> None:

@@ -83,14 +83,14 @@ _TICK = 0.05  # seconds between checks for a stop request while waiting
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value < 0:
-        msg = f"RunOptions.{attribute.name} must be 0 or more, got {value}"
+    if value is not None and (value < 0 or not math.isfinite(value)):
+        msg = f"RunOptions.{attribute.name} must be 0 or more (and finite), got {value}"
         raise ValueError(msg)
 
 
 def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value <= 0:
-        msg = f"RunOptions.{attribute.name} must be more than 0, got {value}"
+    if value is not None and (value <= 0 or not math.isfinite(value)):
+        msg = f"RunOptions.{attribute.name} must be more than 0 (and finite), got {value}"
         raise ValueError(msg)
 
 
