@@ -37,7 +37,7 @@ from cdcflow.durations import parse_duration
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.engine.runner import Runner
-from cdcflow.errors import UserInputError
+from cdcflow.errors import CdcflowError, PluginError, UserInputError
 from cdcflow.metadata import open_store
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.metrics import MetricsServer, PipelineMetrics
@@ -261,11 +261,20 @@ def make_runner(
     if isinstance(runner, str):
         factory = runner_factory(runner)
         run_options, kwargs = split_options(options, factory, runner)
+        if not callable(factory):
+            msg = (f"the runner plugin {runner!r} is {factory!r}, not a Runner class or "
+                   "factory: fix its cdcflow.runners entry point")
+            raise PluginError(msg)
         try:
             built = factory(**kwargs)
         except ValueError as e:  # a runner checks its arguments' values (workers=0)
             msg = f"the {runner} runner refused its options: {e}"
             raise UserInputError(msg) from None
+        except CdcflowError:
+            raise
+        except Exception as e:  # a plugin's own failure to start
+            msg = f"the {runner} runner could not be made: {type(e).__name__}: {e}"
+            raise PluginError(msg) from e
         return built, run_options
     if not isinstance(runner, Runner):
         msg = (

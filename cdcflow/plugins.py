@@ -41,7 +41,11 @@ def _entry_points(group: str) -> list[EntryPoint]:
 
 def available(group: str) -> list[str]:
     """Names registered under ``group``."""
-    return [ep.name for ep in _entry_points(group)]
+    return sorted({ep.name for ep in _entry_points(group)})
+
+
+def _dist(ep: EntryPoint) -> str:
+    return ep.dist.name if ep.dist is not None else "?"
 
 
 def load_plugin(group: str, name: str) -> Any:
@@ -50,6 +54,11 @@ def load_plugin(group: str, name: str) -> Any:
     if not eps:
         names = ", ".join(available(group)) or "none"
         msg = f"no {group.split('.')[1][:-1]} named {name!r} is installed (installed: {names})"
+        raise PluginError(msg)
+    if len({ep.value for ep in eps}) > 1:
+        which = "; ".join(sorted({f"{_dist(ep)} ({ep.value})" for ep in eps}))
+        msg = (f"{len(eps)} installed packages register {name!r} under {group}: {which}; "
+               "uninstall all but one")
         raise PluginError(msg)
     try:
         return eps[0].load()
@@ -64,9 +73,12 @@ def list_plugins(load: bool = True) -> list[PluginInfo]:
     out: list[PluginInfo] = []
     for group in GROUPS:
         for ep in _entry_points(group):
-            dist = ep.dist.name if ep.dist is not None else "?"
+            dist = _dist(ep)
             error = None
-            if load:
+            others = {o.value for o in _entry_points(group) if o.name == ep.name} - {ep.value}
+            if others:
+                error = f"{ep.name!r} is also registered as {', '.join(sorted(others))}"
+            if load and error is None:
                 try:
                     ep.load()
                 except Exception as e:

@@ -30,6 +30,14 @@ broken = _cdcflow_no_such_module:Nope
 lines = {_MODULE}:Lines
 both = {_MODULE}:Lines
 map_as_sink = {_MODULE}:Upper
+
+[cdcflow.runners]
+raising = {_MODULE}:RaisingRunner
+number = {_MODULE}:NUMBER
+
+[cdcflow.metadata]
+bare = {_MODULE}:Bare
+raising = {_MODULE}:RaisingStore
 """
 
 _SOURCE = """
@@ -51,6 +59,24 @@ def make_number():
 class Lines(Sink):
     def __init__(self, path):
         self.path = path
+
+
+NUMBER = 42
+
+
+class RaisingRunner:
+    def __init__(self):
+        raise RuntimeError("cluster not reachable")
+
+
+class Bare:
+    pass
+
+
+class RaisingStore:
+    @classmethod
+    def from_url(cls, url):
+        raise ConnectionError("store host down")
 """
 
 
@@ -142,3 +168,34 @@ def test_plugin_errors_name_the_problem(fake_dist: Path) -> None:
         plugin("not_a_transform")
     with pytest.raises(PluginError, match=r"under cdcflow.sinks but built .*not a Sink"):
         plugin("map_as_sink")
+
+
+def test_runner_and_store_plugins_that_cannot_start_name_the_problem(fake_dist: Path) -> None:
+    from cdcflow.errors import StoreSetupError
+    from cdcflow.launch import make_runner
+    from cdcflow.metadata import open_store
+
+    with pytest.raises(PluginError, match="raising runner could not be made: RuntimeError: "
+                                          "cluster not reachable"):
+        make_runner("raising", {})
+    with pytest.raises(PluginError, match="the runner plugin 'number' is 42, not a Runner"):
+        make_runner("number", {})
+    with pytest.raises(PluginError, match=r"'bare' .* has no from_url\(url\) classmethod"):
+        open_store("bare://x")
+    with pytest.raises(StoreSetupError, match="raising://x could not be opened: "
+                                              "ConnectionError: store host down"):
+        open_store("raising://x")
+
+
+def test_a_name_two_packages_register_is_refused(fake_dist: Path) -> None:
+    other = fake_dist / "cdcflow_other_plugin-0.1.dist-info"
+    other.mkdir()
+    (other / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: cdcflow-other-plugin\nVersion: 0.1\n")
+    (other / "entry_points.txt").write_text(f"[cdcflow.transforms]\nupper = {_MODULE}:Lines\n")
+    assert available("cdcflow.transforms").count("upper") == 1
+    with pytest.raises(PluginError, match=r"2 installed packages register 'upper' under "
+                                          r"cdcflow.transforms: .*uninstall all but one"):
+        load_plugin("cdcflow.transforms", "upper")
+    listed = [p for p in list_plugins(load=False) if p.name == "upper"]
+    assert len(listed) == 2 and all("also registered as" in (p.error or "") for p in listed)

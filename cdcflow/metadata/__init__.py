@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from cdcflow.errors import StoreURLError
+from cdcflow.errors import CdcflowError, PluginError, StoreSetupError, StoreURLError
 from cdcflow.metadata._rules import URL_FORMS
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.metadata.memory import MemoryStore
@@ -55,5 +55,16 @@ def open_store(url: str) -> MetadataStore:
         )
         raise StoreURLError(msg)
     cls: Any = load_plugin(_GROUP, scheme)
-    store: MetadataStore = cls.from_url(url)
+    from_url = getattr(cls, "from_url", None)
+    if not callable(from_url):
+        msg = (f"the metadata store plugin {scheme!r} ({cls!r}) has no from_url(url) "
+               "classmethod: a store plugin is opened with StoreClass.from_url(url)")
+        raise PluginError(msg)
+    try:
+        store: MetadataStore = from_url(url)
+    except CdcflowError:
+        raise
+    except Exception as e:  # the plugin's own failure to open
+        msg = f"the metadata store {url} could not be opened: {type(e).__name__}: {e}"
+        raise StoreSetupError(msg) from e
     return store
