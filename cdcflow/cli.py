@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
         "program)"))
     status.add_argument("--watch-count", type=_positive_int, metavar="N",
                         help="with --watch: stop after N refreshes")
+    status.add_argument("--stuck-after", type=_duration, metavar="DURATION", help=(
+        "mark partitions a planned batch has held this long as stuck (default: as a run's "
+        "default; give what the run was given)"))
     status.set_defaults(func=_cmd_status)
 
     plugins = sub.add_parser("plugins", parents=common,
@@ -486,8 +489,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
             raise UserInputError(msg)
     store = open_store(url)
     try:
+        stuck_after = args.stuck_after
         if args.json:
-            doc = status_document(store, args.pipeline, batches=args.batches)
+            doc = status_document(store, args.pipeline, batches=args.batches,
+                                  stuck_after=stuck_after)
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         elif args.lineage == "dot":
             sys.stdout.write(render_lineage(store, args.pipeline))
@@ -496,10 +501,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
             sys.stdout.buffer.write(svg)
             sys.stdout.flush()
         elif args.watch is not None:
-            watch_status(lambda: render_status(store, args.pipeline, batches=args.batches),
+            watch_status(lambda: render_status(store, args.pipeline, batches=args.batches,
+                                               stuck_after=stuck_after),
                          args.watch, count=args.watch_count)
         else:
-            sys.stdout.write(render_status(store, args.pipeline, batches=args.batches))
+            sys.stdout.write(render_status(store, args.pipeline, batches=args.batches,
+                                           stuck_after=stuck_after))
     finally:
         store.close()
     return EXIT_OK

@@ -103,7 +103,9 @@ def _run_text(run: dict[str, Any] | None, now_ns: int) -> str:
     return f"not running (last run {run['owner']}, run {run['run_id']}, since {run['since']})"
 
 
-def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> list[str]:
+def _render_one(
+    store: MetadataStore, name: str, batches: int, now_ns: int, stuck_after: float | None
+) -> list[str]:
     source = stored_source(store, name)
     parts = stored_partitions(store, name, source)
     counts = {state: n for state, n in count_states(parts).items() if n}
@@ -131,7 +133,7 @@ def _render_one(store: MetadataStore, name: str, batches: int, now_ns: int) -> l
                else "(the next run replays it)")
         )
     active = [p for p in parts if p.state != PartitionState.FINISHED]
-    held = _held(store, name, parts, now_ns, None)
+    held = _held(store, name, parts, now_ns, stuck_after)
     if active:
         out.append("  active partitions:")
         rows = [
@@ -205,9 +207,10 @@ def _names(store: MetadataStore, pipeline: str | None) -> list[str]:
 
 def render_status(
     store: MetadataStore, pipeline: str | None = None, *, batches: int = 5,
-    now_ns: int | None = None,
+    now_ns: int | None = None, stuck_after: float | None = None,
 ) -> str:
-    """The status text of ``pipeline`` (default: every pipeline in the store).
+    """The status text of ``pipeline`` (default: every pipeline in the store); partitions
+    held past ``stuck_after`` seconds (None: the run's default) are marked stuck.
 
     An unknown ``pipeline`` raises UserInputError listing the stored ones."""
     now = Timestamp.now().ns if now_ns is None else now_ns
@@ -216,7 +219,7 @@ def render_status(
         return f"no pipelines in {store.url} yet: `cdcflow run FILE --metadata {store.url}`\n"
     lines = [f"store {store.url}"]
     for name in names:
-        lines += _render_one(store, name, batches, now)
+        lines += _render_one(store, name, batches, now, stuck_after)
     return "\n".join(lines) + "\n"
 
 

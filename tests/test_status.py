@@ -318,6 +318,12 @@ def test_a_batch_held_past_stuck_after_flags_its_partitions_while_the_run_lives(
         assert stuck(NOW, after=1.0) == (held, held)
         assert stuck(NOW + 40 * S) == (held, held)
         assert "running (stuck)" in render_status(store, "live", now_ns=NOW + 40 * S)
+        assert "running (stuck)" not in render_status(store, "live", now_ns=NOW)
+        assert "running (stuck)" in render_status(store, "live", now_ns=NOW, stuck_after=1.0)
+        # the command line gives the run's threshold too (the clock is today: long past)
+        text = cdcflow("status", "--metadata", store_url, "--pipeline", "live",
+                       "--stuck-after", "1s")
+        assert text.returncode == 0 and "running (stuck)" in text.stdout, text.stderr
         # finished partitions and partitions outside the batch are never flagged
         doc = status_document(store, "live", now_ns=NOW + 40 * S)["pipelines"][0]
         assert all(not p["stuck"] for p in doc["partitions"] if p["token"] not in held)
