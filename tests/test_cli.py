@@ -83,6 +83,32 @@ def assert_usage_error(result: subprocess.CompletedProcess[str], *fragments: str
 # -- bad input: exit 2, one line ----------------------------------------------------------
 
 
+def test_a_sink_whose_commit_raises_stops_the_run_in_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        import cdcflow as cf
+        from cdcflow.testing import ScriptedChangeStream
+
+        T0 = 1_700_000_000 * 10**9
+        stream = ScriptedChangeStream("Orders", origin=T0)
+        stream.write("Orders", {"id": 1}, "INSERT", {"v": 1}, at=T0 + 1000)
+
+        class BadSink(cf.Collect):
+            def commit(self, batch_id, messages):
+                if messages:
+                    raise RuntimeError("sink down")
+
+        pipeline = cf.Pipeline("badsink")
+        (pipeline | cf.ReadChangeStream(stream="Orders", start_at=T0, end_at=T0 + 5000,
+                                        client=stream) | BadSink())
+    """)
+    done = cdcflow("run", str(path), cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("cdcflow: error: sink 'BadSink' failed to commit batch ")
+    assert "RuntimeError: sink down" in last and "the next run replays it" in last
+
+
 def test_a_function_that_cannot_be_pickled_is_named_in_one_line(tmp_path: Path) -> None:
     path = write(tmp_path, """
         import threading

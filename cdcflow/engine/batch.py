@@ -58,7 +58,13 @@ from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.runner import Runner, Task, TaskResult
 from cdcflow.engine.steps import BatchSteps, Folded
-from cdcflow.errors import PipelineStopped, RunnerContractError, TransientError
+from cdcflow.errors import (
+    CdcflowError,
+    PipelineStopped,
+    RunnerContractError,
+    SinkError,
+    TransientError,
+)
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
 from cdcflow.transforms.base import Sink
@@ -336,7 +342,7 @@ class Batches:
                         if r.sink_messages.get(label) is not None
                     ]
                     messages += driver.get(label, [])
-                    sink.commit(plan.batch_id, messages)
+                    _commit(label, sink, plan.batch_id, messages)
             except BaseException:
                 self.drop_ahead()  # its plan would follow a batch that did not commit
                 _abort(plan.batch_id, targets)
@@ -403,6 +409,19 @@ def _sink_metrics(sinks: Mapping[str, Sink[Any, Any]]) -> dict[str, dict[str, fl
         if numbers:
             out[label] = numbers
     return out
+
+
+def _commit(label: str, sink: Sink[Any, Any], batch_id: int, messages: list[Any]) -> None:
+    """``sink.commit``; what a sink raises that is not cdcflow's becomes a SinkError naming
+    the sink (the batch is not committed; the run stops in one line, and the next replays
+    it)."""
+    try:
+        sink.commit(batch_id, messages)
+    except CdcflowError:
+        raise
+    except Exception as exc:
+        msg = f"sink {label!r} failed to commit batch {batch_id}: {type(exc).__name__}: {exc}"
+        raise SinkError(msg) from exc
 
 
 def _abort(batch_id: int, sinks: Mapping[str, Sink[Any, Any]]) -> None:

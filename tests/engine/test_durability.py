@@ -30,8 +30,9 @@ S = 1_000_000_000
 T0 = 1_700_000_000 * S
 
 
-class _Crash(Exception):
-    """Stands for the process dying at that point."""
+class _Crash(BaseException):
+    """Stands for the process dying at that point. A BaseException, as a
+    crash is not an error the engine may catch or wrap (it wraps a sink's errors)."""
 
 
 class _ListWriter:

@@ -243,8 +243,9 @@ def test_a_batch_looks_only_at_the_files_it_staged_to(
 # -- crashes in an engine run -------------------------------------------------------------
 
 
-class _Crash(Exception):
-    """Stands for the process dying at that point."""
+class _Crash(BaseException):
+    """Stands for the process dying at that point. A BaseException, as a
+    crash is not an error the engine may catch or wrap (it wraps a sink's errors)."""
 
 
 class CrashingTables(WriteTables):
