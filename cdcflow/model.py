@@ -29,6 +29,7 @@ __all__ = [
     "ColumnType",
     "DataChangeRecord",
     "HeartbeatRecord",
+    "JsonString",
     "Lease",
     "Mod",
     "ModType",
@@ -79,6 +80,14 @@ _dt_lt = cast(_Compare, datetime.__lt__)
 _dt_le = cast(_Compare, datetime.__le__)
 _dt_gt = cast(_Compare, datetime.__gt__)
 _dt_ge = cast(_Compare, datetime.__ge__)
+
+
+class JsonString(str):
+    """A JSON column's value that is a JSON string, typed: the string itself (``"str"`` for
+    the JSON text ``"\"str\""``), marked so that a sink writing JSON as text writes it back
+    as JSON text, apart from a wire value (which is the JSON text)."""
+
+    __slots__ = ()
 
 
 class Timestamp(datetime):

@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from cdcflow.model import ColumnType, Timestamp
+from cdcflow.model import ColumnType, JsonString, Timestamp
 
 __all__ = [
     "Converter",
@@ -162,7 +162,9 @@ def _bytes(value: Any) -> bytes:
 
 def _json(value: Any) -> Any:
     # JSON columns arrive as JSON text; a server that nests the value already parsed it.
-    return _loads(value) if isinstance(value, str) else value
+    # A JSON string is marked as one (JsonString), apart from JSON text.
+    parsed = _loads(value) if value.__class__ is str else value
+    return JsonString(parsed) if parsed.__class__ is str else parsed
 
 
 _DECODERS: dict[str, Converter] = {
@@ -262,7 +264,8 @@ _INLINE: dict[Converter, str] = {
     int: "int(v)",
     float: "float(v)",
     _numeric: "(Decimal(v) if v.__class__ is str else numeric(v))",
-    _json: "(loads(v) if v.__class__ is str else v)",
+    _json: "(JsonString(j) if (j := loads(v) if v.__class__ is str else v).__class__ is str "
+           "else j)",
     parse_timestamp: "parse_timestamp(v)",
 }
 #: Above this many converters a dict smaller than a quarter of them is walked instead.
@@ -281,7 +284,7 @@ def converter_in_place(
     if not items:
         return None
     env: dict[str, Any] = {
-        "Decimal": Decimal, "numeric": _numeric, "loads": _loads,
+        "Decimal": Decimal, "numeric": _numeric, "loads": _loads, "JsonString": JsonString,
         "parse_timestamp": parse_timestamp, "convert_in_place": convert_in_place,
         "converters": dict(converters), "items": items,
     }
@@ -356,8 +359,8 @@ def _enc_timestamp(value: Any) -> Any:
 
 def _enc_json(value: Any) -> Any:
     # A str is taken as JSON text already (the wire form); to send a JSON string value,
-    # pass its JSON text ('"abc"').
-    if isinstance(value, str):
+    # pass its JSON text ('"abc"') or a JsonString (what the decoder gives for one).
+    if value.__class__ is str:
         return value
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 

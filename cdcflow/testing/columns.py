@@ -16,7 +16,7 @@ decimal.Decimal             NUMERIC
 bytes                       BYTES
 datetime.date               DATE
 datetime (Timestamp too)    TIMESTAMP (a naive datetime is taken as UTC)
-dict                        JSON
+dict, model.JsonString      JSON (a JsonString: a JSON value that is a string)
 list/tuple of one scalar    ARRAY of that type (an empty list: ARRAY<STRING>)
 other lists                 JSON
 str, None, anything else    STRING (kept as it is)
@@ -34,7 +34,7 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from cdcflow.keyrange import KeyRange
-from cdcflow.model import ChangeRecord, DataChangeRecord
+from cdcflow.model import ChangeRecord, DataChangeRecord, JsonString
 from cdcflow.spanner.shape import RecordShaper
 from cdcflow.stream import ChangeStreamQuery, RecordFilter, StreamInfo
 
@@ -62,7 +62,7 @@ def _scalar(value: Any) -> str:
         return "TIMESTAMP"
     if isinstance(value, date):
         return "DATE"
-    if isinstance(value, dict):
+    if isinstance(value, dict | JsonString):
         return "JSON"
     return "STRING"
 

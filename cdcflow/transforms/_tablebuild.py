@@ -121,7 +121,35 @@ def full_ops(captures: set[str]) -> frozenset[str]:
 
 
 def timestamps(values: list[Any]) -> pa.Array:
-    """Timestamps (Timestamp, datetime, RFC 3339 text or None) as timestamp[ns, UTC]."""
+    """Timestamps (Timestamp, datetime, RFC 3339 text or None) as timestamp[ns, UTC].
+
+    Raises ValueError naming the first value outside what 64-bit nanoseconds hold
+    (1677-09-21 to 2262-04-11; Spanner allows years 1 to 9999)."""
+    try:
+        return _timestamps(values)
+    except (OverflowError, pa.ArrowInvalid) as exc:
+        bad = next((v for v in values if v is not None and not _NS_MIN <= as_ns(v) <= _NS_MAX),
+                   None)
+        if bad is None:
+            raise
+        msg = (f"{Timestamp.from_ns(as_ns(bad)).rfc3339()} is outside what a timestamp in "
+               "nanoseconds holds (1677-09-21 to 2262-04-11)")
+        raise ValueError(msg) from exc
+
+
+def as_ns(value: Any) -> int:
+    """Nanoseconds since the epoch of a Timestamp, a datetime or RFC 3339 text."""
+    if value.__class__ is Timestamp:
+        return int(value.ns)
+    if isinstance(value, datetime):
+        return Timestamp.from_datetime(value).ns
+    return Timestamp.parse(str(value)).ns
+
+
+_NS_MIN, _NS_MAX = -(2**63) + 1, 2**63 - 1  # int64, its minimum being Arrow's null
+
+
+def _timestamps(values: list[Any]) -> pa.Array:
     try:  # the usual case, Timestamps only (the decoder's): their cached nanoseconds
         return pa.array([None if v is None else _NS(v) for v in values], pa.int64()).cast(_TS)
     except (AttributeError, TypeError):
@@ -155,7 +183,13 @@ def array(values: list[Any], c: Column, table: str, *, csv: bool = False) -> pa.
     ``csv``, BYTES and ARRAY values as text (:func:`~cdcflow.transforms._tablerows.json_form`)."""
     code = c.code
     if code == "TIMESTAMP":
-        return timestamps(values)
+        try:
+            return timestamps(values)
+        except ValueError as exc:
+            msg = (f"WriteTables: {table}.{c.name}: {exc}: Parquet and CSV files hold "
+                   "timestamps as such; write this table with format='jsonl' (timestamps as "
+                   "RFC 3339 text)")
+            raise SinkError(msg) from exc
     if csv and code in ("BYTES", "ARRAY"):
         return pa.array(_texts(values, c, table), pa.string())
     typ = arrow_type(c.type)
@@ -185,6 +219,8 @@ def _needs_python(code: str, type_: Any, values: list[Any]) -> bool:
     BYTES, timestamps inside arrays whose nanoseconds Arrow would drop)."""
     if code == "BYTES":
         return any(v.__class__ is str for v in values)
+    if code == "JSON":  # Arrow would take a JSON string (typed) as the JSON text
+        return any(v is not None and v.__class__ is not str for v in values)
     if code == "ARRAY":
         return Column("", type_.get("array_element_type", {}), False).code in (
             "TIMESTAMP", "BYTES", "ARRAY")

@@ -21,7 +21,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cdcflow.model import Timestamp
-from cdcflow.transforms._tablebuild import NO_BEFORE, Mods, converted, rfc3339, timestamps
+from cdcflow.transforms._tablebuild import (
+    NO_BEFORE,
+    Mods,
+    as_ns,
+    converted,
+    rfc3339,
+    timestamps,
+)
 from cdcflow.transforms._tablerows import (
     _DEBEZIUM_OP,
     Column,
@@ -73,7 +80,11 @@ def _forms(mods: Mods, columns: Sequence[Column], table: str,
             continue  # orjson writes a date as YYYY-MM-DD
         vals = mods.column(c, values)
         if code == "TIMESTAMP":
-            fixes.append((c.name, rfc3339(timestamps(vals)).to_pylist()))
+            try:
+                fixes.append((c.name, rfc3339(timestamps(vals)).to_pylist()))
+            except ValueError:  # beyond nanoseconds in 64 bits (years 1..1677, 2262..9999)
+                fixes.append((c.name, [None if v is None else Timestamp.from_ns(as_ns(v))
+                                       .rfc3339() for v in vals]))
         elif code in _NATIVE:
             native = _NATIVE[code]
             if not all(v is None or v.__class__ in native for v in vals):

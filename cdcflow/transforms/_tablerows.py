@@ -54,8 +54,10 @@ class Column:
 def _code(type_: Any) -> str:
     if isinstance(type_, Mapping):
         annotation = type_.get("type_annotation")
-        if annotation in ("PG_NUMERIC", "PG_JSONB"):
-            return "STRING"  # PostgreSQL NUMERIC has no fixed scale; JSONB is text
+        if annotation == "PG_NUMERIC":
+            return "STRING"  # PostgreSQL NUMERIC has no fixed scale
+        if annotation == "PG_JSONB":
+            return "JSON"  # written as JSON text, as JSON is
         return str(type_.get("code", "STRING"))
     return str(type_)
 
@@ -214,8 +216,8 @@ def convert(value: Any, type_: Any) -> Any:
         return value if isinstance(value, date) else date.fromisoformat(str(value))
     if code == "TIMESTAMP":
         return _ns(value)
-    if code == "JSON":
-        return value if isinstance(value, str) else orjson.dumps(value).decode()
+    if code == "JSON":  # a str is JSON text (a wire value); a JsonString is a JSON string
+        return value if value.__class__ is str else orjson.dumps(value).decode()
     if code == "ARRAY":
         items = orjson.loads(value) if isinstance(value, str | bytes) else value
         element = type_.get("array_element_type", {"code": "STRING"})

@@ -1,0 +1,96 @@
+"""WriteTables writes every value Spanner allows as it was: a JSON value that is a string
+stays a JSON string (apart from one that is a number), PostgreSQL JSONB is JSON text, and
+a TIMESTAMP outside what 64-bit nanoseconds hold (years 1..1677 and 2262..9999) is RFC
+3339 text in JSON lines, and one line naming the fix in Parquet and CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import cdcflow as cf
+import cdcflow.testing
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.runner import Runner
+from cdcflow.errors import SinkError, SparkTaskError
+from cdcflow.metadata import MemoryStore
+from cdcflow.model import JsonString, Timestamp
+from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms._tablerows import convert
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+DOCS = [JsonString("42"), {"n": 42}, JsonString("str"), {"a": 1}, [1, "x"], None]
+TEXTS = ['"42"', '{"n":42}', '"str"', '{"a":1}', '[1,"x"]', None]
+
+
+def _run(runner: Runner, stream: ScriptedChangeStream, out: Path, fmt: str) -> None:
+    p = cf.Pipeline(f"values-{fmt}")
+    (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + S, client=stream)
+     | cf.ReadPartition() | cf.WriteTables(str(out), format=fmt))  # type: ignore[arg-type]
+    Engine(p, MemoryStore(), runner, RunOptions(batch_interval=0)).run()
+
+
+def _rows(out: Path, fmt: str) -> list[dict[str, object]]:
+    (path,) = out.glob(f"E/part-*.{fmt}")
+    if fmt == "parquet":
+        rows = pq.read_table(path).to_pylist()
+    elif fmt == "jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    else:
+        with path.open(newline="") as f:
+            rows = [{k: (v or None) for k, v in r.items()} for r in csv.DictReader(f)]
+    return sorted(rows, key=lambda r: int(str(r["Id"])))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "csv"])
+def test_json_values_are_written_as_their_json_text(
+    runner: Runner, tmp_path: Path, fmt: str
+) -> None:
+    stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+    for i, doc in enumerate(DOCS):
+        stream.write("E", {"Id": i}, "INSERT", {"Doc": doc}, at=T0 + (i + 1) * 1000)
+    _run(runner, stream, tmp_path / "out", fmt)
+    assert [r["Doc"] for r in _rows(tmp_path / "out", fmt)] == TEXTS
+
+
+def test_a_json_string_reads_as_a_string_marked_as_one() -> None:
+    stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+    stream.write("E", {"Id": 1}, "INSERT", {"Doc": JsonString("str")}, at=T0 + 1000)
+    out = cf.Collect()
+    p = cf.Pipeline("json-read")
+    (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + S, client=stream)
+     | cf.ReadPartition() | out)
+    cf.testing.run(p)
+    (record,) = out.items
+    value = record.mods[0].new_values["Doc"]
+    assert value == "str" and value.__class__ is JsonString  # the string, typed
+    # a wire value (JSON text) is written as it is; PostgreSQL JSONB as JSON text too
+    assert convert('"str"', {"code": "JSON"}) == '"str"'
+    jsonb = {"code": "JSON", "type_annotation": "PG_JSONB"}
+    assert convert({"a": [1]}, jsonb) == '{"a":[1]}' and convert(value, jsonb) == '"str"'
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv"])
+def test_timestamps_beyond_nanoseconds(runner: Runner, tmp_path: Path, fmt: str) -> None:
+    stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+    values = ["9999-12-31T23:59:59.999999999Z", "2024-01-01T00:00:00.123456789Z",
+              "0001-01-01T00:00:00Z"]
+    for i, text in enumerate(values):
+        stream.write("E", {"Id": i}, "INSERT", {"Until": Timestamp.parse(text)},
+                     at=T0 + (i + 1) * 1000)
+    if fmt == "jsonl":
+        _run(runner, stream, tmp_path / "out", fmt)
+        assert [r["Until"] for r in _rows(tmp_path / "out", fmt)] == [
+            Timestamp.parse(t).rfc3339() for t in values]
+        return
+    # (on Spark, after Spark's own task attempts, as the task's error)
+    outside = (r"E\.Until: 9999-12-31T23:59:59\.999999999Z is outside what a timestamp in "
+               r"nanoseconds holds .*format='jsonl'")
+    with pytest.raises((SinkError, SparkTaskError), match=outside):
+        _run(runner, stream, tmp_path / "out", fmt)
+    assert not list((tmp_path / "out").glob("E/part-*"))  # nothing of the batch written
