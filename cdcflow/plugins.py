@@ -72,10 +72,11 @@ def list_plugins(load: bool = True) -> list[PluginInfo]:
     in ``error`` (and warned about) instead of raised."""
     out: list[PluginInfo] = []
     for group in GROUPS:
-        for ep in _entry_points(group):
+        registered = _entry_points(group)
+        for ep in registered:
             dist = _dist(ep)
             error = None
-            others = {o.value for o in _entry_points(group) if o.name == ep.name} - {ep.value}
+            others = {o.value for o in registered if o.name == ep.name} - {ep.value}
             if others:
                 error = f"{ep.name!r} is also registered as {', '.join(sorted(others))}"
             if load and error is None:

@@ -13,7 +13,7 @@ import attrs
 import cloudpickle
 
 from cdcflow.dag import Dag
-from cdcflow.errors import PipelineDefinitionError
+from cdcflow.errors import CdcflowError, PipelineDefinitionError
 from cdcflow.policy import ErrorPolicy
 from cdcflow.transforms.base import BatchStep, ParDo, Sink
 from cdcflow.transforms.source import DetectPartitions, ReadPartition
@@ -139,6 +139,8 @@ def _pickled(nodes: dict[str, Any]) -> bytes:
     when one cannot be pickled (a lock, a client, an open file among what it uses)."""
     try:
         data: bytes = cloudpickle.dumps(nodes)
+    except CdcflowError:
+        raise  # a step that refuses to travel says why itself
     except Exception as exc:
         failing = []
         for label, node in nodes.items():
