@@ -200,12 +200,17 @@ def next_version(table: str, current: Schema | None,
     ``current``): a column the current version lacks (or has with another type), or a
     column dropped (a row carrying every tracked column lacks it, that row is newer than
     the version's ``since``, and no row of the batch carries it)."""
-    # Rows with every column first, so a version lists its columns in table order.
+    # Rows with every column first, so a version lists its columns in table order; a
+    # column retyped within the batch takes its newest type (of the group whose records
+    # begin latest): the batch's earlier rows are cast to it when staged.
     groups = sorted(groups, key=lambda g: (g.full_ns is None, -len(g.columns)))
     merged: dict[str, Column] = {}
+    newest: dict[str, int] = {}
     for g in groups:
         for c in g.columns:
-            merged.setdefault(c.name, c)
+            if c.name not in merged or g.first_ns > newest[c.name]:
+                merged[c.name] = c  # a new key keeps its place in the dict
+                newest[c.name] = g.first_ns
     columns = tuple(merged.values())
     if current is None:
         return Schema(table, 1, columns, min(g.first_ns for g in groups))

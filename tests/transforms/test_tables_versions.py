@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.transforms.test_tables import STR, T0, _close_sinks, _commit, _record, _sink
+import pyarrow.parquet as pq
+
+from tests.transforms.test_tables import INT, STR, T0, _close_sinks, _commit, _record, _sink
 
 __all__ = ["_close_sinks"]  # the autouse fixture that closes the sinks these tests set up
 
@@ -74,3 +76,21 @@ def test_a_replayed_batch_from_before_a_drop_adds_no_version(tmp_path: Path) -> 
     again.flush()
     assert _versions(tmp_path) == [["id", "name", "email"], ["id", "name"]]
     assert _names(tmp_path) == ["part-1-1-1.parquet", "part-2-2-2.parquet"]
+
+
+def test_a_column_retyped_within_a_batch_takes_its_newest_type(tmp_path: Path) -> None:
+    # ALTER COLUMN (or a drop and an add with another type) between two writes that one
+    # batch reads: the batch's version has the new type and its earlier rows are cast to it
+    sink = _sink(str(tmp_path), flush_interval="1h")
+    _commit(sink, 1, [_record("T", 1, at=T0, extra={"q": (INT, 1)})])
+    _commit(sink, 2, [_record("T", 2, at=T0 + 1000, extra={"q": (INT, 2)}),
+                      _record("T", 3, at=T0 + 2000, extra={"q": (STR, "x3")})])
+    sink.flush()
+    docs = [json.loads(p.read_text()) for p in sorted((tmp_path / "T" / "_schema").glob("v*"))]
+    assert [[(c["name"], c["type"]["code"]) for c in d["columns"]] for d in docs] == [
+        [("id", "INT64"), ("name", "STRING"), ("q", "INT64")],
+        [("id", "INT64"), ("name", "STRING"), ("q", "STRING")]]
+    assert docs[1]["since"] == T0 + 2000  # the first record of the new type
+    assert _names(tmp_path) == ["part-1-1-1.parquet", "part-2-2-2.parquet"]
+    rows = pq.read_table(tmp_path / "T" / "part-2-2-2.parquet").to_pylist()
+    assert sorted((r["id"], r["q"]) for r in rows) == [(2, "2"), (3, "x3")]
