@@ -36,6 +36,7 @@ from cdcflow.transforms._tablerows import (
     convert,
     json_form,
     row_op,
+    timestamp_ns,
 )
 
 __all__: list[str] = []
@@ -128,22 +129,13 @@ def timestamps(values: list[Any]) -> pa.Array:
     try:
         return _timestamps(values)
     except (OverflowError, pa.ArrowInvalid) as exc:
-        bad = next((v for v in values if v is not None and not _NS_MIN <= as_ns(v) <= _NS_MAX),
-                   None)
+        bad = next((v for v in values
+                    if v is not None and not _NS_MIN <= timestamp_ns(v) <= _NS_MAX), None)
         if bad is None:
             raise
-        msg = (f"{Timestamp.from_ns(as_ns(bad)).rfc3339()} is outside what a timestamp in "
+        msg = (f"{Timestamp.from_ns(timestamp_ns(bad)).rfc3339()} is outside what a timestamp in "
                "nanoseconds holds (1677-09-21 to 2262-04-11)")
         raise ValueError(msg) from exc
-
-
-def as_ns(value: Any) -> int:
-    """Nanoseconds since the epoch of a Timestamp, a datetime or RFC 3339 text."""
-    if value.__class__ is Timestamp:
-        return int(value.ns)
-    if isinstance(value, datetime):
-        return Timestamp.from_datetime(value).ns
-    return Timestamp.parse(str(value)).ns
 
 
 _NS_MIN, _NS_MAX = -(2**63) + 1, 2**63 - 1  # int64, its minimum being Arrow's null

@@ -24,7 +24,6 @@ from cdcflow.model import Timestamp
 from cdcflow.transforms._tablebuild import (
     NO_BEFORE,
     Mods,
-    as_ns,
     converted,
     rfc3339,
     timestamps,
@@ -83,8 +82,7 @@ def _forms(mods: Mods, columns: Sequence[Column], table: str,
             try:
                 fixes.append((c.name, rfc3339(timestamps(vals)).to_pylist()))
             except ValueError:  # beyond nanoseconds in 64 bits (years 1..1677, 2262..9999)
-                fixes.append((c.name, [None if v is None else Timestamp.from_ns(as_ns(v))
-                                       .rfc3339() for v in vals]))
+                fixes.append((c.name, converted(vals, c, table, json_form)))
         elif code in _NATIVE:
             native = _NATIVE[code]
             if not all(v is None or v.__class__ in native for v in vals):

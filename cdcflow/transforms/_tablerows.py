@@ -215,7 +215,7 @@ def convert(value: Any, type_: Any) -> Any:
     if code == "DATE":
         return value if isinstance(value, date) else date.fromisoformat(str(value))
     if code == "TIMESTAMP":
-        return _ns(value)
+        return timestamp_ns(value)
     if code == "JSON":  # a str is JSON text (a wire value); a JsonString is a JSON string
         return value if value.__class__ is str else orjson.dumps(value).decode()
     if code == "ARRAY":
@@ -238,7 +238,7 @@ def json_form(value: Any, type_: Any) -> Any:
         element = type_.get("array_element_type", {"code": "STRING"})
         return [json_form(v, element) for v in items]
     if code == "TIMESTAMP":
-        return Timestamp.from_ns(_ns(value)).rfc3339()
+        return Timestamp.from_ns(timestamp_ns(value)).rfc3339()
     if code in ("NUMERIC", "BYTES", "DATE") and isinstance(value, str):
         return value
     if code == "BYTES":
@@ -250,7 +250,8 @@ def json_form(value: Any, type_: Any) -> Any:
     return convert(value, type_)
 
 
-def _ns(value: Any) -> int:
+def timestamp_ns(value: Any) -> int:
+    """Nanoseconds since the epoch of a Timestamp, a datetime or RFC 3339 text."""
     if isinstance(value, Timestamp):
         return value.ns
     return parse_time(value if isinstance(value, datetime) else str(value))

@@ -392,7 +392,6 @@ class Uploader:
                     self.memory -= cut.size
                 else:
                     self.disk -= cut.size
-                self.error, self.failures = None, 0
             while True:
                 try:
                     self._done(cut)
