@@ -58,6 +58,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -264,16 +265,50 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         pipeline's: a replay would skip this pipeline's rows as written)."""
         path = self._path("_cdcflow", "durable.json")
         data = self._read(path)
+        self._pipeline = pipeline
+        if data is None:
+            try:
+                self._create(path, self._mark_doc(0))
+                return
+            except FileExistsError:  # another run claimed it since we looked
+                data = self._read(path)
         owner = orjson.loads(data).get("pipeline") if data else None
         if owner is not None and owner != pipeline:
             msg = (f"WriteTables: {self.url} holds the output of pipeline {owner!r}, not "
                    f"{pipeline!r}; give each pipeline its own URL (for a renamed pipeline, "
                    "write its new name in _cdcflow/durable.json there)")
             raise OutputConflictError(msg)
-        self._pipeline = pipeline
-        if owner is None:
-            durable = int(orjson.loads(data)["durable_batch"]) if data else 0
-            self._put(path, self._mark_doc(durable))
+        if owner is None and data:  # written before marks named their pipeline
+            self._put(path, self._mark_doc(int(orjson.loads(data)["durable_batch"])))
+
+    def _create(self, path: str, data: bytes) -> None:
+        """Write ``path`` only if it does not exist (FileExistsError if it does): a link
+        on local disk, a conditional PUT where the store has one (S3's If-None-Match)."""
+        fs = self._storage()
+        try:
+            if "file" not in fs.protocol:
+                try:
+                    fs.pipe_file(path, data, mode="create")
+                except TypeError:  # a filesystem that has no exclusive write
+                    self._put(path, data)
+                return
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(temp, "wb") as f:
+                f.write(data)
+            try:
+                os.link(temp, path)  # atomic, and refuses an existing name
+            except FileExistsError:
+                raise
+            except OSError:  # a filesystem without hard links
+                self._put(path, data)
+            finally:
+                os.unlink(temp)
+        except FileExistsError:
+            raise
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot write {path}: {exc}"
+            raise SinkIOError(msg) from exc
 
     def _mark_doc(self, durable: int) -> bytes:
         return orjson.dumps({"durable_batch": durable, "pipeline": self._pipeline,

@@ -117,6 +117,9 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Gate]]:
     endpoint = f"http://127.0.0.1:{gate.port}"
     for name, value in {**_AWS, "AWS_ENDPOINT_URL": endpoint}.items():
         monkeypatch.setenv(name, value)
+    # fsspec caches filesystems by their arguments, not the environment: one made for an
+    # earlier test's server would go on calling that server
+    type(fsspec.filesystem("s3")).clear_instance_cache()
     # moto keeps its buckets per process: another test's server may have made this one
     fsspec.filesystem("s3", skip_instance_cache=True).makedirs("outages", exist_ok=True)
     yield endpoint, gate
@@ -254,6 +257,49 @@ def test_a_url_holding_another_pipelines_output_is_refused(tmp_path: Path) -> No
     with pytest.raises(OutputConflictError, match="holds the output of pipeline 'orders'"):
         other.setup(SinkContext("payments", "WriteTables", "/"))
     other.close()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_pipelines_claiming_an_empty_url_at_once_one_is_refused(
+    where: str, s3: tuple[str, Gate], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both runs look at the URL before either claims it (a barrier holds each after its
+    look): the claim is an exclusive create, so one wins and the other is refused."""
+    url = str(tmp_path / "lake") if where == "local" else f"s3://outages/{uuid.uuid4().hex}"
+    both_looked = threading.Barrier(2, timeout=20)
+    looked: set[int] = set()
+    real = WriteTables._read
+
+    def read(self: WriteTables, path: str) -> bytes | None:
+        data = real(self, path)
+        if path.endswith("durable.json") and id(self) not in looked:
+            looked.add(id(self))
+            both_looked.wait()
+        return data
+
+    monkeypatch.setattr(WriteTables, "_read", read)
+    outcome: dict[str, str] = {}
+
+    def claim(pipeline: str) -> None:
+        sink = WriteTables(url)
+        try:
+            sink.setup(SinkContext(pipeline, "WriteTables", str(tmp_path)))
+            outcome[pipeline] = "claimed"
+        except OutputConflictError:
+            outcome[pipeline] = "refused"
+        finally:
+            sink.close()
+
+    runs = [threading.Thread(target=claim, args=(name,)) for name in ("orders", "payments")]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join(30)
+    assert sorted(outcome.values()) == ["claimed", "refused"], outcome
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
+    owner = orjson.loads(fs.cat_file(f"{root}/_cdcflow/durable.json"))["pipeline"]
+    assert outcome[owner] == "claimed"
+    assert not [f for f in fs.find(root) if f.endswith(".tmp")]
 
 
 def test_output_written_before_pipelines_were_named_is_adopted(tmp_path: Path) -> None:
