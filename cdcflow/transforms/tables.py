@@ -248,38 +248,49 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             self._fs, self._root = fsspec.core.url_to_fs(url, **self.storage_options)
             self._fs.makedirs(self._root, exist_ok=True)
             self._root = self._root.rstrip("/")
-            self._claim(ctx.pipeline)
         except storage_errors(SinkIOError, ValueError, ImportError) as exc:
-            msg = (f"WriteTables cannot open {self.url}: {type(exc).__name__}: {exc}; check "
-                   "the URL, that the storage answers, and the credentials")
-            raise SinkSetupError(msg) from exc
+            raise self._setup_error(exc) from exc
+        # Claimed when first asked for its durable batch (the engine asks right after it has
+        # checked the pipeline's sinks against each other): a pipeline refused at start
+        # leaves no claim behind.
+        self._pipeline = ctx.pipeline
         self._driver_host = socket.gethostname()
         sweep(self.local_dir)  # what runs that died left behind (spilled rows)
         if self.local_dir is not None:
             sweep(None)  # the tasks' spool files
         self._uploads = Uploader(self._upload, self._uploaded)
 
-    def _claim(self, pipeline: str) -> None:
-        """Make the URL this pipeline's: ``durable.json`` names the pipeline whose output it
-        holds. Another pipeline's output there is refused (its batch ids are not this
-        pipeline's: a replay would skip this pipeline's rows as written)."""
+    def _setup_error(self, exc: BaseException) -> SinkSetupError:
+        return SinkSetupError(
+            f"WriteTables cannot open {self.url}: {type(exc).__name__}: {exc}; check the URL, "
+            "that the storage answers, and the credentials")
+
+    def _claim(self) -> int:
+        """Make the URL this pipeline's and return its durable batch: ``durable.json`` names
+        the pipeline whose output it holds. Another pipeline's output there is refused (its
+        batch ids are not this pipeline's: a replay would skip this pipeline's rows as
+        written)."""
         path = self._path("_cdcflow", "durable.json")
-        data = self._read(path)
-        self._pipeline = pipeline
-        if data is None:
-            try:
-                self._create(path, self._mark_doc(0))
-                return
-            except FileExistsError:  # another run claimed it since we looked
-                data = self._read(path)
-        owner = orjson.loads(data).get("pipeline") if data else None
-        if owner is not None and owner != pipeline:
+        try:
+            data = self._read(path)
+            if data is None:
+                try:
+                    self._create(path, self._mark_doc(0))
+                    return 0
+                except FileExistsError:  # another run claimed it since we looked
+                    data = self._read(path)
+            doc = orjson.loads(data) if data else {}
+            owner, durable = doc.get("pipeline"), int(doc.get("durable_batch", 0))
+            if owner is None:  # written before marks named their pipeline
+                self._put(path, self._mark_doc(durable))
+        except storage_errors(SinkIOError) as exc:
+            raise self._setup_error(exc) from exc
+        if owner is not None and owner != self._pipeline:
             msg = (f"WriteTables: {self.url} holds the output of pipeline {owner!r}, not "
-                   f"{pipeline!r}; give each pipeline its own URL (for a renamed pipeline, "
-                   "write its new name in _cdcflow/durable.json there)")
+                   f"{self._pipeline!r}; give each pipeline its own URL (for a renamed "
+                   "pipeline, write its new name in _cdcflow/durable.json there)")
             raise OutputConflictError(msg)
-        if owner is None and data:  # written before marks named their pipeline
-            self._put(path, self._mark_doc(int(orjson.loads(data)["durable_batch"])))
+        return durable
 
     def _create(self, path: str, data: bytes) -> None:
         """Write ``path`` only if it does not exist (FileExistsError if it does): a link
@@ -368,8 +379,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if self._durable is None:
             if self._fs is None:
                 return 0  # asked before setup(): whether this sink stages, not where it is
-            data = self._read(self._path("_cdcflow", "durable.json"))
-            self._durable = int(orjson.loads(data)["durable_batch"]) if data else 0
+            self._durable = self._claim()
             self._staged_through = max(self._staged_through, self._durable)
         if self._uploads is not None:
             self._uploads.check()

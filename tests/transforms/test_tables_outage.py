@@ -25,7 +25,7 @@ import pytest
 import cdcflow as cf
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.errors import OutputConflictError, SinkSetupError
+from cdcflow.errors import OutputConflictError, PipelineDefinitionError, SinkSetupError
 from cdcflow.metadata import SQLiteStore
 from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.testing import ScriptedChangeStream
@@ -247,15 +247,18 @@ def test_a_url_holding_another_pipelines_output_is_refused(tmp_path: Path) -> No
     url = str(tmp_path / "lake")
     first = WriteTables(url)
     first.setup(SinkContext("orders", "WriteTables", "/"))
+    assert first.last_committed_batch() == 0  # what claims the URL
     first.close()
     doc = orjson.loads((tmp_path / "lake" / "_cdcflow" / "durable.json").read_bytes())
     assert doc["pipeline"] == "orders" and doc["durable_batch"] == 0
     again = WriteTables(url)
     again.setup(SinkContext("orders", "WriteTables", "/"))  # the same pipeline goes on
+    assert again.last_committed_batch() == 0
     again.close()
     other = WriteTables(url)
+    other.setup(SinkContext("payments", "WriteTables", "/"))
     with pytest.raises(OutputConflictError, match="holds the output of pipeline 'orders'"):
-        other.setup(SinkContext("payments", "WriteTables", "/"))
+        other.last_committed_batch()
     other.close()
 
 
@@ -284,6 +287,7 @@ def test_two_pipelines_claiming_an_empty_url_at_once_one_is_refused(
         sink = WriteTables(url)
         try:
             sink.setup(SinkContext(pipeline, "WriteTables", str(tmp_path)))
+            sink.last_committed_batch()
             outcome[pipeline] = "claimed"
         except OutputConflictError:
             outcome[pipeline] = "refused"
@@ -313,5 +317,32 @@ def test_output_written_before_pipelines_were_named_is_adopted(tmp_path: Path) -
     finally:
         sink.close()
     assert orjson.loads(mark.read_bytes())["pipeline"] == "orders"
+    other = WriteTables(str(tmp_path / "lake"))
+    other.setup(SinkContext("other", "WriteTables", "/"))
     with pytest.raises(OutputConflictError):
-        WriteTables(str(tmp_path / "lake")).setup(SinkContext("other", "WriteTables", "/"))
+        other.durable_batch()
+
+
+def test_a_pipeline_refused_at_start_leaves_no_claim(tmp_path: Path) -> None:
+    """Two sinks on one URL are refused before the first batch, and the URL stays free: the
+    corrected pipeline (under another name) then runs."""
+    stream = _stream(10)
+    url = str(tmp_path / "lake")
+    bad = cf.Pipeline("lake-v1")
+    read = (bad | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 3 * S, client=stream)
+            | cf.ReadPartition())
+    read | "a" >> WriteTables(url, format="jsonl")
+    read | "b" >> WriteTables(url, format="jsonl")
+    store = SQLiteStore(tmp_path / "s.db")
+    try:
+        with pytest.raises(PipelineDefinitionError, match="sinks 'a' and 'b' would write"):
+            Engine(bad, store, InMemoryRunner(), RunOptions(batch_interval=0)).run()
+        assert not (tmp_path / "lake" / "_cdcflow" / "durable.json").exists()
+        good, _ = _pipeline("lake", stream, 10, url)
+        summary = Engine(good, store, InMemoryRunner(),
+                         RunOptions(batch_interval=0, max_batch_span=1.0)).run()
+    finally:
+        store.close()
+    assert summary.reason == "end reached"
+    mark = orjson.loads((tmp_path / "lake" / "_cdcflow" / "durable.json").read_bytes())
+    assert mark["pipeline"] == "lake"
