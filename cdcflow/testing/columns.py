@@ -19,11 +19,14 @@ datetime (Timestamp too)    TIMESTAMP (a naive datetime is taken as UTC)
 dict, model.JsonString      JSON (a JsonString: a JSON value that is a string)
 list/tuple of one scalar    ARRAY of that type (an empty list: ARRAY<STRING>)
 other lists                 JSON
-str, None, anything else    STRING (kept as it is)
+str, anything else          STRING (kept as it is)
+None                        the column's type so far, else STRING
 ==========================  ===================================================
 
 A column's type is inferred from every value it gets in one transaction (per table);
-values of types that do not mix raise ValueError when the transaction commits.
+values of types that do not mix raise ValueError when the transaction commits. A column
+that gets only None (or empty lists) in a transaction keeps the type the table's earlier
+transactions gave it.
 """
 
 from __future__ import annotations
@@ -118,10 +121,16 @@ def _final(t: ColumnTypeJSON | None) -> ColumnTypeJSON:
     return t
 
 
-def column_types(changes: Iterable[Change]) -> dict[str, dict[str, ColumnTypeJSON]]:
+def column_types(
+    changes: Iterable[Change], known: dict[str, dict[str, ColumnTypeJSON]] | None = None
+) -> dict[str, dict[str, ColumnTypeJSON]]:
     """Table -> column -> type for the changes of one transaction ``(table, keys,
     mod_type, new_values, old_values)``. Raises ValueError naming a column whose values
-    have types that do not mix."""
+    have types that do not mix.
+
+    ``known`` holds the types earlier transactions gave (table -> column -> type) and is
+    updated with this one's: a column whose values here are all None (or empty lists) keeps
+    the type it had, as a Spanner column does."""
     found: dict[str, dict[str, ColumnTypeJSON | None]] = {}
     for table, keys, _, new, old in changes:
         columns = found.setdefault(table, {})
@@ -141,7 +150,20 @@ def column_types(changes: Iterable[Change]) -> dict[str, dict[str, ColumnTypeJSO
                     )
                     raise ValueError(msg)
                 columns[name] = merged
-    return {t: {c: _final(v) for c, v in cols.items()} for t, cols in found.items()}
+    out: dict[str, dict[str, ColumnTypeJSON]] = {}
+    for table, cols in found.items():
+        prior = known.setdefault(table, {}) if known is not None else {}
+        types = out[table] = {}
+        for name, t in cols.items():
+            had = prior.get(name)
+            if had is not None and (t is None or (
+                    t == _EMPTY_ARRAY and had["code"] in ("ARRAY", "JSON"))):
+                types[name] = had
+                continue
+            types[name] = _final(t)
+            if t is not None and t != _EMPTY_ARRAY:
+                prior[name] = types[name]
+    return out
 
 
 TimeLike = int | str | datetime

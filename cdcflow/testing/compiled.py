@@ -22,10 +22,11 @@ def compile_records(
     DataChangeRecord per (partition, table, mod type) of a transaction, as Spanner groups
     them; ``owner(keys, at)`` is the partition that holds a key at a commit time."""
     out: dict[str, list[DataChangeRecord]] = {}
+    known: dict[str, dict[str, Any]] = {}  # the columns' types so far, in commit order
     for txn in sorted(txns, key=lambda t: (t.at, t.seq)):
         groups: dict[tuple[str, str, ModType], list[Mod]] = {}
         columns: dict[tuple[str, str, ModType], dict[str, ColumnType]] = {}
-        types = column_types(txn.changes)
+        types = column_types(txn.changes, known)
         for table, keys, mod_type, new, old in txn.changes:
             token = owner(keys, txn.at)
             group = (token, table, mod_type)

@@ -117,6 +117,24 @@ def test_values_of_types_that_do_not_mix_fail_at_commit() -> None:
     assert type(record.mods[0].new_values["f"]) is float
 
 
+def test_a_null_keeps_the_type_the_column_had() -> None:
+    """A transaction whose values of a column are all None (or empty lists) reports the
+    type the column had in earlier transactions, as Spanner does; with none, STRING."""
+    s = ScriptedChangeStream("S", origin=T0)
+    s.write("T", 1, "INSERT", {"xs": [1.5], "at": Timestamp.from_ns(T0), "n": None}, at=T0 + 1)
+    s.write("T", 2, "INSERT", {"xs": None, "at": None, "n": None}, at=T0 + 2)
+    s.write("T", 3, "INSERT", {"xs": [], "at": None, "n": 7}, at=T0 + 3)
+    s.write("U", 1, "INSERT", {"xs": None}, at=T0 + 4)  # another table: nothing known
+    types = [{c.name: c.type["code"] for c in r.column_types} for r in s.expected_records()]
+    floats = {"code": "ARRAY", "array_element_type": {"code": "FLOAT64"}}
+    assert types == [{"id": "INT64", "xs": "ARRAY", "at": "TIMESTAMP", "n": "STRING"},
+                     {"id": "INT64", "xs": "ARRAY", "at": "TIMESTAMP", "n": "STRING"},
+                     {"id": "INT64", "xs": "ARRAY", "at": "TIMESTAMP", "n": "INT64"},
+                     {"id": "INT64", "xs": "STRING"}]
+    assert all(next(c.type for c in r.column_types if c.name == "xs") == floats
+               for r in s.expected_records()[:3])
+
+
 def test_filters_drop_records_but_leave_their_positions() -> None:
     s = _stream()
     view = s.with_options(filter=RecordFilter.build(tables=["Orders"],
