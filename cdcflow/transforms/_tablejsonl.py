@@ -2,7 +2,8 @@
 
 A line holds the columns its mod carries, in the change stream's JSON forms: TIMESTAMP as
 RFC 3339 text with nine fractional digits, NUMERIC as text, BYTES as base64, DATE as
-``YYYY-MM-DD``, JSON as text, arrays as JSON arrays of those forms. The forms are made
+``YYYY-MM-DD``, JSON as text, a float that is not finite as ``"NaN"``, ``"Infinity"`` or
+``"-Infinity"``, arrays as JSON arrays of those forms. The forms are made
 column by column (timestamps in Arrow), so orjson writes each line without calling back
 into Python.
 """
@@ -14,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
 from functools import partial
+from math import isfinite
 from typing import Any
 
 import orjson
@@ -39,8 +41,9 @@ from cdcflow.transforms._tablerows import (
 
 __all__: list[str] = []
 
-_NATIVE: dict[str, tuple[type, ...]] = {"INT64": (int,), "FLOAT64": (float, int),
-                                        "FLOAT32": (float, int), "BOOL": (bool,)}
+_FLOAT = (float, int)
+_NATIVE: dict[str, tuple[type, ...]] = {"INT64": (int,), "FLOAT64": _FLOAT, "FLOAT32": _FLOAT,
+                                        "BOOL": (bool,)}
 
 
 def _default(value: Any) -> Any:
@@ -86,7 +89,10 @@ def _forms(mods: Mods, columns: Sequence[Column], table: str,
         elif code in _NATIVE:
             native = _NATIVE[code]
             if not all(v is None or v.__class__ in native for v in vals):
-                fixes.append((c.name, converted(vals, c, table)))
+                fixes.append((c.name, converted(vals, c, table,
+                                                json_form if native is _FLOAT else convert)))
+            elif native is _FLOAT and not all(v is None or isfinite(v) for v in vals):
+                fixes.append((c.name, converted(vals, c, table, json_form)))
         elif code == "JSON":
             if not all(v is None or v.__class__ is str for v in vals):
                 fixes.append((c.name, converted(vals, c, table, convert)))

@@ -23,6 +23,7 @@ import pyarrow as pa
 from cdcflow.durations import parse_time
 from cdcflow.errors import SinkError
 from cdcflow.model import DataChangeRecord, Mod, Timestamp
+from cdcflow.serialize import to_json_value
 
 __all__: list[str] = []
 
@@ -228,8 +229,9 @@ def convert(value: Any, type_: Any) -> Any:
 def json_form(value: Any, type_: Any) -> Any:
     """``value`` (wire or typed) as JSON lines and CSV write it: as :func:`convert` gives
     it, except TIMESTAMP as RFC 3339 text (nine fractional digits), NUMERIC as its text,
-    BYTES as base64 and DATE as ``YYYY-MM-DD`` (the change stream's JSON forms), also
-    inside arrays."""
+    BYTES as base64, DATE as ``YYYY-MM-DD`` and a float that is not finite as ``"NaN"``,
+    ``"Infinity"`` or ``"-Infinity"`` (the change stream's JSON forms), also inside
+    arrays."""
     if value is None:
         return None
     code = _code(type_)
@@ -247,6 +249,8 @@ def json_form(value: Any, type_: Any) -> Any:
         return str(value)
     if code == "DATE":
         return value.isoformat()
+    if code in ("FLOAT64", "FLOAT32"):  # NaN and infinities as Spanner's JSON texts them
+        return to_json_value(convert(value, type_))
     return convert(value, type_)
 
 

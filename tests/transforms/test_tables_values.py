@@ -1,7 +1,8 @@
 """WriteTables writes every value Spanner allows as it was: a JSON value that is a string
 stays a JSON string (apart from one that is a number), PostgreSQL JSONB is JSON text, and
 a TIMESTAMP outside what 64-bit nanoseconds hold (years 1..1677 and 2262..9999) is RFC
-3339 text in JSON lines, and one line naming the fix in Parquet and CSV."""
+3339 text in JSON lines, and one line naming the fix in Parquet and CSV; NaN and the
+infinities are never null."""
 
 from __future__ import annotations
 
@@ -94,3 +95,29 @@ def test_timestamps_beyond_nanoseconds(runner: Runner, tmp_path: Path, fmt: str)
     with pytest.raises((SinkError, SparkTaskError), match=outside):
         _run(runner, stream, tmp_path / "out", fmt)
     assert not list((tmp_path / "out").glob("E/part-*"))  # nothing of the batch written
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "csv"])
+def test_floats_that_are_not_finite_stay_apart_from_null(
+    runner: Runner, tmp_path: Path, fmt: str
+) -> None:
+    """NaN and the infinities, alone and in arrays: Parquet holds them as floats; JSON lines
+    (and CSV's arrays, which are JSON text) as Spanner's JSON texts them, never null."""
+    stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+    nan, inf = float("nan"), float("inf")
+    rows = [(inf, [nan, -inf, 1.0]), (-inf, None), (nan, [None, 2.5]), (None, [inf])]
+    for i, (price, prices) in enumerate(rows):
+        stream.write("E", {"Id": i}, "INSERT", {"Price": price, "Prices": prices},
+                     at=T0 + (i + 1) * 1000)
+    _run(runner, stream, tmp_path / "out", fmt)
+    got = [(r["Price"], r["Prices"]) for r in _rows(tmp_path / "out", fmt)]
+    if fmt == "parquet":
+        assert [repr(v) for v in got] == [repr(v) for v in rows]  # repr: nan == nan
+        return
+    texts = [("Infinity", ["NaN", "-Infinity", 1.0]), ("-Infinity", None),
+             ("NaN", [None, 2.5]), (None, ["Infinity"])]
+    if fmt == "csv":  # a scalar is CSV's float text ("inf", "nan"), an array JSON text
+        got = [(p, None if a is None else json.loads(str(a))) for p, a in got]
+        texts = [(p and {"Infinity": "inf", "-Infinity": "-inf", "NaN": "nan"}[p], a)
+                 for p, a in texts]
+    assert got == texts
