@@ -50,9 +50,11 @@ def translate(exc: Exception, database: str, query: ChangeStreamQuery | None) ->
     if "too far in the past" in text or "retention" in text.lower():
         start = Timestamp.from_ns(query.start).rfc3339() if query is not None else "?"
         msg = (
-            f"start {start} is outside the retention period of change stream {stream!r}: "
-            "start later (for example start_at='-1h'), or raise the stream's "
-            f"retention_period; reset the pipeline if its stored position is too old ({text})"
+            f"start {start} is before what change stream {stream!r} holds (changes since "
+            "it was created, for its retention_period, 1 day by default): start later "
+            "(start_at='now' or a time after the stream's creation), or raise the "
+            f"stream's retention_period; reset the pipeline if its stored position is too "
+            f"old ({text})"
         )
         return ChangeStreamError(msg)
     if "partition_token is invalid" in text:
