@@ -236,23 +236,29 @@ class Engine:
                 self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost)
                 self._owner.acquire(opts.takeover)
                 try:
+                    staged = StagedSinks(self.store, name, sinks, lambda: self._fence)
+
+                    def make_batches(end_cap: int | None) -> Batches:
+                        return Batches(
+                            name=name, store=self.store, runner=self.runner,
+                            listener=self.listener, clock=self._clock,
+                            fence=lambda: self._fence, retry=self._batch_retry,
+                            # Read once; from here on the view applies what this run writes
+                            # (it owns the pipeline), so a batch reads nothing from the store.
+                            view=PartitionView(self.store, name, end_cap), idle=idle,
+                            steps=steps, staged=staged, sinks=sinks,
+                            program_bytes=program_bytes,
+                            span_ns=int(opts.max_batch_span * _NS),
+                            gc_ttl_ns=int(opts.gc_ttl * _NS),
+                            snapshot_slices=program.source.snapshot_tasks_per_batch,
+                        )
+
                     if opts.reset:
+                        self._settle(make_batches(None), staged)
                         # The store keeps the batch id floor, so batch ids go on from before
                         # the reset and sinks that name output by batch id never reuse one.
                         self.store.reset(name)
-                    end_cap = self._first_run(program)
-                    staged = StagedSinks(self.store, name, sinks, lambda: self._fence)
-                    batches = Batches(
-                        name=name, store=self.store, runner=self.runner,
-                        listener=self.listener, clock=self._clock, fence=lambda: self._fence,
-                        retry=self._batch_retry,
-                        # Read once; from here on the view applies what this run writes (it
-                        # owns the pipeline), so a batch reads nothing from the store.
-                        view=PartitionView(self.store, name, end_cap), idle=idle, steps=steps,
-                        staged=staged, sinks=sinks, program_bytes=program_bytes,
-                        span_ns=int(opts.max_batch_span * _NS), gc_ttl_ns=int(opts.gc_ttl * _NS),
-                        snapshot_slices=program.source.snapshot_tasks_per_batch,
-                    )
+                    batches = make_batches(self._first_run(program))
                     try:
                         batches.restore_staged()
                         steps.load(self.store)
@@ -293,6 +299,24 @@ class Engine:
         sink = self.pipeline.transform(label)
         assert isinstance(sink, Sink)
         return sink
+
+    def _settle(self, batches: Batches, staged: StagedSinks) -> None:
+        """Before a reset, keep what the old progress promised: the committed batches a
+        staging sink had not made durable go to it again, then every sink gets the batch an
+        earlier run left pending (sinks that committed it skip it), in batch order, and
+        staging sinks make it all durable. A reset then forgets where reading stood, never
+        output a sink still owed."""
+        name = self.pipeline.name
+        try:
+            batches.restore_staged()
+            pending = self.store.pending_plan(name)
+            if pending is not None:
+                _log.info("batch %d again for every sink before the reset (an earlier run "
+                          "did not commit it)", pending.batch_id)
+                batches.deliver(pending, None)
+        finally:
+            batches.close()
+        staged.flush()
 
     def _first_run(self, program: TaskProgram) -> int | None:
         """Start the pipeline's progress, or check the source it resumes with; returns the
