@@ -21,6 +21,7 @@ __all__ = [
     "EmulatorNotFoundError",
     "FencedError",
     "IncompleteTransactionError",
+    "LeaseExpiredError",
     "LeaseHeldError",
     "OutputConflictError",
     "PipelineDefinitionError",
@@ -206,3 +207,10 @@ class LeaseHeldError(UserInputError):
 class FencedError(StoreError):
     """A plan, commit or lease renewal carried a fencing token that is no longer current:
     another run took the pipeline over. Nothing was written."""
+
+
+class LeaseExpiredError(TransientError):
+    """This run's lease ran out on the local clock (the process was paused, or the store
+    did not answer the renewals): another run may own the pipeline, so a task makes no
+    more side effects; the batch is retried once the lease is renewed (see
+    :mod:`cdcflow.engine.guard`)."""

@@ -37,6 +37,7 @@ from typing import Any
 
 import cloudpickle
 
+from cdcflow.engine.guard import guard_for
 from cdcflow.engine.listener import note_task_done
 from cdcflow.engine.program import TaskProgram
 from cdcflow.engine.quota import ByteQuota, process_quota, quota_limit
@@ -494,7 +495,7 @@ class Chain:
             writer = sink.open_writer(WriterContext(
                 pipeline=self._program.pipeline, sink_label=label, batch_id=self._task.batch_id,
                 partition_token=sl.token, slice_start=sl.start, slice_end=sl.end,
-                attempt=self._attempt,
+                attempt=self._attempt, guard=guard_for(self._program.pipeline),
             ))
             self._writers[label] = writer
         return writer

@@ -47,6 +47,7 @@ from cdcflow.dag import Dag
 from cdcflow.durations import is_relative_time
 from cdcflow.engine.batch import Batches
 from cdcflow.engine.durability import StagedSinks
+from cdcflow.engine.guard import RunGuard, guarding
 from cdcflow.engine.lifecycle import (
     all_finished,
     count_states,
@@ -233,7 +234,8 @@ class Engine:
                 if info.partition_mode == "IMMUTABLE_KEY_RANGE":  # see engine.partitions
                     idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval)
                 # One run per pipeline: every write below carries this run's fencing token.
-                self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost)
+                guard = RunGuard(name)
+                self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost, guard)
                 self._owner.acquire(opts.takeover)
                 try:
                     staged = StagedSinks(self.store, name, sinks, lambda: self._fence)
@@ -254,16 +256,18 @@ class Engine:
                         )
 
                     if opts.reset:
-                        self._settle(make_batches(None), staged)
+                        with guarding(guard):
+                            self._settle(make_batches(None), staged)
                         # The store keeps the batch id floor, so batch ids go on from before
                         # the reset and sinks that name output by batch id never reuse one.
                         self.store.reset(name)
                     batches = make_batches(self._first_run(program))
                     try:
-                        batches.restore_staged()
+                        with guarding(guard):
+                            batches.restore_staged()
                         steps.load(self.store)
                         self.listener.on_start(name, self.runner.name, self.store.url)
-                        with self._signals(), _settled_heap():
+                        with self._signals(), _settled_heap(), guarding(guard):
                             summary = self._loop(batches)
                     finally:
                         batches.close()  # waits for a batch read ahead and aborts its output

@@ -24,9 +24,11 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
+from cdcflow.engine.guard import RunGuard
 from cdcflow.errors import FencedError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import Lease, Timestamp
@@ -57,12 +59,13 @@ class Ownership:
 
     ``ttl`` seconds: how long the lease holds without a heartbeat; it is renewed every
     ``ttl / 3``. ``on_lost`` is called (from the heartbeat thread) once another run took
-    the pipeline over.
+    the pipeline over. ``guard`` learns how long the lease holds on this process's clock,
+    and that it was lost (:mod:`cdcflow.engine.guard`).
     """
 
     def __init__(
         self, store: MetadataStore, pipeline: str, ttl: float,
-        on_lost: Callable[[FencedError], None],
+        on_lost: Callable[[FencedError], None], guard: RunGuard | None = None,
     ) -> None:
         self.store = store
         self.pipeline = pipeline
@@ -70,6 +73,7 @@ class Ownership:
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.run_id = uuid.uuid4().hex[:12]
         self._on_lost = on_lost
+        self.guard = guard if guard is not None else RunGuard(pipeline)
         self._lease: Lease | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,9 +101,11 @@ class Ownership:
                 _log.warning("taking over pipeline %s from %s (--takeover)",
                              self.pipeline, current.owner)
                 replace = current.token
+        began = time.monotonic()
         self._lease = self.store.acquire_lease(
             self.pipeline, self.owner, self.run_id, self.ttl_ns, replace=replace
         )
+        self.guard.hold_until(began + self.ttl_ns / _NS, self.ttl_ns / _NS)
         self._thread = threading.Thread(
             target=self._heartbeat, name=f"cdcflow-lease-{self.pipeline}", daemon=True
         )
@@ -112,9 +118,12 @@ class Ownership:
             lease = self._lease
             assert lease is not None
             try:
+                began = time.monotonic()
                 self._lease = self.store.renew_lease(self.pipeline, lease, self.ttl_ns)
+                self.guard.hold_until(began + self.ttl_ns / _NS, self.ttl_ns / _NS)
             except FencedError as e:
                 self.lost = e
+                self.guard.revoke(e)
                 _log.error("%s", e)
                 self._on_lost(e)
                 return

@@ -237,6 +237,10 @@ class WriterContext:
     slice_start: int
     slice_end: int
     attempt: str  # unique per execution attempt of the task (retries get a new one)
+    #: Raises when the run may no longer act (its lease ran out or was lost, or it was
+    #: aborted): a writer making side effects outside the batch's commit (Consume) calls
+    #: it before each one. Where the driver's run is not in this process it does nothing.
+    guard: Callable[[], None] = attrs.field(default=lambda: None, eq=False, repr=False)
 
 
 def _no_stop(reason: str) -> None:

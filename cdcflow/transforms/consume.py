@@ -283,6 +283,7 @@ class _ConsumeWriter(Generic[E]):
         self._policy = consume.on_error
         self._label = ctx.sink_label
         self._token = ctx.partition_token
+        self._guard = ctx.guard
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # a key became ready, or the end
         self._room = threading.Condition(self._lock)  # a call was acked/skipped, or the end
@@ -415,6 +416,11 @@ class _ConsumeWriter(Generic[E]):
                 while not self._ended and (wait := call.not_before - time.monotonic()) > 0:
                     self._ending.wait(wait)
                 if self._ended:
+                    return
+                try:
+                    self._guard()  # the run may still act: its lease holds, not aborted
+                except BaseException as exc:
+                    self._fail(exc)
                     return
                 if self._timeout is not None:
                     worker.deadline = time.monotonic() + self._timeout

@@ -354,7 +354,8 @@ def test_start_before_retention(
     client = client_factory(gsql[1])
     now = Timestamp.now().ns
     long_ago = now - 3 * 86_400 * 10**9
-    with pytest.raises(ChangeStreamError, match=r"is before what change stream .OrdersStream. holds .*start later .start_at=.now."):
+    before = r"is before what change stream .OrdersStream. holds .*start later .start_at=.now."
+    with pytest.raises(ChangeStreamError, match=before):
         list(client.read(ChangeStreamQuery("OrdersStream", None, long_ago, now)))
 
 

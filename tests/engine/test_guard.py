@@ -1,0 +1,148 @@
+"""A run stops acting once its lease may be another run's: the guard tasks check before
+each side effect (Consume's calls) raises past the lease's local deadline, once the lease
+is found lost, and once the run ends abnormally (a second Ctrl-C)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cdcflow.engine.guard import RunGuard, guard_for, guarding
+from cdcflow.errors import FencedError, LeaseExpiredError, PipelineStopped, TransientError
+
+T0 = 1_700_000_000 * 10**9
+
+
+def test_the_guard_holds_until_its_deadline_then_raises_a_transient_error() -> None:
+    guard = RunGuard("p")
+    guard.check()  # nothing known yet: free
+    guard.hold_until(time.monotonic() + 60, 30)
+    guard.check()
+    guard.hold_until(time.monotonic() - 2, 30)
+    with pytest.raises(LeaseExpiredError, match=r"lease ran out 2\.\ds ago .*30s") as info:
+        guard.check()
+    assert isinstance(info.value, TransientError)  # the batch is retried once renewed
+    guard.hold_until(time.monotonic() + 60, 30)  # renewed
+    guard.check()
+    lost = FencedError("taken over")
+    guard.revoke(lost)
+    guard.revoke(FencedError("a later reason"))
+    with pytest.raises(FencedError, match="taken over"):
+        guard.check()
+
+
+def test_tasks_find_their_runs_guard_while_it_runs_and_a_failure_revokes_it() -> None:
+    guard = RunGuard("orders")
+    assert guard_for("orders")() is None  # no run here: a check that does nothing
+    with pytest.raises(KeyError), guarding(guard):
+        assert guard_for("orders") == guard.check
+        guard_for("payments")()  # another pipeline's tasks are not held
+        raise KeyError("the run failed")
+    with pytest.raises(PipelineStopped, match=r"the run is ending \(KeyError\)"):
+        guard.check()
+    guard_for("orders")()  # unregistered
+
+
+PIPELINE = f"""
+import os, time
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+stream = ScriptedChangeStream("S", partitions=1, origin={T0})
+for i in range(400):
+    stream.write("T", i % 7, "UPDATE", {{"v": i}}, at={T0} + (i + 1) * 10_000_000)
+
+def call(record):
+    with open(os.environ["CALLS"], "a") as f:
+        f.write(f"{{os.getpid()}} {{time.time():.3f}} {{record.mods[0].new_values['v']}}\\n")
+    time.sleep(0.05)
+
+pipeline = cf.Pipeline("paused")
+(pipeline
+ | cf.DetectPartitions(stream="S", start_at={T0}, end_at={T0} + 5 * 10**9, client=stream)
+ | cf.ReadPartition() | cf.Consume(call, key=lambda r: r.mods[0].keys["id"], max_inflight=2))
+"""
+
+
+def _start(path: Path, calls: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--set", "max_batch_span=5s",
+         "--set", "lease_ttl=2s", "--batch-interval", "0s", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=path.parent,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "CALLS": str(calls)},
+    )
+
+
+def _calls(calls: Path) -> list[tuple[int, float, int]]:
+    """(pid, time, value) of every call made."""
+    if not calls.exists():
+        return []
+    lines = [line.split() for line in calls.read_text().splitlines()]
+    return [(int(p), float(t), int(v)) for p, t, v in lines]
+
+
+def test_a_run_paused_past_its_lease_makes_no_call_after_another_run_took_over(
+    tmp_path: Path,
+) -> None:
+    path, calls = tmp_path / "pipeline.py", tmp_path / "calls.txt"
+    path.write_text(textwrap.dedent(PIPELINE))
+    first = _start(path, calls)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_calls(calls)) < 10:  # the first run is in the middle of its batch
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr
+            time.sleep(0.05)
+        os.killpg(first.pid, signal.SIGSTOP)
+        time.sleep(3)  # past the lease's 2 s
+        second = _start(path, calls)
+        while not any(pid == second.pid for pid, _, _ in _calls(calls)):
+            assert second.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        resumed = time.time()
+        os.killpg(first.pid, signal.SIGCONT)
+        _, err = first.communicate(timeout=60)
+        assert second.wait(timeout=120) == 0
+    finally:
+        for proc in (first, locals().get("second")):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert first.returncode == 1, err
+    assert "no longer current" in err.strip().splitlines()[-1] and "Traceback" not in err
+    late = [t for pid, t, _ in _calls(calls) if pid == first.pid and t > resumed]
+    # A call its worker began just before the pause writes its line after it (at most one
+    # per worker); before the guard, the paused run went on for the rest of its batch.
+    assert len(late) <= 2, late
+    assert {v for _, _, v in _calls(calls)} == set(range(400))  # at least once each
+
+
+def test_a_second_ctrl_c_ends_the_run_without_more_calls(tmp_path: Path) -> None:
+    path, calls = tmp_path / "pipeline.py", tmp_path / "calls.txt"
+    path.write_text(textwrap.dedent(PIPELINE))
+    run = _start(path, calls)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_calls(calls)) < 10:
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr
+            time.sleep(0.05)
+        os.killpg(run.pid, signal.SIGINT)  # stop after the batch (4 s of calls left)
+        time.sleep(0.3)
+        aborted = time.time()
+        os.killpg(run.pid, signal.SIGINT)  # abort now
+        _, err = run.communicate(timeout=60)
+        ended = time.time()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 130, err
+    assert "Traceback" not in err
+    late = [t for _, t, _ in _calls(calls) if t > aborted + 0.01]
+    assert len(late) <= 2, late  # before: every call of the batch, for about 4 s more
+    assert ended - aborted < 3
