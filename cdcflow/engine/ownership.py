@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 
 from cdcflow.engine.guard import RunGuard
-from cdcflow.errors import FencedError
+from cdcflow.errors import CdcflowError, FencedError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import Lease, Timestamp
 
@@ -140,6 +140,7 @@ class Ownership:
         if self._lease is not None and self.lost is None:
             try:
                 self.store.release_lease(self.pipeline, self._lease)
-            except Exception:
-                _log.warning("could not release the lease of %s; it expires in %.0fs",
-                             self.pipeline, self.ttl_ns / _NS, exc_info=True)
+            except Exception as e:  # a cdcflow error names its cause: no traceback
+                _log.warning("could not release the lease of %s (%s); it expires in %.0fs",
+                             self.pipeline, e, self.ttl_ns / _NS,
+                             exc_info=not isinstance(e, CdcflowError))

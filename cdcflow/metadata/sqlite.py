@@ -5,23 +5,33 @@ with a busy timeout, and every write is one ``BEGIN IMMEDIATE`` transaction, so 
 processes may open the same file: writers queue on the lock instead of failing, and a
 process that crashes mid-write leaves the previous committed state. Positions are stored as
 INTEGER nanoseconds (MAX_NS fits SQLite's signed 64-bit integers).
+
+Faults of the file. Every ``sqlite3`` error becomes a StoreError naming the file and the fix
+in one place (:meth:`SQLiteStore._transaction`). A file (or directory) this process cannot
+write is opened read-only, so ``cdcflow status`` reads it; its first write raises
+StoreSetupError. The store remembers which file it opened (device and inode): a write after
+the file was deleted or replaced under it is refused (FencedError from ``renew_lease``, so a
+run stops within a third of its lease), instead of going on in a file no one else sees
+while a second run starts on a new one.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import attrs
 
 from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import StoreError, StoreSetupError
+from cdcflow.errors import FencedError, StoreError, StoreSetupError
 from cdcflow.metadata import _rules
 from cdcflow.model import (
     BatchPlan,
@@ -113,6 +123,52 @@ def _parse_url(url: str) -> Path:
     return Path(rest).expanduser()
 
 
+def _writable(path: Path) -> bool:
+    """access(2) for writing with the effective ids: it also answers no for an immutable
+    file (``chattr +i``) and a read-only mount, for root too."""
+    if os.access in os.supports_effective_ids:
+        return os.access(path, os.W_OK, effective_ids=True)
+    return os.access(path, os.W_OK)  # pragma: no cover - every Linux and macOS has them
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why this process cannot write the existing store file ``path`` (SQLite in WAL mode
+    also writes ``-wal`` and ``-shm`` beside it, creating them in its directory), or None."""
+    if not _writable(path):
+        return f"the file {path} is not writable"
+    missing = False
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            if not _writable(side):
+                return f"the file {side} is not writable"
+        else:
+            missing = True
+    if missing and not _writable(path.parent):
+        return f"its directory {path.parent} is not writable"
+    return None
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _error_name(e: sqlite3.Error) -> str:
+    name = getattr(e, "sqlite_errorname", None)
+    if isinstance(name, str):
+        return name
+    text = str(e).lower()  # an error raised by the sqlite3 module itself has no code
+    for needle, guess in (("readonly", "SQLITE_READONLY"), ("locked", "SQLITE_BUSY"),
+                          ("disk i/o", "SQLITE_IOERR"), ("is full", "SQLITE_FULL")):
+        if needle in text:
+            return guess
+    return ""
+
+
 def _partition(row: Sequence[Any]) -> PartitionMetadata:
     return PartitionMetadata(
         token=row[0], parent_tokens=tuple(json.loads(row[1])), start=row[2], end=row[3],
@@ -148,17 +204,19 @@ class SQLiteStore:
         self._clock = clock
         self._batch_log_size = _rules.check_log_size(batch_log_size)
         self._lock = threading.RLock()
+        self._opening = True  # every failure until the store is open is a setup error
+        self._wrote = False  # a write committed since: a refused write is no setup error
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             msg = f"cannot create the directory of the SQLite store {self._path}: {e}; "
             msg += "choose a writable location"
             raise StoreSetupError(msg) from e
+        # A store this process cannot write is opened read-only: reads (cdcflow status)
+        # work, and the first write says what to fix (StoreSetupError).
+        self._read_only = _unwritable(self._path) if self._path.is_file() else None
         try:
-            # isolation_level=None: transactions are begun and ended explicitly below.
-            conn = sqlite3.connect(
-                self._path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
-            )
+            conn = self._connect(busy_timeout)
         except sqlite3.Error as e:
             msg = f"cannot open the SQLite store {self._path}: {e}; check the path and permissions"
             raise StoreSetupError(msg) from e
@@ -169,10 +227,38 @@ class SQLiteStore:
             conn.close()
             self._conn = None
             raise
+        # Which file this store writes: a write checks that the path still names it.
+        self._file = _file_id(self._path)
+        self._opening = False
+        self._wrote = False  # setting the file up may have written nothing
+
+    def _connect(self, busy_timeout: float) -> sqlite3.Connection:
+        # isolation_level=None: transactions are begun and ended explicitly below.
+        if self._read_only is None:
+            return sqlite3.connect(
+                self._path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            )
+        uri = f"file:{quote(str(self._path))}?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout, isolation_level=None,
+                               check_same_thread=False)
+        try:
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError:
+            # No -shm, and it cannot be created (a read-only directory). Without a -wal
+            # the file holds every commit and no run can write it: read it as immutable.
+            conn.close()
+            if self._path.with_name(self._path.name + "-wal").exists():
+                raise
+        return sqlite3.connect(f"{uri}&immutable=1", uri=True, timeout=busy_timeout,
+                               isolation_level=None, check_same_thread=False)
 
     def _setup(self, conn: sqlite3.Connection, busy_timeout: float) -> None:
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            if self._read_only is not None:
+                self._check_read_only(conn)
+                return
             # Switching to WAL does not wait on the busy timeout: two processes opening a
             # new file at once would see "database is locked". Retry it within the timeout.
             RetryPolicy(attempts=1_000, initial=0.01, maximum=0.2, deadline=busy_timeout).call(
@@ -183,10 +269,8 @@ class SQLiteStore:
             # committed output under its batch id.
             conn.execute("PRAGMA synchronous = FULL")
         except sqlite3.DatabaseError as e:
-            msg = f"{self._path} is not a usable SQLite database ({e}); point the URL at "
-            msg += "a new file or at a cdcflow store"
-            raise StoreSetupError(msg) from e
-        with self._write() as c:
+            raise self._store_error(e) from e
+        with self._write(check_file=False) as c:
             c.execute("CREATE TABLE IF NOT EXISTS cdcflow_schema (version INTEGER NOT NULL)")
             row = c.execute("SELECT MAX(version) FROM cdcflow_schema").fetchone()
             version = row[0] if row else None
@@ -204,12 +288,70 @@ class SQLiteStore:
                     c.execute("ALTER TABLE batches ADD COLUMN stats TEXT")
                 c.execute("INSERT INTO cdcflow_schema (version) VALUES (?)", (SCHEMA_VERSION,))
             elif version > SCHEMA_VERSION:
-                msg = (
-                    f"the SQLite store {self._path} has schema version {version}, written by a "
-                    f"newer cdcflow; this one reads up to version {SCHEMA_VERSION}: upgrade "
-                    "cdcflow, or use another file"
-                )
-                raise StoreSetupError(msg)
+                raise self._newer(version)
+
+    def _check_read_only(self, conn: sqlite3.Connection) -> None:
+        """A read-only file must hold a store of this version already: it cannot be set up."""
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+        row = (conn.execute("SELECT MAX(version) FROM cdcflow_schema").fetchone()
+               if "cdcflow_schema" in tables else None)
+        version = row[0] if row else None
+        if version is not None and version > SCHEMA_VERSION:
+            raise self._newer(version)
+        if version != SCHEMA_VERSION:
+            what = "holds no cdcflow store" if version is None else (
+                f"has schema version {version}, which this cdcflow upgrades in place")
+            msg = f"the SQLite store {self._path} {what}, but {self._read_only}; "
+            msg += "make it writable, or point the URL at a writable location"
+            raise StoreSetupError(msg)
+
+    def _newer(self, version: int) -> StoreSetupError:
+        return StoreSetupError(
+            f"the SQLite store {self._path} has schema version {version}, written by a "
+            f"newer cdcflow; this one reads up to version {SCHEMA_VERSION}: upgrade "
+            "cdcflow, or use another file"
+        )
+
+    def _store_error(self, e: sqlite3.Error) -> StoreError:
+        """The StoreError an error of SQLite stands for: the one place that names causes
+        and fixes. StoreSetupError (exit 2) while opening, and for a refused write before
+        any write of this store succeeded; never for a lock held too long."""
+        name = _error_name(e)
+        where = f"the SQLite store {self._path}"
+        setup = self._opening
+        if name.startswith(("SQLITE_READONLY", "SQLITE_PERM", "SQLITE_CANTOPEN", "SQLITE_AUTH")):
+            msg = (f"{where} cannot be written ({e}): make the file, its -wal and -shm files "
+                   "and its directory writable by this user, or point the URL at a writable "
+                   "location")
+            setup = setup or not self._wrote
+        elif name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+            msg = (f"{where} stayed locked by another process ({e}); stop the other run of "
+                   "this pipeline or raise busy_timeout")
+            setup = False  # contention, not a store that cannot be used
+        elif name.startswith("SQLITE_FULL"):
+            msg = f"the disk of {where} is full ({e}); free space, then run again"
+        elif name.startswith("SQLITE_IOERR"):
+            msg = (f"{where} failed to read or write ({e}); check the disk, and that the "
+                   "file and its -wal and -shm files are still there and writable, then run "
+                   "again")
+        elif self._opening or name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")):
+            msg = (f"{self._path} is not a usable SQLite database ({e}); point the URL at "
+                   "a new file or at a cdcflow store")
+        else:
+            msg = f"{where} failed: {type(e).__name__}: {e}"
+        return StoreSetupError(msg) if setup else StoreError(msg)
+
+    def _check_file(self, error: type[StoreError]) -> None:
+        """Refuse to write when the path no longer names the file this store opened."""
+        if self._file is None or _file_id(self._path) == self._file:
+            return
+        msg = (
+            f"the SQLite store {self._path} was deleted or replaced while this process used "
+            "it; this run stops without writing anything more: a new file there is a new, "
+            "empty store (another run may have started on it), so stop every run of this "
+            "pipeline and run again with the store you mean to keep"
+        )
+        raise error(msg)
 
     @classmethod
     def from_url(cls, url: str) -> SQLiteStore:
@@ -231,10 +373,18 @@ class SQLiteStore:
         return self._conn
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def _write(
+        self, *, check_file: bool = True, gone: type[StoreError] = StoreError
+    ) -> Iterator[sqlite3.Connection]:
         """One write transaction; IMMEDIATE takes the write lock up front, so a
-        read-then-write check (pending plan, watermark) cannot race another process."""
-        with self._transaction("BEGIN IMMEDIATE") as conn:
+        read-then-write check (pending plan, watermark) cannot race another process.
+        ``check_file``: first make sure the path still names the file opened (``gone``
+        is raised otherwise)."""
+        if self._read_only is not None:
+            msg = (f"the SQLite store {self._path} cannot be written: {self._read_only}; "
+                   "make it writable by this user, or point the URL at a writable location")
+            raise StoreSetupError(msg)
+        with self._transaction("BEGIN IMMEDIATE", gone if check_file else None) as conn:
             yield conn
 
     @contextmanager
@@ -244,22 +394,30 @@ class SQLiteStore:
             yield conn
 
     @contextmanager
-    def _transaction(self, begin: str) -> Iterator[sqlite3.Connection]:
+    def _transaction(
+        self, begin: str, gone: type[StoreError] | None = None
+    ) -> Iterator[sqlite3.Connection]:
+        """Every statement of the store runs in here: an error of SQLite leaves nothing
+        written and becomes a StoreError (``_store_error``)."""
         with self._lock:
             conn = self._connection()
             try:
                 conn.execute(begin)
-            except sqlite3.OperationalError as e:
-                msg = f"the SQLite store {self._path} stayed locked by another process ({e}); "
-                msg += "stop the other run of this pipeline or raise busy_timeout"
-                raise StoreError(msg) from e
-            try:
+                if gone is not None:
+                    self._check_file(gone)  # under the write lock: one stat per write
                 yield conn
-            except BaseException:
+                conn.execute("COMMIT")
+            except BaseException as e:
                 if conn.in_transaction:
-                    conn.execute("ROLLBACK")
+                    # A failed ROLLBACK: SQLite rolled back on its own, or the connection
+                    # is unusable; either way the error to report is the first one.
+                    with suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                if isinstance(e, sqlite3.Error):
+                    raise self._store_error(e) from e
                 raise
-            conn.execute("COMMIT")
+            if begin != "BEGIN":
+                self._wrote = True
 
     def partitions(self, pipeline: str) -> list[PartitionMetadata]:
         with self._read() as c:
@@ -505,14 +663,16 @@ class SQLiteStore:
             return lease
 
     def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease:
-        with self._write() as c:
+        # A deleted or replaced file fences this run out: the engine's heartbeat stops it.
+        with self._write(gone=FencedError) as c:
             renewed = _rules.renewed(pipeline, self._lease(c, pipeline), lease, ttl_ns,
                                      self._clock())
             self._store_lease(c, pipeline, renewed)
             return renewed
 
     def release_lease(self, pipeline: str, lease: Lease) -> None:
-        with self._write() as c:
+        # Unchecked: ending a lease in a file that was deleted or replaced changes nothing.
+        with self._write(check_file=False) as c:
             c.execute(
                 "UPDATE pipelines SET lease_expires = 0 WHERE pipeline = ? AND lease_token = ?",
                 (pipeline, lease.token),
