@@ -101,6 +101,13 @@ class Ownership:
                 _log.warning("taking over pipeline %s from %s (--takeover)",
                              self.pipeline, current.owner)
                 replace = current.token
+            elif current.expires_at and current.expires_at <= Timestamp.now().ns:
+                # (a released lease has expires_at 0: a clean end, nothing to say)
+                _log.warning("taking over pipeline %s from %s (run %s), whose lease expired "
+                             "%.1fs ago without being released: that run stopped renewing it "
+                             "(it died on another host, was paused, or lost the store)",
+                             self.pipeline, current.owner, current.run_id,
+                             (Timestamp.now().ns - current.expires_at) / _NS)
         began = time.monotonic()
         self._lease = self.store.acquire_lease(
             self.pipeline, self.owner, self.run_id, self.ttl_ns, replace=replace

@@ -153,6 +153,19 @@ def test_a_live_owner_elsewhere_is_not_taken_over_without_the_flag() -> None:
         alive.wait()
 
 
+def test_an_expired_lease_of_a_run_elsewhere_is_taken_over_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = MemoryStore()
+    store.acquire_lease("owned", "elsewhere:1234", "stalled", S // 100)
+    time.sleep(0.05)
+    with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):
+        summary = _engine(_pipeline(_stream(), cf.Collect()), store).run()
+    assert summary.reason == "end reached"
+    (line,) = [r.getMessage() for r in caplog.records if "taking over" in r.getMessage()]
+    assert "from elsewhere:1234 (run stalled), whose lease expired" in line
+
+
 def test_batch_ids_go_on_after_a_reset_even_if_the_reset_run_died_early() -> None:
     store = MemoryStore()
     _engine(_pipeline(_stream(), cf.Collect(), end=3), store).run()
