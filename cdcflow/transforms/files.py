@@ -14,6 +14,11 @@ Names in the output directory (``<d>``):
   the sink's label, and per committed file the slice (partition token, slice start, slice
   end) it came from. Keyed by the naming scope, not the label: whoever writes these final
   names checks the same manifests.
+- ``_cdcflow/<prefix>.<format>/owner.json``: the pipeline whose output the naming scope
+  holds (``{"pipeline": name}``), claimed with an exclusive create by the first pipeline
+  that asks for its committed batches (or commits) there; a sink of another pipeline is
+  refused (its batch ids are not the owner's: it would write the same changes again next
+  to the owner's, and be refused batch by batch only where ids happen to collide).
 - ``_watermark.json``: the pipeline's low watermark after the last commit.
 
 Readers (Spark, pyarrow, pandas) skip names starting with ``.`` or ``_``.
@@ -25,6 +30,7 @@ import contextlib
 import hashlib
 import os
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -50,6 +56,7 @@ _FORMATS = ("jsonl", "parquet")
 _MANIFESTS = "_cdcflow"
 _MANIFEST_VERSION = 1
 _MANIFEST_NAME = re.compile(r"batch-(\d{10,})\.json")
+_OWNER = "owner.json"
 
 
 def _digest(text: str) -> str:
@@ -153,6 +160,16 @@ class WriteFiles(Sink[Any, WrittenFile]):
     the engine refuses the pipeline; if both commit anyway, the second one's commit is
     refused (step 1) before it overwrites anything.
 
+    A naming scope holds one pipeline's output: ``_cdcflow/<prefix>.<format>/owner.json``
+    names it, claimed (an exclusive create) when the engine first asks for
+    :meth:`last_committed_batch` — at start, after it has checked the pipeline's sinks
+    against each other, so a pipeline refused there claims nothing. A sink of another
+    pipeline is refused there (:class:`~cdcflow.errors.OutputConflictError`, nothing
+    written): its batch ids are not the owner's, so it would add the same changes again
+    under other batch ids. Output written before owners were recorded belongs to the
+    pipeline its newest manifest names (or, without manifests, to the first pipeline that
+    runs). The same pipeline restarting, with ``--reset`` or a new store, goes on.
+
     ``format="jsonl"``: one JSON object per line; elements are records, attrs or dataclass
     instances, or dicts (see :mod:`cdcflow.serialize`). ``format="parquet"``: elements become
     rows the same way; nested values (dicts, lists, mods) are stored as JSON text,
@@ -202,6 +219,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
         self._pipeline: str | None = None
         self._label: str | None = None
         self._last_watermark: int | None = None
+        self._claimed = False
 
     def describe_params(self) -> str:
         return f"{self.path} ({self.format})"
@@ -212,6 +230,10 @@ class WriteFiles(Sink[Any, WrittenFile]):
         expanded = os.path.expanduser(self.path)
         self.directory = os.path.abspath(os.path.join(ctx.base_dir, expanded))
         self._pipeline, self._label = ctx.pipeline, ctx.sink_label
+        # The naming scope is claimed when the engine first asks for the committed batches
+        # (right after it has checked the pipeline's sinks against each other): a pipeline
+        # refused at start leaves no claim behind.
+        self._claimed = False
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
@@ -285,7 +307,11 @@ class WriteFiles(Sink[Any, WrittenFile]):
 
     def last_committed_batch(self) -> int:
         """The highest batch id among this naming scope's manifests and final file names
-        (files written before manifests existed count too), or 0 (after setup)."""
+        (files written before manifests existed count too), or 0 (after setup).
+
+        Claims the naming scope for this sink's pipeline first (see :meth:`_claim`).
+        """
+        self._claim()
         final = re.compile(
             re.escape(f"{self.prefix}-") + r"(\d{10,})-[0-9a-f]{16}" + re.escape(f".{self.format}")
         )
@@ -298,6 +324,109 @@ class WriteFiles(Sink[Any, WrittenFile]):
                 if match:
                     best = max(best, int(match.group(1)))
         return best
+
+    def _owner_path(self) -> str:
+        return os.path.join(self._manifest_dir(), _OWNER)
+
+    def _claim(self) -> None:
+        """Make the naming scope this pipeline's, or raise OutputConflictError (nothing
+        written) when it holds another pipeline's output. Once per setup.
+
+        The owner is ``owner.json``; without one (an empty scope, or output of a version
+        that recorded no owner) the pipeline of the newest manifest, if any; without that
+        this pipeline, which then creates ``owner.json`` exclusively: of two pipelines
+        claiming at once, one wins and the other reads the winner's name and is refused.
+        """
+        if self._claimed:
+            return
+        pipeline, _ = self._identity()
+        path = self._owner_path()
+        owner = self._read_owner(path)
+        if owner is None:
+            owner = self._newest_manifest_pipeline() or pipeline
+            if owner == pipeline:
+                try:
+                    self._create_owner(path, pipeline)
+                except FileExistsError:  # another run claimed it since we looked
+                    owner = self._read_owner(path) or pipeline
+        if owner != pipeline:
+            msg = (
+                f"WriteFiles {self.output_location()} holds the output of pipeline {owner!r}, "
+                f"not {pipeline!r}; nothing was written: give each pipeline its own directory "
+                "(or prefix=), or, for a renamed pipeline, write its new name in "
+                f"{path}"
+            )
+            raise OutputConflictError(msg)
+        self._claimed = True
+
+    def _read_owner(self, path: str) -> str | None:
+        with storage("read", path):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                return None
+        try:
+            doc = orjson.loads(data)
+            return str(doc["pipeline"])
+        except (ValueError, KeyError, TypeError) as exc:
+            msg = (
+                f"WriteFiles {self._dir()}: {path} is not one cdcflow wrote "
+                f"({type(exc).__name__}: {exc}); write {{\"pipeline\": \"<name>\"}} in it, "
+                "naming the pipeline whose output the directory holds"
+            )
+            raise OutputConflictError(msg) from exc
+
+    def _newest_manifest_pipeline(self) -> str | None:
+        """The pipeline named by the scope's newest manifest (output written before owners
+        were recorded), or None: no manifest, or not one this version reads."""
+        directory = self._manifest_dir()
+        with storage("list", directory):
+            names = _listdir(directory)
+        batches = [int(m.group(1)) for m in map(_MANIFEST_NAME.fullmatch, names) if m]
+        if not batches:
+            return None
+        try:
+            manifest = self._read_manifest(max(batches))
+        except OutputConflictError:
+            return None  # a commit of that batch id refuses it; no owner to infer here
+        return None if manifest is None else manifest.pipeline
+
+    def _create_owner(self, path: str, pipeline: str) -> None:
+        """Write ``path`` only if it does not exist (FileExistsError if it does): a hard
+        link of a complete temporary file, so a reader never sees a part of it."""
+        _, label = self._identity()
+        directory = os.path.dirname(path)
+        body = orjson.dumps({"pipeline": pipeline}, option=orjson.OPT_APPEND_NEWLINE)
+        temp = os.path.join(
+            directory, f".{_OWNER}.{_label_scope(label)}.{os.getpid()}.{threading.get_ident()}.tmp"
+        )
+        taken = False
+        with storage("create", path):
+            os.makedirs(directory, exist_ok=True)
+            try:
+                with open(temp, "wb") as f:
+                    f.write(body)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                try:
+                    os.link(temp, path)  # atomic, and refuses an existing name
+                except FileExistsError:
+                    taken = True
+                except OSError:  # a filesystem without hard links: an exclusive open
+                    try:
+                        with open(path, "xb") as f:
+                            f.write(body)
+                    except FileExistsError:
+                        taken = True
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(temp)
+            if self.fsync and not taken:
+                fsync_dir(directory)
+        if taken:  # raised here: storage() makes every OSError a SinkIOError
+            raise FileExistsError(path)
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -321,6 +450,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
         """
         directory = self._dir()
         if messages:
+            self._claim()
             # 1. what the directory holds of this batch
             existing = self._read_manifest(batch_id)
             manifest = self._merge(batch_id, existing, messages)

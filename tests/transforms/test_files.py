@@ -125,7 +125,8 @@ def test_jsonl_commit_renames_and_is_idempotent(files: tuple[WriteFiles, Path]) 
     lines = (out / final_a).read_bytes().splitlines()
     assert [orjson.loads(x) for x in lines] == [{"id": 1}, {"id": 2}]
     assert _everything(out) == sorted([final_a, sink.final_name(42, "tok-b"),
-                                       "_cdcflow/part.jsonl/batch-0000000042.json"])
+                                       "_cdcflow/part.jsonl/batch-0000000042.json",
+                                       "_cdcflow/part.jsonl/owner.json"])
     before = {n: (out / n).read_bytes() for n in _everything(out)}
     sink.commit(42, [m_a, m_b])  # a second commit of the same batch
     assert {n: (out / n).read_bytes() for n in _everything(out)} == before
@@ -142,10 +143,10 @@ def test_replay_rewrites_identical_files_and_cleans_strays(
     failed = sink.open_writer(_wctx(7, "tok", "crashed"))
     failed.write({"id": 99})
     replay = _run_task(sink, 7, "tok", rows, "second")
-    assert len(_everything(out)) == 4  # the file, its manifest, two temporary files
+    assert len(_everything(out)) == 5  # the file, its manifest, the owner, two temporary files
     sink.commit(7, [replay])
     assert {n: (out / n).read_bytes() for n in _listing(out)} == committed
-    assert len(_everything(out)) == 2
+    assert len(_everything(out)) == 3
 
 
 def test_abort_leaves_nothing(files: tuple[WriteFiles, Path]) -> None:
@@ -166,7 +167,8 @@ def test_commit_without_files_fails_loudly(files: tuple[WriteFiles, Path]) -> No
     ghost = WrittenFile(str(out / ".gone.tmp"), str(out / "part-x.jsonl"), 1, "t", 0, 10)
     with pytest.raises(SinkError, match="shared by the driver"):
         sink.commit(1, [ghost])
-    assert _everything(out) == []  # checked before the manifest is written
+    # checked before the manifest is written (the claim of the directory comes first)
+    assert _everything(out) == ["_cdcflow/part.jsonl/owner.json"]
 
 
 def test_unserializable_element_names_the_fix(files: tuple[WriteFiles, Path]) -> None:
@@ -237,7 +239,7 @@ def test_a_second_run_with_a_fresh_store_refuses_and_overwrites_nothing(tmp_path
     out = tmp_path / "out"
     _two_batches(out)
     before = _committed(out)
-    assert len(before) == 5  # two files, two manifests, the watermark
+    assert len(before) == 6  # two files, two manifests, the owner, the watermark
     # The same pipeline with a new store: batch ids start over at 1, its slices elsewhere.
     second = _sink(out)
     message = _run_task(second, 1, "root", [{"id": 1, "run": "second"}], "y", start=500, end=510)
@@ -264,7 +266,7 @@ def test_a_second_run_with_a_fresh_store_refuses_and_overwrites_nothing(tmp_path
     [
         ({"start": 5}, r"part-0000000001-\w+\.jsonl came from partition 'root' slice \["),
         ({"token": "other"}, "its files come from other partitions"),
-        ({"pipeline": "another"}, "by sink 'out' of pipeline 'p'"),
+        ({"pipeline": "another"}, "holds the output of pipeline 'p', not 'another'"),
         ({"label": "dead-letter"}, "by sink 'out' of pipeline 'p'"),
     ],
 )
