@@ -59,6 +59,16 @@ _MANIFEST_NAME = re.compile(r"batch-(\d{10,})\.json")
 _OWNER = "owner.json"
 
 
+def _read_if_there(path: str) -> bytes | None:
+    """The bytes of ``path``, or None if there is no such file (other failures: SinkIOError)."""
+    with storage("read", path):
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+
 def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
@@ -360,12 +370,9 @@ class WriteFiles(Sink[Any, WrittenFile]):
         self._claimed = True
 
     def _read_owner(self, path: str) -> str | None:
-        with storage("read", path):
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
-                return None
+        data = _read_if_there(path)
+        if data is None:
+            return None
         try:
             doc = orjson.loads(data)
             return str(doc["pipeline"])
@@ -539,12 +546,9 @@ class WriteFiles(Sink[Any, WrittenFile]):
 
     def _read_manifest(self, batch_id: int) -> _Manifest | None:
         path = self._manifest_path(batch_id)
-        with storage("read", path):
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
-                return None
+        data = _read_if_there(path)
+        if data is None:
+            return None
         try:
             return _Manifest.parse(data)
         except (ValueError, KeyError, TypeError) as exc:
