@@ -14,11 +14,13 @@ Names in the output directory (``<d>``):
   the sink's label, and per committed file the slice (partition token, slice start, slice
   end) it came from. Keyed by the naming scope, not the label: whoever writes these final
   names checks the same manifests.
-- ``_cdcflow/<prefix>.<format>/owner.json``: the pipeline whose output the naming scope
-  holds (``{"pipeline": name}``), claimed with an exclusive create by the first pipeline
-  that asks for its committed batches (or commits) there; a sink of another pipeline is
+- ``_cdcflow/owner.json``: the pipeline whose output the directory holds
+  (``{"pipeline": name}``), claimed with an exclusive create by the first pipeline that
+  asks for its committed batches (or commits) there; a sink of another pipeline is
   refused (its batch ids are not the owner's: it would write the same changes again next
-  to the owner's, and be refused batch by batch only where ids happen to collide).
+  to the owner's, and be refused batch by batch only where ids happen to collide; and
+  ``_watermark.json`` is one pipeline's). Sinks of one pipeline may share the directory
+  with different prefixes or formats.
 - ``_watermark.json``: the pipeline's low watermark after the last commit.
 
 Readers (Spark, pyarrow, pandas) skip names starting with ``.`` or ``_``.
@@ -170,10 +172,10 @@ class WriteFiles(Sink[Any, WrittenFile]):
     the engine refuses the pipeline; if both commit anyway, the second one's commit is
     refused (step 1) before it overwrites anything.
 
-    A naming scope holds one pipeline's output: ``_cdcflow/<prefix>.<format>/owner.json``
-    names it, claimed (an exclusive create) when the engine first asks for
-    :meth:`last_committed_batch` — at start, after it has checked the pipeline's sinks
-    against each other, so a pipeline refused there claims nothing. A sink of another
+    A directory holds one pipeline's output (its sinks may share it with other prefixes):
+    ``_cdcflow/owner.json`` names it, claimed (an exclusive create) when the engine first
+    asks for :meth:`last_committed_batch` — at start, after it has checked the pipeline's
+    sinks against each other, so a pipeline refused there claims nothing. A sink of another
     pipeline is refused there (:class:`~cdcflow.errors.OutputConflictError`, nothing
     written): its batch ids are not the owner's, so it would add the same changes again
     under other batch ids. Output written before owners were recorded belongs to the
@@ -336,13 +338,13 @@ class WriteFiles(Sink[Any, WrittenFile]):
         return best
 
     def _owner_path(self) -> str:
-        return os.path.join(self._manifest_dir(), _OWNER)
+        return os.path.join(self._dir(), _MANIFESTS, _OWNER)
 
     def _claim(self) -> None:
-        """Make the naming scope this pipeline's, or raise OutputConflictError (nothing
+        """Make the directory this pipeline's, or raise OutputConflictError (nothing
         written) when it holds another pipeline's output. Once per setup.
 
-        The owner is ``owner.json``; without one (an empty scope, or output of a version
+        The owner is ``owner.json``; without one (an empty directory, or output of a version
         that recorded no owner) the pipeline of the newest manifest, if any; without that
         this pipeline, which then creates ``owner.json`` exclusively: of two pipelines
         claiming at once, one wins and the other reads the winner's name and is refused.
@@ -361,10 +363,9 @@ class WriteFiles(Sink[Any, WrittenFile]):
                     owner = self._read_owner(path) or pipeline
         if owner != pipeline:
             msg = (
-                f"WriteFiles {self.output_location()} holds the output of pipeline {owner!r}, "
-                f"not {pipeline!r}; nothing was written: give each pipeline its own directory "
-                "(or prefix=), or, for a renamed pipeline, write its new name in "
-                f"{path}"
+                f"WriteFiles {self._dir()} holds the output of pipeline {owner!r}, not "
+                f"{pipeline!r}; nothing was written: give each pipeline its own directory, "
+                f"or, for a renamed pipeline, write its new name in {path}"
             )
             raise OutputConflictError(msg)
         self._claimed = True

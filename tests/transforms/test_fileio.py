@@ -303,7 +303,7 @@ def test_a_failing_manifest_write_changes_nothing_visible(
         sink.commit(1, [message])
     monkeypatch.undo()
     # no manifest, no final name: only the claim of the directory (a hidden owner record)
-    assert list(_committed(tmp_path)) == ["_cdcflow/part.jsonl/owner.json"]
+    assert list(_committed(tmp_path)) == ["_cdcflow/owner.json"]
     sink.commit(1, [message])  # the engine's retry of the batch
     assert _jsonl(tmp_path) == [{"id": 1}]
 

@@ -126,7 +126,7 @@ def test_jsonl_commit_renames_and_is_idempotent(files: tuple[WriteFiles, Path]) 
     assert [orjson.loads(x) for x in lines] == [{"id": 1}, {"id": 2}]
     assert _everything(out) == sorted([final_a, sink.final_name(42, "tok-b"),
                                        "_cdcflow/part.jsonl/batch-0000000042.json",
-                                       "_cdcflow/part.jsonl/owner.json"])
+                                       "_cdcflow/owner.json"])
     before = {n: (out / n).read_bytes() for n in _everything(out)}
     sink.commit(42, [m_a, m_b])  # a second commit of the same batch
     assert {n: (out / n).read_bytes() for n in _everything(out)} == before
@@ -168,7 +168,7 @@ def test_commit_without_files_fails_loudly(files: tuple[WriteFiles, Path]) -> No
     with pytest.raises(SinkError, match="shared by the driver"):
         sink.commit(1, [ghost])
     # checked before the manifest is written (the claim of the directory comes first)
-    assert _everything(out) == ["_cdcflow/part.jsonl/owner.json"]
+    assert _everything(out) == ["_cdcflow/owner.json"]
 
 
 def test_unserializable_element_names_the_fix(files: tuple[WriteFiles, Path]) -> None:

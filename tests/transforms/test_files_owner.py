@@ -32,7 +32,7 @@ from cdcflow.transforms.files import WriteFiles
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
 N = 40
-OWNER = Path("_cdcflow/part.jsonl/owner.json")
+OWNER = Path("_cdcflow/owner.json")
 
 
 def _stream(n: int = N) -> ScriptedChangeStream:
@@ -85,8 +85,8 @@ def test_a_second_pipeline_on_the_directory_is_refused_and_writes_nothing(
         _run("kv-B", out, tmp_path / "b.db")
     text = str(info.value)
     assert "\n" not in text
-    assert f"WriteFiles {out}/part-*.jsonl holds the output of pipeline 'kv-A', not 'kv-B'" in text
-    assert "give each pipeline its own directory (or prefix=)" in text
+    assert f"WriteFiles {out} holds the output of pipeline 'kv-A', not 'kv-B'" in text
+    assert "give each pipeline its own directory" in text
     assert _snapshot(out) == before  # not a byte written, not even a temporary file
     # the owner goes on: a restart, and a --reset that writes everything again above
     assert _run("kv-A", out, tmp_path / "a.db").reason == "end reached"
@@ -98,17 +98,17 @@ def test_a_second_pipeline_on_the_directory_is_refused_and_writes_nothing(
     assert _values(out) == sorted(list(range(N)) * 3)
 
 
-def test_a_second_pipeline_with_a_prefix_of_its_own_shares_the_directory(
-    tmp_path: Path,
-) -> None:
+def test_a_directory_is_one_pipelines_whatever_the_prefix(tmp_path: Path) -> None:
+    """Its _watermark.json is one pipeline's: another pipeline is refused there with a
+    prefix of its own too, while a sink of the owner may use another prefix."""
     out = tmp_path / "shared"
     _run("kv-A", out, tmp_path / "a.db")
-    assert _run("kv-B", out, tmp_path / "b.db", prefix="b").reason == "end reached"
+    before = _snapshot(out)
+    with pytest.raises(OutputConflictError, match="pipeline 'kv-A', not 'kv-B'"):
+        _run("kv-B", out, tmp_path / "b.db", prefix="b")
+    assert _snapshot(out) == before
+    assert _run("kv-A", out, tmp_path / "a2.db", prefix="b").reason == "end reached"
     assert _values(out) == _values(out, "b") == list(range(N))
-    assert orjson.loads((out / "_cdcflow/b.jsonl/owner.json").read_bytes()) == {
-        "pipeline": "kv-B"}
-    with pytest.raises(OutputConflictError, match="pipeline 'kv-B', not 'kv-A'"):
-        _run("kv-A", out, tmp_path / "a.db", prefix="b")
 
 
 def test_output_written_before_owners_were_recorded_is_adopted(tmp_path: Path) -> None:
@@ -251,6 +251,6 @@ def test_the_cli_refuses_a_second_pipeline_in_one_line_with_exit_2(tmp_path: Pat
     refused = done["kv-B"]
     assert refused.returncode == 2, refused.stderr[-2000:]
     last = refused.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"cdcflow: error: WriteFiles {tmp_path / 'shared'}/part-*.jsonl "
-                           "holds the output of pipeline 'kv-A', not 'kv-B'")
+    assert last.startswith(f"cdcflow: error: WriteFiles {tmp_path / 'shared'} holds the "
+                           "output of pipeline 'kv-A', not 'kv-B'")
     assert "Traceback" not in refused.stderr
