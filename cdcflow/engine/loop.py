@@ -307,17 +307,26 @@ class Engine:
     def _settle(self, batches: Batches, staged: StagedSinks) -> None:
         """Before a reset, keep what the old progress promised: the committed batches a
         staging sink had not made durable go to it again, then every sink gets the batch an
-        earlier run left pending (sinks that committed it skip it), in batch order, and
-        staging sinks make it all durable. A reset then forgets where reading stood, never
-        output a sink still owed."""
-        name = self.pipeline.name
+        earlier run left pending (a crash between the sinks' commits and the store's may
+        have left it in some of them; those skip it), in batch order, and staging sinks
+        make it all durable. A reset then forgets where reading stood, not output a sink
+        still owed. What cannot be delivered (a batch that fails every time: its start
+        past the stream's retention, say) is named in a warning, and the reset goes on:
+        it is the way out of such a batch."""
+        pending = self.store.pending_plan(self.pipeline.name)
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("committed batches not yet durable in every sink", batches.restore_staged)]
+        if pending is not None:
+            steps.append((f"batch {pending.batch_id}, which an earlier run did not commit",
+                          lambda: batches.deliver(pending, None)))
         try:
-            batches.restore_staged()
-            pending = self.store.pending_plan(name)
-            if pending is not None:
-                _log.info("batch %d again for every sink before the reset (an earlier run "
-                          "did not commit it)", pending.batch_id)
-                batches.deliver(pending, None)
+            for what, deliver in steps:
+                try:
+                    deliver()
+                except Exception as exc:
+                    _log.warning("before the reset, %s could not be delivered (%s: %s); the "
+                                 "reset goes on without it", what, type(exc).__name__,
+                                 str(exc).splitlines()[0])
         finally:
             batches.close()
         staged.flush()

@@ -239,3 +239,35 @@ def test_a_reset_first_delivers_what_the_old_progress_owed_every_sink(
     assert len(staged) == len(set(staged)) and len(files) == len(set(files))
     assert sorted(staged) == sorted(files)
     assert len(files) >= 20  # five batches' worth of changes at least
+
+
+def test_a_reset_is_the_way_out_of_a_batch_that_fails_every_time(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """A pending batch whose reads fail every time (partition p0's: as a start past the
+    stream's retention does) cannot be delivered before the reset: a warning says so, and
+    the reset run goes on (p0 split into a and b before its new start)."""
+    from cdcflow.errors import ChangeStreamError, SparkTaskError
+
+    files_out = tmp_path / "files"
+
+    def run(stream: ScriptedChangeStream, start: int, reset: bool = False) -> Any:
+        p = cf.Pipeline("stuck")
+        (p | cf.DetectPartitions(stream="S", start_at=start, end_at=T0 + 11 * S, client=stream)
+         | cf.ReadPartition() | "v" >> cf.Map(lambda r: r.mods[0].new_values["v"])
+         | "files" >> BatchFileSink(files_out))
+        store = SQLiteStore(tmp_path / "s.db")
+        try:
+            opts = RunOptions(batch_interval=0, max_batch_span=1.0, reset=reset, batch_retries=0)
+            return Engine(p, store, runner, opts).run()
+        finally:
+            store.close()
+
+    def failing() -> ScriptedChangeStream:
+        return _stream().fail_reads(10_000, error=ChangeStreamError, token="p0")
+
+    with pytest.raises((ChangeStreamError, SparkTaskError), match="scripted failure"):
+        run(failing(), T0)
+    summary = run(failing(), T0 + 5 * S, reset=True)
+    assert summary.reason == "end reached"
+    assert sorted(BatchFileSink(files_out).values()) == list(range(39, 80))
