@@ -97,6 +97,7 @@ _FINAL_ERRORS: tuple[type[BaseException], ...] = (
 
 _LOCAL = re.compile(r"^local(?:\[(\*|\d+)\])?$")
 _LOCAL_FORMS = re.compile(r"^local(\[(\*|\d+)(,\d+)?\])?$|^local-cluster\[\d+, *\d+, *\d+\]$")
+_CLUSTER_MASTERS = ("spark://", "yarn", "k8s://", "mesos://")
 _SPARK_TASK = re.compile(r"Task (\d+) in stage \S+ failed (\d+) times")
 _CDCFLOW_TASK = re.compile(r"cdcflow task (\d+) failed")
 # A transient error travels to the driver in the failure's text, pickled, as [carried:...]:
@@ -133,7 +134,7 @@ def check_master(master: str) -> None:
     ``spark://`` master none of whose hosts accepts a connection (Spark itself tries for a
     minute, then fails with pages of Java stack traces)."""
     fix = "is it running, and is the host:port right?"
-    if master.startswith("local"):
+    if master.startswith("local") or not master.startswith(_CLUSTER_MASTERS):
         if not _LOCAL_FORMS.match(master):
             msg = (f"{master!r} is not a Spark master: use local[*], local[N], "
                    "spark://HOST:PORT, yarn or k8s://https://HOST:PORT")
@@ -532,7 +533,15 @@ def _start_session(builder: Any) -> Any:
                     raise
                 _log.warning("the Spark JVM launcher exited at start (attempt %d of %d); "
                              "starting it again", attempt, _LAUNCH_ATTEMPTS)
-        return builder.getOrCreate()
+        try:
+            return builder.getOrCreate()
+        except Exception as exc:
+            if "JAVA_GATEWAY_EXITED" not in str(exc):
+                raise
+            msg = (f"Spark's JVM exited while starting, {_LAUNCH_ATTEMPTS} times: check "
+                   "--master and every --conf (Spark's own message is above), and that "
+                   "Java 17 or later is installed (java on PATH, or JAVA_HOME)")
+            raise ConfigurationError(msg) from None
     finally:
         if (handler is not None and signal.getsignal(signal.SIGINT) is not handler
                 and threading.current_thread() is threading.main_thread()):

@@ -435,6 +435,7 @@ def test_a_master_spark_cannot_use_is_one_line_and_exit_2(tmp_path: Path) -> Non
     """))
     env = {k: v for k, v in os.environ.items() if k != "CDCFLOW_DEBUG"}
     for master, says in (("local[abc]", "'local[abc]' is not a Spark master: use local[*]"),
+                         ("bogus", "'bogus' is not a Spark master: use local[*]"),
                          (f"spark://127.0.0.1:{port}",
                           f"cannot reach the Spark master spark://127.0.0.1:{port}")):
         began = time.monotonic()
@@ -447,3 +448,14 @@ def test_a_master_spark_cannot_use_is_one_line_and_exit_2(tmp_path: Path) -> Non
         assert done.stderr.strip().splitlines()[-1].startswith(f"cdcflow: error: {says}")
         assert "Traceback" not in done.stderr and "Exception" not in done.stderr
         assert time.monotonic() - began < 30
+    # A setting the JVM refuses: Spark says why above, cdcflow's last line names the fix.
+    done = subprocess.run(
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--runner", "spark",
+         "--conf", "spark.driver.memory=-5"], capture_output=True, text=True, timeout=180,
+        env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "cdcflow: error: Spark's JVM exited while starting, 3 times: check --master and every "
+        "--conf")
+    assert "Traceback" not in done.stderr
