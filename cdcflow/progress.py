@@ -12,7 +12,6 @@ line for log shippers (:class:`JsonFormatter`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -20,10 +19,16 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
-from typing import Literal, TextIO
+from typing import TextIO
 
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
+from cdcflow.logformat import (
+    LOG_FORMATS,
+    JsonFormatter,
+    LogFormat,
+    PlainFormatter,
+    pass_to_workers,
+)
 from cdcflow.model import MAX_NS, BatchPlan, PartitionState, Timestamp
 
 __all__ = [
@@ -48,51 +53,6 @@ _RATE_WINDOW_S = 10.0
 _CLEAR_LINE = "\r\x1b[2K"
 
 logger = logging.getLogger("cdcflow.progress")
-
-#: What ``--log-format`` takes.
-LOG_FORMATS = ("plain", "json")
-LogFormat = Literal["plain", "json"]
-
-
-def _utc_stamp(created: float) -> str:
-    """ISO-8601 in UTC with milliseconds: ``2024-05-01T12:00:00.123Z``."""
-    stamp = datetime.fromtimestamp(created, UTC)
-    return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
-
-
-class PlainFormatter(logging.Formatter):
-    """``2024-05-01T12:00:00.123Z WARNING cdcflow.stuck: message`` (UTC, milliseconds)."""
-
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        return _utc_stamp(record.created)
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per record, on one line: ``time`` (as :class:`PlainFormatter`
-    dates it), ``level``, ``logger``, ``message``, ``pipeline`` (the run's pipeline, or
-    null), and ``exception`` (the traceback text) when there is one."""
-
-    def __init__(self, pipeline: str | None = None) -> None:
-        super().__init__()
-        self.pipeline = pipeline
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, object] = {
-            "time": _utc_stamp(record.created),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-            "pipeline": getattr(record, "pipeline", self.pipeline),
-        }
-        if record.exc_info:
-            doc["exception"] = self.formatException(record.exc_info)
-        elif record.exc_text:
-            doc["exception"] = record.exc_text
-        return json.dumps(doc, ensure_ascii=False, default=str)
-
 
 def format_duration(seconds: float) -> str:
     """``"850ms"``, ``"4.2s"``, ``"3m05s"``, ``"2h03m"``."""
@@ -392,4 +352,8 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if debug else logging.WARNING)
     logging.getLogger("cdcflow").setLevel(logging.DEBUG if debug else logging.INFO)
+    # Worker processes (Spark's Python workers inherit the environment; the Spark runner
+    # passes it to a cluster's executors) log the same way: see configure_worker_logging.
+    pass_to_workers(format, pipeline)
     return handler
+

@@ -54,6 +54,7 @@ from cdcflow.errors import (
     TransientError,
     UserInputError,
 )
+from cdcflow.logformat import WORKER_LOG_ENV, configure_worker_logging
 from cdcflow.model import Timestamp
 
 __all__ = [
@@ -180,6 +181,7 @@ def _run_partition(
     """
     from cdcflow.engine.task import execute_task
 
+    configure_worker_logging()  # the driver's log format (JSON lines), not bare text
     code: bytes = program.value
     for index, task in (item for group in groups for item in group):
         try:
@@ -355,9 +357,9 @@ class SparkRunner:
         settings: dict[str, str] = {"spark.app.name": app_name, **_ALWAYS_CONF}
         master = self.master or self.conf.get("spark.master") or submitted.get("spark.master")
         settings["spark.master"] = local_master(master)
-        host = os.environ.get("SPANNER_EMULATOR_HOST")
-        if host:
-            settings["spark.executorEnv.SPANNER_EMULATOR_HOST"] = host
+        for name in ("SPANNER_EMULATOR_HOST", *WORKER_LOG_ENV):
+            if os.environ.get(name):
+                settings[f"spark.executorEnv.{name}"] = os.environ[name]
         if _is_local(settings["spark.master"]):
             settings.update(DEFAULT_LOCAL_CONF)
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")

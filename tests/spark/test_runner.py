@@ -7,6 +7,7 @@ own.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -459,3 +460,41 @@ def test_a_master_spark_cannot_use_is_one_line_and_exit_2(tmp_path: Path) -> Non
         "cdcflow: error: Spark's JVM exited while starting, 3 times: check --master and every "
         "--conf")
     assert "Traceback" not in done.stderr
+
+
+def test_executors_log_in_the_drivers_format(tmp_path: Path) -> None:
+    """With --log-format json, what the executors' Python workers log (an element skipped)
+    comes out as JSON lines naming the pipeline, as the driver's lines do."""
+    path = tmp_path / "p.py"
+    path.write_text(textwrap.dedent("""
+        import cdcflow as cf
+        from cdcflow.testing import ScriptedChangeStream
+
+        T0 = 10**18
+        stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+        for i in range(6):
+            stream.write("T", i, "INSERT", {"v": i}, at=T0 + (i + 1) * 10**8)
+
+        def odd_fails(r):
+            if r.mods[0].new_values["v"] % 2:
+                raise ValueError("odd")
+            return r
+
+        pipeline = cf.Pipeline("logs", error_policy=cf.ErrorPolicy(retries=0, then="skip"))
+        (pipeline | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 10**9,
+                                        client=stream)
+         | cf.ReadPartition() | cf.Map(odd_fails) | cf.Collect())
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "CDCFLOW_DEBUG"}
+    done = subprocess.run(
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--runner", "spark",
+         "--log-format", "json"], capture_output=True, text=True, timeout=180, env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    skipped = [line for line in done.stderr.splitlines() if "skipped an element" in line]
+    assert len(skipped) == 3, done.stderr[-3000:]
+    for line in skipped:
+        doc = json.loads(line)
+        assert doc["level"] == "WARNING" and doc["pipeline"] == "logs"
+        assert doc["logger"].startswith("cdcflow.")
