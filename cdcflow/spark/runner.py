@@ -247,6 +247,18 @@ def _describe_task(task: bytes, index: int) -> str:
         return f"task {index}"
 
 
+def _jvm_gone(exc: BaseException) -> bool:
+    """Whether a call into Spark failed because its JVM no longer answers."""
+    from py4j.protocol import Py4JNetworkError  # type: ignore[import-untyped]
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, Py4JNetworkError | ConnectionRefusedError | ConnectionResetError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _cause_text(exc: BaseException) -> str:
     """The most telling line of a Spark job failure: the Python error when there is one."""
     text = str(exc)
@@ -254,10 +266,13 @@ def _cause_text(exc: BaseException) -> str:
         match = _CDCFLOW_TASK.search(line)
         if match:
             return line[match.end() :].strip().removeprefix(":").strip()
+    if "Python worker exited unexpectedly" in text:
+        return ("its Python worker exited unexpectedly (killed, out of memory, or os._exit "
+                "in a user function)")
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b", ln)]
     cause = errors[-1] if errors else lines[0] if lines else type(exc).__name__
-    return _CARRIED.sub("", cause)[:500]
+    return _CARRIED.sub("", cause)[:500].rstrip(".")
 
 
 # What setJobGroup sets on the submitting thread; restored after each job.
@@ -423,10 +438,15 @@ class SparkRunner:
         try:
             collected: list[tuple[int, bool, bytes]] = rdd.collect()
         except Exception as exc:
+            if _jvm_gone(exc):
+                msg = (f"Spark's JVM is gone ({type(exc).__name__}: {exc}): it was killed, "
+                       "or ran out of memory (raise spark.driver.memory with --conf)")
+                raise SparkTaskError(msg) from None
             raise self._task_error(exc, tasks, groups) from exc
         finally:
-            for key, value in before.items():
-                sc.setLocalProperty(key, value)
+            with contextlib.suppress(Exception):  # (not when the JVM is gone)
+                for key, value in before.items():
+                    sc.setLocalProperty(key, value)
         collected.sort(key=lambda item: item[0])
         if [index for index, _, _ in collected] != list(range(len(tasks))):
             msg = (
@@ -461,7 +481,7 @@ class SparkRunner:
             more = f" and {len(group) - 3} more" if len(group) > 3 else ""
             which = f"task running {'; '.join(shown)}{more}"
         else:
-            which = "a task"
+            which = "job"
         carried = _carried(text)
         if carried is not None:
             carried.add_note(f"in Spark {which}, failed{attempts}")
@@ -479,7 +499,11 @@ class SparkRunner:
                 bc.unpersist(blocking=False)
         self._broadcasts.clear()
         if self._session is not None and self._owns_session:
-            self._session.stop()
+            try:
+                self._session.stop()
+            except Exception as exc:  # its JVM is gone (killed): nothing is left to stop
+                if not _jvm_gone(exc):
+                    raise
         self._session, self._owns_session = None, False
         if self._log_dir is not None:
             self._log_dir.cleanup()

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -498,3 +499,60 @@ def test_executors_log_in_the_drivers_format(tmp_path: Path) -> None:
         doc = json.loads(line)
         assert doc["level"] == "WARNING" and doc["pipeline"] == "logs"
         assert doc["logger"].startswith("cdcflow.")
+
+
+def test_a_killed_jvm_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    """Spark's JVM killed mid-run (an out-of-memory kill, say): one line saying so, exit 1,
+    and none of py4j's connection tracebacks; the next run resumes."""
+    path = tmp_path / "p.py"
+    path.write_text(textwrap.dedent("""
+        import time
+        import cdcflow as cf
+        from cdcflow.testing import ScriptedChangeStream
+
+        T0 = 10**18
+        stream = ScriptedChangeStream("S", partitions=2, origin=T0)
+        for i in range(400):
+            stream.write("T", i, "INSERT", {"v": i}, at=T0 + (i + 1) * 10**8)
+
+        def slow(r):
+            time.sleep(0.05)
+            return r
+
+        pipeline = cf.Pipeline("jvm")
+        (pipeline | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 41 * 10**9,
+                                        client=stream)
+         | cf.ReadPartition() | cf.Map(slow) | cf.Collect())
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "CDCFLOW_DEBUG"}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--runner", "spark", "--set",
+         "max_batch_span=2s"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env=env, cwd=tmp_path, start_new_session=True,
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        assert run.stderr is not None
+        lines.extend(run.stderr)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("batch 2:" in line for line in lines):  # the session runs batches
+            assert run.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        (jvm, *_) = subprocess.run(
+            ["pgrep", "-s", str(run.pid), "-f", "org.apache.spark.deploy.SparkSubmit"],
+            capture_output=True, text=True).stdout.split()
+        os.kill(int(jvm), signal.SIGKILL)
+        run.wait(timeout=60)
+        reader.join(10)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    err = "".join(lines)
+    assert run.returncode == 1, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("cdcflow: error: Spark's JVM is gone")
+    assert "py4j" not in err and "/cdcflow/" not in err, err[-3000:]  # no traceback of ours
