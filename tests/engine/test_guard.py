@@ -115,7 +115,9 @@ def test_a_run_paused_past_its_lease_makes_no_call_after_another_run_took_over(
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert first.returncode == 1, err
-    assert "no longer current" in err.strip().splitlines()[-1] and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("cdcflow: error: pipeline 'paused': this run's lease"), last
+    assert "no longer current" in last and "Traceback" not in err
     late = [t for pid, t, _ in _calls(calls) if pid == first.pid and t > resumed]
     # A call its worker began just before the pause writes its line after it (at most one
     # per worker); before the guard, the paused run went on for the rest of its batch.
