@@ -105,8 +105,10 @@ __all__ = [
 ]
 
 #: Retries of every store operation. Many short first waits, because the emulator aborts
-#: any overlapping transactions; at most 40 attempts, none starting after 120 s.
-DEFAULT_RETRY = RetryPolicy(attempts=40, initial=0.01, maximum=1.0, deadline=120.0)
+#: any overlapping transactions; none starting after 120 s (the deadline is the bound: 40
+#: attempts of full-jitter backoff capped at 1 s last only about 20 s, less than an outage
+#: the store should ride out).
+DEFAULT_RETRY = RetryPolicy(attempts=1000, initial=0.01, maximum=1.0, deadline=120.0)
 #: Seconds a refused connection is retried at the first contact before the store gives up.
 CONNECT_PATIENCE = 3.0
 #: Deadline of each RPC in seconds; a call that exceeds it fails with DEADLINE_EXCEEDED and
