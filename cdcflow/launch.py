@@ -323,7 +323,7 @@ class _Listeners(EngineListener):
         self._observers = list(observers)
 
     def _each(self, method: str, *args: Any) -> None:
-        if self._user is not None:
+        if self._user is not None and hasattr(self._user, method):  # (an older listener)
             getattr(self._user, method)(*args)
         for observer in list(self._observers):
             try:
@@ -347,6 +347,9 @@ class _Listeners(EngineListener):
 
     def on_batch(self, stats: BatchStats) -> None:
         self._each("on_batch", stats)
+
+    def on_batch_retry(self, batch_id: int, error: BaseException) -> None:
+        self._each("on_batch_retry", batch_id, error)
 
     def on_stop(self, summary: RunSummary) -> None:
         self._each("on_stop", summary)

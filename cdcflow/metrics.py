@@ -31,7 +31,8 @@ Metrics (type; labels besides ``pipeline``):
   (histograms: each change stream query's duration, and its time to the first row),
   ``cdcflow_spanner_errors_total{code}`` (counter: errors of those queries by gRPC status,
   retried ones included; an error that fails its task returns no counters and shows as
-  the batch's retry in the log instead);
+  the batch's retry instead), ``cdcflow_batch_retries_total{error}`` (counter: batches
+  run again after a transient failure, by the error's class, and ``error="any"``);
 - ``cdcflow_inflight_bytes`` (gauge: the last batch's in-flight bytes at their peak,
   summed over its tasks), ``cdcflow_quota_waits_total`` and
   ``cdcflow_quota_wait_seconds_total`` (counters: reads that waited for in-flight room,
@@ -155,6 +156,7 @@ class PipelineMetrics(EngineListener):
         self._commit_to_sink = _Histogram(COMMIT_BUCKETS)
         self._queries = {key: _Histogram(QUERY_BUCKETS) for key in _QUERY_HISTOGRAMS}
         self._spanner_errors: Counter[str] = Counter()
+        self._batch_retries: Counter[str] = Counter()  # by error class
         self._inflight_bytes = 0
         self._last_batch_ns: int | None = None
         # From the last on_partitions: watermarks of the partitions that are not FINISHED.
@@ -209,6 +211,10 @@ class PipelineMetrics(EngineListener):
                     )
             self._last_batch_ns = self._clock()
 
+    def on_batch_retry(self, batch_id: int, error: BaseException) -> None:
+        with self._lock:
+            self._batch_retries[type(error).__name__] += 1
+
     def on_partitions(self, partitions: Sequence[PartitionMetadata], now_ns: int) -> None:
         active = tuple(
             (p.token, p.watermark) for p in partitions if p.state != PartitionState.FINISHED
@@ -238,6 +244,7 @@ class PipelineMetrics(EngineListener):
             commit = (self._commit_to_sink.buckets(), self._commit_to_sink.total)
             queries = {k: (h.buckets(), h.total) for k, h in self._queries.items()}
             spanner_errors = dict(self._spanner_errors)
+            batch_retries = dict(self._batch_retries)
             inflight_bytes = self._inflight_bytes
             last_batch, watermarks = self._last_batch_ns, self._watermarks
             low, done = self._low, self._done
@@ -343,6 +350,14 @@ class PipelineMetrics(EngineListener):
         for code, value in sorted(spanner_errors.items()):
             errors_family.add_metric([name, code], value)
         yield errors_family
+        retries_family = CounterMetricFamily(
+            "cdcflow_batch_retries", "Batches run again after a transient failure (a "
+            "reader's retries spent, a sink's storage fault), by the error's class.",
+            labels=[*p, "error"])
+        retries_family.add_metric([name, "any"], sum(batch_retries.values()))
+        for error, value in sorted(batch_retries.items()):
+            retries_family.add_metric([name, error], value)
+        yield retries_family
         yield gauge("cdcflow_inflight_bytes", "Bytes in flight at their peak in the last "
                     "batch, summed over its tasks (max_inflight > 1 only).", inflight_bytes)
         yield counter("cdcflow_quota_waits", "Reads that waited for in-flight room "

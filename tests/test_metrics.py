@@ -557,3 +557,23 @@ def test_spark_and_the_memory_runner_report_the_same_counters() -> None:
     assert memory[("cdcflow_records_read_total", frozenset())] == 40
     assert memory[("cdcflow_skipped_total", frozenset())] == 1  # id 7
     assert memory[("cdcflow_retries_total", frozenset())] == 1
+
+
+def test_batches_run_again_are_counted_by_the_errors_class() -> None:
+    """An outage fails a batch's reads until their retries are spent: the batch runs again,
+    and the metrics say so (the failed attempts' own counters never reach the driver)."""
+    stream = ScriptedChangeStream("Orders", partitions=1, origin=NOW)
+    for i in range(5):
+        stream.write("Orders", {"id": i}, "INSERT", {"n": i}, at=NOW + (i + 1) * 100_000_000)
+    stream.fail_reads(2, token="p0")  # a TransientError, as the reader's spent retries raise
+    pipeline = cf.Pipeline("outage")
+    (pipeline
+     | cf.DetectPartitions(stream="Orders", start_at=NOW, end_at=NOW + 2 * S, client=stream)
+     | cf.ReadPartition() | cf.Collect())
+    metrics = PipelineMetrics(pipeline.name, clock=Clock())
+    pipeline.run("memory", "memory://", listener=metrics, batch_interval=0, retry_backoff=0)
+    got = parse(metrics.exposition().decode())
+    assert value(got, "cdcflow_batch_retries_total", error="TransientError",
+                 pipeline="outage") == 2
+    assert value(got, "cdcflow_batch_retries_total", error="any", pipeline="outage") == 2
+    assert value(got, "cdcflow_records_read_total", pipeline="outage") == 5

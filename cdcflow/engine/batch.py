@@ -354,6 +354,7 @@ class Batches:
                 "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
                 type(exc).__name__, exc, retry, self._retry.retries, delay,
             )
+            self.listener.on_batch_retry(plan.batch_id, exc)
 
         try:
             return self._retry.call(attempt, retry_if=_is_transient, on_retry=retrying)

@@ -111,6 +111,11 @@ class EngineListener:
     def on_batch(self, stats: BatchStats) -> None:
         return None
 
+    def on_batch_retry(self, batch_id: int, error: BaseException) -> None:
+        """An attempt of the batch failed with a transient ``error`` (a reader's retries
+        spent, a sink's storage fault) and the batch is about to run again."""
+        return None
+
     def on_partitions(self, partitions: Sequence[PartitionMetadata], now_ns: int) -> None:
         """The stored partitions after a batch committed (before garbage collection), and
         the engine's clock: for per-partition lag and stuck-partition detection. Called
