@@ -44,6 +44,7 @@ __all__ = [
     "UsageError",
     "UserInputError",
     "WatermarkRegressionError",
+    "WriterFailed",
 ]
 
 
@@ -151,6 +152,12 @@ class SinkSetupError(SinkError, ConfigurationError):
     """A sink cannot reach or open its storage before the first batch (a wrong URL, no
     credentials, a server that does not answer): nothing was read; the message says what
     to check. Exit code 2."""
+
+
+class WriterFailed(SinkError):
+    """A sink writer failed as a whole, not because of the element being written (calls
+    that hang past ``drain_timeout``, say): the task fails without the error policy
+    deciding about that element."""
 
 
 class SinkIOError(TransientError):

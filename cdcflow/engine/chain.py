@@ -42,7 +42,13 @@ from cdcflow.engine.listener import note_task_done
 from cdcflow.engine.program import TaskProgram
 from cdcflow.engine.quota import ByteQuota, process_quota, quota_limit
 from cdcflow.engine.runner import ChildSeen, Task, TaskResult
-from cdcflow.errors import FencedError, LeaseExpiredError, PipelineStopped, SinkIOError
+from cdcflow.errors import (
+    FencedError,
+    LeaseExpiredError,
+    PipelineStopped,
+    SinkIOError,
+    WriterFailed,
+)
 from cdcflow.inflight import Barrier, InflightTracker
 from cdcflow.model import DataChangeRecord
 from cdcflow.policy import FailedElement, Retry, Stop
@@ -444,10 +450,11 @@ class Chain:
         decides, attempt after attempt."""
         exc, failed = first, 0
         while True:
-            if isinstance(exc, SinkIOError | PipelineStopped | FencedError | LeaseExpiredError):
+            if isinstance(exc, SinkIOError | PipelineStopped | WriterFailed | FencedError
+                          | LeaseExpiredError):
                 # the sink's storage failed, not the element (the batch is retried), or it
-                # was decided further down (a sink with a policy of its own), or the run may
-                # no longer act (its guard: engine.guard)
+                # was decided further down (a sink with a policy of its own), or the writer
+                # failed as a whole, or the run may no longer act (its guard: engine.guard)
                 raise exc
             failed += 1
             token, at = _origin(record)

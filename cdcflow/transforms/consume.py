@@ -41,7 +41,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from cdcflow.durations import parse_duration
-from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError
+from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError, WriterFailed
 from cdcflow.model import DataChangeRecord
 from cdcflow.transforms._policy import ErrorPolicy, Retry, Skip
 from cdcflow.transforms.base import Sink, SinkWriter, WriterContext
@@ -133,9 +133,12 @@ class Consume(Sink[E, Consumed]):
     More than ``4 * max_inflight + 4`` abandoned calls alive at once fail the task.
 
     ``drain_timeout``: how long ``close`` waits for the elements still in flight when the
-    task ends. Past it the task fails with SinkError: the batch is not committed and is
-    replayed (by Spark's task retry, or by the next run), calling ``fn`` again for all its
-    elements.
+    task ends, and how long ``write`` waits for room in a full pool and queue without any
+    call finishing (a call that hangs holds its key's later elements in the queue). Past
+    it the task fails with SinkError: the batch is not committed and is replayed (by
+    Spark's task retry, or by the next run), calling ``fn`` again for all its elements.
+    While it waits, the task also stops once the run may no longer act (its guard: a
+    second Ctrl-C, a lost lease).
 
     ``on_error``: the :class:`~cdcflow.policy.ErrorPolicy` for failed calls; the default
     retries 3 times with backoff, then stops. Its ``then='skip'`` (or a handler's Skip)
@@ -316,7 +319,17 @@ class _ConsumeWriter(Generic[E]):
         if not self._started:
             self._start()
         with self._lock:
-            self._room.wait_for(lambda: self._pending < self._capacity or self._ended)
+            if not self._wait(lambda: self._pending < self._capacity or self._ended,
+                              while_progress=True):
+                running = sum(1 for w in self._workers if w.call is not None)
+                msg = (
+                    f"Consume {self._label!r}: no call finished for {self._drain_timeout:g}s "
+                    f"while the pool and queue of partition {self._token} were full "
+                    f"({running} call(s) running, {self._pending} element(s) waiting); the "
+                    "task fails, and a replay of the batch calls fn again for its elements. "
+                    "Find why fn hangs, or bound each call with timeout="
+                )
+                self._fail(WriterFailed(msg))
             if self._failure is not None:
                 raise self._failure
             if self._ended:
@@ -340,19 +353,17 @@ class _ConsumeWriter(Generic[E]):
         if not self._started:
             return None
         with self._lock:
-            done = self._room.wait_for(
-                lambda: self._pending == 0 or self._failure is not None, self._drain_timeout
-            )
+            done = self._wait(lambda: self._pending == 0 or self._failure is not None)
             if not done:
                 running = sum(1 for w in self._workers if w.call is not None)
                 msg = (
                     f"Consume {self._label!r}: {self._pending} element(s) of partition "
                     f"{self._token} not acknowledged {self._drain_timeout:g}s after the task "
-                    f"ended ({running} call(s) still running); the task fails and the batch "
-                    "is replayed, calling fn again for its elements. Raise drain_timeout, or "
+                    f"ended ({running} call(s) still running); the task fails, and a replay of "
+                    "the batch calls fn again for its elements. Raise drain_timeout, or "
                     "bound each call with timeout="
                 )
-                self._fail(SinkError(msg))
+                self._fail(WriterFailed(msg))
             self._end()
             failure = self._failure
         self._join()
@@ -372,14 +383,40 @@ class _ConsumeWriter(Generic[E]):
 
     def abort(self) -> None:
         """Drop the waiting elements; wait for the running calls (at most ``timeout``, or
-        ``drain_timeout`` without one), so that a replay does not overlap them."""
+        ``drain_timeout`` without one), so that a replay does not overlap them; not when
+        the run is ending (its guard revoked: no replay in this process follows)."""
         if not self._started:
             return
         with self._lock:
             self._end()
             self._ready.clear()
         wait = self._drain_timeout if self._timeout is None else self._timeout
+        try:
+            self._guard()
+        except BaseException:
+            wait = 0.0
         self._join(min(wait, self._drain_timeout))
+
+    def _wait(self, ready: Callable[[], bool], while_progress: bool = False) -> bool:
+        """Wait (under the lock) until ``ready()``, or ``drain_timeout`` seconds (without
+        any call finishing, with ``while_progress``); False then. Checks the run's guard
+        every half second: once the run may no longer act, the writer fails with the
+        guard's error (``ready`` then holds: the writer has ended)."""
+        deadline = time.monotonic() + self._drain_timeout
+        progress = self._counts["acked"] + self._counts["skipped"]
+        while not ready():
+            now = time.monotonic()
+            if while_progress and self._counts["acked"] + self._counts["skipped"] != progress:
+                progress = self._counts["acked"] + self._counts["skipped"]
+                deadline = now + self._drain_timeout
+            if now >= deadline:
+                return False
+            self._room.wait(min(0.5, deadline - now))
+            try:
+                self._guard()
+            except BaseException as exc:
+                self._fail(exc)
+        return True
 
     # -- the pool ---------------------------------------------------------------------------
 
@@ -522,10 +559,10 @@ class _ConsumeWriter(Generic[E]):
                 if len(self._abandoned) > limit:
                     msg = (
                         f"Consume {self._label!r}: {len(self._abandoned)} calls are stuck past "
-                        f"timeout={self._timeout:g}s; the task fails and the batch is "
-                        "replayed. Find why fn hangs, or raise timeout"
+                        f"timeout={self._timeout:g}s; the task fails, and a replay of the "
+                        "batch calls fn again. Find why fn hangs, or raise timeout"
                     )
-                    self._fail(SinkError(msg))
+                    self._fail(WriterFailed(msg))
                     return
             for worker in overdue:
                 assert worker.call is not None

@@ -23,7 +23,7 @@ import cdcflow as cf
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine, RunOptions, RunSummary
 from cdcflow.engine.runner import Runner
-from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError
+from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError, WriterFailed
 from cdcflow.metadata import MemoryStore
 from cdcflow.model import BatchPlan
 from cdcflow.policy import Decision, ErrorPolicy, Retry, Stop
@@ -304,8 +304,59 @@ def test_close_past_the_drain_timeout_fails_the_task() -> None:
     writer = _writer(Consume(lambda e: release.wait(10), drain_timeout=0.1))
     writer.write(1)
     try:
-        with pytest.raises(SinkError, match=r"not acknowledged 0\.1s after.*batch is replayed"):
+        with pytest.raises(SinkError, match=r"not acknowledged 0\.1s after.*a replay of the batch"):
             writer.close()
+    finally:
+        release.set()
+
+
+def test_a_hung_call_holding_a_full_queue_fails_the_task_after_the_drain_timeout() -> None:
+    """The hung call's key holds its later elements in the queue until it is full: write
+    blocks, so close (and its drain_timeout) would never come. write gives up after
+    drain_timeout without any call finishing, as a whole-writer failure."""
+    release = threading.Event()
+
+    def fn(n: int) -> None:
+        if n == 0:
+            release.wait(30)
+
+    writer = _writer(Consume(fn, max_inflight=2, key=lambda n: 0, drain_timeout=0.5))
+    began = time.monotonic()
+    try:
+        with pytest.raises(WriterFailed, match=r"no call finished for 0\.5s while the pool"):
+            for n in range(100):
+                writer.write(n)
+        assert time.monotonic() - began < 5
+        writer.abort()
+    finally:
+        release.set()
+
+
+def test_a_revoked_guard_ends_a_write_waiting_on_a_hung_call() -> None:
+    """A second Ctrl-C (or a lost lease) revokes the run's guard: a write blocked behind a
+    hung call fails with the guard's error within a second, and abort does not wait for the
+    hung call."""
+    release = threading.Event()
+    revoked: list[BaseException] = []
+
+    def guard() -> None:
+        if revoked:
+            raise revoked[0]
+
+    def fn(n: int) -> None:
+        if n == 0:
+            release.wait(30)
+
+    ctx = WriterContext("p", "consume", 1, "tok", 0, 10, "attempt", guard=guard)
+    writer = Consume(fn, max_inflight=2, key=lambda n: 0).open_writer(ctx)
+    threading.Timer(0.3, lambda: revoked.append(PipelineStopped("aborted"))).start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(PipelineStopped, match="aborted"):
+            for n in range(100):
+                writer.write(n)
+        writer.abort()
+        assert time.monotonic() - began < 3
     finally:
         release.set()
 
