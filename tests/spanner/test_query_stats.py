@@ -50,8 +50,10 @@ def test_every_query_and_every_retried_error_is_counted() -> None:
     assert _buckets(counters, "spanner_query_seconds") == 3
     assert _buckets(counters, "spanner_first_response_seconds") == 3
     assert 0 < counters["spanner_first_response_us"] <= counters["spanner_query_us"]
-    # a scripted wire answers at once: every query lands in the smallest bucket
-    assert counters[f"spanner_query_seconds/{QUERY_BUCKETS[0]}"] == 3
+    # a scripted wire answers at once: every query lands in the small buckets (a loaded
+    # machine may take more than the smallest, 10 ms, now and then)
+    fast = [b for b in QUERY_BUCKETS if b <= 0.25]
+    assert sum(counters.get(f"spanner_query_seconds/{b}", 0) for b in fast) == 3
 
 
 def test_time_the_caller_holds_records_is_not_the_query_s() -> None:
