@@ -314,13 +314,13 @@ class Engine:
         past the stream's retention, say) is named in a warning, and the reset goes on:
         it is the way out of such a batch."""
         pending = self.store.pending_plan(self.pipeline.name)
-        steps: list[tuple[str, Callable[[], object]]] = [
+        owed: list[tuple[str, Callable[[], object]]] = [
             ("committed batches not yet durable in every sink", batches.restore_staged)]
         if pending is not None:
-            steps.append((f"batch {pending.batch_id}, which an earlier run did not commit",
+            owed.append((f"batch {pending.batch_id}, which an earlier run did not commit",
                           lambda: batches.deliver(pending, None)))
         try:
-            for what, deliver in steps:
+            for what, deliver in owed:
                 try:
                     deliver()
                 except Exception as exc:

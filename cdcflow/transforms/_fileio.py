@@ -104,6 +104,39 @@ def write_atomic(path: str, temp: str, data: bytes, fsync: bool) -> None:
             fsync_dir(os.path.dirname(path))
 
 
+def create_exclusive(path: str, temp: str, data: bytes, fsync: bool = False) -> bool:
+    """Write ``data`` to ``path`` only if no file is there: a hard link of the complete
+    ``temp`` (atomic: a reader never sees a part), or an exclusive open where the
+    filesystem has no hard links. False if ``path`` existed (nothing written); other
+    failures raise SinkIOError."""
+    directory = os.path.dirname(path)
+    created = True
+    with storage("create", path):
+        os.makedirs(directory, exist_ok=True)
+        try:
+            with open(temp, "wb") as f:
+                f.write(data)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            try:
+                os.link(temp, path)  # atomic, and refuses an existing name
+            except FileExistsError:
+                created = False
+            except OSError:  # a filesystem without hard links
+                try:
+                    with open(path, "xb") as f:
+                        f.write(data)
+                except FileExistsError:
+                    created = False
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(temp)
+        if fsync and created:
+            fsync_dir(directory)
+    return created
+
+
 _BUFFER = 256 << 10
 
 

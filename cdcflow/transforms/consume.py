@@ -321,12 +321,12 @@ class _ConsumeWriter(Generic[E]):
         with self._lock:
             if not self._wait(lambda: self._pending < self._capacity or self._ended,
                               while_progress=True):
-                running = sum(1 for w in self._workers if w.call is not None)
                 msg = (
                     f"Consume {self._label!r}: no call finished for {self._drain_timeout:g}s "
                     f"while the pool and queue of partition {self._token} were full "
-                    f"({running} call(s) running, {self._pending} element(s) waiting); the "
-                    "task fails, and a replay of the batch calls fn again for its elements. "
+                    f"({self._running()} call(s) running, {self._pending} element(s) waiting); "
+                    "the task fails, and a replay of the batch calls fn again for its "
+                    "elements. "
                     "Find why fn hangs, or bound each call with timeout="
                 )
                 self._fail(WriterFailed(msg))
@@ -355,12 +355,11 @@ class _ConsumeWriter(Generic[E]):
         with self._lock:
             done = self._wait(lambda: self._pending == 0 or self._failure is not None)
             if not done:
-                running = sum(1 for w in self._workers if w.call is not None)
                 msg = (
                     f"Consume {self._label!r}: {self._pending} element(s) of partition "
                     f"{self._token} not acknowledged {self._drain_timeout:g}s after the task "
-                    f"ended ({running} call(s) still running); the task fails, and a replay of "
-                    "the batch calls fn again for its elements. Raise drain_timeout, or "
+                    f"ended ({self._running()} call(s) still running); the task fails, and a "
+                    "replay of the batch calls fn again for its elements. Raise drain_timeout, or "
                     "bound each call with timeout="
                 )
                 self._fail(WriterFailed(msg))
@@ -396,6 +395,10 @@ class _ConsumeWriter(Generic[E]):
         except BaseException:
             wait = 0.0
         self._join(min(wait, self._drain_timeout))
+
+    def _running(self) -> int:
+        """Calls running now (under the lock)."""
+        return sum(1 for w in self._workers if w.call is not None)
 
     def _wait(self, ready: Callable[[], bool], while_progress: bool = False) -> bool:
         """Wait (under the lock) until ``ready()``, or ``drain_timeout`` seconds (without

@@ -45,6 +45,7 @@ from cdcflow.transforms._fileio import (
     JsonlWriter,
     ParquetWriter,
     WrittenFile,
+    create_exclusive,
     fsync_dir,
     process_alive,
     storage,
@@ -401,39 +402,14 @@ class WriteFiles(Sink[Any, WrittenFile]):
         return None if manifest is None else manifest.pipeline
 
     def _create_owner(self, path: str, pipeline: str) -> None:
-        """Write ``path`` only if it does not exist (FileExistsError if it does): a hard
-        link of a complete temporary file, so a reader never sees a part of it."""
+        """Write ``path`` only if it does not exist (FileExistsError if it does)."""
         _, label = self._identity()
-        directory = os.path.dirname(path)
         body = orjson.dumps({"pipeline": pipeline}, option=orjson.OPT_APPEND_NEWLINE)
         temp = os.path.join(
-            directory, f".{_OWNER}.{_label_scope(label)}.{os.getpid()}.{threading.get_ident()}.tmp"
+            os.path.dirname(path),
+            f".{_OWNER}.{_label_scope(label)}.{os.getpid()}.{threading.get_ident()}.tmp",
         )
-        taken = False
-        with storage("create", path):
-            os.makedirs(directory, exist_ok=True)
-            try:
-                with open(temp, "wb") as f:
-                    f.write(body)
-                    if self.fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
-                try:
-                    os.link(temp, path)  # atomic, and refuses an existing name
-                except FileExistsError:
-                    taken = True
-                except OSError:  # a filesystem without hard links: an exclusive open
-                    try:
-                        with open(path, "xb") as f:
-                            f.write(body)
-                    except FileExistsError:
-                        taken = True
-            finally:
-                with contextlib.suppress(OSError):
-                    os.remove(temp)
-            if self.fsync and not taken:
-                fsync_dir(directory)
-        if taken:  # raised here: storage() makes every OSError a SinkIOError
+        if not create_exclusive(path, temp, body, self.fsync):
             raise FileExistsError(path)
 
     # -- tasks -------------------------------------------------------------------------------

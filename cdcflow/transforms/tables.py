@@ -76,6 +76,7 @@ from cdcflow.errors import (
     SinkSetupError,
 )
 from cdcflow.model import DataChangeRecord, Timestamp
+from cdcflow.transforms._fileio import create_exclusive
 from cdcflow.transforms._tablebuild import conform
 from cdcflow.transforms._tableread import file_schema, table_schema
 from cdcflow.transforms._tablerows import Format, RowStyle, Schema
@@ -296,25 +297,15 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         """Write ``path`` only if it does not exist (FileExistsError if it does): a link
         on local disk, a conditional PUT where the store has one (S3's If-None-Match)."""
         fs = self._storage()
-        try:
-            if "file" not in fs.protocol:
-                try:
-                    fs.pipe_file(path, data, mode="create")
-                except TypeError:  # a filesystem that has no exclusive write
-                    self._put(path, data)
-                return
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        if "file" in fs.protocol:
             temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-            with open(temp, "wb") as f:
-                f.write(data)
-            try:
-                os.link(temp, path)  # atomic, and refuses an existing name
-            except FileExistsError:
-                raise
-            except OSError:  # a filesystem without hard links
-                self._put(path, data)
-            finally:
-                os.unlink(temp)
+            if not create_exclusive(path, temp, data):
+                raise FileExistsError(path)
+            return
+        try:
+            fs.pipe_file(path, data, mode="create")
+        except TypeError:  # a filesystem that has no exclusive write
+            self._put(path, data)
         except FileExistsError:
             raise
         except storage_errors() as exc:
