@@ -215,7 +215,7 @@ class ChangeStreamClient(Protocol):
 
     Optionally, what ``read`` returns has ``size_of(record) -> int | None``: the size in
     bytes of the record just yielded, measured while decoding it (the Spanner reader's, from
-    the JSON it parsed), in the measure of ``cdcflow.engine.quota.approx_size``, which the
+    the JSON it parsed), in the measure of ``cdcflow.sizes.approx_size``, which the
     task uses for the byte quota when a read does not say (None).
     """
 

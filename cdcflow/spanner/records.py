@@ -135,7 +135,7 @@ class DataBuilder:
         one loop (the hot path of every GoogleSQL read). Without a filter, ``sizes`` (if
         given) gets each record's size by ``id()``: :data:`RECORD_BYTES`, the serialized
         mods' bytes (their JSON texts) and :data:`ENTRY_BYTES` per key and value of its
-        mods; the measure of ``cdcflow.engine.quota.approx_size``, read off the wire."""
+        mods; the measure of ``cdcflow.sizes.approx_size``, read off the wire."""
         if not self._plain:
             out: list[ChangeRecord] = []
             wants = self.shaper.wants

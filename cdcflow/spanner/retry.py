@@ -166,7 +166,7 @@ class ObservedRead(Iterator[ChangeRecord]):
 
     def size_of(self, record: ChangeRecord) -> int | None:
         """The bytes the decoder measured for ``record``, the record just read (the
-        measure of ``cdcflow.engine.quota.approx_size``, taken from the wire), or None
+        measure of ``cdcflow.sizes.approx_size``, taken from the wire), or None
         when it did not measure it. Ask before reading the next record."""
         return self._sizes.get(id(record))
 

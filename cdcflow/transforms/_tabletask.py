@@ -1,6 +1,9 @@
 """The task side of WriteTables: a writer groups a task's records by (table, date
 directory, column list) and builds each group column-wise at close (``_tablebuild``,
-``_tablejsonl``); its commit message carries the groups, or the path of a local spool file.
+``_tablejsonl``); its commit message carries the groups, or the path of a local spool file
+(past ``spool_size`` bytes of records) and the groups' heads (their metadata, without rows),
+so the driver decides a batch's schema from the heads and then stages the rows a spooled
+chunk at a time.
 """
 
 from __future__ import annotations
@@ -9,13 +12,14 @@ import contextlib
 import os
 import pickle
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 
 from cdcflow.errors import SinkError
 from cdcflow.model import DataChangeRecord, Timestamp
+from cdcflow.sizes import approx_size
 from cdcflow.transforms._tablebuild import Mods, record_batch
 from cdcflow.transforms._tablejsonl import jsonl_lines
 from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema, columns_of
@@ -23,8 +27,9 @@ from cdcflow.transforms._tablespool import local_prefix
 
 __all__ = ["TaskRows", "Writer"]
 
-#: Rows a task holds in memory are counted at this many bytes each against ``spool_size``.
-_ROW_BYTES = 256
+#: A writer measures one record in this many (``approx_size``) and counts the records since
+#: its last measure at that size against ``spool_size``.
+_MEASURE_EVERY = 64
 
 
 @attrs.frozen
@@ -43,31 +48,51 @@ class Group:
     #: tracks (see ``_tablebuild.full_ops``), None without one: only such a record shows a
     #: dropped column
     full_ns: int | None = None
+    #: the bytes of ``data`` (Arrow's count, or the JSON lines' length)
+    nbytes: int = 0
+
+    def head(self) -> Group:
+        """The group without its rows (what the driver needs before it stages them)."""
+        return attrs.evolve(self, data=None)
 
 
 @attrs.frozen
 class TaskRows:
-    """A writer's commit message: its rows inline, or the path of a local spool file."""
+    """A writer's commit message: its rows inline (``groups``), or the path of a local spool
+    file and the heads of the groups in it (``heads``: each group without its rows)."""
 
     groups: tuple[Group, ...] = ()
     spool: str | None = None
+    heads: tuple[Group, ...] = ()
 
-    def load(self) -> tuple[Group, ...]:
+    def described(self) -> tuple[Group, ...]:
+        """The groups, with or without their rows: enough to plan a commit."""
+        return self.groups if self.spool is None else self.heads
+
+    def chunks(self) -> Iterator[list[Group]]:
+        """The groups with their rows, a spooled chunk (about ``spool_size`` bytes of
+        records) at a time, so a batch larger than memory is never loaded whole."""
         if self.spool is None:
-            return self.groups
-        groups: list[Group] = []
+            yield list(self.groups)
+            return
         try:
-            with open(self.spool, "rb") as f:
-                while True:
-                    try:
-                        groups.extend(pickle.load(f))
-                    except EOFError:
-                        break
+            f = open(self.spool, "rb")  # noqa: SIM115 (closed below; yields between reads)
         except OSError as exc:
-            msg = (f"WriteTables cannot read the task's spool {self.spool}: {exc}; tasks spool "
-                   "to local disk: on a cluster set spool_size=None (rows travel inline)")
-            raise SinkError(msg) from exc
-        return tuple(groups)
+            raise self._unreadable(exc) from exc
+        with f:
+            while True:
+                try:
+                    chunk: list[Group] = pickle.load(f)
+                except EOFError:
+                    return
+                except OSError as exc:
+                    raise self._unreadable(exc) from exc
+                yield chunk
+
+    def _unreadable(self, exc: OSError) -> SinkError:
+        return SinkError(f"WriteTables cannot read the task's spool {self.spool}: {exc}; tasks "
+                         "spool to local disk: on a cluster set spool_size=None (rows travel "
+                         "inline)")
 
 
 class Writer:
@@ -90,14 +115,16 @@ class Writer:
         self.groups: dict[tuple[str, str], list[tuple[Any, list[DataChangeRecord]]]] = {}
         self.dirs: dict[tuple[int, int, int, int], str] = {}
         self.spool: str | None = None
+        self.heads: list[Group] = []  # of the groups spooled
         # the fast path: the last record's column list and table, and its group's records
         self._types: Any = None
         self._table: Any = None
         self._records: list[DataChangeRecord] = []
         self._key: tuple[str, str] = ("", "")
-        # records held, and when to count their rows against spool_size
-        self._held = 0
-        self._check = (1 << 62) if spool_size is None else max(1, spool_size // _ROW_BYTES)
+        # records held; the bytes counted of them (up to the record ``_counted``); the record
+        # at which to count again
+        self._held = self._counted = self._bytes = 0
+        self._check = (1 << 62) if spool_size is None else 1
 
     def write(self, element: DataChangeRecord) -> None:
         try:
@@ -111,7 +138,7 @@ class Writer:
             self._add(element)
         self._held += 1
         if self._held >= self._check:
-            self._maybe_spill()
+            self._maybe_spill(element)
 
     def _add(self, element: DataChangeRecord) -> None:
         if not isinstance(element, DataChangeRecord):
@@ -133,15 +160,19 @@ class Writer:
         self._types, self._table = types, element.table_name
         self._records.append(element)
 
-    def _maybe_spill(self) -> None:
-        """Spill once the rows held (a record may hold several) pass ``spool_size``."""
+    def _maybe_spill(self, element: DataChangeRecord) -> None:
+        """Spill once the records held pass ``spool_size`` bytes: the records since the last
+        measure count at the size of this one (one ``approx_size`` per
+        :data:`_MEASURE_EVERY` records at most, fewer where they are large)."""
         assert self.spool_size is not None
-        rows = sum(len(r.mods) for groups in self.groups.values() for _, recs in groups
-                   for r in recs)
-        if rows * _ROW_BYTES >= self.spool_size:
+        size = approx_size(element)
+        self._bytes += (self._held - self._counted) * size
+        self._counted = self._held
+        if self._bytes >= self.spool_size:
             self._spill()
         else:
-            self._check = self._held + max(1, (self.spool_size // _ROW_BYTES - rows))
+            room = (self.spool_size - self._bytes) // size
+            self._check = self._held + max(1, min(_MEASURE_EVERY, room))
 
     def _directory(self, ts: Timestamp) -> str:
         hour = (ts.year, ts.month, ts.day, ts.hour)
@@ -162,26 +193,30 @@ class Writer:
                 else:
                     data = record_batch(mods, schema, self.style, self.format)
                 first, full = mods.bounds()
-                out.append(Group(table, directory, columns, len(mods), data, first, full))
+                nbytes = len(data) if isinstance(data, bytes) else data.nbytes
+                out.append(Group(table, directory, columns, len(mods), data, first, full,
+                                 nbytes))
         self.groups = {}
         self._types = self._table = None
         self._records, self._key = [], ("", "")
-        self._held = 0
+        self._held = self._counted = self._bytes = 0
         if self.spool_size is not None:
-            self._check = max(1, self.spool_size // _ROW_BYTES)
+            self._check = 1
         return out
 
     def _spill(self) -> None:
         if self.spool is None:
             fd, self.spool = tempfile.mkstemp(prefix=local_prefix(), suffix=".spool")
             os.close(fd)
+        groups = self._batch()
         with open(self.spool, "ab") as f:
-            pickle.dump(self._batch(), f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(groups, f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.heads.extend(g.head() for g in groups)
 
     def close(self) -> TaskRows | None:
         if self.spool is not None:
             self._spill()
-            return TaskRows(spool=self.spool)
+            return TaskRows(spool=self.spool, heads=tuple(self.heads))
         groups = self._batch()
         return TaskRows(groups=tuple(groups)) if groups else None
 
@@ -189,6 +224,7 @@ class Writer:
         self.groups = {}
         self._types = self._table = None
         self._records = []
+        self.heads = []
         if self.spool is not None:
             with contextlib.suppress(OSError):
                 os.remove(self.spool)

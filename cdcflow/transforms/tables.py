@@ -130,10 +130,10 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     (``before``, ``after``, ``op`` c/u/d or r for a snapshot row, ``source`` with
     ``table``, ``commit_timestamp``, ``transaction_id``, ``record_sequence`` and
     ``partition``, and ``ts_ms``, the commit time in milliseconds). ``spool_size``: a task
-    keeps this many bytes of rows in memory and spools the rest to a local temporary file
-    whose path it sends to the driver, when it runs on the driver's machine (in-memory
-    runner, Spark local modes); elsewhere, and with ``None``, every row travels in the
-    commit message.
+    keeps this many bytes of records (``approx_size``) in memory and spools the rest to a
+    local temporary file whose path it sends to the driver, when it runs on the driver's
+    machine (in-memory runner, Spark local modes); the commit then stages the file a chunk
+    at a time; elsewhere, and with ``None``, every row travels in the commit message.
     ``timestamp_unit``: Parquet timestamps in ``"ns"`` (TIMESTAMP(NANOS), every digit
     Spanner gives) or ``"us"`` (TIMESTAMP(MICROS), for readers that refuse nanoseconds,
     such as Spark 4; the digits below a microsecond are dropped).
@@ -162,7 +162,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         rows: RowStyle = "flat",
         *,
         storage_options: Mapping[str, Any] | None = None,
-        spool_size: str | int | None = "16MiB",
+        spool_size: str | int | None = "4MiB",
         spool_memory: str | int = "256MiB",
         spool_disk: str | int = "8GiB",
         local_dir: str | None = None,
@@ -446,24 +446,32 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         if batch_id <= self.durable_batch() or batch_id <= self._staged_through:
             return
         self._checkpoint("stage", batch_id)
+        # The plan, from the groups' heads (no rows): a key whose file holding the batch
+        # exists is a replay, its rows skipped before they can start a schema version (a
+        # replayed batch from before a DROP COLUMN would otherwise add the dropped column
+        # back); then each table's schema version.
         by_key: dict[Key, list[Group]] = {}
         for message in messages:
-            for g in message.load():
+            for g in message.described():
                 by_key.setdefault((g.table, g.directory), []).append(g)
-            if message.spool is not None:
-                with contextlib.suppress(OSError):
-                    os.remove(message.spool)
-        # A key whose file holding the batch exists is a replay: its rows are skipped before
-        # they can start a schema version (a replayed batch from before a DROP COLUMN
-        # would otherwise add the dropped column back).
         by_key = {k: gs for k, gs in by_key.items() if batch_id > self._key_flushed(k)}
         by_table: dict[str, list[Group]] = {}
         for key, groups in by_key.items():
             by_table.setdefault(key[0], []).extend(groups)
         for table, groups in by_table.items():
             self._evolve(table, groups, batch_id)
-        for key, groups in by_key.items():
-            self._stage(key, groups, batch_id)
+        # The rows, a task's spooled chunk at a time, spilling past spool_memory as they
+        # come: a batch larger than memory is never held whole.
+        incoming = {k: sum(g.nbytes for g in gs) for k, gs in by_key.items()}
+        for message in messages:
+            for chunk in message.chunks():
+                for g in chunk:
+                    if (key := (g.table, g.directory)) in by_key:
+                        self._stage(key, g, batch_id, incoming)
+                self._spill_memory()
+            if message.spool is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(message.spool)
         self._staged_through = batch_id
         due = self._due(by_key)
         for reason in ("size", "interval"):
@@ -499,21 +507,24 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                   new.to_json(self.rows, self.format, self.partition_by))
         self._schemas[table] = new
 
-    def _stage(self, key: Key, groups: list[Group], batch_id: int) -> None:
-        """Add the batch's rows of ``key`` to its open file (opened if none). A file comes
-        as near ``file_size`` as whole batches let it: when it is at least half full and
-        would pass the target by more with this batch than it lacks without it, it is cut
-        first."""
+    def _stage(self, key: Key, group: Group, batch_id: int, incoming: dict[Key, int]) -> None:
+        """Add a group of the batch's rows of ``key`` to its open file (opened if none).
+        A file comes as near ``file_size`` as whole batches let it: at the key's first
+        group of the batch (``incoming`` holds the Arrow or JSON bytes of all its groups
+        until then), a file at least half full that would pass the target by more with
+        this batch than it lacks without it is cut first."""
         file = self._open.get(key)
         schema = self._schemas[key[0]]
         arrow = (file.arrow if file is not None else None if self.format == "jsonl"
                  else schema.arrow(self.rows, self.format))
-        chunks = [encode(g.data if arrow is None else conform(g.data, arrow),
-                         self.format == "csv") for g in groups]
-        if file is not None:
+        chunk, nbytes = encode(group.data if arrow is None else conform(group.data, arrow),
+                               self.format == "csv")
+        raw = incoming.pop(key, None)
+        if file is not None and raw is not None:
             ratio = self._ratio(file)
             size = file.size(ratio)
-            after = size + sum(n for _, n in chunks) * (1.0 if file.text else ratio)
+            batch = raw * nbytes / max(1, group.nbytes)  # as this group encodes
+            after = size + batch * (1.0 if file.text else ratio)
             if 2 * size >= self.file_size and after - self.file_size > self.file_size - size:
                 self._cut([key], batch_id, "size")
                 file = None
@@ -526,8 +537,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                             self._parquet_options(), csv=self.format == "csv",
                             usage=self._usage)
             self._open[key] = file
-        for chunk, nbytes in chunks:
-            file.append(chunk, nbytes, batch_id)
+        file.append(chunk, nbytes, batch_id)
 
     def _spill_dir(self) -> str:
         """The local directory rows spill to, made at the first spill (under ``local_dir``,
@@ -571,9 +581,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             uploads.submit(cut)
             del self._open[key]
 
-    def _bound(self, batch_id: int) -> None:
-        """Keep the spool under its watermarks (see the class docstring)."""
-        uploads = self._queue()
+    def _spill_memory(self) -> None:
+        """Past ``spool_memory`` in memory, spill to local disk down to half of it: the
+        largest open files first, then cut files waiting for their upload."""
         low = self.spool_memory // 2
         if self._memory() > self.spool_memory:
             for file in sorted(self._open.values(), key=lambda o: -o.memory):
@@ -581,7 +591,12 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                     break
                 file.spill()
             if self._memory() > low:
-                uploads.spill(self._spill_dir(), max(0, low - self._open_memory()))
+                self._queue().spill(self._spill_dir(), max(0, low - self._open_memory()))
+
+    def _bound(self, batch_id: int) -> None:
+        """Keep the spool under its watermarks (see the class docstring)."""
+        uploads = self._queue()
+        self._spill_memory()
         limit = self.spool_memory + self.spool_disk
         if self._memory() + self._disk() <= limit:
             return

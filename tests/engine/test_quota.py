@@ -25,7 +25,7 @@ from cdcflow.engine.quota import (
     quota_limit,
 )
 from cdcflow.metadata import MemoryStore
-from cdcflow.model import ColumnType, DataChangeRecord, Mod
+from cdcflow.model import DataChangeRecord
 from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.transforms import DetectPartitions, Map, ReadPartition, Sink
 from cdcflow.transforms.base import WriterContext
@@ -136,30 +136,6 @@ def test_process_quota_is_one_object_sized_by_the_last_pipeline(
     monkeypatch.setenv("CDCFLOW_MAX_INFLIGHT_BYTES", "lots")
     with pytest.raises(ValueError, match="CDCFLOW_MAX_INFLIGHT_BYTES='lots'"):
         quota_limit(None)
-
-
-# -- approx_size ----------------------------------------------------------------------------
-
-
-def _record(values: dict[str, Any]) -> DataChangeRecord:
-    return DataChangeRecord(
-        partition_token="p", commit_timestamp=T0, record_sequence="0",
-        server_transaction_id="t", is_last_record_in_transaction_in_partition=True,
-        table_name="T", column_types=(ColumnType("id", {"code": "INT64"}, True, 1),),
-        mods=(Mod({"id": 1}, values),), mod_type="INSERT",
-        value_capture_type="OLD_AND_NEW_VALUES", number_of_records_in_transaction=1,
-        number_of_partitions_in_transaction=1,
-    )
-
-
-def test_approx_size_counts_payload_bytes() -> None:
-    base = approx_size(_record({}))
-    assert approx_size(_record({"s": "x" * 10_000})) - base >= 10_000
-    assert approx_size(_record({"b": b"\0" * 10_000})) - base >= 10_000
-    assert approx_size(_record({"u": "é" * 5_000})) - base >= 10_000  # UTF-8: 2 bytes each
-    nested = {"j": {"a": ["y" * 4_000, {"b": "z" * 6_000}], "n": 1}}
-    assert approx_size(_record(nested)) - base >= 10_000  # a JSON value, recursively
-    assert approx_size(_record({"n": 1})) - base < 200
 
 
 # -- a slow sink facing a backlog -------------------------------------------------------------

@@ -6,6 +6,7 @@ Storage is the real fsspec memory filesystem, slowed down only at the fsspec sea
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -180,3 +181,68 @@ def test_a_run_removes_what_dead_runs_left_in_its_local_directories(tmp_path: An
     sink.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [young.name, mine.name, other.name])
+
+
+def _large(batch: int, n: int, payload: int, start: int = 0) -> Any:
+    """``n`` records of ``payload`` bytes each, made as they are written (none kept)."""
+    for i in range(start, start + n):
+        yield DataChangeRecord("p0", Timestamp.from_ns(T0 + batch * 10**9 + i), f"{i:08d}",
+                               f"t{batch}-{i}", True, "T", COLS,
+                               [Mod({"id": batch * 100_000 + i},
+                                    {"payload": f"{i:08d}" * (payload // 8)})],
+                               "INSERT", "NEW_ROW", 1, 1)
+
+
+def test_a_task_spools_past_spool_size_bytes_of_records(root: str) -> None:
+    sink = WriteTables(f"memory://{root}", spool_size="256KiB", flush_interval="1h")
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    w = sink.open_writer(WriterContext("p", "WriteTables", 1, "p0", 0, 1, "a"))
+    for r in _large(1, 64, 32 << 10):  # 2 MiB of payload in 64 records
+        w.write(r)
+    message = w.close()
+    assert isinstance(message, TaskRows) and message.spool is not None
+    chunks = list(message.chunks())
+    assert len(chunks) >= 6  # about 256 KiB of records each
+    heads = message.described()
+    assert sum(h.rows for h in heads) == 64 and all(h.data is None for h in heads)
+    assert sum(h.nbytes for h in heads) >= 2 << 20
+    sink.commit(1, [message])
+    sink.flush()
+    sink.close()
+    assert sorted(_ids(root)) == [100_000 + i for i in range(64)]
+
+
+def test_a_batch_larger_than_the_spool_memory_is_staged_a_chunk_at_a_time(
+    root: str, tmp_path: Any
+) -> None:
+    import tracemalloc
+
+    sink = WriteTables(f"memory://{root}", format="jsonl", spool_size="256KiB",
+                       spool_memory="1MiB", file_size="1GiB", flush_interval="1h",
+                       local_dir=str(tmp_path))
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    for batch in (1, 2):
+        messages = []
+        for task in range(2):  # two tasks of 400 records of 16 KiB: 12.5 MiB a batch
+            w = sink.open_writer(WriterContext("p", "WriteTables", batch, f"p{task}", 0, 1, "a"))
+            for r in _large(batch, 400, 16 << 10, start=400 * task):
+                w.write(r)
+            message = w.close()
+            assert isinstance(message, TaskRows)
+            messages.append(message)
+        tracemalloc.start()
+        try:
+            sink.commit(batch, messages)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, f"the commit held {peak} bytes at once"
+        assert sink.metrics()["spool_disk_bytes"] > 12 << 20  # spilled as it came
+    sink.flush()
+    sink.close()
+    fs = fsspec.filesystem("memory")
+    files = sorted(p.rsplit("/", 1)[1] for p in fs.find(root) if "/part-" in p)
+    assert files == ["part-1-2-1.jsonl"]
+    ids = [json.loads(line)["id"] for p in fs.find(root) if "/part-" in p
+           for line in fs.cat(p).splitlines()]
+    assert sorted(ids) == [b * 100_000 + i for b in (1, 2) for i in range(800)]

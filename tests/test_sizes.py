@@ -1,0 +1,32 @@
+"""approx_size: a record's memory, counted from its payload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cdcflow.model import ColumnType, DataChangeRecord, Mod
+from cdcflow.sizes import approx_size
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+
+
+def _record(values: dict[str, Any]) -> DataChangeRecord:
+    return DataChangeRecord(
+        partition_token="p", commit_timestamp=T0, record_sequence="0",
+        server_transaction_id="t", is_last_record_in_transaction_in_partition=True,
+        table_name="T", column_types=(ColumnType("id", {"code": "INT64"}, True, 1),),
+        mods=(Mod({"id": 1}, values),), mod_type="INSERT",
+        value_capture_type="OLD_AND_NEW_VALUES", number_of_records_in_transaction=1,
+        number_of_partitions_in_transaction=1,
+    )
+
+
+def test_approx_size_counts_payload_bytes() -> None:
+    base = approx_size(_record({}))
+    assert approx_size(_record({"s": "x" * 10_000})) - base >= 10_000
+    assert approx_size(_record({"b": b"\0" * 10_000})) - base >= 10_000
+    assert approx_size(_record({"u": "é" * 5_000})) - base >= 10_000  # UTF-8: 2 bytes each
+    nested = {"j": {"a": ["y" * 4_000, {"b": "z" * 6_000}], "n": 1}}
+    assert approx_size(_record(nested)) - base >= 10_000  # a JSON value, recursively
+    assert approx_size(_record({"n": 1})) - base < 200
