@@ -8,6 +8,10 @@ in-memory runner with 4 threads. Each quota runs in a fresh process, which print
 baseline RSS (after imports), its peak RSS (VmHWM), and the quota's own peak of held
 bytes. Target: peak RSS <= quota + 200 MB for a 1 GB backlog.
 
+Then the same backlog goes into a real sink that keeps rows, WriteTables (Parquet on local
+disk, ``spool_memory=32MiB``): its memory is the quota plus its spool, so the line prints
+peak RSS - quota - spool_memory, and counts the rows in the files it wrote.
+
 ``python -m bench.bench_memory [--mb N] [--quotas 256,32,8]``; ``CDCFLOW_BENCH_BACKLOG_MB``
 sets the default backlog size (e.g. 128 for a quick run).
 """
@@ -17,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +37,11 @@ _MAX_INFLIGHT = 256
 _SINK_DELAY = 0.001
 _STALL_EVERY = 512
 _STALL = 0.05
+_SPOOL_MEMORY = 32 << 20
+
+
+def _same(record: Any) -> Any:
+    return record
 
 
 def _rss(field: str) -> int:
@@ -67,15 +78,15 @@ def _stall(record: Any) -> Any:
     return record  # the whole record goes on: its payload is what the sink takes
 
 
-def _child(mb: int, quota_mb: int) -> dict[str, Any]:
-    """One run in this process; what it measured."""
+def _child(mb: int, quota_mb: int, tables: bool) -> dict[str, Any]:
+    """One run in this process (into WriteTables if ``tables``); what it measured."""
     import cdcflow as cf
     from bench._backlog import LazyBacklog
     from cdcflow.engine.loop import Engine, RunOptions
     from cdcflow.engine.quota import process_quota
     from cdcflow.metadata import MemoryStore
     from cdcflow.runners.in_memory import InMemoryRunner
-    from cdcflow.transforms import DetectPartitions, Map, ReadPartition, Sink
+    from cdcflow.transforms import DetectPartitions, Map, ReadPartition, Sink, WriteTables
 
     class SlowSink(Sink[Any, int]):
         def __init__(self) -> None:
@@ -91,13 +102,15 @@ def _child(mb: int, quota_mb: int) -> dict[str, Any]:
     origin = 1_704_067_200 * _S
     backlog = LazyBacklog("Backlog", partitions=_PARTITIONS, records=records,
                           payload=_PAYLOAD, origin=origin, span_ns=60 * _S)
-    sink = SlowSink()
+    out = tempfile.mkdtemp(prefix="cdcflow-bench-memory-")
+    sink: Any = (WriteTables(out, format="parquet", spool_memory=_SPOOL_MEMORY) if tables
+                 else SlowSink())
     p = cf.Pipeline("bench-memory")
     (p
      | DetectPartitions(stream="Backlog", start_at=origin, end_at=backlog.end, client=backlog)
      | ReadPartition(heartbeat="1s", max_inflight=_MAX_INFLIGHT,
                      max_inflight_bytes=quota_mb * _MB)
-     | Map(_stall)
+     | Map(_stall if not tables else _same)
      | sink)
     base = _rss("VmRSS")
     began = time.monotonic()
@@ -105,8 +118,15 @@ def _child(mb: int, quota_mb: int) -> dict[str, Any]:
     opts = RunOptions(batch_interval=0, max_batch_span=3600.0)
     Engine(p, MemoryStore(), InMemoryRunner(workers=_PARTITIONS), opts).run()
     stats = process_quota().stats()
+    if tables:
+        import pyarrow.dataset as ds
+
+        count = ds.dataset(f"{out}/Backlog", format="parquet").count_rows()
+    else:
+        count = sink.count
+    shutil.rmtree(out, ignore_errors=True)
     return {
-        "records": sink.count, "expected": records * _PARTITIONS,
+        "records": count, "expected": records * _PARTITIONS,
         "backlog": backlog.total_bytes, "quota": stats.limit, "quota_peak": stats.peak,
         "waits": stats.waits, "base_rss": base, "peak_rss": _rss("VmHWM"),
         "seconds": time.monotonic() - began,
@@ -120,23 +140,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="backlog payload in MiB (default 1024)")
     parser.add_argument("--quotas", default="256,32,8", help="quotas in MiB, one run each")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--tables", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(_child(args.mb, args.child)))
+        print(json.dumps(_child(args.mb, args.child, args.tables)))
         return
     print(f"bench_memory: a slow sink (1 ms per element) facing a {args.mb} MiB backlog "
           f"({_PARTITIONS} partitions, {_PAYLOAD >> 10} KiB records, "
           f"max_inflight={_MAX_INFLIGHT})", flush=True)
     print(f"  {'quota':>9} {'quota peak':>11} {'waits':>7} {'base RSS':>9} {'peak RSS':>9} "
           f"{'RSS - quota':>12} {'records':>8} {'seconds':>8}  target: peak RSS <= quota + 200 MB")
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for quota_mb in (int(q) for q in args.quotas.split(",")):
-        out = subprocess.run(
-            [sys.executable, "-m", "bench.bench_memory", "--mb", str(args.mb),
-             "--child", str(quota_mb)],
-            check=True, capture_output=True, text=True, cwd=here,
-        )
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = _run(args.mb, quota_mb)
         over = (r["peak_rss"] - r["quota"]) / 1e6
         verdict = "met" if over <= 200 else "MISSED"
         if r["records"] != r["expected"]:
@@ -144,6 +159,27 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {r['quota'] / _MB:7.0f} MiB {r['quota_peak'] / _MB:7.1f} MiB {r['waits']:7d} "
               f"{r['base_rss'] / 1e6:6.0f} MB {r['peak_rss'] / 1e6:6.0f} MB {over:9.0f} MB "
               f"{r['records']:8d} {r['seconds']:8.1f}  {verdict}", flush=True)
+    r = _run(args.mb, 32, "--tables")
+    over = (r["peak_rss"] - r["quota"] - _SPOOL_MEMORY) / 1e6
+    verdict = "met" if over <= 200 else "MISSED"
+    if r["records"] != r["expected"]:
+        verdict = f"WRONG: {r['records']} of {r['expected']} rows"
+    print(f"  WriteTables (parquet, spool_memory {_SPOOL_MEMORY >> 20} MiB), quota "
+          f"{r['quota'] / _MB:.0f} MiB: peak RSS {r['peak_rss'] / 1e6:.0f} MB (base "
+          f"{r['base_rss'] / 1e6:.0f} MB), RSS - quota - spool_memory {over:.0f} MB, "
+          f"{r['records']} rows in {r['seconds']:.1f} s  target: <= 200 MB  {verdict}",
+          flush=True)
+
+
+def _run(mb: int, quota_mb: int, *flags: str) -> dict[str, Any]:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.bench_memory", "--mb", str(mb), "--child", str(quota_mb),
+         *flags],
+        check=True, capture_output=True, text=True, cwd=here,
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 if __name__ == "__main__":
