@@ -280,16 +280,18 @@ def _run(store_path: Path, sink: WriteTables) -> Any:
 CRASHES = [("stage", 5), ("uploaded", 4), ("marked", 6), ("uploaded", 9)]
 
 
+@pytest.mark.parametrize("spool_size", ["4MiB", "1KiB"], ids=["inline", "spooled"])
 @pytest.mark.parametrize("crash", CRASHES, ids=[f"{s}-{b}" for s, b in CRASHES])
 def test_a_crash_at_any_step_of_a_flush_loses_and_repeats_nothing(
-    tmp_path: Path, crash: tuple[str, int]
+    tmp_path: Path, crash: tuple[str, int], spool_size: str
 ) -> None:
+    # spooled: every task's rows travel in a spool file of several chunks, staged one by one
     out = tmp_path / "out"
     with pytest.raises(_Crash):
         _run(tmp_path / "s.db", CrashingTables(str(out), file_size="2KiB", flush_interval="1h",
-                                               crash_at=crash))
+                                               spool_size=spool_size, crash_at=crash))
     summary = _run(tmp_path / "s.db", CrashingTables(str(out), file_size="2KiB",
-                                                     flush_interval="1h"))
+                                                     flush_interval="1h", spool_size=spool_size))
     assert summary.reason == "end reached"
     v = ds.dataset(out, format="parquet", partitioning=None,
                    exclude_invalid_files=True).to_table(columns=["v", "_table"]).to_pylist()
