@@ -7,9 +7,20 @@ and the store writes hold only the partitions the batch planned or read.
 
 An idle partition (its last slices held no data change record) need not be queried every
 batch. :class:`IdleSchedule` reads it again after a delay that doubles with each idle
-slice, up to ``max_delay`` seconds; any data resets it. A partition that is not read keeps
-its watermark, so the pipeline's resolved (low) watermark lags the clock by at most
-``max_delay`` plus one batch more than it would otherwise. Only IMMUTABLE_KEY_RANGE
+slice, up to ``max_delay`` seconds; any data resets it. Each delay is shortened by a
+random part of up to half of it, so partitions that went idle together (ten thousand of
+them, started by one batch) spread their reads over the batches instead of all coming due
+in one. A partition that is not read keeps its watermark, so the pipeline's resolved
+(low) watermark lags the clock by at most ``max_delay`` plus one batch more than it would
+otherwise.
+
+While a run catches up (the batch end is the low watermark plus the span, short of the
+clock), a partition already within a quarter span of that end waits too: a split or a
+merge starts its children where it ended, the children hold the low watermark there, and
+the next batch ends one span past it, a few nanoseconds past where every other partition
+stands. Reading those others for nanoseconds of stream would cost a batch as wide as the
+pipeline; they are read in the next batch instead, which ends a span further. Only
+IMMUTABLE_KEY_RANGE
 streams skip idle partitions: there a key lives in one partition at a time (children
 wait for their parents), so reading one partition later never reorders a key's changes.
 In MUTABLE_KEY_RANGE streams keys move between live partitions, and per-key order relies
@@ -18,11 +29,12 @@ on every partition being read up to the same batch end, so every partition is re
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from cdcflow.engine.lifecycle import BatchOutcome
+from cdcflow.engine.lifecycle import BatchOutcome, plan_end
 from cdcflow.engine.resume import capped
 from cdcflow.engine.runner import TaskResult
 from cdcflow.metadata import _rules
@@ -100,23 +112,36 @@ class IdleSchedule:
     """Which partitions can skip this batch (see the module docstring).
 
     ``base_delay`` is the wait after the first idle slice, doubling per idle slice up to
-    ``max_delay`` (seconds). ``max_delay == 0`` reads every partition every batch.
+    ``max_delay`` (seconds), less a random part of up to ``jitter`` of it (0 for exact
+    waits). ``span`` is the run's ``max_batch_span`` (seconds; None: no partition waits for
+    being ahead). ``max_delay == 0`` reads every partition every batch.
     """
 
-    def __init__(self, base_delay: float, max_delay: float) -> None:
+    def __init__(self, base_delay: float, max_delay: float, span: float | None = None,
+                 jitter: float = 0.5, rng: random.Random | None = None) -> None:
         self.base_ns = max(1, int(base_delay * _NS))
         self.max_ns = int(max_delay * _NS)
+        self.span_ns = None if span is None else int(span * _NS)
+        self.jitter = jitter
+        self._rng = rng or random.Random()
         self._streak: dict[str, int] = {}
         self._due: dict[str, int] = {}
 
     def waiting(self, partitions: Sequence[PartitionMetadata], now_ns: int) -> set[str]:
-        """Tokens of RUNNING partitions not due for a read at ``now_ns``."""
+        """Tokens of RUNNING partitions that skip a batch planned at ``now_ns``: those not
+        due for a read, and while catching up those within a quarter span of its end."""
         if self.max_ns <= 0:
             return set()
         due = self._due
+        ahead = 0  # skip a partition whose watermark is at or past this
+        if self.span_ns is not None:
+            end = plan_end(partitions, now_ns, self.span_ns)
+            if end < now_ns:
+                ahead = end - self.span_ns // 4
         return {
             p.token for p in partitions
-            if p.state == PartitionState.RUNNING and due.get(p.token, 0) > now_ns
+            if p.state == PartitionState.RUNNING
+            and (due.get(p.token, 0) > now_ns or 0 < ahead <= p.watermark)
         }
 
     def read(self, results: Sequence[TaskResult], now_ns: int, planned_ns: int | None = None
@@ -141,4 +166,6 @@ class IdleSchedule:
                 streak = self._streak.get(r.token, 0) + 1
                 self._streak[r.token] = streak
                 delay = min(self.max_ns, self.base_ns << min(streak - 1, 40))
+                if self.jitter > 0:
+                    delay -= int(delay * self.jitter * self._rng.random())
                 self._due[r.token] = now_ns + delay
