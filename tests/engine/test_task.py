@@ -234,6 +234,25 @@ def test_execute_task_round_trips_bytes_and_caches_the_program() -> None:
     assert cached  # the unpickled program is kept for the next task of the run
 
 
+def test_tasks_given_one_program_object_hash_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cdcflow.engine import task as task_module
+
+    hashed: list[int] = []
+    sha256 = task_module.hashlib.sha256
+
+    def counting(data: bytes) -> Any:
+        hashed.append(len(data))
+        return sha256(data)
+
+    monkeypatch.setattr(task_module.hashlib, "sha256", counting)
+    prog_bytes = cloudpickle.dumps(program(scripted(3), Collect()))
+    for _ in range(5):  # the in-memory runner passes one bytes object to every task
+        execute_task(prog_bytes, pickle.dumps(task("p0", T0, T0 + 100 * S)))
+    assert len(hashed) == 1
+    execute_task(bytes(bytearray(prog_bytes)), pickle.dumps(task("p0", T0, T0 + 100 * S)))
+    assert len(hashed) == 2  # equal bytes in another object: found by their hash
+
+
 class _AttemptSink(Sink):
     def open_writer(self, ctx: WriterContext) -> SinkWriter:
         return _AttemptWriter(ctx)
