@@ -52,8 +52,10 @@ class InMemoryRunner:
         return [f.result() for f in futures]
 
     def close(self) -> None:
+        """Stop the pool: tasks still queued (a batch aborted mid-way, by a second Ctrl-C)
+        are cancelled, and the running ones waited for."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
     def __repr__(self) -> str:

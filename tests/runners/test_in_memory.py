@@ -86,3 +86,40 @@ def test_workers_must_be_positive() -> None:
     with pytest.raises(ValueError, match="workers=0"):
         InMemoryRunner(workers=0)
     assert InMemoryRunner().workers >= 1
+
+
+def test_closing_cancels_the_tasks_still_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A second Ctrl-C mid-batch: the run ends, and the runner does not run the thousands of
+    # tasks still queued before it closes.
+    import time
+    from concurrent.futures import CancelledError
+
+    from cdcflow.runners import in_memory
+
+    ran: list[bytes] = []
+
+    def slow(program: bytes, task: bytes) -> bytes:
+        time.sleep(0.1)
+        ran.append(task)
+        return task
+
+    monkeypatch.setattr(in_memory, "execute_task", slow)
+    runner = InMemoryRunner(workers=2)
+    runner.open("t")
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runner.run_tasks(b"p", [b"t"] * 100)
+        except BaseException as exc:  # what the batch's thread sees
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.15)
+    began = time.monotonic()
+    runner.close()
+    assert time.monotonic() - began < 1.0  # not the 5 s the queue holds
+    thread.join(5)
+    assert len(ran) < 10
+    assert raised and isinstance(raised[0], CancelledError)
