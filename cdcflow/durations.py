@@ -74,12 +74,18 @@ _BYTES = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes for ``"64MiB"``, ``"500KB"``, ``"1GiB"`` or an int."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(text)
+def parse_size(text: str | int, name: str = "") -> int:
+    """Bytes (0 or more) for ``"64MiB"``, ``"500KB"``, ``"1GiB"`` or a whole number;
+    ``name`` (such as ``WriteTables(spool_disk=...)``) is what an error names."""
+    what = f"{name.replace('...', repr(text))} is not a size" if name \
+        else f"not a size: {text!r}"
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        if text >= 0 and float(text).is_integer():
+            return int(text)
+        msg = f"{what}; use a whole number of bytes, 0 or more, or text such as 64MiB"
+        raise PipelineDefinitionError(msg)
+    m = _SIZE.match(text) if isinstance(text, str) else None
     if m is None:
-        msg = f"not a size: {text!r}; write e.g. 64MiB, 500KB or 1GiB"
+        msg = f"{what}; write e.g. 64MiB, 500KB or 1GiB"
         raise PipelineDefinitionError(msg)
     return int(float(m.group(1)) * _BYTES[(m.group(2) or "").upper()])

@@ -228,22 +228,24 @@ class OpenFile:
 PREFIX = "cdcflow-tables-"
 
 
-def local_prefix() -> str:
-    return f"{PREFIX}{os.getpid()}-"
+def local_prefix(pid: int | None = None, prefix: str = PREFIX) -> str:
+    """The start of a local file's name: ``<prefix><pid>-``, ``pid`` the driver's process
+    (this one by default) that reads or removes the file, so :func:`sweep` knows whose it
+    is; a task in a Spark worker names its spool files after the driver, not itself."""
+    return f"{prefix}{os.getpid() if pid is None else pid}-"
 
 
-def sweep(directory: str | None, spool_age: float = 3600.0, prefix: str = PREFIX) -> int:
+def sweep(directory: str | None, prefix: str = PREFIX) -> int:
     """Remove what dead processes of this host left in ``directory`` (the temporary
     directory when None) under names ``<prefix><pid>-...``: spill directories, and task
-    spool files (``.spool``) older than ``spool_age`` seconds (a live run's driver may
-    still be about to read a younger one). Returns how many entries it removed."""
+    spool files (``.spool``), both named after the driver that would read them (see
+    :func:`local_prefix`). Returns how many entries it removed."""
     directory = directory or tempfile.gettempdir()
     removed = 0
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return 0
-    now = time.time()
     for entry in entries:
         m = re.match(rf"{re.escape(prefix)}(\d+)-", entry.name)
         if m is None or process_alive(int(m.group(1))):
@@ -251,7 +253,7 @@ def sweep(directory: str | None, spool_age: float = 3600.0, prefix: str = PREFIX
         try:
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
-            elif entry.name.endswith(".spool") and now - entry.stat().st_mtime > spool_age:
+            elif entry.name.endswith(".spool"):
                 os.remove(entry.path)
             else:
                 continue

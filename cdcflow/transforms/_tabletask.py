@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from cdcflow.errors import SinkError
+from cdcflow.errors import SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.sizes import approx_size
 from cdcflow.transforms._tablebuild import Mods, record_batch
@@ -105,12 +105,13 @@ class Writer:
     column list object, same table, no date directories) is one append."""
 
     def __init__(self, style: RowStyle, fmt: Format, partition_by: str,
-                 spool_size: int | None) -> None:
+                 spool_size: int | None, spool_prefix: str | None = None) -> None:
         self.style: RowStyle = style
         self.format: Format = fmt
         self.partition_by = partition_by
         self._undivided = partition_by == "none"
         self.spool_size = spool_size
+        self.spool_prefix = spool_prefix or local_prefix()  # names the driver's process
         # (table, directory) -> [(column_types, records)]
         self.groups: dict[tuple[str, str], list[tuple[Any, list[DataChangeRecord]]]] = {}
         self.dirs: dict[tuple[int, int, int, int], str] = {}
@@ -206,11 +207,23 @@ class Writer:
 
     def _spill(self) -> None:
         if self.spool is None:
-            fd, self.spool = tempfile.mkstemp(prefix=local_prefix(), suffix=".spool")
+            try:
+                fd, self.spool = tempfile.mkstemp(prefix=self.spool_prefix, suffix=".spool")
+            except OSError as exc:
+                msg = (f"WriteTables cannot spool a task's rows to {tempfile.gettempdir()}: "
+                       f"{exc.strerror or exc}; set TMPDIR to a directory with room, or "
+                       "spool_size=None to send rows in the commit message")
+                raise SinkIOError(msg) from exc
             os.close(fd)
         groups = self._batch()
-        with open(self.spool, "ab") as f:
-            pickle.dump(groups, f, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with open(self.spool, "ab") as f:
+                pickle.dump(groups, f, protocol=pickle.HIGHEST_PROTOCOL)
+        except OSError as exc:
+            msg = (f"WriteTables cannot spool a task's rows to {self.spool}: "
+                   f"{exc.strerror or exc}; free space there (or set TMPDIR to a directory "
+                   "with room), or set spool_size=None to send rows in the commit message")
+            raise SinkIOError(msg) from exc
         self.heads.extend(g.head() for g in groups)
 
     def close(self) -> TaskRows | None:

@@ -22,7 +22,7 @@ import orjson
 
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.serialize import to_json_value
-from cdcflow.transforms._tablespool import sweep
+from cdcflow.transforms._tablespool import local_prefix, sweep
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 from cdcflow.transforms.files import WriteFiles, WrittenFile
 
@@ -145,8 +145,8 @@ class _LineWriter:
     """A task's lines: in memory up to :data:`PRINT_MEMORY` bytes, then appended to a local
     spool file when ``spill`` (the task runs on the driver's machine, which reads it)."""
 
-    def __init__(self, convert: Callable[[Any], str], spill: bool) -> None:
-        self._convert, self._spill = convert, spill
+    def __init__(self, convert: Callable[[Any], str], spill: bool, prefix: str) -> None:
+        self._convert, self._spill, self._prefix = convert, spill, prefix
         self._lines: list[str] = []
         self._bytes = 0
         self._path: str | None = None
@@ -157,8 +157,7 @@ class _LineWriter:
         self._bytes += len(line) + 1
         if self._spill and self._bytes > PRINT_MEMORY:
             if self._path is None:
-                fd, self._path = tempfile.mkstemp(prefix=f"{_PRINT_PREFIX}{os.getpid()}-",
-                                                  suffix=".spool")
+                fd, self._path = tempfile.mkstemp(prefix=self._prefix, suffix=".spool")
                 os.close(fd)
             with open(self._path, "ab") as f:
                 pickle.dump(self._lines, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -194,6 +193,7 @@ class Print(Sink[Any, PrintedLines]):
         self._closed = False
         self._stop: Callable[[str], None] | None = None
         self._driver_host: str | None = None  # where setup ran: tasks there may spill
+        self._driver_pid: int | None = None  # whose process reads (and sweeps) the spills
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -211,11 +211,13 @@ class Print(Sink[Any, PrintedLines]):
     def setup(self, ctx: SinkContext) -> None:
         self._stop = ctx.request_stop
         self._driver_host = socket.gethostname()
+        self._driver_pid = os.getpid()
         sweep(None, prefix=_PRINT_PREFIX)  # what killed runs left
 
     def open_writer(self, ctx: WriterContext) -> SinkWriter[Any, PrintedLines]:
         local = self._driver_host is None or socket.gethostname() == self._driver_host
-        return _LineWriter(_json_text if self.format == "json" else repr, local)
+        return _LineWriter(_json_text if self.format == "json" else repr, local,
+                           local_prefix(self._driver_pid, _PRINT_PREFIX))
 
     def abort(self, batch_id: int, messages: Sequence[PrintedLines]) -> None:
         for message in messages:

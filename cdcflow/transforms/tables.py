@@ -180,14 +180,15 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                 msg = f"WriteTables({name}={value!r}): use one of {', '.join(allowed)}"
                 raise PipelineDefinitionError(msg)
         self.format: Format = format
-        self.file_size = parse_size(file_size)
+        self.file_size = parse_size(file_size, "WriteTables(file_size=...)")
         self.flush_interval = parse_duration(flush_interval)
         self.partition_by = partition_by
         self.rows: RowStyle = rows
         self.storage_options = dict(storage_options or {})
-        self.spool_size = None if spool_size is None else parse_size(spool_size)
-        self.spool_memory = parse_size(spool_memory)
-        self.spool_disk = parse_size(spool_disk)
+        self.spool_size = (None if spool_size is None
+                           else parse_size(spool_size, "WriteTables(spool_size=...)"))
+        self.spool_memory = parse_size(spool_memory, "WriteTables(spool_memory=...)")
+        self.spool_disk = parse_size(spool_disk, "WriteTables(spool_disk=...)")
         self.local_dir = local_dir
         self.timestamp_unit = timestamp_unit
         self._reset()
@@ -210,6 +211,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._uploads: Uploader | None = None
         self._made: set[str] = set()  # directories made in storage
         self._driver_host: str | None = None  # where setup ran: tasks there may spool
+        self._driver_pid: int | None = None  # whose process reads (and sweeps) their spool
         self._pipeline = ""  # the pipeline whose output the URL holds (set up by setup)
 
     _DRIVER_STATE = ("_fs", "_open", "_usage", "_flushed", "_schemas", "_uploads", "_made")
@@ -237,7 +239,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # the commit message.
         local = self._driver_host is None or socket.gethostname() == self._driver_host
         return Writer(self.rows, self.format, self.partition_by,
-                      self.spool_size if local else None)
+                      self.spool_size if local else None, local_prefix(self._driver_pid))
 
     # -- driver ------------------------------------------------------------------------------
 
@@ -256,10 +258,25 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # leaves no claim behind.
         self._pipeline = ctx.pipeline
         self._driver_host = socket.gethostname()
+        self._driver_pid = os.getpid()
+        if self.local_dir is not None:
+            self._check_local_dir(self.local_dir)
         sweep(self.local_dir)  # what runs that died left behind (spilled rows)
         if self.local_dir is not None:
             sweep(None)  # the tasks' spool files
         self._uploads = Uploader(self._upload, self._uploaded)
+
+    def _check_local_dir(self, path: str) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            msg = (f"WriteTables(local_dir={path!r}) cannot be made: {exc.strerror or exc}; "
+                   "point local_dir at a directory of this machine it can write")
+            raise SinkSetupError(msg) from exc
+        if not os.access(path, os.W_OK | os.X_OK):
+            msg = (f"WriteTables(local_dir={path!r}) is not writable; point local_dir at a "
+                   "directory of this machine it can write")
+            raise SinkSetupError(msg)
 
     def _setup_error(self, exc: BaseException) -> SinkSetupError:
         return SinkSetupError(
@@ -463,15 +480,23 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # The rows, a task's spooled chunk at a time, spilling past spool_memory as they
         # come: a batch larger than memory is never held whole.
         incoming = {k: sum(g.nbytes for g in gs) for k, gs in by_key.items()}
-        for message in messages:
-            for chunk in message.chunks():
-                for g in chunk:
-                    if (key := (g.table, g.directory)) in by_key:
-                        self._stage(key, g, batch_id, incoming)
-                self._spill_memory()
-            if message.spool is not None:
-                with contextlib.suppress(OSError):
-                    os.remove(message.spool)
+        try:
+            for message in messages:
+                for chunk in message.chunks():
+                    for g in chunk:
+                        if (key := (g.table, g.directory)) in by_key:
+                            self._stage(key, g, batch_id, incoming)
+                    self._spill_memory()
+                if message.spool is not None:
+                    with contextlib.suppress(OSError):
+                        os.remove(message.spool)
+        except (OSError, SinkIOError) as exc:
+            # Part of the batch is staged, so a retry would stage that part twice: the run
+            # stops instead (its open files are dropped), and the next run replays the
+            # batches above the durable mark.
+            msg = (f"{self._local_error(exc)}; batch {batch_id} was staged in part, so the "
+                   "run stops: the next run replays it")
+            raise SinkError(msg) from exc
         self._staged_through = batch_id
         due = self._due(by_key)
         for reason in ("size", "interval"):
@@ -583,15 +608,27 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
 
     def _spill_memory(self) -> None:
         """Past ``spool_memory`` in memory, spill to local disk down to half of it: the
-        largest open files first, then cut files waiting for their upload."""
+        largest open files first, then cut files waiting for their upload. A local disk
+        that fails raises SinkIOError naming it."""
         low = self.spool_memory // 2
-        if self._memory() > self.spool_memory:
+        if self._memory() <= self.spool_memory:
+            return
+        try:
             for file in sorted(self._open.values(), key=lambda o: -o.memory):
                 if self._memory() <= low:
                     break
                 file.spill()
             if self._memory() > low:
                 self._queue().spill(self._spill_dir(), max(0, low - self._open_memory()))
+        except OSError as exc:
+            raise SinkIOError(self._local_error(exc)) from exc
+
+    def _local_error(self, exc: BaseException) -> str:
+        where = self.local_dir or tempfile.gettempdir()
+        if not isinstance(exc, OSError):
+            return str(exc)
+        return (f"WriteTables cannot spill rows to {where}: {exc.strerror or exc}; free space "
+                "there, or set local_dir to a directory with room")
 
     def _bound(self, batch_id: int) -> None:
         """Keep the spool under its watermarks (see the class docstring)."""
@@ -607,10 +644,11 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                                              key=lambda o: -(o.memory + o.disk))][:max(
                                                  1, len(self._open) // 2)], batch_id,
                       "spool")
-        if not uploads.wait(lambda: self._memory() + self._disk() <= target
-                            or (uploads.error is not None and uploads.failures >= 3),
-                            timeout=600):
-            pass
+        # Until the uploads drained the spool to the target, fail, or have nothing left to
+        # upload (what the open files hold then stays: waiting longer would not free it).
+        uploads.wait(lambda: self._memory() + self._disk() <= target
+                     or (uploads.error is not None and uploads.failures >= 3)
+                     or (not uploads.queue and not uploads.busy()), timeout=600)
         if uploads.error is not None and self._memory() + self._disk() > limit:
             msg = (f"WriteTables: the spool is full ({limit} bytes) while uploads fail "
                    f"({uploads.error}); raise spool_disk or fix the storage")

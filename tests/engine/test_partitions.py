@@ -3,6 +3,7 @@ and idle partitions of an IMMUTABLE_KEY_RANGE stream are queried less often."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from typing import Any
@@ -49,7 +50,7 @@ def test_partitions_idle_together_spread_their_reads_within_the_cap() -> None:
     assert len(idle.waiting(parts, now + 5 * S)) == 0  # the cap bounds every wait
     due_by_second = [10_000 - len(idle.waiting(parts, now + k * S // 2)) for k in range(6, 11)]
     # due in about equal numbers over the last half of the cap, not all at once
-    spread = [b - a for a, b in zip(due_by_second, due_by_second[1:], strict=False)]
+    spread = [b - a for a, b in itertools.pairwise(due_by_second)]
     assert all(1_500 < n < 3_500 for n in spread), spread
 
 
@@ -99,7 +100,7 @@ def test_a_split_while_catching_up_reads_only_its_children_for_the_few_ns() -> N
     assert sorted(r.mods[0].keys["id"] for r in out.items) == list(range(200))
     # every batch past the first moves the stream by a second or more, or reads few slices
     later = ends.batches[1:]  # after the root partition's batch
-    steps = [(b - a, n) for (a, _), (b, n) in zip(later, later[1:], strict=False)]
+    steps = [(b - a, n) for (a, _), (b, n) in itertools.pairwise(later)]
     assert all(step >= S or n <= 3 for step, n in steps), steps
 
 

@@ -6,6 +6,7 @@ Storage is the real fsspec memory filesystem, slowed down only at the fsspec sea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -168,26 +169,49 @@ def test_a_run_removes_what_dead_runs_left_in_its_local_directories(tmp_path: An
     spilled = tmp_path / f"{PREFIX}{dead}-abc"  # a killed run's spill directory
     spilled.mkdir()
     (spilled / "1.part").write_bytes(b"x" * 100)
-    old, young = tmp_path / f"{PREFIX}{dead}-old.spool", tmp_path / f"{PREFIX}{dead}-new.spool"
-    old.write_bytes(b"rows")
-    young.write_bytes(b"rows")
-    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    # task spool files, named after the driver that reads them: a dead one's, however young
+    spool = tmp_path / f"{PREFIX}{dead}-new.spool"
+    spool.write_bytes(b"rows")
     mine = tmp_path / f"{PREFIX}{os.getpid()}-mine"  # a live process's: kept
     mine.mkdir()
+    live = tmp_path / f"{PREFIX}{os.getpid()}-live.spool"
+    live.write_bytes(b"rows")
     other = tmp_path / "cdcflow-tables-unrelated"
     other.mkdir()
     sink = WriteTables(f"memory://{uuid.uuid4().hex}", local_dir=str(tmp_path))
     sink.setup(SinkContext("p", "WriteTables", "/"))
     sink.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [young.name, mine.name, other.name])
+        [mine.name, live.name, other.name])
 
 
-def _large(batch: int, n: int, payload: int, start: int = 0) -> Any:
+def test_a_task_names_its_spool_file_after_the_driver(root: str, tmp_path: Any) -> None:
+    # A Spark worker's task spools for the driver: the file is the driver's to sweep.
+    import pickle
+    import tempfile
+
+    from cdcflow.transforms._tablespool import PREFIX
+
+    sink = WriteTables(f"memory://{root}", spool_size="1KiB", flush_interval="1h")
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    shipped = pickle.loads(pickle.dumps(sink))
+    shipped._driver_pid = 999_999_999  # as another process's setup would have noted
+    w = shipped.open_writer(WriterContext("p", "WriteTables", 1, "p0", 0, 1, "a"))
+    for r in _large(1, 8, 4096):
+        w.write(r)
+    message = w.close()
+    assert isinstance(message, TaskRows) and message.spool is not None
+    assert os.path.basename(message.spool).startswith(f"{PREFIX}999999999-")
+    assert os.path.dirname(message.spool) == tempfile.gettempdir()
+    os.remove(message.spool)
+    sink.close()
+
+
+def _large(batch: int, n: int, payload: int, start: int = 0, tables: int = 1) -> Any:
     """``n`` records of ``payload`` bytes each, made as they are written (none kept)."""
     for i in range(start, start + n):
         yield DataChangeRecord("p0", Timestamp.from_ns(T0 + batch * 10**9 + i), f"{i:08d}",
-                               f"t{batch}-{i}", True, "T", COLS,
+                               f"t{batch}-{i}", True, f"T{i % tables}", COLS,
                                [Mod({"id": batch * 100_000 + i},
                                     {"payload": f"{i:08d}" * (payload // 8)})],
                                "INSERT", "NEW_ROW", 1, 1)
@@ -246,3 +270,94 @@ def test_a_batch_larger_than_the_spool_memory_is_staged_a_chunk_at_a_time(
     ids = [json.loads(line)["id"] for p in fs.find(root) if "/part-" in p
            for line in fs.cat(p).splitlines()]
     assert sorted(ids) == [b * 100_000 + i for b in (1, 2) for i in range(800)]
+
+
+def test_a_spool_with_no_room_on_disk_goes_on_without_waiting(root: str, tmp_path: Any) -> None:
+    # spool_disk=0: what the open files spill is over the limit at once; half of them are
+    # cut and uploaded, and what the others hold no upload can free: the commit must not
+    # wait for one.
+    sink = WriteTables(f"memory://{root}", format="jsonl", spool_memory="64KiB",
+                       spool_disk=0, file_size="1GiB", flush_interval="1h",
+                       local_dir=str(tmp_path))
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    for batch in (1, 2, 3):
+        began = time.monotonic()
+        _commit(sink, batch, list(_large(batch, 100, 4096, tables=4)))
+        assert time.monotonic() - began < 5
+    sink.flush()
+    sink.close()
+    fs = fsspec.filesystem("memory")
+    ids = [json.loads(line)["id"] for p in fs.find(root) if "/part-" in p
+           for line in fs.cat(p).splitlines()]
+    assert sorted(ids) == [b * 100_000 + i for b in (1, 2, 3) for i in range(100)]
+
+
+def test_sizes_are_checked_and_name_their_setting() -> None:
+    from cdcflow.errors import PipelineDefinitionError
+
+    for kw, text in ((dict(spool_disk=-1), r"WriteTables\(spool_disk=-1\) is not a size"),
+                     (dict(spool_size=1.5), r"WriteTables\(spool_size=1.5\) is not a size"),
+                     (dict(file_size="4XB"), r"WriteTables\(file_size='4XB'\) is not a size")):
+        with pytest.raises(PipelineDefinitionError, match=text):
+            WriteTables("memory://x", **kw)
+    assert WriteTables("memory://x", spool_memory=0, spool_disk=2.0).spool_disk == 2
+
+
+def test_a_local_dir_that_cannot_be_made_is_refused_at_setup(tmp_path: Any) -> None:
+    from cdcflow.errors import SinkSetupError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    sink = WriteTables("memory://x", local_dir=str(blocker / "spill"))
+    with pytest.raises(SinkSetupError, match=r"local_dir=.*cannot be made.*point local_dir"):
+        sink.setup(SinkContext("p", "WriteTables", "/"))
+
+
+def test_a_spill_that_fails_mid_batch_stops_the_run_and_the_next_replays_it(
+    tmp_path: Any,
+) -> None:
+    # The batch is staged in part when its spill fails: retrying it would stage that part
+    # twice, so the run stops; the next run replays it, exactly once.
+    from pathlib import Path
+
+    import cdcflow as cf
+    from cdcflow.engine.listener import EngineListener
+    from cdcflow.engine.loop import Engine, RunOptions
+    from cdcflow.errors import SinkError
+    from cdcflow.metadata import SQLiteStore
+    from cdcflow.runners.in_memory import InMemoryRunner
+    from cdcflow.testing import ScriptedChangeStream
+    from tests.fs_helpers import read_only
+
+    stream = ScriptedChangeStream("S", partitions=2, origin=T0)
+    for i in range(60):
+        stream.write("T", i, "INSERT", {"v": "x" * 2000}, at=T0 + (i + 1) * 10**9 // 12)
+    local = Path(tmp_path) / "local"
+    local.mkdir()
+    out = Path(tmp_path) / "out"
+
+    class ReadOnlyOnceStarted(EngineListener):
+        def on_start(self, pipeline: str, runner: str, store_url: str) -> None:
+            stack.enter_context(read_only(local))  # after setup checked it
+
+    def run(listener: EngineListener | None = None) -> Any:
+        p = cf.Pipeline("spill")
+        (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 6 * 10**9, client=stream)
+         | cf.ReadPartition()
+         | WriteTables(str(out), format="jsonl", spool_memory="4KiB", file_size="1GiB",
+                       flush_interval="1h", local_dir=str(local)))
+        store = SQLiteStore(Path(tmp_path) / "s.db")
+        try:
+            return Engine(p, store, InMemoryRunner(workers=2),
+                          RunOptions(batch_interval=0, max_batch_span=1.0), listener).run()
+        finally:
+            store.close()
+
+    with contextlib.ExitStack() as stack, pytest.raises(
+            SinkError, match=r"cannot spill rows to .*local.*staged in part, so the run stops"):
+        run(ReadOnlyOnceStarted())
+    assert not list(out.rglob("part-*"))
+    assert run().reason == "end reached"
+    ids = [json.loads(line)["id"] for f in out.rglob("part-*")
+           for line in f.read_text().splitlines()]
+    assert sorted(ids) == list(range(60))
