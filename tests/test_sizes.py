@@ -30,3 +30,17 @@ def test_approx_size_counts_payload_bytes() -> None:
     nested = {"j": {"a": ["y" * 4_000, {"b": "z" * 6_000}], "n": 1}}
     assert approx_size(_record(nested)) - base >= 10_000  # a JSON value, recursively
     assert approx_size(_record({"n": 1})) - base < 200
+
+
+def test_payload_size_counts_what_approx_size_counts_without_encoding() -> None:
+    from cdcflow.sizes import payload_size
+
+    base = payload_size(_record({}))
+    assert payload_size(_record({"s": "x" * 10_000})) - base >= 10_000
+    assert payload_size(_record({"b": b"\0" * 10_000})) - base >= 10_000
+    nested = {"j": {"a": ["y" * 4_000, {"b": "z" * 6_000}], "n": 1}}
+    assert payload_size(_record(nested)) - base >= 10_000
+    assert payload_size(_record({"n": 1})) - base < 200
+    for values in ({"s": "x" * 10_000}, nested, {"n": 1, "t": "short"}):
+        record = _record(values)
+        assert 0.5 < payload_size(record) / approx_size(record) < 2

@@ -19,7 +19,7 @@ import attrs
 
 from cdcflow.errors import SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
-from cdcflow.sizes import approx_size
+from cdcflow.sizes import payload_size
 from cdcflow.transforms._tablebuild import Mods, record_batch
 from cdcflow.transforms._tablejsonl import jsonl_lines
 from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema, columns_of
@@ -27,9 +27,6 @@ from cdcflow.transforms._tablespool import local_prefix
 
 __all__ = ["TaskRows", "Writer"]
 
-#: A writer measures one record in this many (``approx_size``) and counts the records since
-#: its last measure at that size against ``spool_size``.
-_MEASURE_EVERY = 64
 
 
 @attrs.frozen
@@ -122,10 +119,7 @@ class Writer:
         self._table: Any = None
         self._records: list[DataChangeRecord] = []
         self._key: tuple[str, str] = ("", "")
-        # records held; the bytes counted of them (up to the record ``_counted``); the record
-        # at which to count again
-        self._held = self._counted = self._bytes = 0
-        self._check = (1 << 62) if spool_size is None else 1
+        self._bytes = 0  # of the records held (payload_size), counted with a spool_size
 
     def write(self, element: DataChangeRecord) -> None:
         try:
@@ -137,9 +131,10 @@ class Writer:
             self._records.append(element)
         else:
             self._add(element)
-        self._held += 1
-        if self._held >= self._check:
-            self._maybe_spill(element)
+        if self.spool_size is not None:  # every record: sizes vary (a 200 KB blob)
+            self._bytes += payload_size(element)
+            if self._bytes >= self.spool_size:
+                self._spill()
 
     def _add(self, element: DataChangeRecord) -> None:
         if not isinstance(element, DataChangeRecord):
@@ -160,20 +155,6 @@ class Writer:
             self._records, self._key = records, key
         self._types, self._table = types, element.table_name
         self._records.append(element)
-
-    def _maybe_spill(self, element: DataChangeRecord) -> None:
-        """Spill once the records held pass ``spool_size`` bytes: the records since the last
-        measure count at the size of this one (one ``approx_size`` per
-        :data:`_MEASURE_EVERY` records at most, fewer where they are large)."""
-        assert self.spool_size is not None
-        size = approx_size(element)
-        self._bytes += (self._held - self._counted) * size
-        self._counted = self._held
-        if self._bytes >= self.spool_size:
-            self._spill()
-        else:
-            room = (self.spool_size - self._bytes) // size
-            self._check = self._held + max(1, min(_MEASURE_EVERY, room))
 
     def _directory(self, ts: Timestamp) -> str:
         hour = (ts.year, ts.month, ts.day, ts.hour)
@@ -200,9 +181,7 @@ class Writer:
         self.groups = {}
         self._types = self._table = None
         self._records, self._key = [], ("", "")
-        self._held = self._counted = self._bytes = 0
-        if self.spool_size is not None:
-            self._check = 1
+        self._bytes = 0
         return out
 
     def _spill(self) -> None:

@@ -361,3 +361,20 @@ def test_a_spill_that_fails_mid_batch_stops_the_run_and_the_next_replays_it(
     ids = [json.loads(line)["id"] for f in out.rglob("part-*")
            for line in f.read_text().splitlines()]
     assert sorted(ids) == list(range(60))
+
+
+def test_a_task_counts_every_record_it_holds(root: str) -> None:
+    # One large record among 63 small ones, always at the same place: a writer that
+    # measured one record in 64 would never see one, and hold them all.
+    sink = WriteTables(f"memory://{root}", spool_size="1MiB", flush_interval="1h")
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    w = sink.open_writer(WriterContext("p", "WriteTables", 1, "p0", 0, 1, "a"))
+    for i in range(64 * 32):
+        payload = 512 << 10 if i % 64 == 10 else 16
+        for r in _large(1, 1, payload, start=i):
+            w.write(r)
+    message = w.close()
+    assert isinstance(message, TaskRows) and message.spool is not None
+    assert len(list(message.chunks())) >= 12  # 16 MiB held at most 1 MiB (and one record)
+    os.remove(message.spool)
+    sink.close()
