@@ -132,10 +132,12 @@ def _render_one(
             + ("(the running run is committing it)" if run is not None and run["alive"]
                else "(the next run replays it)")
         )
-    active = [p for p in parts if p.state != PartitionState.FINISHED]
+    # the furthest behind first (those hold the low watermark), stuck ones before them
     held = _held(store, name, parts, now_ns, stuck_after)
+    active = sorted((p for p in parts if p.state != PartitionState.FINISHED),
+                    key=lambda p: (p.token not in held, p.watermark, p.token))
     if active:
-        out.append("  active partitions:")
+        out.append("  active partitions (furthest behind first):")
         rows = [
             [_short(p.token), p.state.value.lower() + (" (stuck)" if p.token in held else ""),
              _stamp(p.watermark),

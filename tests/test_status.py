@@ -143,6 +143,23 @@ def test_document_and_text_at_a_fixed_time(store_url: str) -> None:
         store.close()
 
 
+def test_active_partitions_are_listed_furthest_behind_first(tmp_path: Path) -> None:
+    from cdcflow.model import MAX_NS, PartitionMetadata
+
+    store = open_store(f"sqlite:///{tmp_path / 'state.db'}")
+    try:
+        marks = {f"p{i}": T0 + (i * 7 % 12) * S for i in range(12)}  # p10 before p2 as text
+        store.insert_partitions("wide", [PartitionMetadata(t, (), T0, MAX_NS, w, "RUNNING")
+                                         for t, w in marks.items()])
+        text = render_status(store, "wide", now_ns=NOW)
+    finally:
+        store.close()
+    listed = [line.split()[0] for line in text.splitlines()
+              if line.strip().startswith("p") and " running " in line]
+    assert listed == sorted(marks, key=lambda t: marks[t])
+    assert "active partitions (furthest behind first):" in text
+
+
 def test_the_source_and_an_end_at_applied_on_resume(tmp_path: Path) -> None:
     """Status shows the source a pipeline goes on with, and partition ends as its runs see
     them: after an earlier end_at was applied, a stored partition's end is the new one."""
