@@ -163,11 +163,18 @@ def _render_one(
     return out
 
 
+def _when(value: Any) -> str:
+    """A stored start_at or end_at: nanoseconds (stored as digits) as RFC 3339 text,
+    anything else (``now``, ``-10m``) as it is."""
+    text = str(value)
+    return _stamp(int(text)) if text.isdigit() else text
+
+
 def _source_text(source: Mapping[str, Any]) -> str:
     """``stream S of DB, from START to END`` (a definition's times as given)."""
-    end = source.get("end_at")
+    start, end = source.get("start_at"), source.get("end_at")
     text = (f"stream {source.get('stream')} of {source.get('database')}, from "
-            f"{source.get('start_at')} to {end if end is not None else 'no end'}")
+            f"{_when(start)} to {_when(end) if end is not None else 'no end'}")
     if source.get("snapshot"):
         text += f", after a snapshot of {source['snapshot']}"
     return text

@@ -178,8 +178,9 @@ def test_the_source_and_an_end_at_applied_on_resume(tmp_path: Path) -> None:
         ends = {p["end"] for p in live["partitions"] if p["state"] != "FINISHED"}
         assert ends == {Timestamp.from_ns(end + 1).rfc3339()}
         text = render_status(store, "live", now_ns=NOW)
-        assert f"source         stream Orders of <ScriptedChangeStream>, from {T0} to {end}" \
-            in text
+        assert ("source         stream Orders of <ScriptedChangeStream>, from "
+                f"{Timestamp.from_ns(T0).rfc3339()} to {Timestamp.from_ns(end).rfc3339()}"
+                in text)
     finally:
         store.close()
 
