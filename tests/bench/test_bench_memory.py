@@ -10,8 +10,10 @@ from bench import bench_memory
 def test_a_small_backlog_runs_in_a_child_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
     bench_memory.main(["--mb", "8", "--quotas", "1"])
     out = capsys.readouterr().out
-    row = out.strip().splitlines()[-1].split()
-    assert row[0:2] == ["1", "MiB"]  # the quota
-    assert float(row[2]) <= 1.0  # its peak of held bytes
-    assert row[11] == "128"  # every record reached the sink: 8 MiB of 64 KiB records
+    *_, row, tables = out.strip().splitlines()
+    cells = row.split()
+    assert cells[0:2] == ["1", "MiB"]  # the quota
+    assert float(cells[2]) <= 1.0  # its peak of held bytes
+    assert cells[11] == "128"  # every record reached the sink: 8 MiB of 64 KiB records
+    assert tables.strip().startswith("WriteTables") and " 128 rows in " in tables
     assert "WRONG" not in out
