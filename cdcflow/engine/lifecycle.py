@@ -57,7 +57,6 @@ __all__ = [
     "gc_candidates",
     "low_watermark",
     "plan_batch",
-    "plan_end",
     "ready_partitions",
 ]
 
@@ -111,11 +110,6 @@ def low_watermark(partitions: Iterable[PartitionMetadata]) -> int:
     return max(finished, default=0)
 
 
-def plan_end(partitions: Sequence[PartitionMetadata], now_ns: int, max_span_ns: int) -> int:
-    """Where the next batch ends: ``min(now_ns, low_watermark + max_span_ns)``."""
-    return min(now_ns, low_watermark(partitions) + max_span_ns)
-
-
 def plan_batch(
     partitions: Sequence[PartitionMetadata],
     now_ns: int,
@@ -149,7 +143,7 @@ def plan_batch(
     if max_snapshot_slices is not None and max_snapshot_slices < 1:
         msg = f"max_snapshot_slices must be 1 or more (or None), got {max_snapshot_slices}"
         raise ValueError(msg)
-    batch_end = plan_end(partitions, now_ns, max_span_ns)
+    batch_end = min(now_ns, low_watermark(partitions) + max_span_ns)
     ready = {p.token for p in ready_partitions(partitions)}
     slices: list[Slice] = []
     transitions: dict[str, PartitionState] = {}

@@ -232,8 +232,7 @@ class Engine:
             try:
                 info = make_client(program.source).describe_stream(program.source.stream)
                 if info.partition_mode == "IMMUTABLE_KEY_RANGE":  # see engine.partitions
-                    idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval,
-                                        opts.max_batch_span)
+                    idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval)
                 # One run per pipeline: every write below carries this run's fencing token.
                 guard = RunGuard(name)
                 self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost, guard)

@@ -13,14 +13,7 @@ them, started by one batch) spread their reads over the batches instead of all c
 in one. A partition that is not read keeps its watermark, so the pipeline's resolved
 (low) watermark lags the clock by at most ``max_delay`` plus one batch more than it would
 otherwise.
-
-While a run catches up (the batch end is the low watermark plus the span, short of the
-clock), a partition already within a quarter span of that end waits too: a split or a
-merge starts its children where it ended, the children hold the low watermark there, and
-the next batch ends one span past it, a few nanoseconds past where every other partition
-stands. Reading those others for nanoseconds of stream would cost a batch as wide as the
-pipeline; they are read in the next batch instead, which ends a span further. Only
-IMMUTABLE_KEY_RANGE
+ Only IMMUTABLE_KEY_RANGE
 streams skip idle partitions: there a key lives in one partition at a time (children
 wait for their parents), so reading one partition later never reorders a key's changes.
 In MUTABLE_KEY_RANGE streams keys move between live partitions, and per-key order relies
@@ -34,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from cdcflow.engine.lifecycle import BatchOutcome, plan_end
+from cdcflow.engine.lifecycle import BatchOutcome
 from cdcflow.engine.resume import capped
 from cdcflow.engine.runner import TaskResult
 from cdcflow.metadata import _rules
@@ -113,35 +106,26 @@ class IdleSchedule:
 
     ``base_delay`` is the wait after the first idle slice, doubling per idle slice up to
     ``max_delay`` (seconds), less a random part of up to ``jitter`` of it (0 for exact
-    waits). ``span`` is the run's ``max_batch_span`` (seconds; None: no partition waits for
-    being ahead). ``max_delay == 0`` reads every partition every batch.
+    waits). ``max_delay == 0`` reads every partition every batch.
     """
 
-    def __init__(self, base_delay: float, max_delay: float, span: float | None = None,
-                 jitter: float = 0.5, rng: random.Random | None = None) -> None:
+    def __init__(self, base_delay: float, max_delay: float, jitter: float = 0.5,
+                 rng: random.Random | None = None) -> None:
         self.base_ns = max(1, int(base_delay * _NS))
         self.max_ns = int(max_delay * _NS)
-        self.span_ns = None if span is None else int(span * _NS)
         self.jitter = jitter
         self._rng = rng or random.Random()
         self._streak: dict[str, int] = {}
         self._due: dict[str, int] = {}
 
     def waiting(self, partitions: Sequence[PartitionMetadata], now_ns: int) -> set[str]:
-        """Tokens of RUNNING partitions that skip a batch planned at ``now_ns``: those not
-        due for a read, and while catching up those within a quarter span of its end."""
+        """Tokens of RUNNING partitions not due for a read at ``now_ns``."""
         if self.max_ns <= 0:
             return set()
         due = self._due
-        ahead = 0  # skip a partition whose watermark is at or past this
-        if self.span_ns is not None:
-            end = plan_end(partitions, now_ns, self.span_ns)
-            if end < now_ns:
-                ahead = end - self.span_ns // 4
         return {
             p.token for p in partitions
-            if p.state == PartitionState.RUNNING
-            and (due.get(p.token, 0) > now_ns or 0 < ahead <= p.watermark)
+            if p.state == PartitionState.RUNNING and due.get(p.token, 0) > now_ns
         }
 
     def read(self, results: Sequence[TaskResult], now_ns: int, planned_ns: int | None = None

@@ -8,8 +8,6 @@ import random
 import time
 from typing import Any
 
-import attrs
-
 import cdcflow as cf
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
@@ -52,56 +50,6 @@ def test_partitions_idle_together_spread_their_reads_within_the_cap() -> None:
     # due in about equal numbers over the last half of the cap, not all at once
     spread = [b - a for a, b in itertools.pairwise(due_by_second)]
     assert all(1_500 < n < 3_500 for n in spread), spread
-
-
-def test_while_catching_up_partitions_near_the_batch_end_wait_for_the_next() -> None:
-    # A split 7 ns into a span: its children start there and hold the low watermark, so
-    # the next batch ends 7 ns past every other partition. Those wait for the batch after.
-    idle = IdleSchedule(base_delay=1.0, max_delay=5.0, span=10.0)
-    now = 1000 * S
-    behind = now - 60 * S
-    child = PartitionMetadata("c", ("p",), behind + 7, 10**19, behind + 7,
-                              PartitionState.CREATED)
-    others = [attrs.evolve(_part(f"o{i}"), watermark=behind + 10 * S) for i in range(3)]
-    assert idle.waiting([child, *others], now) == {"o0", "o1", "o2"}
-    # the batch after ends a span past the others: they are read
-    moved = attrs.evolve(child, state=PartitionState.RUNNING, watermark=behind + 10 * S + 7)
-    assert idle.waiting([moved, *others], now) == set()
-    # near the clock the batch ends at the clock: nobody waits for being ahead
-    near = [attrs.evolve(o, watermark=behind + 5 * S) for o in others]
-    assert idle.waiting([child, *near], behind + 6 * S) == set()
-    assert IdleSchedule(1.0, 5.0).waiting([child, *others], now) == set()  # no span given
-
-
-def test_a_split_while_catching_up_reads_only_its_children_for_the_few_ns() -> None:
-    origin = time.time_ns() - 60 * S
-    stream = ScriptedChangeStream("S", partitions=40, origin=origin)
-    stream.split("p0", at=origin + 20 * S + 7, into=2)
-    stream.merge(["p0.0", "p0.1"], at=origin + 30 * S + 11, into="m0")
-    for i in range(200):
-        stream.write("T", i, "INSERT", {"v": i}, at=origin + i * S // 4)
-    out: cf.Collect[Any] = cf.Collect()
-    p = cf.Pipeline("split-catch-up")
-    (p | cf.DetectPartitions(stream="S", start_at=origin, end_at=origin + 55 * S,
-                             client=stream)
-     | cf.ReadPartition(heartbeat="1s") | out)
-
-    class Ends(EngineListener):
-        def __init__(self) -> None:
-            self.batches: list[tuple[int, int]] = []  # (end, slices)
-
-        def on_batch(self, stats: BatchStats) -> None:
-            self.batches.append((stats.end, stats.slices))
-
-    ends = Ends()
-    opts = RunOptions(batch_interval=0, max_batch_span=10.0, idle_read_interval=5.0)
-    summary = Engine(p, MemoryStore(), InMemoryRunner(workers=2), opts, ends).run()
-    assert summary.reason == "end reached"
-    assert sorted(r.mods[0].keys["id"] for r in out.items) == list(range(200))
-    # every batch past the first moves the stream by a second or more, or reads few slices
-    later = ends.batches[1:]  # after the root partition's batch
-    steps = [(b - a, n) for (a, _), (b, n) in itertools.pairwise(later)]
-    assert all(step >= S or n <= 3 for step, n in steps), steps
 
 
 def test_catching_up_is_never_idle_and_a_zero_cap_reads_everything() -> None:
