@@ -50,10 +50,18 @@ class ChangeStreamQuery:
 
 @attrs.frozen
 class StreamInfo:
+    """What a change stream is. ``keys_follow_lineage``: a key's changes move only from a
+    partition to its children (Spanner's IMMUTABLE_KEY_RANGE streams); the Cloud Spanner
+    emulator's partition churn moves keys between partitions that are not parent and child
+    (seen: a key in one partition, then in a child of that partition's sibling, then in a
+    grandchild of the first), so there a partition read later can deliver a key's older
+    change after its newer ones."""
+
     name: str
     partition_mode: Literal["IMMUTABLE_KEY_RANGE", "MUTABLE_KEY_RANGE"] = "IMMUTABLE_KEY_RANGE"
     dialect: Literal["GOOGLE_STANDARD_SQL", "POSTGRESQL"] = "GOOGLE_STANDARD_SQL"
     retention_ns: int | None = None
+    keys_follow_lineage: bool = True
 
 
 def _names(option: str, value: Iterable[str] | None) -> frozenset[str] | None:

@@ -231,7 +231,8 @@ class Engine:
             self.runner.open(name)
             try:
                 info = make_client(program.source).describe_stream(program.source.stream)
-                if info.partition_mode == "IMMUTABLE_KEY_RANGE":  # see engine.partitions
+                if (info.partition_mode == "IMMUTABLE_KEY_RANGE"  # see engine.partitions
+                        and info.keys_follow_lineage):
                     idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval)
                 # One run per pipeline: every write below carries this run's fencing token.
                 guard = RunGuard(name)

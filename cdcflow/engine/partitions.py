@@ -13,11 +13,14 @@ them, started by one batch) spread their reads over the batches instead of all c
 in one. A partition that is not read keeps its watermark, so the pipeline's resolved
 (low) watermark lags the clock by at most ``max_delay`` plus one batch more than it would
 otherwise.
- Only IMMUTABLE_KEY_RANGE
-streams skip idle partitions: there a key lives in one partition at a time (children
-wait for their parents), so reading one partition later never reorders a key's changes.
-In MUTABLE_KEY_RANGE streams keys move between live partitions, and per-key order relies
-on every partition being read up to the same batch end, so every partition is read.
+
+Only IMMUTABLE_KEY_RANGE streams skip idle partitions: there a key lives in one partition
+at a time and moves only to its children, which wait for their parents, so reading one
+partition later never reorders a key's changes. In MUTABLE_KEY_RANGE streams keys move
+between live partitions, and so do they in the emulator's streams (its partition churn
+moves keys between partitions that are not parent and child:
+``StreamInfo.keys_follow_lineage``); there per-key order relies on every partition being
+read up to the same batch end, so every partition is read.
 """
 
 from __future__ import annotations

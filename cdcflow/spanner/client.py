@@ -328,6 +328,7 @@ class SpannerChangeStreamClient:
             ),
             dialect=dialect,
             retention_ns=_retention_ns(options.get("retention_period")),
+            keys_follow_lineage=not os.environ.get("SPANNER_EMULATOR_HOST"),
         )
         if self.filter is not None and self.filter.names():
             self.filter.check(name, self.tracked_columns(name))

@@ -8,6 +8,8 @@ import random
 import time
 from typing import Any
 
+import attrs
+
 import cdcflow as cf
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
@@ -16,6 +18,7 @@ from cdcflow.engine.runner import TaskResult
 from cdcflow.metadata import MemoryStore
 from cdcflow.model import PartitionMetadata, PartitionState
 from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.stream import StreamInfo
 from cdcflow.testing import ScriptedChangeStream, ScriptedMutableStream
 
 S = 1_000_000_000
@@ -120,6 +123,20 @@ def test_idle_partitions_are_read_less_often_and_the_store_is_read_once() -> Non
     assert store.reads <= 2  # once for the run's view (and once more at the first run)
     eager = reads(0.0, MemoryStore())
     assert lazy < eager / 2, (lazy, eager)
+
+
+def test_streams_whose_keys_leave_their_lineage_read_every_partition_every_batch() -> None:
+    # The emulator: a key's changes move between partitions that are not parent and child,
+    # so a partition read later could deliver a key's older change after its newer ones.
+    class Emulated(ScriptedChangeStream):
+        def describe_stream(self, stream: str) -> StreamInfo:
+            return attrs.evolve(super().describe_stream(stream), keys_follow_lineage=False)
+
+    origin = time.time_ns()
+    stream = Emulated("S", partitions=3, origin=origin)
+    stream.write("T", 1, "INSERT", {"v": 1}, at=origin + S // 10)
+    slices = _follow(stream, 1.5, MemoryStore(), idle=1.0)
+    assert all(n == 3 for n in slices[2:-1]), slices
 
 
 def test_mutable_streams_read_every_partition_every_batch() -> None:
