@@ -4,11 +4,13 @@ byte quota (:mod:`cdcflow.engine.quota`) and of the sinks that spill by size."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import date, datetime
+from decimal import Decimal
 from typing import Any
 
 import orjson
 
-from cdcflow.model import DataChangeRecord
+from cdcflow.model import DataChangeRecord, Timestamp
 
 __all__ = ["approx_size", "payload_size"]
 
@@ -58,9 +60,13 @@ def payload_size(record: DataChangeRecord) -> int:
                 kind = value.__class__
                 if kind is str or kind is bytes:
                     n += len(value)
-                elif kind is dict or kind is list:
-                    n += _value_size(value)
+                elif kind not in _FIXED:  # JSON, arrays, a str subclass (cf.JsonString)
+                    n += _value_size(value) - _PER_VALUE
     return n
+
+
+#: Values of a fixed size: counted at :data:`_PER_VALUE` by :func:`payload_size`.
+_FIXED = frozenset({int, float, bool, type(None), Decimal, Timestamp, date, datetime})
 
 
 #: What a key or value costs besides its payload (the object header and its reference).

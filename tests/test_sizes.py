@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import cdcflow as cf
 from cdcflow.model import ColumnType, DataChangeRecord, Mod
 from cdcflow.sizes import approx_size
 
@@ -40,6 +41,7 @@ def test_payload_size_counts_what_approx_size_counts_without_encoding() -> None:
     assert payload_size(_record({"b": b"\0" * 10_000})) - base >= 10_000
     nested = {"j": {"a": ["y" * 4_000, {"b": "z" * 6_000}], "n": 1}}
     assert payload_size(_record(nested)) - base >= 10_000
+    assert payload_size(_record({"j": cf.JsonString("q" * 10_000)})) - base >= 10_000
     assert payload_size(_record({"n": 1})) - base < 200
     for values in ({"s": "x" * 10_000}, nested, {"n": 1, "t": "short"}):
         record = _record(values)

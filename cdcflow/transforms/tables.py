@@ -130,10 +130,11 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     (``before``, ``after``, ``op`` c/u/d or r for a snapshot row, ``source`` with
     ``table``, ``commit_timestamp``, ``transaction_id``, ``record_sequence`` and
     ``partition``, and ``ts_ms``, the commit time in milliseconds). ``spool_size``: a task
-    keeps this many bytes of records (``approx_size``) in memory and spools the rest to a
-    local temporary file whose path it sends to the driver, when it runs on the driver's
-    machine (in-memory runner, Spark local modes); the commit then stages the file a chunk
-    at a time; elsewhere, and with ``None``, every row travels in the commit message.
+    keeps this many bytes of records (``payload_size`` of every record) in memory and
+    spools the rest to a local temporary file whose path it sends to the driver, when it
+    runs on the driver's machine (in-memory runner, Spark local modes); the commit then
+    stages the file a chunk at a time; elsewhere, and with ``None``, every row travels in
+    the commit message.
     ``timestamp_unit``: Parquet timestamps in ``"ns"`` (TIMESTAMP(NANOS), every digit
     Spanner gives) or ``"us"`` (TIMESTAMP(MICROS), for readers that refuse nanoseconds,
     such as Spark 4; the digits below a microsecond are dropped).
