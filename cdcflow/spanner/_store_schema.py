@@ -34,6 +34,7 @@ from cdcflow.model import (
 )
 from cdcflow.spanner._store_sql import GOOGLE_SQL, POSTGRESQL, Dialect, StoreSql, Tables
 from cdcflow.spanner.retry import is_transient
+from cdcflow.spanner.transport import emulator_host
 
 __all__ = [
     "BATCH_COLUMNS",
@@ -282,7 +283,7 @@ def use_session_pool_on_emulator() -> None:
     # session (the client's default), overlapping transactions fail with NotFound or
     # FailedPrecondition instead of a retryable ABORTED; with pooled sessions the emulator
     # answers ABORTED, which the store retries.
-    if os.environ.get("SPANNER_EMULATOR_HOST"):
+    if emulator_host() is not None:
         os.environ.setdefault("GOOGLE_CLOUD_SPANNER_MULTIPLEXED_SESSIONS_FOR_RW", "false")
 
 

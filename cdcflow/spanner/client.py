@@ -75,6 +75,7 @@ from cdcflow.spanner.transport import (
     Param,
     Transport,
     assemble_rows,
+    emulator_host,
     endpoint,
 )
 from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery, RecordFilter, StreamInfo
@@ -328,7 +329,7 @@ class SpannerChangeStreamClient:
             ),
             dialect=dialect,
             retention_ns=_retention_ns(options.get("retention_period")),
-            keys_follow_lineage=not os.environ.get("SPANNER_EMULATOR_HOST"),
+            keys_follow_lineage=emulator_host() is None,
         )
         if self.filter is not None and self.filter.names():
             self.filter.check(name, self.tracked_columns(name))

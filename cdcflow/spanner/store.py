@@ -67,7 +67,6 @@ judges a lease's expiry by the same clock. google-cloud-spanner is imported lazi
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -92,7 +91,7 @@ from cdcflow.spanner._store_schema import DEFAULT_TABLE, parse_spanner_url, to_n
 from cdcflow.spanner._store_sql import Dialect, StoreSql, Tables
 from cdcflow.spanner.retry import status_name
 from cdcflow.spanner.translate import error_text, unreachable
-from cdcflow.spanner.transport import endpoint
+from cdcflow.spanner.transport import emulator_host, endpoint
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
@@ -266,7 +265,7 @@ class SpannerStore:
         db = self._client.instance(self._instance_id).database(self._database_id)
         admin = self._client.database_admin_api
         if not schema.database_exists(admin, self.database_path, self.call_timeout):
-            if not os.environ.get("SPANNER_EMULATOR_HOST"):
+            if emulator_host() is None:
                 msg = (
                     f"the Spanner database {self.database_path} does not exist; create it "
                     f"(gcloud spanner databases create {self._database_id} "

@@ -54,9 +54,15 @@ class Transport(Protocol):
 _RPC_TIMEOUT = 30.0
 
 
+def emulator_host() -> str | None:
+    """The emulator every client of this process connects to (SPANNER_EMULATOR_HOST), or
+    None for Spanner."""
+    return os.environ.get("SPANNER_EMULATOR_HOST") or None
+
+
 def endpoint() -> str:
     """Where the client connects: the emulator named by SPANNER_EMULATOR_HOST, or Spanner."""
-    host = os.environ.get("SPANNER_EMULATOR_HOST")
+    host = emulator_host()
     return f"the emulator at {host} (SPANNER_EMULATOR_HOST)" if host else "spanner.googleapis.com"
 
 

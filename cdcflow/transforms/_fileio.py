@@ -85,16 +85,20 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _write_file(path: str, data: bytes, fsync: bool) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def write_atomic(path: str, temp: str, data: bytes, fsync: bool) -> None:
     """Write ``data`` to ``temp`` and rename it to ``path``: readers see the old or the new
     bytes, never a part. Raises SinkIOError on a storage failure (``temp`` is removed)."""
     with storage("write", path):
         try:
-            with open(temp, "wb") as f:
-                f.write(data)
-                if fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+            _write_file(temp, data, fsync)
             os.replace(temp, path)
         except OSError:
             with contextlib.suppress(OSError):
@@ -114,11 +118,7 @@ def create_exclusive(path: str, temp: str, data: bytes, fsync: bool = False) -> 
     with storage("create", path):
         os.makedirs(directory, exist_ok=True)
         try:
-            with open(temp, "wb") as f:
-                f.write(data)
-                if fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+            _write_file(temp, data, fsync)
             try:
                 os.link(temp, path)  # atomic, and refuses an existing name
             except FileExistsError:
