@@ -32,6 +32,7 @@ from cdcflow.transforms._tablerows import (
     Format,
     RowStyle,
     Schema,
+    Unit,
     arrow_type,
     convert,
     json_form,
@@ -47,6 +48,8 @@ NO_BEFORE = frozenset({"INSERT", "SNAPSHOT"})
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _SUB = datetime.__sub__
 _TS = pa.timestamp("ns", tz="UTC")
+_TS_US = pa.timestamp("us", tz="UTC")
+_LIST_US = pa.list_(_TS_US)
 _NS = attrgetter("ns")  # Timestamp.ns; AttributeError for a datetime or text
 _SNAPSHOT = attrgetter("is_snapshot")
 
@@ -121,11 +124,14 @@ def full_ops(captures: set[str]) -> frozenset[str]:
     return frozenset(ops)
 
 
-def timestamps(values: list[Any]) -> pa.Array:
-    """Timestamps (Timestamp, datetime, RFC 3339 text or None) as timestamp[ns, UTC].
+def timestamps(values: list[Any], unit: Unit = "ns") -> pa.Array:
+    """Timestamps (Timestamp, datetime, RFC 3339 text or None) as timestamp[ns, UTC], or
+    with ``unit="us"`` as timestamp[us, UTC] (the digits below a microsecond dropped).
 
     Raises ValueError naming the first value outside what 64-bit nanoseconds hold
-    (1677-09-21 to 2262-04-11; Spanner allows years 1 to 9999)."""
+    (1677-09-21 to 2262-04-11; Spanner allows years 1 to 9999, which microseconds hold)."""
+    if unit == "us":
+        return _micros(values)
     try:
         return _timestamps(values)
     except (OverflowError, pa.ArrowInvalid) as exc:
@@ -156,6 +162,14 @@ def _timestamps(values: list[Any]) -> pa.Array:
         return pa.array([convert(v, "TIMESTAMP") for v in values], pa.int64()).cast(_TS)
 
 
+def _micros(values: list[Any]) -> pa.Array:
+    try:  # Timestamps only: their cached nanoseconds
+        micros = [None if v is None else _NS(v) // 1000 for v in values]
+    except (AttributeError, TypeError):
+        micros = [None if v is None else convert(v, "TIMESTAMP") // 1000 for v in values]
+    return pa.array(micros, pa.int64()).cast(_TS_US)
+
+
 def rfc3339(ts: pa.Array) -> pa.Array:
     """timestamp[ns, UTC] values as RFC 3339 text with nine fractional digits and ``Z``, as
     ``Timestamp.rfc3339`` prints them (null stays null). Each distinct second is formatted
@@ -170,21 +184,34 @@ def rfc3339(ts: pa.Array) -> pa.Array:
         pc.utf8_lpad(frac.cast(pa.string()), width=9, padding="0"), "Z", "")
 
 
-def array(values: list[Any], c: Column, table: str, *, csv: bool = False) -> pa.Array:
-    """Column ``c``'s values as an Arrow array of its type (see the module docstring); with
-    ``csv``, BYTES and ARRAY values as text (:func:`~cdcflow.transforms._tablerows.json_form`)."""
+def array(values: list[Any], c: Column, table: str, *, csv: bool = False,
+          unit: Unit = "ns") -> pa.Array:
+    """Column ``c``'s values as an Arrow array of its type (see the module docstring),
+    timestamps in ``unit``; with ``csv``, BYTES and ARRAY values as text
+    (:func:`~cdcflow.transforms._tablerows.json_form`)."""
     code = c.code
     if code == "TIMESTAMP":
         try:
-            return timestamps(values)
+            return timestamps(values, unit)
         except ValueError as exc:
+            fix = ("write this table with format='jsonl' (timestamps as RFC 3339 text)"
+                   if csv else "write Parquet with timestamp_unit='us' (years 1 to 9999) "
+                   "or this table with format='jsonl' (timestamps as RFC 3339 text)")
             msg = (f"WriteTables: {table}.{c.name}: {exc}: Parquet and CSV files hold "
-                   "timestamps as such; write this table with format='jsonl' (timestamps as "
-                   "RFC 3339 text)")
+                   f"timestamps as such; {fix}")
             raise SinkError(msg) from exc
     if csv and code in ("BYTES", "ARRAY"):
         return pa.array(_texts(values, c, table), pa.string())
-    typ = arrow_type(c.type)
+    typ = arrow_type(c.type, unit=unit)
+    if unit == "us" and typ == _LIST_US:  # ARRAY<TIMESTAMP>: nanoseconds to micros
+        micros = [None if v is None else [None if x is None else x // 1000 for x in v]
+                  for v in converted(values, c, table)]
+        try:
+            return pa.array(micros, typ)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+            msg = (f"WriteTables: {table}.{c.name} does not fit {typ}: {exc}; fix the values "
+                   "or map the records before the sink")
+            raise SinkError(msg) from exc
     if not _needs_python(code, c.type, values):
         try:
             return pa.array(values, typ)
@@ -239,15 +266,15 @@ def _converts(how: Any, value: Any, type_: Any) -> bool:
 
 
 def record_batch(mods: Mods, schema: Schema, style: RowStyle,
-                 fmt: Format = "parquet") -> pa.RecordBatch:
-    """The group's rows as a RecordBatch of ``schema.arrow(style, fmt)``."""
+                 fmt: Format = "parquet", unit: Unit = "ns") -> pa.RecordBatch:
+    """The group's rows as a RecordBatch of ``schema.arrow(style, fmt, unit)``."""
     table = schema.table
     csv = fmt == "csv"
-    arrow = schema.arrow(style, fmt)
-    commit = mods.commit
+    arrow = schema.arrow(style, fmt, unit)
+    commit = mods.commit if unit == "ns" else mods.commit.cast(_TS_US, safe=False)
     n = len(mods)
     if style == "flat":
-        arrays = [array(mods.column(c), c, table, csv=csv) for c in schema.columns]
+        arrays = [array(mods.column(c), c, table, csv=csv, unit=unit) for c in schema.columns]
         arrays += [pa.array(mods.ops, pa.string()), commit, pa.array(mods.txn, pa.string()),
                    pa.array(mods.seq, pa.string()), pa.repeat(table, n)]
         return pa.RecordBatch.from_arrays(arrays, schema=arrow)
@@ -255,10 +282,11 @@ def record_batch(mods: Mods, schema: Schema, style: RowStyle,
     before_mask = pa.array([op in NO_BEFORE for op in mods.ops])
     after_mask = pa.array([op == "DELETE" for op in mods.ops])
     before = pa.StructArray.from_arrays(
-        [array(mods.column(c, mods.old), c, table, csv=csv) for c in schema.columns],
+        [array(mods.column(c, mods.old), c, table, csv=csv, unit=unit)
+         for c in schema.columns],
         fields=list(row_type), mask=before_mask)
     after = pa.StructArray.from_arrays(
-        [array(mods.column(c), c, table, csv=csv) for c in schema.columns],
+        [array(mods.column(c), c, table, csv=csv, unit=unit) for c in schema.columns],
         fields=list(row_type), mask=after_mask)
     source_type = arrow.field("source").type
     source = pa.StructArray.from_arrays(
@@ -266,7 +294,7 @@ def record_batch(mods: Mods, schema: Schema, style: RowStyle,
          pa.array(mods.seq, pa.string()), pa.array(mods.part, pa.string())],
         fields=list(source_type))
     ops = pa.array([_DEBEZIUM_OP[op] for op in mods.ops], pa.string())
-    ts_ms = pc.divide(commit.cast(pa.int64()), 1_000_000)
+    ts_ms = pc.divide(mods.commit.cast(pa.int64()), 1_000_000)
     return pa.RecordBatch.from_arrays([before, after, ops, source, ts_ms], schema=arrow)
 
 

@@ -23,8 +23,9 @@ def file_schema(schema_file: bytes | str | Mapping[str, Any]) -> pa.Schema:
 
     For CSV, the files' columns in order (Debezium rows flattened to ``before.<column>``,
     ``source.table``, ...) with their types: what ``pyarrow.csv.ConvertOptions(
-    column_types=...)`` needs to read them typed. For Parquet, the files' own schema (with
-    ``timestamp_unit="us"`` the files hold microseconds instead). For JSON lines, the types
+    column_types=...)`` needs to read them typed. For Parquet, the files' own schema
+    (timestamps in microseconds for a table written with ``timestamp_unit="us"``). For
+    JSON lines, the types
     the JSON values stand for (timestamps are RFC 3339 text, decimals text, bytes base64).
     Raises ValueError for anything but a schema file WriteTables wrote.
     """
@@ -34,7 +35,8 @@ def file_schema(schema_file: bytes | str | Mapping[str, Any]) -> pa.Schema:
         data = schema_file.encode() if isinstance(schema_file, str) else schema_file
     try:
         doc = orjson.loads(data)
-        arrow = Schema.parse(data).arrow(doc.get("rows", "flat"), doc.get("format", "parquet"))
+        arrow = Schema.parse(data).arrow(doc.get("rows", "flat"), doc.get("format", "parquet"),
+                                         "us" if doc.get("timestamp_unit") == "us" else "ns")
     except (KeyError, TypeError, ValueError) as exc:
         msg = f"not a WriteTables schema file ({exc}); pass the contents of _schema/v<k>.json"
         raise ValueError(msg) from exc

@@ -29,6 +29,9 @@ __all__: list[str] = []
 
 RowStyle = Literal["flat", "debezium"]
 Format = Literal["parquet", "jsonl", "csv"]
+#: The unit of Parquet timestamps: nanoseconds hold 1677-09-21 to 2262-04-11, microseconds
+#: every timestamp Spanner holds (years 1 to 9999).
+Unit = Literal["ns", "us"]
 #: A row's op (:func:`row_op`) in Debezium's envelope; "r" (read) marks a snapshot row.
 _DEBEZIUM_OP = {"INSERT": "c", "UPDATE": "u", "DELETE": "d", "SNAPSHOT": "r"}
 
@@ -102,16 +105,18 @@ class Schema:
         return hashlib.sha256(body).hexdigest()
 
     def to_json(self, rows: RowStyle, fmt: Format = "parquet",
-                partition_by: str = "none") -> bytes:
+                partition_by: str = "none", unit: Unit = "ns") -> bytes:
         doc: dict[str, Any] = {
             "table": self.table, "version": self.version, "rows": rows, "format": fmt,
             "partition_by": partition_by,
             "columns": [{"name": c.name, "type": c.type, "primary_key": c.primary_key,
-                         "arrow": str(arrow_type(c.type))} for c in self.columns],
+                         "arrow": str(arrow_type(c.type, unit=unit))} for c in self.columns],
             "key_columns": [c.name for c in self.columns if c.primary_key],
             "since": self.since,
             "checksum": self.checksum(),
         }
+        if unit != "ns":
+            doc["timestamp_unit"] = unit
         if fmt == "csv":  # CSV carries no types: the files' columns in order, typed
             doc["csv_columns"] = [{"name": f.name, "arrow": str(f.type),
                                    "duckdb": duckdb_type(f.type)}
@@ -131,17 +136,18 @@ class Schema:
             raise ValueError(msg)
         return schema
 
-    def arrow(self, rows: RowStyle, fmt: Format = "parquet") -> pa.Schema:
-        """The Arrow schema of this version's rows (never a null-typed column). For
-        ``fmt="csv"``, BYTES, JSON and ARRAY columns are text (see :func:`arrow_type`);
-        a CSV file holds this schema flattened (:func:`csv_columns`)."""
+    def arrow(self, rows: RowStyle, fmt: Format = "parquet", unit: Unit = "ns") -> pa.Schema:
+        """The Arrow schema of this version's rows (never a null-typed column), timestamps
+        in ``unit``. For ``fmt="csv"``, BYTES, JSON and ARRAY columns are text (see
+        :func:`arrow_type`); a CSV file holds this schema flattened (:func:`csv_columns`)."""
         csv = fmt == "csv"
-        fields = [pa.field(c.name, arrow_type(c.type, csv=csv)) for c in self.columns]
+        ts = timestamp_type(unit)
+        fields = [pa.field(c.name, arrow_type(c.type, csv=csv, unit=unit)) for c in self.columns]
         if rows == "flat":
             return pa.schema([*fields, pa.field("_op", pa.string()),
-                              pa.field("_commit_ts", _TS), pa.field("_txn", pa.string()),
+                              pa.field("_commit_ts", ts), pa.field("_txn", pa.string()),
                               pa.field("_seq", pa.string()), pa.field("_table", pa.string())])
-        source = pa.struct([("table", pa.string()), ("commit_timestamp", _TS),
+        source = pa.struct([("table", pa.string()), ("commit_timestamp", ts),
                             ("transaction_id", pa.string()), ("record_sequence", pa.string()),
                             ("partition", pa.string())])
         row = pa.struct(fields)
@@ -150,6 +156,7 @@ class Schema:
 
 
 _TS = pa.timestamp("ns", tz="UTC")
+_TS_US = pa.timestamp("us", tz="UTC")
 _SCALARS: dict[str, pa.DataType] = {
     "INT64": pa.int64(), "FLOAT64": pa.float64(), "FLOAT32": pa.float32(),
     "NUMERIC": pa.decimal128(38, 9), "BOOL": pa.bool_(), "STRING": pa.string(),
@@ -157,16 +164,23 @@ _SCALARS: dict[str, pa.DataType] = {
 }
 
 
-def arrow_type(type_: Any, *, csv: bool = False) -> pa.DataType:
-    """The Arrow type of a change stream column type; unknown types are stored as text.
-    With ``csv``, what a CSV field can hold: BYTES as base64 text and ARRAY as JSON text
-    (as the change stream's JSON gives them; :func:`json_form`)."""
+def timestamp_type(unit: Unit = "ns") -> pa.DataType:
+    """Arrow's UTC timestamp in ``unit``."""
+    return _TS if unit == "ns" else _TS_US
+
+
+def arrow_type(type_: Any, *, csv: bool = False, unit: Unit = "ns") -> pa.DataType:
+    """The Arrow type of a change stream column type, timestamps in ``unit``; unknown
+    types are stored as text. With ``csv``, what a CSV field can hold: BYTES as base64
+    text and ARRAY as JSON text (as the change stream's JSON gives them; :func:`json_form`)."""
     code = _code(type_)
     if csv and code in ("BYTES", "ARRAY"):
         return pa.string()
     if code == "ARRAY":
         element = type_.get("array_element_type", {"code": "STRING"})
-        return pa.list_(arrow_type(element))
+        return pa.list_(arrow_type(element, unit=unit))
+    if code == "TIMESTAMP":
+        return timestamp_type(unit)
     return _SCALARS.get(code, pa.string())
 
 

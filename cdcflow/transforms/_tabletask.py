@@ -22,7 +22,7 @@ from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.sizes import payload_size
 from cdcflow.transforms._tablebuild import Mods, record_batch
 from cdcflow.transforms._tablejsonl import jsonl_lines
-from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema, columns_of
+from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema, Unit, columns_of
 from cdcflow.transforms._tablespool import local_prefix
 
 __all__ = ["TaskRows", "Writer"]
@@ -102,9 +102,11 @@ class Writer:
     column list object, same table, no date directories) is one append."""
 
     def __init__(self, style: RowStyle, fmt: Format, partition_by: str,
-                 spool_size: int | None, spool_prefix: str | None = None) -> None:
+                 spool_size: int | None, spool_prefix: str | None = None,
+                 unit: Unit = "ns") -> None:
         self.style: RowStyle = style
         self.format: Format = fmt
+        self.unit: Unit = unit
         self.partition_by = partition_by
         self._undivided = partition_by == "none"
         self.spool_size = spool_size
@@ -173,7 +175,7 @@ class Writer:
                 if self.format == "jsonl":
                     data: Any = jsonl_lines(mods, schema, self.style)
                 else:
-                    data = record_batch(mods, schema, self.style, self.format)
+                    data = record_batch(mods, schema, self.style, self.format, self.unit)
                 first, full = mods.bounds()
                 nbytes = len(data) if isinstance(data, bytes) else data.nbytes
                 out.append(Group(table, directory, columns, len(mods), data, first, full,

@@ -79,7 +79,7 @@ from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._fileio import create_exclusive
 from cdcflow.transforms._tablebuild import conform
 from cdcflow.transforms._tableread import file_schema, table_schema
-from cdcflow.transforms._tablerows import Format, RowStyle, Schema
+from cdcflow.transforms._tablerows import Format, RowStyle, Schema, Unit
 from cdcflow.transforms._tablespool import (
     Cut,
     Key,
@@ -136,8 +136,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     stages the file a chunk at a time; elsewhere, and with ``None``, every row travels in
     the commit message.
     ``timestamp_unit``: Parquet timestamps in ``"ns"`` (TIMESTAMP(NANOS), every digit
-    Spanner gives) or ``"us"`` (TIMESTAMP(MICROS), for readers that refuse nanoseconds,
-    such as Spark 4; the digits below a microsecond are dropped).
+    Spanner gives, years 1677 to 2262) or ``"us"`` (TIMESTAMP(MICROS): for readers that
+    refuse nanoseconds, such as Spark 4, and for values up to 9999-12-31; the digits below
+    a microsecond are dropped).
 
     The driver's spool (see ``_tablespool``): staged rows and cut files waiting for
     upload stay in memory up to ``spool_memory`` (the high watermark); past it the largest
@@ -240,7 +241,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # the commit message.
         local = self._driver_host is None or socket.gethostname() == self._driver_host
         return Writer(self.rows, self.format, self.partition_by,
-                      self.spool_size if local else None, local_prefix(self._driver_pid))
+                      self.spool_size if local else None, local_prefix(self._driver_pid),
+                      self._unit)
 
     # -- driver ------------------------------------------------------------------------------
 
@@ -530,7 +532,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._cut([k for k in self._open if k[0] == table], batch_id, "schema")
         self.drain()
         self._put(self._path(table, "_schema", f"v{new.version}.json"),
-                  new.to_json(self.rows, self.format, self.partition_by))
+                  new.to_json(self.rows, self.format, self.partition_by, self._unit))
         self._schemas[table] = new
 
     def _stage(self, key: Key, group: Group, batch_id: int, incoming: dict[Key, int]) -> None:
@@ -542,7 +544,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         file = self._open.get(key)
         schema = self._schemas[key[0]]
         arrow = (file.arrow if file is not None else None if self.format == "jsonl"
-                 else schema.arrow(self.rows, self.format))
+                 else schema.arrow(self.rows, self.format, self._unit))
         chunk, nbytes = encode(group.data if arrow is None else conform(group.data, arrow),
                                self.format == "csv")
         raw = incoming.pop(key, None)
@@ -584,6 +586,11 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                 return 1.0
             ratio = self._ratios[table] = file.ratio()
         return ratio
+
+    @property
+    def _unit(self) -> Unit:
+        """The unit of the files' timestamps (Parquet's may be microseconds)."""
+        return self.timestamp_unit if self.format == "parquet" else "ns"
 
     def _parquet_options(self) -> dict[str, Any]:
         # "us": Parquet TIMESTAMP(MICROS), which every reader takes (Spark refuses NANOS);

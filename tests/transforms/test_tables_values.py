@@ -1,15 +1,19 @@
 """WriteTables writes every value Spanner allows as it was: a JSON value that is a string
 stays a JSON string (apart from one that is a number), PostgreSQL JSONB is JSON text, and
 a TIMESTAMP outside what 64-bit nanoseconds hold (years 1..1677 and 2262..9999) is RFC
-3339 text in JSON lines, and one line naming the fix in Parquet and CSV; NaN and the
-infinities are never null."""
+3339 text in JSON lines, microseconds in Parquet with timestamp_unit="us", and one line
+naming the fix in nanosecond Parquet and CSV; NaN and the infinities are never null."""
 
 from __future__ import annotations
 
 import csv
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
@@ -22,6 +26,7 @@ from cdcflow.metadata import MemoryStore
 from cdcflow.model import JsonString, Timestamp
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms._tablerows import convert
+from cdcflow.transforms.tables import table_schema
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -29,10 +34,12 @@ DOCS = [JsonString("42"), {"n": 42}, JsonString("str"), {"a": 1}, [1, "x"], None
 TEXTS = ['"42"', '{"n":42}', '"str"', '{"a":1}', '[1,"x"]', None]
 
 
-def _run(runner: Runner, stream: ScriptedChangeStream, out: Path, fmt: str) -> None:
+def _run(runner: Runner, stream: ScriptedChangeStream, out: Path, fmt: str,
+         **options: Any) -> None:
     p = cf.Pipeline(f"values-{fmt}")
     (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + S, client=stream)
-     | cf.ReadPartition() | cf.WriteTables(str(out), format=fmt))  # type: ignore[arg-type]
+     | cf.ReadPartition()
+     | cf.WriteTables(str(out), format=fmt, **options))  # type: ignore[arg-type]
     Engine(p, MemoryStore(), runner, RunOptions(batch_interval=0)).run()
 
 
@@ -95,6 +102,39 @@ def test_timestamps_beyond_nanoseconds(runner: Runner, tmp_path: Path, fmt: str)
     with pytest.raises((SinkError, SparkTaskError), match=outside):
         _run(runner, stream, tmp_path / "out", fmt)
     assert not list((tmp_path / "out").glob("E/part-*"))  # nothing of the batch written
+
+
+@pytest.mark.parametrize("rows", ["flat", "debezium"])
+def test_microsecond_parquet_holds_every_year_spanner_does(
+    runner: Runner, tmp_path: Path, rows: str
+) -> None:
+    """timestamp_unit="us": values past 2262 (alone and in arrays) are written, below a
+    microsecond dropped, and the table's schema reads the files back typed."""
+    stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+    texts = ["9999-12-31T23:59:59.999999999Z", "2024-01-01T00:00:00.123456789Z",
+             "0001-01-01T00:00:00Z"]
+    for i, text in enumerate(texts):
+        stream.write("E", {"Id": i}, "INSERT",
+                     {"Until": Timestamp.parse(text), "Marks": [Timestamp.parse(text), None]},
+                     at=T0 + (i + 1) * 1000)
+    out = tmp_path / "out"
+    _run(runner, stream, out, "parquet", timestamp_unit="us", rows=rows)
+    schema = table_schema(str(out / "E"))
+    got = ds.dataset(str(out / "E"), schema=schema, format="parquet").to_table().to_pylist()
+    got.sort(key=lambda r: int(str((r["after"] if rows == "debezium" else r)["Id"])))
+    want = [datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+            datetime(2024, 1, 1, 0, 0, 0, 123456, tzinfo=UTC), datetime(1, 1, 1, tzinfo=UTC)]
+    values = [r["after"] if rows == "debezium" else r for r in got]
+    assert [v["Until"] for v in values] == want
+    assert [v["Marks"] for v in values] == [[w, None] for w in want]
+    commit = [r["source"]["commit_timestamp"] if rows == "debezium" else r["_commit_ts"]
+              for r in got]
+    epoch = datetime.fromtimestamp(T0 // S, UTC)
+    assert commit == [epoch + timedelta(microseconds=i + 1) for i in range(3)]
+    fields = schema.field("after").type if rows == "debezium" else schema
+    assert fields.field("Until").type == pa.timestamp("us", tz="UTC")
+    (path,) = out.glob("E/part-*.parquet")
+    assert pq.read_schema(path).equals(schema, check_metadata=False)
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl", "csv"])
