@@ -92,6 +92,18 @@ def test_handler_must_answer_with_a_decision() -> None:
         ErrorPolicy().decide(ValueError(), 1, "tok", 0)
 
 
+def test_policy_numbers_are_checked_where_the_policy_is_made() -> None:
+    """Not at the first failure, deep in a run."""
+    for bad in (-1, 2.5, "3", True):
+        with pytest.raises(ValueError, match=r"ErrorPolicy\(retries=.*whole number >= 0"):
+            ErrorPolicy(retries=bad)  # type: ignore[arg-type]
+    for name in ("backoff", "max_backoff"):
+        for value in (-5, math.nan, math.inf):
+            with pytest.raises(ValueError, match=f"ErrorPolicy\\({name}=.*finite number"):
+                ErrorPolicy(**{name: value})  # type: ignore[arg-type]
+    assert ErrorPolicy(backoff="250ms", max_backoff=0).retry_policy().maximum == 0
+
+
 def test_retry_after_takes_seconds_or_durations_and_refuses_nonsense() -> None:
     assert Retry().after == 0 and Retry(2).after == 2.0 and Retry("1.5s").after == 1.5
     for bad in (-1, math.nan, math.inf):

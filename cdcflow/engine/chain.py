@@ -504,6 +504,8 @@ class Chain:
                 pipeline=self._program.pipeline, sink_label=label, batch_id=self._task.batch_id,
                 partition_token=sl.token, slice_start=sl.start, slice_end=sl.end,
                 attempt=self._attempt, guard=guard_for(self._program.pipeline),
+                error_policy=self._policy,
+                dead_letter=self._program.dead_letter_label is not None,
             ))
             self._writers[label] = writer
         return writer
@@ -522,7 +524,10 @@ class Chain:
         for node in teardown:
             node.fn.teardown()
         messages: dict[str, Any] = {}
-        for label in list(self._writers):
+        dead = self._program.dead_letter_label
+        # the dead-letter sink closes last: a writer that skips elements itself (Consume)
+        # hands them over as it closes
+        for label in sorted(self._writers, key=lambda label: label == dead):
             writer = self._writers.pop(label)
             messages[label] = writer.close()
             # a writer with an error policy of its own (Consume) counts what it did
@@ -531,7 +536,29 @@ class Chain:
                 counts = counted()
                 self._skipped += int(counts.get("skipped", 0))
                 self._retries += int(counts.get("retries", 0))
+            skipped = getattr(writer, "dead_letters", None)
+            if skipped is not None and dead is not None and label != dead:
+                self._dead_letter(label, skipped())
+        if dead is not None and dead in self._writers:
+            messages[dead] = self._writers.pop(dead).close()
         return messages
+
+    def _dead_letter(self, label: str, skipped: list[tuple[Any, str]]) -> None:
+        """Write the elements a sink's writer skipped to the dead-letter sink."""
+        dead = self._program.dead_letter_label
+        wanted = self._task.sinks
+        if not skipped or dead is None or (wanted is not None and dead not in wanted):
+            return
+        writer = self._writer(dead)
+        writes = self._counter_keys[dead][2]
+        for element, error in skipped:
+            token, at = _origin(element)
+            writer.write(FailedElement(
+                label=label, error=error, partition_token=token or self._task.slice.token,
+                commit_timestamp=at, element=element,
+            ))
+            for key in (writes, "dead_lettered"):
+                self._counts[key] = self._counts.get(key, 0) + 1
 
     def abort(self) -> None:
         self._bundle, self._bundle_bytes = [], 0  # its bytes are in _held: given back below

@@ -89,9 +89,14 @@ class ErrorPolicy:
     handler: ErrorHandler | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.retries < 0:
-            msg = f"ErrorPolicy.retries must be >= 0, got {self.retries}"
+        retries = self.retries
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            msg = f"ErrorPolicy(retries={retries!r}): use a whole number >= 0"
             raise ValueError(msg)
+        for name, seconds in (("backoff", self.backoff), ("max_backoff", self.max_backoff)):
+            if not (seconds >= 0 and math.isfinite(seconds)):  # NaN is refused too
+                msg = f"ErrorPolicy({name}={seconds}): use a finite number of seconds >= 0"
+                raise ValueError(msg)
         if self.then not in ("stop", "skip"):
             msg = f"ErrorPolicy.then must be 'stop' or 'skip', got {self.then!r}"
             raise ValueError(msg)

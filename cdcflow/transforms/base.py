@@ -241,6 +241,13 @@ class WriterContext:
     #: aborted): a writer making side effects outside the batch's commit (Consume) calls
     #: it before each one. Where the driver's run is not in this process it does nothing.
     guard: Callable[[], None] = attrs.field(default=lambda: None, eq=False, repr=False)
+    #: The pipeline's :class:`~cdcflow.policy.ErrorPolicy` (without its dead-letter sink),
+    #: for a writer that decides about failed calls itself (Consume) and has no policy of
+    #: its own; None: the default policy.
+    error_policy: Any = attrs.field(default=None, eq=False, repr=False)
+    #: Whether the pipeline has a dead-letter sink: a writer that skips elements itself
+    #: hands them over through ``dead_letters()`` (see Consume).
+    dead_letter: bool = False
 
 
 def _no_stop(reason: str) -> None:

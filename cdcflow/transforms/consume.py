@@ -15,9 +15,11 @@ How a task's writer works:
   different keys run concurrently. ``write`` blocks while ``max_inflight`` elements are in
   flight and ``4 * max_inflight`` more wait (backpressure on the reader).
 - ``fn`` returning acks the element; raising nacks it, and the writer's
-  :class:`~cdcflow.policy.ErrorPolicy` (``on_error``) decides: retry after a delay (the
-  key's later elements wait), skip (counted, logged, reported in the commit message), or
-  stop (the task fails with PipelineStopped; nothing of the batch commits).
+  :class:`~cdcflow.policy.ErrorPolicy` (``on_error``, else the pipeline's) decides: retry
+  after a delay (the key's later elements wait; the element waits apart, holding no
+  thread), skip (counted, logged, reported in the commit message, and handed to the
+  pipeline's dead-letter sink if it has one), or stop (the task fails with
+  PipelineStopped; nothing of the batch commits).
 - ``close`` waits until every element is acked or skipped, then returns a small
   :class:`Consumed` message. A batch commits only when all its tasks did, so progress
   never passes an element whose call has not returned.
@@ -30,6 +32,9 @@ idempotent, keyed by what identifies a change: :func:`idempotency_key`.
 
 from __future__ import annotations
 
+import heapq
+import inspect
+import itertools
 import logging
 import math
 import threading
@@ -132,18 +137,23 @@ class Consume(Sink[E, Consumed]):
     policy decides about the element, so a retry may start while the stuck call still runs.
     More than ``4 * max_inflight + 4`` abandoned calls alive at once fail the task.
 
-    ``drain_timeout``: how long ``close`` waits for the elements still in flight when the
-    task ends, and how long ``write`` waits for room in a full pool and queue without any
-    call finishing (a call that hangs holds its key's later elements in the queue). Past
-    it the task fails with SinkError: the batch is not committed and is replayed (by
-    Spark's task retry, or by the next run), calling ``fn`` again for all its elements.
-    While it waits, the task also stops once the run may no longer act (its guard: a
-    second Ctrl-C, a lost lease).
+    ``drain_timeout``: how long ``close`` (the task's end) and ``write`` (a full pool and
+    queue: a call that hangs holds its key's later elements in the queue) wait without any
+    call finishing; the time elements wait out a Retry's delay does not count. Past it the
+    task fails with SinkError: the batch is not committed and is replayed (by Spark's task
+    retry, or by the next run), calling ``fn`` again for all its elements. While it waits,
+    the task also stops once the run may no longer act (its guard: a second Ctrl-C, a lost
+    lease).
 
-    ``on_error``: the :class:`~cdcflow.policy.ErrorPolicy` for failed calls; the default
-    retries 3 times with backoff, then stops. Its ``then='skip'`` (or a handler's Skip)
-    gives the element up: it is logged with its error and counted in the commit message; a
-    ``dead_letter`` is refused (catch the error in ``fn`` to keep such elements).
+    ``on_error``: the :class:`~cdcflow.policy.ErrorPolicy` for failed calls; without one,
+    the pipeline's (``Pipeline(error_policy=...)``; by default: retry 3 times with
+    backoff, then stop). Its ``then='skip'`` (or a handler's Skip) gives the element up: it
+    is logged with its error, counted in the commit message, and written to the
+    pipeline's dead-letter sink when it has one (a ``dead_letter`` of Consume's own policy
+    is refused: give it to the pipeline's).
+
+    ``fn`` is a plain function: an ``async def`` or generator function is refused (its
+    call would return without doing anything), and so is a call that returns an awaitable.
 
     At least once: ``commit`` only keeps counts (:meth:`stats`); a replayed batch calls
     ``fn`` again for its elements. Make the side effect idempotent, keyed by
@@ -171,15 +181,22 @@ class Consume(Sink[E, Consumed]):
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             msg = f"Consume(max_inflight={max_inflight!r}): use a whole number >= 1"
             raise PipelineDefinitionError(msg)
-        policy = ErrorPolicy() if on_error is None else on_error
-        if not isinstance(policy, ErrorPolicy):
+        kind = _not_plain(fn)
+        if kind is not None:
+            msg = (
+                f"Consume({callable_name(fn)}): fn is {kind}, and Consume calls it on "
+                "threads: calling it would do nothing. Pass a plain function, e.g. "
+                "lambda r: asyncio.run(send(r)) for an async one"
+            )
+            raise PipelineDefinitionError(msg)
+        if on_error is not None and not isinstance(on_error, ErrorPolicy):
             msg = f"Consume(on_error={on_error!r}): pass a cdcflow.ErrorPolicy"
             raise TypeError(msg)
-        if policy.dead_letter is not None:
+        if on_error is not None and on_error.dead_letter is not None:
             msg = (
-                "Consume(on_error=ErrorPolicy(dead_letter=...)): Consume has no dead-letter "
-                "sink; skipped elements are logged and counted in Consume.stats(). Drop "
-                "dead_letter, or catch the error in fn and keep the element yourself"
+                "Consume(on_error=ErrorPolicy(dead_letter=...)): Consume's skipped elements "
+                "go to the pipeline's dead-letter sink; give it there: "
+                "Pipeline(name, error_policy=ErrorPolicy(then='skip', dead_letter=...))"
             )
             raise PipelineDefinitionError(msg)
         self.fn = fn
@@ -188,7 +205,8 @@ class Consume(Sink[E, Consumed]):
         self.max_inflight = max_inflight
         self.timeout = None if timeout is None else _seconds(timeout, "timeout")
         self.drain_timeout = _seconds(drain_timeout, "drain_timeout")
-        self.on_error = policy
+        #: Consume's own policy; None: the pipeline's
+        self.on_error = on_error
         self._totals = _Totals()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -238,16 +256,26 @@ class Consume(Sink[E, Consumed]):
         return len(self._totals.batches)
 
 
+def _not_plain(fn: Callable[..., object]) -> str | None:
+    """What kind of function ``fn`` is when calling it does not run its body ("an async
+    function", "a generator function"); None for a plain one."""
+    for f in (fn, type(fn).__call__):  # a callable object: its method
+        if inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f):
+            return "an async function"
+        if inspect.isgeneratorfunction(f):
+            return "a generator function"
+    return None
+
+
 class _Call:
     """One element on its way through ``fn``."""
 
-    __slots__ = ("element", "failures", "key", "not_before")
+    __slots__ = ("element", "failures", "key")
 
     def __init__(self, element: Any, key: Hashable) -> None:
         self.element = element
         self.key = key
         self.failures = 0
-        self.not_before = 0.0  # monotonic time before which a retry must not start
 
 
 class _Worker:
@@ -272,8 +300,9 @@ class _ConsumeWriter(Generic[E]):
     """One task's pool: keyed queues, worker threads, a watchdog when there is a timeout.
 
     Invariants (under ``_lock``): a key is in ``_queues`` while it has waiting calls or a
-    call running; it is in ``_ready`` (once) when it has waiting calls and none running;
-    ``_pending`` counts the calls taken and neither acked nor skipped.
+    call running; it is in ``_ready`` (once) when it has waiting calls, none running and
+    its first call is due; in ``_delayed`` (once) when its first call waits out a Retry's
+    delay; ``_pending`` counts the calls taken and neither acked nor skipped.
     """
 
     def __init__(self, consume: Consume[E], ctx: WriterContext) -> None:
@@ -283,16 +312,21 @@ class _ConsumeWriter(Generic[E]):
         self._capacity = consume.max_inflight * (1 + _QUEUE_PER_THREAD)
         self._timeout = consume.timeout
         self._drain_timeout = consume.drain_timeout
-        self._policy = consume.on_error
+        self._policy: ErrorPolicy = (consume.on_error or ctx.error_policy or ErrorPolicy())
+        self._keep_skipped = ctx.dead_letter
+        self._skipped: list[tuple[Any, str]] = []  # (element, error) for the dead letter
         self._label = ctx.sink_label
         self._token = ctx.partition_token
         self._guard = ctx.guard
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # a key became ready, or the end
         self._room = threading.Condition(self._lock)  # a call was acked/skipped, or the end
-        self._ending = threading.Condition(self._lock)  # the end only (retry waits, watchdog)
+        self._ending = threading.Condition(self._lock)  # the end only (the watchdog)
         self._queues: dict[Hashable, deque[_Call]] = {}
         self._ready: deque[Hashable] = deque()
+        # (due, n, key): keys whose first call waits out a Retry's delay, soonest first
+        self._delayed: list[tuple[float, int, Hashable]] = []
+        self._delays = itertools.count()
         self._pending = 0
         self._workers: list[_Worker] = []
         self._abandoned: list[_Worker] = []
@@ -319,8 +353,7 @@ class _ConsumeWriter(Generic[E]):
         if not self._started:
             self._start()
         with self._lock:
-            if not self._wait(lambda: self._pending < self._capacity or self._ended,
-                              while_progress=True):
+            if not self._wait(lambda: self._pending < self._capacity or self._ended):
                 msg = (
                     f"Consume {self._label!r}: no call finished for {self._drain_timeout:g}s "
                     f"while the pool and queue of partition {self._token} were full "
@@ -357,10 +390,10 @@ class _ConsumeWriter(Generic[E]):
             if not done:
                 msg = (
                     f"Consume {self._label!r}: {self._pending} element(s) of partition "
-                    f"{self._token} not acknowledged {self._drain_timeout:g}s after the task "
-                    f"ended ({self._running()} call(s) still running); the task fails, and a "
-                    "replay of the batch calls fn again for its elements. Raise drain_timeout, or "
-                    "bound each call with timeout="
+                    f"{self._token} not acknowledged at the task's end: no call finished for "
+                    f"{self._drain_timeout:g}s ({self._running()} call(s) still running); the "
+                    "task fails, and a replay of the batch calls fn again for its elements. "
+                    "Find why fn hangs, raise drain_timeout, or bound each call with timeout="
                 )
                 self._fail(WriterFailed(msg))
             self._end()
@@ -373,6 +406,11 @@ class _ConsumeWriter(Generic[E]):
             elements=c["elements"], acked=c["acked"], skipped=c["skipped"], calls=c["calls"],
             retries=c["retries"], timeouts=c["timeouts"], errors=tuple(self._errors),
         )
+
+    def dead_letters(self) -> list[tuple[Any, str]]:
+        """The elements skipped by the error policy, with their errors as text, when the
+        pipeline has a dead-letter sink (the engine writes them there at the task's end)."""
+        return list(self._skipped)
 
     def policy_counters(self) -> dict[str, int]:
         """What the error policy did in this task (the engine adds it to the task's
@@ -389,6 +427,7 @@ class _ConsumeWriter(Generic[E]):
         with self._lock:
             self._end()
             self._ready.clear()
+            self._delayed.clear()
         wait = self._drain_timeout if self._timeout is None else self._timeout
         try:
             self._guard()
@@ -400,18 +439,25 @@ class _ConsumeWriter(Generic[E]):
         """Calls running now (under the lock)."""
         return sum(1 for w in self._workers if w.call is not None)
 
-    def _wait(self, ready: Callable[[], bool], while_progress: bool = False) -> bool:
-        """Wait (under the lock) until ``ready()``, or ``drain_timeout`` seconds (without
-        any call finishing, with ``while_progress``); False then. Checks the run's guard
-        every half second: once the run may no longer act, the writer fails with the
-        guard's error (``ready`` then holds: the writer has ended)."""
+    def _progress(self) -> int:
+        """Calls that finished: acked, skipped, or failed and to be retried."""
+        c = self._counts
+        return c["acked"] + c["skipped"] + c["retries"]
+
+    def _wait(self, ready: Callable[[], bool]) -> bool:
+        """Wait (under the lock) until ``ready()``, or ``drain_timeout`` seconds without any
+        call finishing, not counting the time an element waits out a Retry's delay; False
+        then. Checks the run's guard every half second: once the run may no longer act, the
+        writer fails with the guard's error (``ready`` then holds: the writer has ended)."""
         deadline = time.monotonic() + self._drain_timeout
-        progress = self._counts["acked"] + self._counts["skipped"]
+        progress = self._progress()
         while not ready():
             now = time.monotonic()
-            if while_progress and self._counts["acked"] + self._counts["skipped"] != progress:
-                progress = self._counts["acked"] + self._counts["skipped"]
+            if self._progress() != progress:
+                progress = self._progress()
                 deadline = now + self._drain_timeout
+            if self._delayed:  # a retry's delay is not time without progress
+                deadline = max(deadline, self._delayed[0][0] + self._drain_timeout)
             if now >= deadline:
                 return False
             self._room.wait(min(0.5, deadline - now))
@@ -443,20 +489,28 @@ class _ConsumeWriter(Generic[E]):
         self._workers.append(worker)
         worker.thread.start()
 
+    def _next(self) -> Hashable | None:
+        """Wait (under the lock) for a key whose first call is due: that key, or None once
+        the writer ended. A key waiting out a Retry's delay holds no thread: it is due
+        again at the end of the delay (nothing of its key passes it)."""
+        while not self._ended:
+            delayed = self._delayed
+            now = time.monotonic()
+            while delayed and delayed[0][0] <= now:
+                self._ready.appendleft(heapq.heappop(delayed)[2])
+            if self._ready:
+                return self._ready.popleft()
+            self._work.wait(delayed[0][0] - now if delayed else None)
+        return None
+
     def _run(self, worker: _Worker) -> None:
         while True:
             with self._lock:
-                self._work.wait_for(lambda: bool(self._ready) or self._ended)
-                if self._ended:
+                key = self._next()
+                if key is None:
                     return
-                key = self._ready.popleft()
                 call = self._queues[key].popleft()
                 worker.call = call
-                # A retry waits its delay here, holding the key: nothing passes it.
-                while not self._ended and (wait := call.not_before - time.monotonic()) > 0:
-                    self._ending.wait(wait)
-                if self._ended:
-                    return
                 try:
                     self._guard()  # the run may still act: its lease holds, not aborted
                 except BaseException as exc:
@@ -467,13 +521,25 @@ class _ConsumeWriter(Generic[E]):
                 self._counts["calls"] += 1
             error: Exception | None = None
             try:
-                self._fn(call.element)
+                result = self._fn(call.element)
+                if inspect.isawaitable(result) or inspect.isgenerator(result):
+                    self._not_called(worker, result)
+                    return
             except Exception as exc:
                 error = exc
-            except BaseException as exc:  # KeyboardInterrupt, SystemExit: fail the task
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt: stop the run
                 with self._lock:
                     if not worker.abandoned:
-                        self._fail(exc)
+                        msg = (
+                            f"Consume {self._label!r}: fn raised {type(exc).__name__}"
+                            f"({exc}) on an element of partition {self._token}; a function "
+                            "Consume calls may not end the process: raise an exception (the "
+                            "error policy decides) instead. Nothing of this batch was "
+                            "committed; the next run calls fn again for its elements"
+                        )
+                        stopped = PipelineStopped(msg)
+                        stopped.__cause__ = exc
+                        self._fail(stopped)
                 return
             with self._lock:
                 if worker.abandoned:
@@ -484,6 +550,21 @@ class _ConsumeWriter(Generic[E]):
                     self._finish(call)
                     continue
             self._nack(call, error)
+
+    def _not_called(self, worker: _Worker, result: Any) -> None:
+        """``fn`` returned an awaitable or a generator: its body did not run. Fail the run
+        with the fix (a definition error: a retry would do nothing either)."""
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()  # no "never awaited" warning besides our error
+        msg = (
+            f"Consume {self._label!r}: fn returned {type(result).__name__} {result!r:.60}, "
+            "so its work did not run; Consume calls fn on threads and needs a plain "
+            "function: e.g. lambda r: asyncio.run(send(r)) for an async one"
+        )
+        with self._lock:
+            if not worker.abandoned:
+                self._fail(PipelineDefinitionError(msg))
 
     def _finish(self, call: _Call) -> None:
         """``call``'s element is acked or skipped: release its key (under the lock)."""
@@ -514,15 +595,22 @@ class _ConsumeWriter(Generic[E]):
                 return
             if isinstance(decision, Retry):
                 self._counts["retries"] += 1
-                call.not_before = time.monotonic() + decision.after
-                self._queues[call.key].appendleft(call)
-                self._ready.appendleft(call.key)  # first in line: its key waits for it
+                self._queues[call.key].appendleft(call)  # first in line: its key waits
+                if decision.after > 0:
+                    due = time.monotonic() + decision.after
+                    heapq.heappush(self._delayed, (due, next(self._delays), call.key))
+                else:
+                    self._ready.appendleft(call.key)
                 self._work.notify()
+                self._room.notify_all()  # progress, for the drain deadline
                 return
             if isinstance(decision, Skip):
                 self._counts["skipped"] += 1
+                text = f"{type(error).__name__}: {error}"
                 if len(self._errors) < _MAX_ERRORS:
-                    self._errors.append(f"{type(error).__name__}: {error}")
+                    self._errors.append(text)
+                if self._keep_skipped:
+                    self._skipped.append((call.element, text))
                 self._finish(call)
             else:
                 msg = (

@@ -26,7 +26,7 @@ from cdcflow.engine.runner import Runner
 from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError, WriterFailed
 from cdcflow.metadata import MemoryStore
 from cdcflow.model import BatchPlan
-from cdcflow.policy import Decision, ErrorPolicy, Retry, Stop
+from cdcflow.policy import Decision, ErrorPolicy, FailedElement, Retry, Skip, Stop
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import Collect, Consume, Consumed, DetectPartitions, ReadPartition
 from cdcflow.transforms import idempotency_key as ikey
@@ -195,6 +195,83 @@ def test_a_retry_waits_its_delay_and_holds_its_key() -> None:
     assert calls[1][1] - calls[0][1] >= 0.1
 
 
+def test_a_retry_waiting_its_delay_holds_no_thread() -> None:
+    """With one thread, a key waiting out a Retry's delay lets other keys' calls run."""
+    calls: list[tuple[str, float]] = []
+
+    def fn(e: str) -> None:
+        calls.append((e, time.monotonic()))
+        if e == "a" and len(calls) == 1:
+            raise ConnectionError("once")
+
+    policy = ErrorPolicy(handler=lambda err, el, tok, n: Retry(after=0.5))
+    writer = _writer(Consume(fn, max_inflight=1, key=lambda e: e[0], on_error=policy))
+    for e in ("a", "a2", "b", "c"):
+        writer.write(e)
+    assert writer.close() == Consumed(elements=4, acked=4, calls=5, retries=1)
+    order = [e for e, _ in calls]
+    assert order == ["a", "b", "c", "a", "a2"]  # b and c did not wait for a's delay
+    at = dict(calls[1:3])
+    assert at["c"] - calls[0][1] < 0.4
+    assert calls[3][1] - calls[0][1] >= 0.5
+
+
+def test_retry_delays_do_not_count_against_the_drain_timeout() -> None:
+    """A call that fails fast, retried after delays longer than drain_timeout, is waited
+    for: the drain bounds time without any call finishing, and a delay is not that."""
+    calls: list[float] = []
+
+    def fn(e: str) -> None:
+        calls.append(time.monotonic())
+        if len(calls) <= 2:
+            raise ConnectionError("down")
+
+    policy = ErrorPolicy(handler=lambda err, el, tok, n: Retry(after=0.4))
+    writer = _writer(Consume(fn, drain_timeout=0.2, on_error=policy))
+    writer.write("a")
+    assert writer.close() == Consumed(elements=1, acked=1, calls=3, retries=2)
+    assert calls[2] - calls[0] >= 0.8
+
+
+async def _async_send(e: object) -> None:
+    pass
+
+
+def _generator_send(e: object) -> Any:
+    yield e
+
+
+class _AsyncCallable:
+    async def __call__(self, e: object) -> None:
+        pass
+
+
+def test_functions_whose_call_does_nothing_are_refused() -> None:
+    """An async or generator fn would return at once, its work not done, and every element
+    would be acked: refused where the pipeline is defined, and a call that returns an
+    awaitable stops the run with the fix."""
+    for fn, kind in ((_async_send, "an async function"),
+                     (_generator_send, "a generator function"),
+                     (_AsyncCallable(), "an async function")):
+        with pytest.raises(PipelineDefinitionError, match=f"fn is {kind}.*asyncio.run"):
+            Consume(fn)
+    writer = _writer(Consume(lambda e: _async_send(e)))
+    writer.write(1)
+    with pytest.raises(PipelineDefinitionError, match=r"fn returned coroutine.*plain function"):
+        writer.close()
+
+
+def test_fn_ending_the_process_stops_the_run_with_one_line() -> None:
+    def fn(e: int) -> None:
+        sys.exit(3)
+
+    writer = _writer(Consume(fn))
+    writer.write(1)
+    with pytest.raises(PipelineStopped, match=r"fn raised SystemExit\(3\).*may not end the "
+                                              r"process"):
+        writer.close()
+
+
 def test_stop_fails_the_writer_with_pipeline_stopped() -> None:
     def fn(e: str) -> None:
         if e == "bad":
@@ -304,7 +381,8 @@ def test_close_past_the_drain_timeout_fails_the_task() -> None:
     writer = _writer(Consume(lambda e: release.wait(10), drain_timeout=0.1))
     writer.write(1)
     try:
-        with pytest.raises(SinkError, match=r"not acknowledged 0\.1s after.*a replay of the batch"):
+        with pytest.raises(SinkError, match=r"not acknowledged at the task's end: no call "
+                                             r"finished for 0\.1s.*a replay of the batch"):
             writer.close()
     finally:
         release.set()
@@ -397,7 +475,7 @@ def test_bad_definitions_are_refused_with_the_fix() -> None:
     with pytest.raises(PipelineDefinitionError, match="duration such as"):
         Consume(print, drain_timeout="soon")
     dead = ErrorPolicy(then="skip", dead_letter=Collect())
-    with pytest.raises(PipelineDefinitionError, match="no dead-letter sink"):
+    with pytest.raises(PipelineDefinitionError, match="go to the pipeline's dead-letter sink"):
         Consume(print, on_error=dead)
     writer = _writer(Consume(print, key=lambda e: [e]))
     with pytest.raises(TypeError, match="not hashable"):
@@ -581,6 +659,38 @@ def test_stop_commits_nothing_of_the_batch_and_replays_it(
     again = {i for i, n in counts.items() if n > 1}
     assert again and again <= {ikey(r) for r in stopped_batch}  # only the replayed batch
     assert committed.acked + fixed.stats().acked == len(expected)
+
+
+def _skip(error: Exception, element: Any, token: str, attempt: int) -> Decision:
+    return Skip() if isinstance(error, ValueError) else Retry(after=0.001)
+
+
+def test_without_a_policy_of_its_own_consume_follows_the_pipelines(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """The pipeline's ErrorPolicy decides about Consume's failed calls when Consume has no
+    on_error, and the elements it skips go to the pipeline's dead-letter sink."""
+    s = _stream()
+    values = [r.mods[0].new_values["i"] for r in s.expected_records(T0, END)]
+    dead = "dead" >> Collect[Any]()
+    assert isinstance(dead, Collect)
+    consume = Consume(_Flaky(tmp_path / "seen"), max_inflight=4, key=_row)
+    summary = _run(runner, s, consume, policy=ErrorPolicy(handler=_skip, dead_letter=dead))
+    bad = sorted(i for i in values if i % 7 == 0)
+    assert summary.reason == "end reached" and bad
+    assert summary.skipped == summary.dead_lettered == len(bad)
+    assert sorted(f.element.mods[0].new_values["i"] for f in dead.items) == bad
+    assert all(isinstance(f, FailedElement) and f.label == "Consume(_Flaky)"
+               and f.error.startswith("ValueError: bad")
+               and f.partition_token == f.element.partition_token
+               and f.commit_timestamp == f.element.commit_timestamp for f in dead.items)
+    # a policy of Consume's own skips to the pipeline's dead letter too
+    dead_too = "dead" >> Collect[Any]()
+    assert isinstance(dead_too, Collect)
+    own = Consume(_Flaky(tmp_path / "seen2"), max_inflight=4, key=_row,
+                  on_error=ErrorPolicy(retries=1, backoff=0.001, then="skip"))
+    summary = _run(runner, s, own, policy=ErrorPolicy(then="skip", dead_letter=dead_too))
+    assert summary.dead_lettered == len(bad) == len(dead_too.items)
 
 
 class _CrashAfterSinks(EngineListener):
