@@ -50,7 +50,7 @@ from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError, 
 from cdcflow.model import DataChangeRecord
 from cdcflow.transforms._policy import ErrorPolicy, Retry, Skip
 from cdcflow.transforms.base import Sink, SinkWriter, WriterContext
-from cdcflow.transforms.core import callable_name
+from cdcflow.transforms.core import callable_name, function_kind
 
 __all__ = ["Consume", "Consumed", "idempotency_key"]
 
@@ -181,7 +181,7 @@ class Consume(Sink[E, Consumed]):
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             msg = f"Consume(max_inflight={max_inflight!r}): use a whole number >= 1"
             raise PipelineDefinitionError(msg)
-        kind = _not_plain(fn)
+        kind = function_kind(fn)
         if kind is not None:
             msg = (
                 f"Consume({callable_name(fn)}): fn is {kind}, and Consume calls it on "
@@ -254,17 +254,6 @@ class Consume(Sink[E, Consumed]):
     def committed_batches(self) -> int:
         """How many batch ids were committed through this instance."""
         return len(self._totals.batches)
-
-
-def _not_plain(fn: Callable[..., object]) -> str | None:
-    """What kind of function ``fn`` is when calling it does not run its body ("an async
-    function", "a generator function"); None for a plain one."""
-    for f in (fn, type(fn).__call__):  # a callable object: its method
-        if inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f):
-            return "an async function"
-        if inspect.isgeneratorfunction(f):
-            return "a generator function"
-    return None
 
 
 class _Call:

@@ -17,10 +17,12 @@ checker sees no PCollection, so the lambda's parameter and the output are ``Any`
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast
 
+from cdcflow.errors import PipelineDefinitionError
 from cdcflow.transforms.base import DoFn, ParDo
 
 __all__ = ["Filter", "FlatMap", "Map", "callable_name"]
@@ -60,6 +62,18 @@ def _short_repr(value: Any) -> str:
     return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
 
 
+def function_kind(fn: Callable[..., object]) -> str | None:
+    """What kind of function ``fn`` is when calling it does not run its body: "an async
+    function" (``async def``, also an async generator) or "a generator function"; None for
+    a plain function. A callable object is judged by its ``__call__``."""
+    for f in (fn, type(fn).__call__):
+        if inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f):
+            return "an async function"
+        if inspect.isgeneratorfunction(f):
+            return "a generator function"
+    return None
+
+
 def _check_callable(transform: str, fn: Any) -> None:
     if isinstance(fn, DoFn) and not callable(fn):
         msg = f"{transform} takes a function, got the DoFn {fn!r}: use ParDo({fn!r}) instead"
@@ -70,6 +84,14 @@ def _check_callable(transform: str, fn: Any) -> None:
             f"pass the function itself, e.g. {transform}(to_row) or {transform}(lambda r: ...)"
         )
         raise TypeError(msg)
+    kind = function_kind(fn)
+    if kind == "an async function" or (kind is not None and transform != "FlatMap"):
+        fix = ("use FlatMap for a function that yields its outputs" if kind ==
+               "a generator function" else "tasks call functions on threads: pass a plain "
+               "function, e.g. lambda r: asyncio.run(convert(r))")
+        msg = (f"{transform}({callable_name(fn)}): the function is {kind}, so calling it "
+               f"would not run its body; {fix}")
+        raise PipelineDefinitionError(msg)
 
 
 class _CallableDoFn(DoFn[InT, OutT], Generic[InT, OutT, R]):

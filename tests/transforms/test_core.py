@@ -11,6 +11,7 @@ from typing import Any
 import cloudpickle
 import pytest
 
+from cdcflow.errors import PipelineDefinitionError
 from cdcflow.transforms import DoFn, Filter, FlatMap, Map, ParDo
 from cdcflow.transforms.core import callable_name
 
@@ -109,6 +110,27 @@ def test_describe_params_shows_function_and_arguments() -> None:
 def test_non_callable_is_a_type_error_naming_the_fix(cls: type[ParDo[Any, Any]], bad: Any) -> None:
     with pytest.raises(TypeError, match=rf"{cls.__name__} takes a function.*pass the function"):
         cls(bad)
+
+
+async def _async_fn(r: int) -> int:
+    return r
+
+
+def _yields(r: int) -> Iterator[int]:
+    yield r
+
+
+@pytest.mark.parametrize("cls", [Map, FlatMap, Filter])
+def test_functions_whose_call_runs_nothing_are_refused(cls: type[ParDo[Any, Any]]) -> None:
+    """An async function's call gives a coroutine, not its output; a generator function
+    belongs in FlatMap (a generator is always truthy to Filter)."""
+    with pytest.raises(PipelineDefinitionError, match=r"is an async function.*asyncio\.run"):
+        cls(_async_fn)
+    if cls is FlatMap:
+        assert list(FlatMap(_yields).fn.process(3)) == [3]
+        return
+    with pytest.raises(PipelineDefinitionError, match=r"is a generator function.*use FlatMap"):
+        cls(_yields)
 
 
 def test_a_dofn_given_to_map_points_to_pardo() -> None:
