@@ -351,6 +351,9 @@ class _Listeners(EngineListener):
     def on_batch_retry(self, batch_id: int, error: BaseException) -> None:
         self._each("on_batch_retry", batch_id, error)
 
+    def on_batches_done(self, summary: RunSummary) -> None:
+        self._each("on_batches_done", summary)
+
     def on_stop(self, summary: RunSummary) -> None:
         self._each("on_stop", summary)
 

@@ -41,7 +41,7 @@ from types import TracebackType
 
 import attrs
 
-from cdcflow.engine.listener import BatchStats, EngineListener, tasks_done
+from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary, tasks_done
 from cdcflow.model import (
     BatchPlan,
     PartitionMetadata,
@@ -293,6 +293,10 @@ class StuckWatch(EngineListener):
     def on_batch(self, stats: BatchStats) -> None:
         with self._flight_lock:
             self._in_flight = None
+
+    def on_batches_done(self, summary: RunSummary) -> None:
+        # No partition moves from here on (the final flush): none is stuck.
+        self._stop.set()
 
     # -- the timer --------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -399,6 +400,77 @@ def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path, runner: str) -> No
     assert proc.returncode == 130, err
     assert "stopping after the current batch" in err
     assert "stopped (interrupted)" in err
+    assert "Traceback" not in err
+
+
+HANGING_FLUSH = """
+import sys
+import time
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+T0 = 1_700_000_000 * 10**9
+stream = ScriptedChangeStream("Orders", partitions=1, origin=T0)
+stream.write("Orders", {"id": 1}, "INSERT", {"total": 1}, at=T0 + 10**9)
+
+
+class _Writer:
+    def write(self, element):
+        pass
+
+    def close(self):
+        return 1
+
+    def abort(self):
+        pass
+
+
+class Hanging(cf.Sink):
+    \"\"\"Stages every batch; its flush waits for a storage that never answers.\"\"\"
+
+    def open_writer(self, ctx):
+        return _Writer()
+
+    def durable_batch(self):
+        return 0
+
+    def commit(self, batch_id, messages):
+        pass
+
+    def flush(self):
+        print("flushing", flush=True)
+        while True:
+            time.sleep(0.1)
+
+
+pipeline = cf.Pipeline("hanging")
+(pipeline
+ | cf.DetectPartitions(stream="Orders", start_at=T0, end_at=T0 + 3 * 10**9, client=stream)
+ | cf.ReadPartition()
+ | Hanging())
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_a_final_flush_that_waits_on_its_storage(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """The batches are over and a staging sink's flush hangs: one signal stops the run
+    (exit 130, one warning), where SIGTERM used to kill it with no word (exit 143)."""
+    path = write(tmp_path, HANGING_FLUSH)
+    env = {**os.environ, "NO_COLOR": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "cdcflow", "run", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "flushing\n"
+        time.sleep(0.3)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert f"signal {int(sig)} while the staged output was being made durable" in err
     assert "Traceback" not in err
 
 

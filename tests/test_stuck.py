@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import attrs
 import pytest
@@ -148,3 +149,52 @@ def test_the_root_waits_for_key_ranges_of_the_snapshot_without_being_stuck() -> 
                         clock.t)
     clock.t += 6 * S
     assert [s.token for s in watch.check()] == ["root"]  # watched once the snapshot is done
+
+
+class _SlowFlush(cf.Sink[Any, int]):
+    """A staging sink whose final flush takes ``seconds`` (a slow storage)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def open_writer(self, ctx: Any) -> Any:
+        return _NoWriter()
+
+    def durable_batch(self) -> int:
+        return 0
+
+    def commit(self, batch_id: int, messages: Any) -> None:
+        pass
+
+    def flush(self) -> None:
+        time.sleep(self.seconds)
+
+
+class _NoWriter:
+    def write(self, element: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        pass
+
+
+def test_no_partition_is_stuck_while_the_final_flush_waits(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Once the batches are over, partitions do not move: the watch stops, rather than
+    blaming them for a slow storage."""
+    caplog.set_level(logging.INFO, logger="cdcflow.stuck")
+    now = time.time_ns()
+    stream = ScriptedChangeStream("Orders", partitions=2, origin=now - 2 * S)
+    pipeline = cf.Pipeline("slow-flush")
+    (pipeline
+     | cf.DetectPartitions(stream="Orders", start_at=now - 2 * S, client=stream)
+     | cf.ReadPartition(heartbeat="100ms")
+     | _SlowFlush(2.5))
+    summary = pipeline.run("memory", "memory://", stuck_after="1s", batch_interval="100ms",
+                           duration="1s", idle_read_interval=0)
+    assert summary.reason == "duration"
+    assert not [r.getMessage() for r in caplog.records if "has not advanced" in r.getMessage()]

@@ -122,5 +122,11 @@ class EngineListener:
         just before ``on_batch``; the sequence must not be kept or modified."""
         return None
 
+    def on_batches_done(self, summary: RunSummary) -> None:
+        """The run's last batch is over (``summary`` says why); what is left is making the
+        staged sinks' output durable, which may wait on their storage, then ``on_stop``.
+        Not called when the run fails."""
+        return None
+
     def on_stop(self, summary: RunSummary) -> None:
         return None

@@ -272,7 +272,12 @@ class Engine:
                             summary = self._loop(batches)
                     finally:
                         batches.close()  # waits for a batch read ahead and aborts its output
-                    staged.flush()  # a graceful end: what is staged becomes durable
+                    # A graceful end: what is staged becomes durable. A signal while it
+                    # waits (a storage that does not answer) gives up: the next run writes
+                    # again what is not durable yet, as after a crash.
+                    self.listener.on_batches_done(summary)
+                    with _abandon_on_signal():
+                        staged.flush()
                 finally:
                     self._owner.release()
                 if self._owner.lost is not None:
@@ -482,6 +487,27 @@ class Engine:
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
+
+
+@contextmanager
+def _abandon_on_signal() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (after a warning) while the block runs:
+    for the final flush, when no batch is left to stop after (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        _log.warning("signal %d while the staged output was being made durable: stopping "
+                     "now; the next run writes again what is not durable yet", signum)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 @contextmanager

@@ -32,6 +32,7 @@ from cdcflow.engine.guard import RunGuard
 from cdcflow.errors import CdcflowError, FencedError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import Lease, Timestamp
+from cdcflow.processes import process_alive
 
 __all__ = ["Ownership", "owner_gone"]
 
@@ -45,13 +46,7 @@ def owner_gone(lease: Lease, host: str | None = None) -> bool:
         return False
     if lease.pid == os.getpid():
         return False  # this very process: another engine of ours holds it
-    try:
-        os.kill(lease.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, another user's
-    return False
+    return not process_alive(lease.pid)
 
 
 class Ownership:

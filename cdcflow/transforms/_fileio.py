@@ -33,7 +33,6 @@ __all__ = [
     "WrittenFile",
     "fsync_dir",
     "parquet_row",
-    "process_alive",
     "storage",
     "write_atomic",
 ]
@@ -455,12 +454,4 @@ class ParquetWriter(_FileWriter):
         self._remove_temp()
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host lives (another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
+

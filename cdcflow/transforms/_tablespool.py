@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -26,8 +27,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from cdcflow.errors import SinkIOError
-from cdcflow.transforms._fileio import process_alive
+from cdcflow.errors import SinkError, SinkIOError
+from cdcflow.processes import process_alive
 from cdcflow.transforms._tablebuild import rfc3339
 from cdcflow.transforms._tablerows import Schema
 
@@ -288,6 +289,21 @@ def _csv_lines(batch: pa.RecordBatch) -> bytes:
     return lines
 
 
+_log = logging.getLogger("cdcflow.sinks")
+
+#: A storage failure that no retry mends (a missing bucket or directory, a refused
+#: permission) stops the uploads once it failed this many tries in a row (about 15 s).
+PERMANENT_TRIES = 8
+#: While uploads fail, a warning at the first failure and then every this many seconds.
+WARN_EVERY = 30.0
+
+
+def _lasting(exc: BaseException) -> bool:
+    """Whether a storage failure (or the one it wraps) is of a kind retries do not mend."""
+    cause = exc.__cause__ if isinstance(exc, SinkIOError) and exc.__cause__ else exc
+    return isinstance(cause, FileNotFoundError | PermissionError | NotADirectoryError)
+
+
 class Uploader:
     """One thread that uploads cut files in FIFO order (so a key's files land in batch
     order: a replay after a crash relies on a key's largest ``last`` in storage, which must
@@ -295,14 +311,20 @@ class Uploader:
 
     ``put(cut)`` uploads one file and raises SinkIOError (or one of :func:`storage_errors`)
     on a storage failure: the cut stays at the head of the queue and is retried with
-    backoff, and ``error`` says why until it succeeds. ``done(cut)`` runs after each
-    upload, outside the lock (the thread stays busy until it returns); a storage failure in
-    it is retried the same way, without uploading the cut again. Any other exception stops
-    the thread and is re-raised by :meth:`check` in the driver.
+    backoff, and ``error`` says why until it succeeds; a warning names the failure at once
+    and every :data:`WARN_EVERY` seconds while it lasts, and an INFO line the recovery. A
+    failure no retry mends (a missing bucket, a refused permission) stops the thread after
+    :data:`PERMANENT_TRIES` tries in a row, as a SinkError naming ``where``. ``done(cut)``
+    runs after each upload, outside the lock (the thread stays busy until it returns); a
+    storage failure in it is retried the same way, without uploading the cut again. Any
+    other exception stops the thread and is re-raised by :meth:`check` in the driver.
     """
 
-    def __init__(self, put: Callable[[Cut], None], done: Callable[[Cut], None]) -> None:
+    def __init__(self, put: Callable[[Cut], None], done: Callable[[Cut], None],
+                 where: str = "storage") -> None:
         self._put, self._done = put, done
+        self.where = where
+        self._warned = 0.0  # monotonic time of the last warning about failing uploads
         self.lock = threading.Condition()
         self.queue: collections.deque[Cut] = collections.deque()
         self.memory = 0  # bytes of queued cuts held in memory
@@ -380,6 +402,8 @@ class Uploader:
                 self._put(cut)
             except storage_errors(SinkIOError) as exc:
                 backoff = self._failed(exc, backoff, time.monotonic() - began)
+                if self._fatal is not None:
+                    return
                 continue
             except BaseException as exc:  # handed to the driver by check()
                 self._die(exc)
@@ -400,25 +424,43 @@ class Uploader:
                     break
                 except storage_errors(SinkIOError) as exc:
                     backoff = self._failed(exc, backoff, 0.0)
-                    if self._stop:
+                    if self._stop or self._fatal is not None:
                         return
                 except BaseException as exc:  # handed to the driver by check()
                     self._die(exc)
                     return
             backoff = 0.05
             with self.lock:
+                if self.failures:
+                    _log.info("WriteTables: uploads to %s succeed again, after %d failed tries",
+                              self.where, self.failures)
                 self.error, self.failures = None, 0
                 self._active = False
                 self.lock.notify_all()
 
     def _failed(self, exc: BaseException, backoff: float, seconds: float) -> float:
-        """Note a storage failure, wait ``backoff`` (a close ends the wait); the next one."""
+        """Note a storage failure, warn (see the class docstring), wait ``backoff`` (a close
+        ends the wait); the next one. Past :data:`PERMANENT_TRIES` tries of a failure no
+        retry mends, the thread's fatal error is set instead."""
         with self.lock:
             self.error, self.failures = exc, self.failures + 1
             self.errors += 1
             self.upload_seconds += seconds
+            now = time.monotonic()
+            if self.failures == 1 or now - self._warned >= WARN_EVERY:
+                self._warned = now
+                _log.warning("WriteTables: uploads to %s fail (%s: %s); retrying (%d tries so "
+                             "far): the files waiting are not durable until they succeed",
+                             self.where, type(exc).__name__, exc, self.failures)
+            if _lasting(exc) and self.failures >= PERMANENT_TRIES:
+                msg = (f"WriteTables: uploads to {self.where} keep failing after "
+                       f"{self.failures} tries ({exc}): does the bucket or directory exist, "
+                       "and may these credentials write there? Fix that and run again; the "
+                       "next run writes again what was not durable")
+                self._fatal = SinkError(msg)
+                self._fatal.__cause__ = exc
             self.lock.notify_all()
-            if not self._stop:
+            if not self._stop and self._fatal is None:
                 self.lock.wait(backoff)
         return min(backoff * 2, 5.0)
 
@@ -438,4 +480,6 @@ class Uploader:
             self._stop = True
             self.lock.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=60)
+            # an upload hanging on a storage that does not answer is abandoned (it is not
+            # durable: the next run writes its rows again)
+            self._thread.join(timeout=10)

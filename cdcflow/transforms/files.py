@@ -39,15 +39,20 @@ from typing import Any, Literal
 import attrs
 import orjson
 
-from cdcflow.errors import OutputConflictError, PipelineDefinitionError, SinkError
+from cdcflow.errors import (
+    OutputConflictError,
+    PipelineDefinitionError,
+    SinkError,
+    SinkSetupError,
+)
 from cdcflow.model import Timestamp
+from cdcflow.processes import process_alive
 from cdcflow.transforms._fileio import (
     JsonlWriter,
     ParquetWriter,
     WrittenFile,
     create_exclusive,
     fsync_dir,
-    process_alive,
     storage,
     write_atomic,
 )
@@ -250,8 +255,9 @@ class WriteFiles(Sink[Any, WrittenFile]):
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
-            msg = f"WriteFiles cannot create {self.directory}: {exc}; choose a writable path"
-            raise SinkError(msg) from exc
+            msg = (f"WriteFiles cannot create {self.directory}: {exc.strerror or exc}; "
+                   "choose a writable path")
+            raise SinkSetupError(msg) from exc
         self._sweep_watermark_temps()
 
     def _sweep_watermark_temps(self) -> None:

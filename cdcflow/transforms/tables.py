@@ -252,8 +252,19 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             url = os.path.abspath(os.path.join(ctx.base_dir, os.path.expanduser(url)))
         try:
             self._fs, self._root = fsspec.core.url_to_fs(url, **self.storage_options)
-            self._fs.makedirs(self._root, exist_ok=True)
             self._root = self._root.rstrip("/")
+            if _OBJECT_STORES & set(_protocols(self._fs)):
+                # no directories to make, and a bucket is never made (on S3, makedirs
+                # would create a bucket a typo names)
+                bucket = self._root.split("/", 1)[0]
+                try:
+                    self._fs.info(bucket)
+                except FileNotFoundError:
+                    msg = (f"WriteTables: the bucket {bucket!r} of {self.url} does not exist "
+                           "(or these credentials cannot see it); create it, or fix the URL")
+                    raise SinkSetupError(msg) from None
+            else:
+                self._fs.makedirs(self._root, exist_ok=True)
         except storage_errors(SinkIOError, ValueError, ImportError) as exc:
             raise self._setup_error(exc) from exc
         # Claimed when first asked for its durable batch (the engine asks right after it has
@@ -267,7 +278,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         sweep(self.local_dir)  # what runs that died left behind (spilled rows)
         if self.local_dir is not None:
             sweep(None)  # the tasks' spool files
-        self._uploads = Uploader(self._upload, self._uploaded)
+        self._uploads = Uploader(self._upload, self._uploaded, self.url)
 
     def _check_local_dir(self, path: str) -> None:
         try:
@@ -383,6 +394,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             if target != path:
                 fs.mv(target, path)
         except storage_errors() as exc:
+            self._made.discard(parent)  # made again at the next try (removed meanwhile?)
             msg = f"WriteTables cannot write {path}: {exc}; the batch will be retried"
             raise SinkIOError(msg) from exc
 

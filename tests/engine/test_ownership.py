@@ -4,6 +4,7 @@ source definition that changed under stored progress."""
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import subprocess
 import threading
@@ -136,6 +137,23 @@ def test_a_crashed_run_on_this_host_is_taken_over_at_once(
     with caplog.at_level(logging.INFO, logger="cdcflow.engine"):
         assert _engine(_pipeline(_stream(), cf.Collect()), store).run().reason == "end reached"
     assert not [r for r in caplog.records if "taking over" in r.getMessage()]
+
+
+def test_an_owner_killed_but_not_reaped_yet_is_gone() -> None:
+    """A supervisor that restarts a run before it reaps the one it killed: the dead run's
+    pid still answers os.kill (a zombie), but it holds nothing."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        lease = Lease(f"{socket.gethostname()}:{child.pid}", "r", 1, 0, 0, 10**19)
+        assert not owner_gone(lease)
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not owner_gone(lease):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_live_owner_elsewhere_is_not_taken_over_without_the_flag() -> None:

@@ -22,6 +22,7 @@ from cdcflow.errors import (
     PipelineDefinitionError,
     SinkError,
     SinkIOError,
+    SinkSetupError,
     TransientError,
     UserInputError,
 )
@@ -414,6 +415,15 @@ def test_a_dead_letter_sink_in_the_main_directory(tmp_path: Path) -> None:
     dead.commit(1, [_run_task(dead, 1, "tok", [{"error": "x"}], "t", label="dead-letter")])
     assert _jsonl(out, "part-*.jsonl") == [{"id": 1}]
     assert _jsonl(out, "failed-*.jsonl") == [{"error": "x"}]
+
+
+def test_a_directory_that_cannot_be_made_is_a_setup_error(tmp_path: Path) -> None:
+    """A configuration error (exit 2), as for WriteTables."""
+    (tmp_path / "afile").write_text("")
+    sink = WriteFiles(tmp_path / "afile" / "out")
+    with pytest.raises(SinkSetupError, match=r"WriteFiles cannot create .*afile/out: Not a "
+                                             r"directory; choose a writable path"):
+        sink.setup(SinkContext(pipeline="p", sink_label="out", base_dir=str(tmp_path)))
 
 
 def test_output_location_needs_setup_for_a_relative_path() -> None:

@@ -346,3 +346,20 @@ def test_a_pipeline_refused_at_start_leaves_no_claim(tmp_path: Path) -> None:
     assert summary.reason == "end reached"
     mark = orjson.loads((tmp_path / "lake" / "_cdcflow" / "durable.json").read_bytes())
     assert mark["pipeline"] == "lake"
+
+
+def test_a_bucket_that_does_not_exist_is_refused_not_made(
+    s3: tuple[str, Gate], tmp_path: Path
+) -> None:
+    """On S3, making the URL's directories would create the bucket a typo names."""
+    bucket = f"nosuch-{uuid.uuid4().hex[:12]}"
+    sink = WriteTables(f"s3://{bucket}/cdc")
+    with pytest.raises(SinkSetupError, match=f"the bucket '{bucket}' of s3://{bucket}/cdc does "
+                                             "not exist.*create it, or fix the URL"):
+        sink.setup(SinkContext("p", "WriteTables", str(tmp_path)))
+    sink.close()
+    assert not fsspec.filesystem("s3", skip_instance_cache=True).exists(bucket)
+    existing = WriteTables(f"s3://outages/{uuid.uuid4().hex}")  # a bucket that exists
+    existing.setup(SinkContext("p", "WriteTables", str(tmp_path)))
+    assert existing.last_committed_batch() == 0
+    existing.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 import uuid
@@ -378,3 +379,44 @@ def test_a_task_counts_every_record_it_holds(root: str) -> None:
     assert len(list(message.chunks())) >= 12  # 16 MiB held at most 1 MiB (and one record)
     os.remove(message.spool)
     sink.close()
+
+
+def _cut(n: int) -> Any:
+    from cdcflow.transforms._tablespool import Cut
+
+    return Cut(key=("T", ""), name=f"part-{n}", first=n, last=n, batch_id=n, data=b"x",
+               local=None, size=1)
+
+
+def test_failing_uploads_are_named_and_a_lasting_failure_stops_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused connection is retried until it mends: one warning naming it, one line
+    when uploads succeed again. A failure retries do not mend (a missing bucket) stops
+    the uploads after PERMANENT_TRIES tries, as a SinkError the driver sees."""
+    from cdcflow.errors import SinkError
+    from cdcflow.transforms import _tablespool as spool
+
+    monkeypatch.setattr(spool, "PERMANENT_TRIES", 3)
+    failures = [ConnectionRefusedError("refused")] * 4
+    done: list[int] = []
+
+    def put(cut: Any) -> None:
+        if failures:
+            raise SinkIOError("cannot write") from failures.pop()
+
+    uploads = spool.Uploader(put, lambda cut: done.append(cut.first), "s3://lake/cdc")
+    with caplog.at_level(logging.INFO, logger="cdcflow.sinks"):
+        uploads.submit(_cut(1))
+        assert uploads.wait(lambda: bool(done), timeout=20)
+        lines = [r.getMessage() for r in caplog.records]
+        warned = [line for line in lines if "uploads to s3://lake/cdc fail" in line]
+        assert len(warned) == 1 and "retrying (1 tries so far)" in warned[0]
+        assert any("succeed again, after 4 failed tries" in line for line in lines)
+        failures.extend([FileNotFoundError("The specified bucket does not exist")] * 10)
+        uploads.submit(_cut(2))
+        with pytest.raises(SinkError, match=r"uploads to s3://lake/cdc keep failing after 3 "
+                                            r"tries.*does the bucket or directory exist"):
+            uploads.wait(lambda: len(done) == 2, timeout=20)
+    assert len(failures) == 7 and done == [1]
+    uploads.close()
