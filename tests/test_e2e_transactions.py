@@ -12,6 +12,7 @@ the SQLite store, on the Spanner store, and on the Spark runner.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -86,6 +87,11 @@ def _writers(feature: Feature, db: object, seconds: float, seed: int
 
 
 def _finish(feature: Feature, workload: Workload, writer: TableWriter, *extra: str) -> None:
+    # The writers commit for their whole time (kills that come early, or an emulator slowed
+    # by other tests, must not cut the transactions the test counts on), then stop.
+    deadline = time.monotonic() + 60
+    while not writer.idle() and time.monotonic() < deadline:
+        time.sleep(0.1)
     workload.stop()
     writer.stop()
     feature.run(*extra)
