@@ -474,6 +474,64 @@ def test_a_signal_ends_a_final_flush_that_waits_on_its_storage(
     assert "Traceback" not in err
 
 
+STORAGE_DOWN = """
+import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+
+class Down(MemoryFileSystem):
+    \"\"\"Memory storage that refuses every data file (a storage outage).\"\"\"
+
+    protocol = "down"
+
+    def pipe_file(self, path, value, *args, **kw):
+        if "/part-" in path:
+            raise ConnectionRefusedError("injected: the storage is down")
+        return super().pipe_file(path, value, *args, **kw)
+
+
+fsspec.register_implementation("down", Down, clobber=True)
+T0 = 1_700_000_000 * 10**9
+stream = ScriptedChangeStream("Orders", partitions=1, origin=T0)
+for i in range(50):
+    stream.write("Orders", {"id": i}, "INSERT", {"total": i}, at=T0 + i * 10**8)
+pipeline = cf.Pipeline("storage-down")
+(pipeline
+ | cf.DetectPartitions(stream="Orders", start_at=T0, client=stream)
+ | cf.ReadPartition()
+ | cf.WriteTables("down://lake", flush_interval="100ms"))
+"""
+
+
+def test_one_sigterm_stops_a_run_whose_uploads_fail(tmp_path: Path) -> None:
+    """A supervisor's single SIGTERM during a storage outage: the run stops after the
+    current batch and does not wait for the failing uploads at its end (exit 130)."""
+    path = write(tmp_path, STORAGE_DOWN)
+    env = {**os.environ, "NO_COLOR": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "cdcflow", "run", str(path),
+                             "--batch-interval", "100ms"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr is not None
+    seen = []
+    try:
+        for line in proc.stderr:  # once an upload failed
+            seen.append(line)
+            if "uploads to down://lake fail" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        _, rest = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err
+    assert time.monotonic() - began < 15
+    assert "stopping without waiting for the staged output to become durable" in err
+    assert "Traceback" not in err
+
+
 def test_metadata_init_sqlite(tmp_path: Path) -> None:
     db = tmp_path / "meta.db"
     result = cdcflow("metadata", "init", f"sqlite:///{db}")

@@ -65,6 +65,7 @@ from cdcflow.engine.task import TaskProgram, make_client
 from cdcflow.errors import (
     FencedError,
     PipelineDefinitionError,
+    SinkIOError,
 )
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import (
@@ -212,7 +213,7 @@ class Engine:
         sinks = self._sinks([first, *BatchSteps(pipeline, first.step_labels).programs.values()])
         for label, sink in sinks.items():
             sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir,
-                                   request_stop=self._sink_stop))
+                                   request_stop=self._sink_stop, stopping=self._stop.is_set))
         _check_locations(sinks)
         # Batch ids go on above any output a sink already holds (a lost or new store must
         # never make a sink reuse a batch id it committed before).
@@ -277,7 +278,7 @@ class Engine:
                     # again what is not durable yet, as after a crash.
                     self.listener.on_batches_done(summary)
                     with _abandon_on_signal():
-                        staged.flush()
+                        self._final_flush(staged)
                 finally:
                     self._owner.release()
                 if self._owner.lost is not None:
@@ -292,6 +293,17 @@ class Engine:
                     _log.exception("closing a sink failed")
         self.listener.on_stop(summary)
         return summary
+
+    def _final_flush(self, staged: StagedSinks) -> None:
+        """Make what is staged durable; a run asked to stop does not wait for a storage
+        that fails (a sink gives up with SinkIOError: the next run writes it again)."""
+        try:
+            staged.flush()
+        except SinkIOError as exc:
+            if not self._stop.is_set():
+                raise
+            _log.warning("stopping without waiting for the staged output to become durable "
+                         "(%s); the next run writes it again", exc)
 
     def _sinks(self, programs: Sequence[TaskProgram]) -> dict[str, Sink[Any, Any]]:
         # The driver's own sink objects (a Collect gathers its items on them).

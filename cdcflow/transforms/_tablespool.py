@@ -298,10 +298,14 @@ PERMANENT_TRIES = 8
 WARN_EVERY = 30.0
 
 
+def _cause(exc: BaseException) -> BaseException:
+    """The storage's own error: what a SinkIOError wraps, else ``exc``."""
+    return exc.__cause__ if isinstance(exc, SinkIOError) and exc.__cause__ else exc
+
+
 def _lasting(exc: BaseException) -> bool:
     """Whether a storage failure (or the one it wraps) is of a kind retries do not mend."""
-    cause = exc.__cause__ if isinstance(exc, SinkIOError) and exc.__cause__ else exc
-    return isinstance(cause, FileNotFoundError | PermissionError | NotADirectoryError)
+    return isinstance(_cause(exc), FileNotFoundError | PermissionError | NotADirectoryError)
 
 
 class Uploader:
@@ -447,18 +451,24 @@ class Uploader:
             self.errors += 1
             self.upload_seconds += seconds
             now = time.monotonic()
+            cause = _cause(exc)
             if self.failures == 1 or now - self._warned >= WARN_EVERY:
                 self._warned = now
-                _log.warning("WriteTables: uploads to %s fail (%s: %s); retrying (%d tries so "
+                _log.warning("WriteTables: uploads to %s fail (%s: %s); retrying (%s so "
                              "far): the files waiting are not durable until they succeed",
-                             self.where, type(exc).__name__, exc, self.failures)
+                             self.where, type(cause).__name__, cause,
+                             "1 failed try" if self.failures == 1
+                             else f"{self.failures} failed tries")
             if _lasting(exc) and self.failures >= PERMANENT_TRIES:
                 msg = (f"WriteTables: uploads to {self.where} keep failing after "
-                       f"{self.failures} tries ({exc}): does the bucket or directory exist, "
-                       "and may these credentials write there? Fix that and run again; the "
-                       "next run writes again what was not durable")
+                       f"{self.failures} tries ({type(cause).__name__}: {cause}): does the "
+                       "bucket or directory exist, and may these credentials write there? "
+                       "Fix that and run again; the next run writes again what was not "
+                       "durable")
+                # not caused by the SinkIOError: that one would make the batch look
+                # worth retrying (the engine retries transient errors along the chain)
                 self._fatal = SinkError(msg)
-                self._fatal.__cause__ = exc
+                self._fatal.__cause__ = cause
             self.lock.notify_all()
             if not self._stop and self._fatal is None:
                 self.lock.wait(backoff)

@@ -261,12 +261,16 @@ class SinkContext:
 
     ``request_stop(reason)`` ends the run gracefully after the current batch commits (for
     example when the sink's consumer went away); ``reason`` becomes the run summary's.
+    ``stopping()`` is True once the run was asked to stop (a signal, a stop request): a
+    staging sink whose ``flush`` at the run's end waits on a storage that fails may then
+    give up with SinkIOError (what is not durable is written again by the next run).
     """
 
     pipeline: str
     sink_label: str
     base_dir: str  # directory of the pipeline file; relative paths resolve against it
     request_stop: Callable[[str], None] = attrs.field(default=_no_stop, eq=False, repr=False)
+    stopping: Callable[[], bool] = attrs.field(default=lambda: False, eq=False, repr=False)
 
 
 @runtime_checkable

@@ -53,6 +53,7 @@ older shape fit.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -61,7 +62,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import fsspec
@@ -95,6 +96,13 @@ from cdcflow.transforms._tabletask import Group, TaskRows, Writer, next_version
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
 __all__ = ["TaskRows", "WriteTables", "file_schema", "parse_size", "table_schema"]
+
+_log = logging.getLogger("cdcflow.sinks")
+
+
+def _never() -> bool:
+    return False
+
 
 _PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
 
@@ -196,6 +204,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._reset()
 
     def _reset(self) -> None:
+        self._stopping: Callable[[], bool] = _never
         self._fs: Any = None
         self._root = ""
         self._stage_dir: str | None = None
@@ -216,7 +225,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._driver_pid: int | None = None  # whose process reads (and sweeps) their spool
         self._pipeline = ""  # the pipeline whose output the URL holds (set up by setup)
 
-    _DRIVER_STATE = ("_fs", "_open", "_usage", "_flushed", "_schemas", "_uploads", "_made")
+    _DRIVER_STATE = ("_fs", "_open", "_usage", "_flushed", "_schemas", "_uploads", "_made",
+                     "_stopping")
 
     def __getstate__(self) -> dict[str, Any]:
         # Tasks need the configuration only; the driver's staging state stays on the driver.
@@ -229,6 +239,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self.__dict__.update(state)
         self._fs, self._open, self._flushed, self._schemas = None, {}, {}, {}
         self._uploads, self._made, self._usage = None, set(), Usage()
+        self._stopping = _never
 
     def describe_params(self) -> str:
         return f"{self.url} ({self.format}, {self.rows})"
@@ -271,6 +282,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # checked the pipeline's sinks against each other): a pipeline refused at start
         # leaves no claim behind.
         self._pipeline = ctx.pipeline
+        self._stopping = ctx.stopping
         self._driver_host = socket.gethostname()
         self._driver_pid = os.getpid()
         if self.local_dir is not None:
@@ -732,9 +744,27 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             raise SinkIOError(msg)
 
     def flush(self) -> None:
-        """Write every open file and wait for the uploads (the run ends gracefully)."""
+        """Write every open file and wait for the uploads (the run ends gracefully). When
+        the run was asked to stop (a signal), failing uploads are not waited for: raises
+        SinkIOError once they failed twice in a row (the next run writes the rows again)."""
         self._cut(list(self._open), self._staged_through, "flush")
-        self.drain()
+        uploads = self._queue()
+        with uploads.lock:
+            waiting = len(uploads.queue)
+        if waiting:
+            _log.info("WriteTables: %d file(s) to upload to %s before the run ends", waiting,
+                      self.url)
+
+        def given_up() -> bool:
+            return self._stopping() and uploads.error is not None and uploads.failures >= 2
+
+        uploads.wait(lambda: (not uploads.queue and not uploads.busy()) or given_up())
+        if uploads.queue or uploads.busy():
+            error = uploads.error
+            cause = error.__cause__ or error if error is not None else None
+            msg = (f"WriteTables: the run was asked to stop while uploads to {self.url} fail "
+                   f"({cause}); {len(uploads.queue)} file(s) not durable")
+            raise SinkIOError(msg)
 
     def abort(self, batch_id: int, messages: Sequence[TaskRows]) -> None:
         for message in messages:

@@ -10,6 +10,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -411,12 +413,47 @@ def test_failing_uploads_are_named_and_a_lasting_failure_stops_them(
         assert uploads.wait(lambda: bool(done), timeout=20)
         lines = [r.getMessage() for r in caplog.records]
         warned = [line for line in lines if "uploads to s3://lake/cdc fail" in line]
-        assert len(warned) == 1 and "retrying (1 tries so far)" in warned[0]
+        assert len(warned) == 1 and "retrying (1 failed try so far)" in warned[0]
         assert any("succeed again, after 4 failed tries" in line for line in lines)
         failures.extend([FileNotFoundError("The specified bucket does not exist")] * 10)
         uploads.submit(_cut(2))
         with pytest.raises(SinkError, match=r"uploads to s3://lake/cdc keep failing after 3 "
-                                            r"tries.*does the bucket or directory exist"):
+                                            r"tries.*does the bucket or directory exist") as err:
             uploads.wait(lambda: len(done) == 2, timeout=20)
     assert len(failures) == 7 and done == [1]
+    # caused by the storage's error, not the SinkIOError: the engine does not retry it
+    assert type(err.value.__cause__) is FileNotFoundError
     uploads.close()
+
+
+def test_a_run_asked_to_stop_does_not_wait_for_failing_uploads(root: str) -> None:
+    """The run's end waits for the uploads; once the run was asked to stop (a signal),
+    uploads that keep failing are given up: the rows are written again by the next run."""
+    stopping = threading.Event()
+    sink = WriteTables(f"slowmem://{root}", flush_interval="1h")
+    sink.setup(SinkContext("p", "WriteTables", "/", stopping=stopping.is_set))
+    _commit(sink, 1, _records(1, 60, tables=1))
+    SlowMemory.failing = True
+    try:
+        raised: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                sink.flush()
+            except SinkIOError as exc:
+                raised.append(exc)
+
+        flushed = threading.Thread(target=flush, daemon=True)
+        flushed.start()
+        flushed.join(2.0)
+        assert flushed.is_alive()  # no stop asked: it waits for the storage
+        stopping.set()
+        flushed.join(5.0)
+        assert not flushed.is_alive()
+        (error,) = raised
+        assert re.search(r"asked to stop while uploads to slowmem://.* fail \(injected: the "
+                         r"store is down\); 1 file\(s\) not durable", str(error))
+    finally:
+        SlowMemory.failing = False
+        sink.close()
+    assert _ids(root) == []  # nothing of batch 1 in storage: the next run writes it
