@@ -86,6 +86,8 @@ DEFAULT_LOCAL_CONF: Mapping[str, str] = {
 _ALWAYS_CONF: Mapping[str, str] = {
     # A reused Python worker keeps its process-wide caches (Spanner clients) across tasks.
     "spark.python.worker.reuse": "true",
+    # PySpark's daemon, without a traceback for a worker whose socket closed at shutdown.
+    "spark.python.daemon.module": "cdcflow.spark.daemon",
 }
 
 #: Errors another attempt of the same task cannot fix: raised on the driver as they are.

@@ -1,0 +1,38 @@
+"""PySpark's Python worker daemon, quiet when Spark closes a worker's socket at shutdown.
+
+Spark starts this module (``spark.python.daemon.module``) instead of ``pyspark.daemon``.
+When a session stops, the JVM closes the sockets of its Python workers; a reused worker
+that was between tasks then fails to flush its output and, as Spark 4 kills such a
+worker (``spark.python.daemon.killWorkerOnFlushFailure``), PySpark's daemon printed the
+``BrokenPipeError`` with its traceback on the driver's terminal, at random, after runs that
+went well. Here such a worker ends quietly instead, as killed (it is not reused); anything
+else is PySpark's own behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark import daemon as _daemon
+
+__all__ = ["main", "worker"]
+
+_worker = _daemon.worker
+
+
+def worker(sock: Any, authenticated: bool) -> int:
+    """PySpark's ``worker``; a socket the JVM closed ends it with code 1 (not reused)."""
+    try:
+        code: int = _worker(sock, authenticated)
+    except (BrokenPipeError, ConnectionResetError):
+        return 1
+    return code
+
+
+def main() -> None:
+    _daemon.worker = worker  # manager() looks it up in its module at every task
+    _daemon.manager()
+
+
+if __name__ == "__main__":
+    main()
