@@ -101,6 +101,11 @@ def test_policy_numbers_are_checked_where_the_policy_is_made() -> None:
         for value in (-5, math.nan, math.inf):
             with pytest.raises(ValueError, match=f"ErrorPolicy\\({name}=.*finite number"):
                 ErrorPolicy(**{name: value})  # type: ignore[arg-type]
+    for name in ("backoff", "max_backoff"):
+        with pytest.raises(TypeError, match="True is not a time"):
+            ErrorPolicy(**{name: True})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dead_letter=<built-in function print>\): pass a sink"):
+        ErrorPolicy(then="skip", dead_letter=print)  # type: ignore[arg-type]
     assert ErrorPolicy(backoff="250ms", max_backoff=0).retry_policy().maximum == 0
 
 

@@ -45,6 +45,7 @@ from cdcflow.engine.runner import ChildSeen, Task, TaskResult
 from cdcflow.errors import (
     FencedError,
     LeaseExpiredError,
+    PipelineDefinitionError,
     PipelineStopped,
     SinkIOError,
     WriterFailed,
@@ -451,10 +452,11 @@ class Chain:
         exc, failed = first, 0
         while True:
             if isinstance(exc, SinkIOError | PipelineStopped | WriterFailed | FencedError
-                          | LeaseExpiredError):
+                          | LeaseExpiredError | PipelineDefinitionError):
                 # the sink's storage failed, not the element (the batch is retried), or it
                 # was decided further down (a sink with a policy of its own), or the writer
-                # failed as a whole, or the run may no longer act (its guard: engine.guard)
+                # failed as a whole, or the run may no longer act (its guard: engine.guard),
+                # or the pipeline is wrong (no retry or skip of an element mends that)
                 raise exc
             failed += 1
             token, at = _origin(record)

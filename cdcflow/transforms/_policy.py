@@ -23,6 +23,9 @@ __all__ = ["Decision", "ErrorHandler", "ErrorPolicy", "Retry", "Skip", "Stop"]
 
 
 def _seconds(value: float | str) -> float:
+    if isinstance(value, bool):
+        msg = f"{value} is not a time: use seconds or a duration such as '250ms'"
+        raise TypeError(msg)
     return parse_duration(value) if isinstance(value, str) else float(value)
 
 
@@ -105,6 +108,10 @@ class ErrorPolicy:
                 f"ErrorPolicy.handler must be a function (error, element, partition_token, "
                 f"attempt) -> Retry | Skip | Stop, got {self.handler!r}"
             )
+            raise TypeError(msg)
+        if self.dead_letter is not None and not isinstance(self.dead_letter, Sink):
+            msg = (f"ErrorPolicy(dead_letter={self.dead_letter!r}): pass a sink, e.g. "
+                   "dead_letter=cf.WriteFiles('dead')")
             raise TypeError(msg)
         if self.dead_letter is not None and self.then != "skip" and self.handler is None:
             msg = "ErrorPolicy.dead_letter needs then='skip' (stopped elements are not skipped)"

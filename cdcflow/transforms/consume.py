@@ -605,7 +605,8 @@ class _ConsumeWriter(Generic[E]):
                 msg = (
                     f"{where}. Nothing of this batch was committed; fix the cause and run "
                     "again to resume (fn is called again for the batch's elements), or skip "
-                    "such elements with Consume(on_error=ErrorPolicy(then='skip'))"
+                    "such elements with ErrorPolicy(then='skip') (Consume's on_error, or the "
+                    "pipeline's error_policy)"
                 )
                 stopped = PipelineStopped(msg)
                 stopped.__cause__ = error

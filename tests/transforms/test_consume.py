@@ -661,6 +661,22 @@ def test_stop_commits_nothing_of_the_batch_and_replays_it(
     assert committed.acked + fixed.stats().acked == len(expected)
 
 
+@pytest.mark.parametrize("policy", [None, "skip"])
+def test_a_call_returning_a_coroutine_stops_the_run_as_a_definition_error(
+    runner: Runner, policy: str | None
+) -> None:
+    """Whenever the writer notices (at a later write or at close), the same error: not an
+    element's failure for the pipeline's policy to retry or skip."""
+    s = _stream()
+    pipeline_policy = ErrorPolicy(then="skip", backoff=0.001) if policy else None
+    with pytest.raises(PipelineDefinitionError, match="fn returned coroutine"):
+        _run(runner, s, Consume(_coroutine_of, max_inflight=2), policy=pipeline_policy)
+
+
+def _coroutine_of(r: Any) -> Any:
+    return _async_send(r)
+
+
 def _skip(error: Exception, element: Any, token: str, attempt: int) -> Decision:
     return Skip() if isinstance(error, ValueError) else Retry(after=0.001)
 
