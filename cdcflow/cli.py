@@ -325,6 +325,8 @@ class _GracefulInterrupt:
         self._engine = engine
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        """First Ctrl-C: stop after the current batch; the second aborts. (The engine's
+        final flush replaces it: there no batch is left to stop after.)"""
         self._calls += 1
         if self._engine is None or self._calls > 1:
             raise KeyboardInterrupt
@@ -333,6 +335,8 @@ class _GracefulInterrupt:
         sys.stderr.write("cdcflow: stopping after the current batch (Ctrl-C again to abort)\n")
         sys.stderr.flush()
         self._engine.request_stop()
+
+    _handle.cdcflow_stop_handler = True  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

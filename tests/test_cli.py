@@ -474,6 +474,35 @@ def test_a_signal_ends_a_final_flush_that_waits_on_its_storage(
     assert "Traceback" not in err
 
 
+def test_an_applications_own_signal_handler_stays_during_the_final_flush(
+    tmp_path: Path,
+) -> None:
+    """pipeline.run() in an application that handles SIGTERM itself: its handler is called,
+    not replaced by the engine's."""
+    script = HANGING_FLUSH + textwrap.dedent('''
+        import signal
+
+        def mine(signum, frame):
+            print("the application's handler", flush=True)
+
+        signal.signal(signal.SIGTERM, mine)
+        pipeline.run("memory", "memory://")
+    ''')
+    path = write(tmp_path, script, "app.py")
+    proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "flushing\n"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline() == "the application's handler\n"
+        assert proc.poll() is None  # still flushing: the application decides
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
 STORAGE_DOWN = """
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem

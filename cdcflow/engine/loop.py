@@ -504,7 +504,9 @@ class Engine:
 @contextmanager
 def _abandon_on_signal() -> Iterator[None]:
     """SIGINT and SIGTERM raise KeyboardInterrupt (after a warning) while the block runs:
-    for the final flush, when no batch is left to stop after (main thread only)."""
+    for the final flush, when no batch is left to stop after (main thread only). Only
+    Python's default handlers and cdcflow's own (marked ``cdcflow_stop_handler``, the
+    CLI's) are replaced: an application's handler stays."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -514,7 +516,11 @@ def _abandon_on_signal() -> Iterator[None]:
                      "now; the next run writes again what is not durable yet", signum)
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)
+        or getattr(signal.getsignal(sig), "cdcflow_stop_handler", False)
+    }
     try:
         yield
     finally:
