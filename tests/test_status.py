@@ -253,8 +253,17 @@ def test_watch_refreshes_a_given_number_of_times(store_url: str) -> None:
 
 def test_watch_on_a_terminal_redraws_in_place_until_ctrl_c(store_url: str) -> None:
     main, child = pty.openpty()
+    # As a shell starts it: Ctrl-C's SIGINT neither ignored nor blocked, whatever this test
+    # process's threads and libraries did with theirs (inherited through exec).
+    as_from_a_shell = (
+        "import runpy, signal, sys; "
+        "signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+        f"sys.argv = ['cdcflow', 'status', '--metadata', {store_url!r}, '--watch', '0.2']; "
+        "runpy.run_module('cdcflow', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cdcflow", "status", "--metadata", store_url, "--watch", "0.2"],
+        [sys.executable, "-c", as_from_a_shell],
         stdin=child, stdout=child, stderr=child, close_fds=True,
     )
     os.close(child)
@@ -276,6 +285,10 @@ def test_watch_on_a_terminal_redraws_in_place_until_ctrl_c(store_url: str) -> No
                     out += os.read(main, 65536)
                 except OSError:  # the child's side closed
                     break
+        if proc.poll() is None:
+            with open(f"/proc/{proc.pid}/status") as f:
+                masks = [line.strip() for line in f if line.startswith("Sig")]
+            pytest.fail(f"no exit 30 s after Ctrl-C; {masks}; last output {out[-300:]!r}")
         assert proc.wait(5) == 0
     finally:
         if proc.poll() is None:
