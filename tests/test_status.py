@@ -285,11 +285,15 @@ def test_watch_on_a_terminal_redraws_in_place_until_ctrl_c(store_url: str) -> No
                     out += os.read(main, 65536)
                 except OSError:  # the child's side closed
                     break
-        if proc.poll() is None:
+        # Its terminal closed (the read above fails with EIO once the child has closed
+        # it): the interpreter may still be finishing, which takes seconds under load.
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
             with open(f"/proc/{proc.pid}/status") as f:
                 masks = [line.strip() for line in f if line.startswith("Sig")]
-            pytest.fail(f"no exit 30 s after Ctrl-C; {masks}; last output {out[-300:]!r}")
-        assert proc.wait(5) == 0
+            pytest.fail(f"no exit 90 s after Ctrl-C; {masks}; last output {out[-300:]!r}")
+        assert code == 0
     finally:
         if proc.poll() is None:
             proc.kill()
