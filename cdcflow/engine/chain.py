@@ -539,7 +539,7 @@ class Chain:
                 self._skipped += int(counts.get("skipped", 0))
                 self._retries += int(counts.get("retries", 0))
             skipped = getattr(writer, "dead_letters", None)
-            if skipped is not None and dead is not None and label != dead:
+            if skipped is not None and label != dead:
                 self._dead_letter(label, skipped())
         if dead is not None and dead in self._writers:
             messages[dead] = self._writers.pop(dead).close()

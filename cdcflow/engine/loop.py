@@ -481,51 +481,54 @@ class Engine:
     @contextmanager
     def _signals(self) -> Iterator[None]:
         """Graceful stop on SIGINT/SIGTERM, unless the caller (the CLI) handles them."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
 
         def handler(signum: int, frame: FrameType | None) -> None:
             _log.warning("signal %d: stopping after the current batch", signum)
             self.request_stop()
 
-        previous: dict[signal.Signals, Any] = {}
-        for sig, default in ((signal.SIGINT, signal.default_int_handler),
-                             (signal.SIGTERM, signal.SIG_DFL)):
-            if signal.getsignal(sig) is default:
-                previous[sig] = signal.signal(sig, handler)
-        try:
+        with _handling(handler):
             yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+
+
+@contextmanager
+def _handling(
+    handler: Callable[[int, FrameType | None], None], *, ours_too: bool = False
+) -> Iterator[None]:
+    """``handler`` for SIGINT and SIGTERM while the block runs, where Python's default
+    handlers are in place (with ``ours_too``, also cdcflow's own, marked
+    ``cdcflow_stop_handler``: the CLI's); an application's handler stays. Main thread only
+    (signals are handled there); the handlers found are put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def replaceable(sig: signal.Signals) -> bool:
+        found = signal.getsignal(sig)
+        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        return found is default or (ours_too and getattr(found, "cdcflow_stop_handler", False))
+
+    previous = {sig: signal.signal(sig, handler)
+                for sig in (signal.SIGINT, signal.SIGTERM) if replaceable(sig)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 @contextmanager
 def _abandon_on_signal() -> Iterator[None]:
     """SIGINT and SIGTERM raise KeyboardInterrupt (after a warning) while the block runs:
-    for the final flush, when no batch is left to stop after (main thread only). Only
-    Python's default handlers and cdcflow's own (marked ``cdcflow_stop_handler``, the
-    CLI's) are replaced: an application's handler stays."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    for the final flush, when no batch is left to stop after (see :func:`_handling`: the
+    CLI's Ctrl-C handler is replaced too)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         _log.warning("signal %d while the staged output was being made durable: stopping "
                      "now; the next run writes again what is not durable yet", signum)
         raise KeyboardInterrupt
 
-    previous = {
-        sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)
-        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)
-        or getattr(signal.getsignal(sig), "cdcflow_stop_handler", False)
-    }
-    try:
+    with _handling(handler, ours_too=True):
         yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 @contextmanager

@@ -298,14 +298,14 @@ PERMANENT_TRIES = 8
 WARN_EVERY = 30.0
 
 
-def _cause(exc: BaseException) -> BaseException:
+def storage_cause(exc: BaseException) -> BaseException:
     """The storage's own error: what a SinkIOError wraps, else ``exc``."""
     return exc.__cause__ if isinstance(exc, SinkIOError) and exc.__cause__ else exc
 
 
 def _lasting(exc: BaseException) -> bool:
     """Whether a storage failure (or the one it wraps) is of a kind retries do not mend."""
-    return isinstance(_cause(exc), FileNotFoundError | PermissionError | NotADirectoryError)
+    return isinstance(storage_cause(exc), FileNotFoundError | PermissionError | NotADirectoryError)
 
 
 class Uploader:
@@ -451,7 +451,7 @@ class Uploader:
             self.errors += 1
             self.upload_seconds += seconds
             now = time.monotonic()
-            cause = _cause(exc)
+            cause = storage_cause(exc)
             if self.failures == 1 or now - self._warned >= WARN_EVERY:
                 self._warned = now
                 _log.warning("WriteTables: uploads to %s fail (%s: %s); retrying (%s so "

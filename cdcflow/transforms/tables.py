@@ -89,6 +89,7 @@ from cdcflow.transforms._tablespool import (
     Usage,
     encode,
     local_prefix,
+    storage_cause,
     storage_errors,
     sweep,
 )
@@ -760,8 +761,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
 
         uploads.wait(lambda: (not uploads.queue and not uploads.busy()) or given_up())
         if uploads.queue or uploads.busy():
-            error = uploads.error
-            cause = error.__cause__ or error if error is not None else None
+            cause = None if uploads.error is None else storage_cause(uploads.error)
             msg = (f"WriteTables: the run was asked to stop while uploads to {self.url} fail "
                    f"({cause}); {len(uploads.queue)} file(s) not durable")
             raise SinkIOError(msg)
