@@ -69,9 +69,24 @@ from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
 from cdcflow.transforms.base import Sink
 
-__all__ = ["Batches"]
+__all__ = ["BatchAbandoned", "Batches"]
 
 _log = logging.getLogger("cdcflow.engine")
+
+
+class BatchAbandoned(CdcflowError):
+    """A batch failed transiently after the run was asked to stop, and was not retried: its
+    plan stays in the store and the next run replays it (the engine ends the run as
+    stopped)."""
+
+    def __init__(self, batch_id: int, cause: BaseException) -> None:
+        reason = " ".join(str(cause).split()) or type(cause).__name__
+        super().__init__(
+            f"batch {batch_id} failed after the stop request ({type(cause).__name__}: "
+            f"{reason}); stopping without retrying it: its plan stays in the store and the "
+            "next run replays it"
+        )
+        self.batch_id = batch_id
 
 
 @attrs.define
@@ -98,7 +113,7 @@ class Batches:
         clock: Callable[[], int], fence: Callable[[], int], retry: RetryPolicy,
         view: PartitionView, idle: IdleSchedule, steps: BatchSteps, staged: StagedSinks,
         sinks: Mapping[str, Sink[Any, Any]], program_bytes: bytes, span_ns: int, gc_ttl_ns: int,
-        snapshot_slices: int | None = None,
+        snapshot_slices: int | None = None, stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.name = name
         self.store = store
@@ -110,6 +125,7 @@ class Batches:
         self._clock = clock
         self._fence = fence
         self._retry = retry
+        self._stopping = stopping
         self.idle = idle
         self._steps = steps
         self._staged = staged
@@ -323,9 +339,15 @@ class Batches:
         tasks = self._tasks(plan, only)
         targets = self._sinks if only is None else {label: self._sinks[label] for label in only}
         attempts = 0
+        failed: BaseException | None = None  # the last attempt's error
 
         def attempt() -> list[TaskResult]:
             nonlocal attempts
+            if failed is not None and self._stopping():
+                # Asked to stop (during the backoff, or before a failure: then it is not
+                # retried): a supervisor's SIGTERM in an outage ends the run now, not
+                # after the retries; the batch is replayed.
+                raise BatchAbandoned(plan.batch_id, failed) from failed
             attempts += 1
             try:
                 if first is not None and attempts == 1:
@@ -350,17 +372,25 @@ class Batches:
             return done
 
         def retrying(retry: int, exc: BaseException, delay: float) -> None:
+            nonlocal failed
+            failed = exc
             _log.warning(
                 "batch %d failed (%s: %s); retry %d/%d in %.1fs", plan.batch_id,
                 type(exc).__name__, exc, retry, self._retry.retries, delay,
             )
             self.listener.on_batch_retry(plan.batch_id, exc)
 
+        def worth_retrying(exc: BaseException) -> bool:
+            return (_is_transient(exc) and not isinstance(exc, BatchAbandoned)
+                    and not self._stopping())
+
         try:
-            return self._retry.call(attempt, retry_if=_is_transient, on_retry=retrying)
-        except PipelineStopped:
+            return self._retry.call(attempt, retry_if=worth_retrying, on_retry=retrying)
+        except (PipelineStopped, BatchAbandoned):
             raise
         except Exception as exc:
+            if self._stopping() and _is_transient(exc):
+                raise BatchAbandoned(plan.batch_id, exc) from exc
             exc.add_note(
                 f"batch {plan.batch_id} was not committed; its plan stays in the store and "
                 "the next run replays it"

@@ -45,7 +45,7 @@ import cloudpickle
 from cdcflow.backoff import RetryPolicy
 from cdcflow.dag import Dag
 from cdcflow.durations import is_relative_time
-from cdcflow.engine.batch import Batches
+from cdcflow.engine.batch import BatchAbandoned, Batches
 from cdcflow.engine.durability import StagedSinks
 from cdcflow.engine.guard import RunGuard, guarding
 from cdcflow.engine.lifecycle import (
@@ -255,6 +255,7 @@ class Engine:
                             span_ns=int(opts.max_batch_span * _NS),
                             gc_ttl_ns=int(opts.gc_ttl * _NS),
                             snapshot_slices=program.source.snapshot_tasks_per_batch,
+                            stopping=self._stop.is_set,
                         )
 
                     if opts.reset:
@@ -448,7 +449,12 @@ class Engine:
             lagging = not replay and plan.end < now
             room = opts.max_batches is None or batches + 1 < opts.max_batches
             read_ahead = may_read_ahead if opts.pipelined and lagging and room else None
-            stats = run.execute(plan, replay, parts, batch_began, read_ahead)
+            try:
+                stats = run.execute(plan, replay, parts, batch_began, read_ahead)
+            except BatchAbandoned as abandoned:
+                _log.warning("%s", abandoned)
+                reason = self._stop_reason
+                break
             batches += 1
             records += stats.records
             for key in ("skipped", "retries", "dead_lettered"):

@@ -465,3 +465,38 @@ def test_relative_sink_paths_resolve_against_base_dir(runner: Runner, tmp_path: 
     summary = run(runner, pipeline(s, WriteFiles("out/rel")), base_dir=str(tmp_path))
     assert summary.reason == "end reached"
     assert len(read_jsonl(tmp_path / "out" / "rel")) == len(s.expected_records(T0, END))
+
+
+def test_a_stop_during_the_batch_retries_ends_the_run_without_them(runner: Runner) -> None:
+    # A supervisor's SIGTERM during an outage: the run stops at once as interrupted, not
+    # after the remaining retries with the outage's error; the next run replays the batch.
+    s = churn_stream(writes=10)
+    failing = churn_stream(writes=10).fail_reads(50)
+    store = MemoryStore()
+
+    class StopOnRetry(EngineListener):
+        def __init__(self) -> None:
+            self.engine: Engine | None = None
+            self.retries: list[int] = []
+
+        def on_batch_retry(self, batch_id: int, error: BaseException) -> None:
+            self.retries.append(batch_id)
+            assert self.engine is not None
+            self.engine.request_stop()
+
+    listener = StopOnRetry()
+    options = RunOptions(batch_retries=5, retry_backoff=30.0)
+    engine = Engine(pipeline(failing, Collect()), store, runner, options, listener)
+    listener.engine = engine
+    began = time.monotonic()
+    summary = engine.run()
+    assert summary.reason == "interrupted" and summary.batches == 0
+    assert listener.retries == [1]  # one failure, no retry after the stop (no 30 s backoff)
+    assert time.monotonic() - began < 20
+    pending = store.pending_plan("eng")
+    assert pending is not None and pending.batch_id == 1
+
+    out = Collect()
+    again = run(runner, pipeline(s, out), store)
+    assert again.reason == "end reached"
+    assert sorted(map(ident, out.items)) == sorted(map(ident, s.expected_records(T0, END)))

@@ -356,3 +356,56 @@ def test_outage_past_the_retry_budget_fails_the_run_then_a_restart_resumes(
         assert code == 1
         assert failed_after < OUTAGE
         assert "UNAVAILABLE" in error and "batch" in error
+
+
+def test_sigterm_during_an_outage_stops_at_once_then_a_restart_resumes(
+    spanner_emulator: Emulator, tmp_path: Path
+) -> None:
+    """A supervisor stops the run (SIGTERM) while Spanner refuses connections and the batch
+    is being retried: the run stops within seconds as interrupted (exit 130), naming the
+    batch the next run replays, instead of spending its retries first and exiting 1 with
+    the outage's error; the restart finishes with every change exactly once."""
+    case = Case(spanner_emulator, tmp_path, store="sqlite")
+    progress = _Progress(case)
+    with FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy:
+        case.env["SPANNER_EMULATOR_HOST"] = proxy.host
+        case.env["E2E_QUERY_TIMEOUT"] = f"{QUERY_TIMEOUT}s"
+        start = Timestamp.now()
+        workload = Workload(case.database, rate=15, seed=4)
+        thread = workload.start(seconds=6)
+        case.window(start, Timestamp.from_ns(start.ns + 8_000_000_000))
+        log = tmp_path / "run-0.log"
+        with log.open("w") as err:
+            proc = subprocess.Popen(
+                case.command("--set", "retry_backoff=20s"), env=case.env,
+                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+            )
+        try:
+            began = time.monotonic()
+            while progress.last() < 2 and proc.poll() is None:
+                assert time.monotonic() - began < 30, "no batch committed within 30 s"
+                time.sleep(0.05)
+            proxy.drop(OUTAGE)
+            dropped = time.monotonic()
+            while "retry 1/" not in log.read_text() and proc.poll() is None:
+                assert time.monotonic() - dropped < OUTAGE, "no batch retry during the outage"
+                time.sleep(0.05)
+            os.kill(proc.pid, signal.SIGTERM)
+            signalled = time.monotonic()
+            code = proc.wait(OUTAGE)
+            stopped_after = time.monotonic() - signalled
+            proxy.heal()
+            text = log.read_text()
+            print(f"\nSIGTERM during the outage: exit {code} after {stopped_after:.2f}s")
+            assert code == 130, text[-2000:]
+            assert stopped_after < 10  # the 20 s backoff and the other retries: not waited
+            assert "stopping without retrying it" in text and "next run replays it" in text
+            restart = case.run()  # the network is back: the restart resumes to the end
+            assert "end reached" in restart.stderr
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            workload.stop()
+            progress.close()
+    assert not thread.is_alive()
+    assert check_exactly_once(case, workload) > 20
