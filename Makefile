@@ -8,7 +8,9 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# setup.py builds the optional C decoder (cdcflow/_speedups.c): a change to it
+# reinstalls, which compiles it again.
+$(STAMP): pyproject.toml setup.py cdcflow/_speedups.c
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]' -e examples/plugin

@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
 
@@ -364,12 +365,19 @@ def run(
                                       lambda: read_stock(database, to_model=True), rounds)
         fast_result, fast = _measure("cdcflow client (model)", lambda: read_cdcflow(client),
                                      rounds)
+        results = [raw, rows, stock_model, fast_result]
+        readers = [stock, fast]
+        if _compiled():
+            with _python_decoder():
+                slow_result, slow = _measure(PYTHON_CLIENT, lambda: read_cdcflow(client), rounds)
+            results.append(slow_result)
+            readers.append(slow)
         if check:
             expected = make_records(n)
-            if stock != expected or fast != expected:
+            if any(records != expected for records in readers):
                 msg = "the readers disagree with the served records; the benchmark is invalid"
                 raise AssertionError(msg)
-        return [raw, rows, stock_model, fast_result]
+        return results
     finally:
         client.close()
         stock_client.close()
@@ -378,6 +386,29 @@ def run(
         else:
             os.environ["SPANNER_EMULATOR_HOST"] = old_env
         stop()
+
+
+PYTHON_CLIENT = "cdcflow client, Python decoder"
+PYTHON_DECODE = "full decode (typed, Python decoder)"
+
+
+def _compiled() -> bool:
+    from cdcflow.spanner.records import compiled_decoder
+
+    return compiled_decoder()
+
+
+@contextmanager
+def _python_decoder() -> Iterator[None]:
+    """cdcflow decodes with its Python decoder (not the compiled one) meanwhile."""
+    from cdcflow.spanner import records
+
+    saved = records._SPEEDUPS
+    records._SPEEDUPS = None
+    try:
+        yield
+    finally:
+        records._SPEEDUPS = saved
 
 
 def table(results: Sequence[Result], title: str) -> str:
@@ -401,6 +432,10 @@ def table(results: Sequence[Result], title: str) -> str:
         f"cdcflow / stock + model: {fast.rate / model.rate:.1f}x   "
         f"cdcflow / raw grpc: {fast.rate / raw.rate:.2f}"
     )
+    slow = by_name.get(PYTHON_CLIENT)
+    if slow is not None:
+        lines.append(f"compiled decoder / Python decoder: {fast.rate / slow.rate:.1f}x   "
+                     f"Python decoder / stock rows: {slow.rate / rows.rate:.1f}x")
     return "\n".join(lines)
 
 
@@ -443,6 +478,10 @@ def decode_only(n: int, *, tables: int = 10, rows_per_message: int = 50, rounds:
         if shaper is wanted and (data != len(range(0, n, tables)) or names != {"Orders0"}):
             msg = "the filtered decode kept the wrong records; the benchmark is invalid"
             raise AssertionError(msg)
+    if _compiled():
+        with _python_decoder():
+            (count, _, _), secs = _best(lambda: decode(RecordShaper()), rounds)
+        results.append(Result(PYTHON_DECODE, count, secs))
     texts, secs = _best(lambda: _floor(messages), rounds)
     if texts != 9 * n:
         msg = f"the floor read {texts} JSON texts, not {9 * n}; the benchmark is invalid"
@@ -475,13 +514,17 @@ def decode_table(results: Sequence[Result], title: str, raw: Result | None = Non
     lines = [title, f"{'decoder':34} {'records':>9} {'seconds':>8} {'records/s':>11}"]
     for r in results:
         lines.append(f"{r.name:34} {r.records:9d} {r.seconds:8.3f} {r.rate:11,.0f}")
-    typed, wire, wanted, floor = results
+    typed, wire, wanted, floor = (r for r in results if r.name != PYTHON_DECODE)
     lines.append(
         f"typed / wire values: {typed.rate / wire.rate:.2f}   "
         f"1 table wanted / full typed decode: {wanted.rate / typed.rate:.1f}x   "
         f"typed / floor: {typed.rate / floor.rate:.2f}"
         + (f"   floor / raw grpc: {floor.rate / raw.rate:.2f}" if raw is not None else "")
     )
+    slow = next((r for r in results if r.name == PYTHON_DECODE), None)
+    if slow is not None:
+        lines.append(f"typed values, compiled decoder / Python decoder: "
+                     f"{typed.rate / slow.rate:.1f}x")
     return "\n".join(lines)
 
 
@@ -507,7 +550,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.serve:
         _serve(args.serve, args.records, max(1, args.rows_per_message))
         return
-    print(f"load average: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()})")
+    print(f"load average: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()}); decoder: "
+          + ("compiled (cdcflow.spanner._speedups)" if _compiled() else "Python"))
     raw: Result | None = None
     for rpm in [args.rows_per_message] if args.rows_per_message else [1, 50]:
         results = run(args.records, rows_per_message=rpm, rounds=args.rounds,

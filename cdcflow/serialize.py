@@ -17,7 +17,7 @@ import base64
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import date, datetime, time
 from decimal import Decimal
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import orjson
 
+from cdcflow.compiled import speedups
 from cdcflow.errors import SinkError
 from cdcflow.model import Timestamp
 
@@ -141,13 +142,14 @@ def _default(value: Any, str_: type = str) -> Any:
     return to_json_value(value)
 
 
-#: Types whose values hold no float (checked by identity: the fast path of _non_finite).
+#: Types whose values hold no float (checked by identity: the fast path of
+#: _non_finite_python).
 _NO_FLOAT: frozenset[type] = frozenset(
     {str, int, bool, type(None), Timestamp, Decimal, datetime, date, bytes}
 )
 
 
-def _non_finite(value: Any) -> bool:
+def _non_finite_python(value: Any) -> bool:
     """Whether a float that is not finite hides in ``value``, its dicts, lists, tuples and
     attrs instances (orjson writes one as null; the rules say "NaN", "Infinity",
     "-Infinity")."""
@@ -184,7 +186,7 @@ def _non_finite_in(
 
 
 def _non_finite_other(value: Any) -> bool:
-    """:func:`_non_finite` of what is not a plain dict, list or tuple."""
+    """:func:`_non_finite_python` of what is not a plain dict, list or tuple."""
     if isinstance(value, Mapping):
         return _non_finite_in(value.values())
     if isinstance(value, list | tuple):
@@ -194,6 +196,20 @@ def _non_finite_other(value: Any) -> bool:
     if isinstance(value, float):
         return bool(value - value)
     return False
+
+
+def _compiled_walk() -> Callable[[Any], bool] | None:
+    """:func:`_non_finite_python` compiled (:mod:`cdcflow.compiled`), or None."""
+    module = speedups()
+    if module is None:
+        return None
+    module.configure_walk(tuple(_NO_FLOAT), _non_finite_other)
+    walk: Callable[[Any], bool] = module.non_finite
+    return walk
+
+
+#: Whether a float that is not finite hides in a value (compiled when built).
+_non_finite: Callable[[Any], bool] = _compiled_walk() or _non_finite_python
 
 
 def dumps_line(element: Any) -> bytes:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Iterator, Mapping
 from datetime import UTC, date, datetime
 from decimal import Decimal
+from typing import Any
 
 import attrs
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from cdcflow import serialize
 from cdcflow.errors import SinkError
 from cdcflow.model import ColumnType, DataChangeRecord, HeartbeatRecord, Mod, Timestamp
 from cdcflow.serialize import dumps_line, to_json_dict, to_json_value
@@ -164,3 +169,68 @@ def test_dumps_line_writes_what_the_rules_say(element: object) -> None:
             dumps_line(element)
         return
     assert dumps_line(element) == expected
+
+
+# --- the non-finite check, compiled and in Python ----------------------------------------
+
+
+@attrs.frozen
+class _Pair:
+    a: Any
+    b: Any
+
+
+class _Map(Mapping[str, Any]):
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class _Float(float):
+    pass
+
+
+_leaf = (st.none() | st.booleans() | st.integers() | st.text(max_size=3) | st.floats()
+         | st.floats().map(_Float) | st.decimals(allow_nan=True) | st.binary(max_size=3)
+         | st.just(Timestamp.from_ns(5)) | st.just(date(2024, 1, 1)))
+_values = st.recursive(
+    _leaf,
+    lambda inner: (st.lists(inner, max_size=3) | st.lists(inner, max_size=3).map(tuple)
+                   | st.dictionaries(st.text(max_size=2), inner, max_size=3)
+                   | st.dictionaries(st.text(max_size=2), inner, max_size=2).map(_Map)
+                   | st.builds(_Pair, inner, inner)),
+    max_leaves=12,
+)
+
+
+@pytest.mark.skipif(serialize._compiled_walk() is None, reason="not compiled")
+@settings(max_examples=500, deadline=None)
+@given(_values)
+def test_the_compiled_non_finite_check_agrees_with_python(value: Any) -> None:
+    compiled = serialize._compiled_walk()
+    assert compiled is not None
+    assert compiled(value) == serialize._non_finite_python(value)
+
+
+@pytest.mark.skipif(serialize._compiled_walk() is None, reason="not compiled")
+def test_the_compiled_non_finite_check_deep_and_wide() -> None:
+    compiled = serialize._compiled_walk()
+    assert compiled is not None
+    deep: Any = float("nan")
+    for _ in range(500):  # deeper than the compiled walk goes: Python takes over
+        deep = [{"x": (deep,)}]
+    assert compiled(deep) and serialize._non_finite_python(deep)
+    wide = {f"k{i}": [1.5, None, "x", Decimal("NaN")] for i in range(1000)}
+    assert not compiled(wide)
+    wide["k999"].append(float("-inf"))
+    assert compiled(wide)
+    line = dumps_line({"row": wide})
+    assert b'"-Infinity"' in line

@@ -447,6 +447,9 @@ class _GoogleSqlRows:
         return out
 
     def _data(self, strings: Any, bools: Any, lists: Any, token: str) -> Records:
+        records = self._builder.merged(token, strings, bools, lists, _columns, self._sizes)
+        if records is not None:
+            return records
         s, b, li = iter(strings), iter(bools), iter(lists)
         return self._builder.run(token, zip(
             zip(s, s, s, s, s, s, s, s, s, strict=True), zip(b, b, strict=True),

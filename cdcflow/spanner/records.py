@@ -19,18 +19,24 @@ decoders (:mod:`cdcflow.spanner.decode` reads protobuf ``Value`` trees,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from decimal import Decimal
 from typing import Any
 
+import attrs
 import orjson
 
+from cdcflow.compiled import speedups
 from cdcflow.model import (
     ChangeRecord,
     ColumnType,
     DataChangeRecord,
     HeartbeatRecord,
+    JsonString,
     Mod,
     ModType,
+    Timestamp,
 )
+from cdcflow.spanner import values
 from cdcflow.spanner.shape import RecordShaper, TablePlan
 from cdcflow.spanner.values import parse_timestamp
 
@@ -45,6 +51,7 @@ __all__ = [
     "RECORD_BYTES",
     "TOP_LAYOUT",
     "DataBuilder",
+    "compiled_decoder",
 ]
 
 _loads = orjson.loads
@@ -67,6 +74,28 @@ MOD_LAYOUT = ("keys", "new_values", "old_values")
 HEARTBEAT_LAYOUT = ("timestamp",)
 CHILD_PARTITIONS_LAYOUT = ("start_timestamp", "record_sequence", "child_partitions")
 CHILD_LAYOUT = ("token", "parent_partition_tokens")
+
+
+def _compiled() -> Any:
+    """The compiled decoder (:func:`cdcflow.compiled.speedups`), configured; or None."""
+    module = speedups()
+    if module is None:
+        return None
+    module.configure(
+        _loads, parse_timestamp, values._numeric, values._json, Decimal, JsonString,
+        Mod, tuple(f.name for f in attrs.fields(Mod)),
+        DataChangeRecord, tuple(f.name for f in attrs.fields(DataChangeRecord)),
+        Timestamp, ("_nanosecond", "_ns", "_text"), RECORD_BYTES, ENTRY_BYTES,
+    )
+    return module
+
+
+_SPEEDUPS = _compiled()
+
+
+def compiled_decoder() -> bool:
+    """Whether GoogleSQL records are decoded by the compiled decoder (else in Python)."""
+    return _SPEEDUPS is not None
 
 
 class DataBuilder:
@@ -101,6 +130,34 @@ class DataBuilder:
             return None
         self._last_stand_in = key
         return HeartbeatRecord(token, parse_timestamp(commit_timestamp))
+
+    def merged(
+        self, token: str, strings: Sequence[str], bools: Sequence[bool],
+        lists: Sequence[bytes], parse_columns: Callable[[bytes], Iterable[ColumnType]],
+        sizes: dict[int, int] | None = None,
+    ) -> list[ChangeRecord] | None:
+        """The records of a merged run of data change records (9 strings, 2 bools and 2
+        serialized lists per record, in :data:`DATA_LAYOUT` order) made by the compiled
+        decoder: what :meth:`run` makes of them, with ``sizes`` likewise. None when it
+        does not apply: not built, a filter, a shape it declines, or a value it cannot
+        type (:meth:`run` then decodes the run, and raises what is wrong)."""
+        compiled = _SPEEDUPS
+        if compiled is None or not self._plain:
+            return None
+
+        def planner(table: str, columns: bytes) -> tuple[tuple[ColumnType, ...], Any]:
+            plan = self.shaper.cached(("columns", table, columns)) or self.plan(
+                table, columns, parse_columns
+            )
+            return plan.columns, plan.converters
+
+        try:
+            records: list[ChangeRecord] | None = compiled.decode(
+                token, list(strings), list(bools), list(lists), planner, sizes
+            )
+        except Exception:
+            return None
+        return records
 
     def mods(
         self, plan: TablePlan, texts: Sequence[str], mod_type: str, capture: str

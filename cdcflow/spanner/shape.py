@@ -68,6 +68,12 @@ class TablePlan:
         self._converters = decoders(columns) if typed else {}
         self.in_place = converter_in_place(self._converters)
 
+    @property
+    def converters(self) -> Mapping[str, Any]:
+        """Column name -> converter from the wire form, for the kept columns that need one
+        (empty for wire values)."""
+        return self._converters
+
     def mod(
         self, keys: Mapping[str, Any], new: Mapping[str, Any], old: Mapping[str, Any],
         check_unchanged: bool = False,

@@ -7,13 +7,16 @@ from bench import bench_decode
 
 def test_in_process_run_agrees_and_reports() -> None:
     results = bench_decode.run(40, rows_per_message=7, rounds=1, in_process=True, check=True)
+    compiled = bench_decode._compiled()
     assert [r.name for r in results] == [
         "raw grpc (PartialResultSets)", "stock execute_sql (rows)",
         "stock execute_sql + model", "cdcflow client (model)",
+        *([bench_decode.PYTHON_CLIENT] if compiled else []),
     ]
     assert all(r.records == 40 for r in results)
     text = bench_decode.table(results, "decode")
-    assert "cdcflow / stock rows:" in text and text.count("\n") == 6
+    assert "cdcflow / stock rows:" in text
+    assert ("compiled decoder / Python decoder:" in text) == compiled
 
 
 def test_served_messages_decode_to_the_records() -> None:
@@ -34,7 +37,9 @@ def test_served_messages_decode_to_the_records() -> None:
 
 def test_decode_only_counts_every_record_and_its_floor() -> None:
     results = bench_decode.decode_only(30, tables=3, rows_per_message=7, rounds=1)
-    assert [r.records for r in results] == [30, 30, 30, 30]
+    compiled = bench_decode._compiled()
+    assert [r.records for r in results] == [30] * (5 if compiled else 4)
     assert results[-1].name.startswith("floor")
     text = bench_decode.decode_table(results, "decode only", results[0])
     assert "typed / floor:" in text and "floor / raw grpc:" in text
+    assert ("compiled decoder / Python decoder:" in text) == compiled

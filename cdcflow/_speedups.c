@@ -1,0 +1,921 @@
+/* cdcflow._speedups: cdcflow's hot loops in C, optional (built at install by setup.py).
+ *
+ * The compiled twins of two Python loops, which stay the reference: cdcflow.compiled
+ * decides whether this module is used, and its callers fall back to Python for anything
+ * it declines. It imports nothing of cdcflow: configure() and configure_walk() hand over
+ * every Python object it uses, once.
+ *
+ * decode(token, strings, bools, lists, planner, sizes): GoogleSQL data change records
+ * from their wire fields, as cdcflow.spanner.records.DataBuilder.run makes them (no
+ * filter). It takes a merged run of data change records as cdcflow.spanner.flat gives it:
+ * 9 strings, 2 bools and 2 serialized lists (column types, mods) per record, and returns
+ * the list of DataChangeRecords, or None when the input is not that plain shape (a NULL
+ * where a text belongs, an unexpected field): the caller then decodes it in Python. An
+ * exception (a value that is not its column's wire form, invalid JSON) propagates; the
+ * caller decodes the run in Python again, whose errors name the column. Records are made
+ * field for field as the Python path makes them: mods' JSON objects are parsed by a small
+ * parser for the flat objects Spanner writes (any text it does not handle goes to
+ * orjson), values are typed by the plan's converters (INT64, FLOAT64, NUMERIC, JSON and
+ * TIMESTAMP natively, any other by calling it), and the attrs classes' slots are set
+ * directly, as their __init__ would (their converters are no-ops for these values).
+ *
+ * non_finite(value): cdcflow.serialize's check for a float that is not finite inside a
+ * value (its dicts, lists and tuples; anything else is asked of a Python callable).
+ *
+ * Thread-safe under the GIL: between calls it keeps only what the configure functions set
+ * and two caches (column names, the last timestamp), each read and replaced while holding
+ * the GIL, with no Python code run in between.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <datetime.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* --- what configure() sets ------------------------------------------------------------ */
+
+static PyObject *g_loads;        /* orjson.loads */
+static PyObject *g_parse_ts;     /* values.parse_timestamp (also the TIMESTAMP converter) */
+static PyObject *g_numeric;      /* the NUMERIC converter (values._numeric) */
+static PyObject *g_json;         /* the JSON converter (values._json) */
+static PyObject *g_decimal;      /* decimal.Decimal */
+static PyObject *g_json_string;  /* model.JsonString */
+static PyTypeObject *g_mod, *g_record, *g_timestamp;
+static PyObject *g_mod_slots[3];      /* keys, new_values, old_values */
+static PyObject *g_record_slots[15];  /* DataChangeRecord's fields, in order */
+static PyObject *g_ts_slots[3];       /* Timestamp's _nanosecond, _ns, _text */
+static Py_ssize_t g_record_bytes, g_entry_bytes;
+static PyObject *g_no_args;
+
+/* The last timestamp made and its text: a record's values often repeat its commit time. */
+static PyObject *g_last_text, *g_last_ts;
+
+static int set_slot(PyObject *descr, PyObject *obj, PyObject *value) {
+    return Py_TYPE(descr)->tp_descr_set(descr, obj, value);
+}
+
+static int get_slots(PyTypeObject *type, PyObject *names, PyObject **out, Py_ssize_t n) {
+    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != n) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a tuple of %zd slot names", type->tp_name, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        PyObject *descr = PyDict_GetItemWithError(type->tp_dict, name);
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "%s.%S is not a slot", type->tp_name, name);
+            return -1;
+        }
+        Py_XSETREF(out[i], Py_NewRef(descr));
+    }
+    return 0;
+}
+
+static void keep(PyObject **where, PyObject *value) { Py_XSETREF(*where, Py_NewRef(value)); }
+
+static PyObject *configure(PyObject *self, PyObject *args) {
+    PyObject *loads, *parse_ts, *numeric, *json, *decimal, *json_string;
+    PyObject *mod_names, *record_names, *ts_names;
+    PyTypeObject *mod, *record, *timestamp;
+    Py_ssize_t record_bytes, entry_bytes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOOOO!OO!OO!Onn", &loads, &parse_ts, &numeric, &json,
+                          &decimal, &json_string, &PyType_Type, &mod, &mod_names,
+                          &PyType_Type, &record, &record_names, &PyType_Type, &timestamp,
+                          &ts_names, &record_bytes, &entry_bytes))
+        return NULL;
+    if (!PyType_IsSubtype(timestamp, PyDateTimeAPI->DateTimeType)) {
+        PyErr_SetString(PyExc_TypeError, "the timestamp class must subclass datetime");
+        return NULL;
+    }
+    if (get_slots(mod, mod_names, g_mod_slots, 3) < 0
+        || get_slots(record, record_names, g_record_slots, 15) < 0
+        || get_slots(timestamp, ts_names, g_ts_slots, 3) < 0)
+        return NULL;
+    keep(&g_loads, loads);
+    keep(&g_parse_ts, parse_ts);
+    keep(&g_numeric, numeric);
+    keep(&g_json, json);
+    keep(&g_decimal, decimal);
+    keep(&g_json_string, json_string);
+    keep((PyObject **)&g_mod, (PyObject *)mod);
+    keep((PyObject **)&g_record, (PyObject *)record);
+    keep((PyObject **)&g_timestamp, (PyObject *)timestamp);
+    g_record_bytes = record_bytes;
+    g_entry_bytes = entry_bytes;
+    Py_CLEAR(g_last_text);
+    Py_CLEAR(g_last_ts);
+    Py_RETURN_NONE;
+}
+
+/* --- timestamps ----------------------------------------------------------------------- */
+
+static int ascii_digits(const char *p, int n) {
+    int v = 0;
+    for (int i = 0; i < n; i++) {
+        if (p[i] < '0' || p[i] > '9') return -1;
+        v = v * 10 + (p[i] - '0');
+    }
+    return v;
+}
+
+/* Days from 1970-01-01 to a proleptic Gregorian date (the days_from_civil algorithm). */
+static int64_t days_from_civil(int64_t y, int64_t m, int64_t d) {
+    y -= m <= 2;
+    int64_t era = (y >= 0 ? y : y - 399) / 400;
+    int64_t yoe = y - era * 400;
+    int64_t doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+    int64_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    return era * 146097 + doe - 719468;
+}
+
+/* Spanner's form of a timestamp, "YYYY-MM-DDTHH:MM:SS[.f{1,9}]Z" in ASCII digits, as the
+ * Timestamp values.parse_timestamp makes of it. NULL without an error for any other text
+ * (or one the datetime type refuses): the caller then asks parse_timestamp. */
+static PyObject *spanner_timestamp(PyObject *text) {
+    Py_ssize_t n;
+    const char *p = PyUnicode_AsUTF8AndSize(text, &n);
+    if (p == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (n < 20 || p[n - 1] != 'Z' || p[4] != '-' || p[7] != '-' || p[10] != 'T' || p[13] != ':'
+        || p[16] != ':')
+        return NULL;
+    int year = ascii_digits(p, 4), month = ascii_digits(p + 5, 2), day = ascii_digits(p + 8, 2);
+    int hour = ascii_digits(p + 11, 2), minute = ascii_digits(p + 14, 2);
+    int second = ascii_digits(p + 17, 2);
+    if (year < 0 || month < 0 || day < 0 || hour < 0 || minute < 0 || second < 0) return NULL;
+    int frac = 0, nd = 0;
+    if (n > 20) {
+        nd = (int)(n - 21);
+        if (p[19] != '.' || nd < 1 || nd > 9) return NULL;
+        frac = ascii_digits(p + 20, nd);
+        if (frac < 0) return NULL;
+        for (int i = nd; i < 9; i++) frac *= 10;
+    }
+    PyObject *ts = PyDateTimeAPI->DateTime_FromDateAndTime(
+        year, month, day, hour, minute, second, frac / 1000, PyDateTime_TimeZone_UTC,
+        g_timestamp);
+    if (ts == NULL) {
+        PyErr_Clear(); /* parse_timestamp says what is wrong with it */
+        return NULL;
+    }
+    /* |seconds| <= 2.6e11 for years 0001-9999: the nanoseconds need 128 bits of room. */
+    int64_t secs = days_from_civil(year, month, day) * 86400 + hour * 3600 + minute * 60 + second;
+    PyObject *ns = NULL;
+    if (secs > -9000000000LL && secs < 9000000000LL) {
+        ns = PyLong_FromLongLong(secs * 1000000000LL + frac);
+    } else {
+        PyObject *s = PyLong_FromLongLong(secs), *giga = PyLong_FromLong(1000000000L);
+        PyObject *f = PyLong_FromLong(frac), *scaled = NULL;
+        if (s && giga && f) scaled = PyNumber_Multiply(s, giga);
+        if (scaled) ns = PyNumber_Add(scaled, f);
+        Py_XDECREF(s);
+        Py_XDECREF(giga);
+        Py_XDECREF(f);
+        Py_XDECREF(scaled);
+    }
+    PyObject *nano = PyLong_FromLong(frac % 1000);
+    /* _text caches rfc3339(): Spanner's usual form (nine digits, Z) is already it. */
+    int bad = ns == NULL || nano == NULL || set_slot(g_ts_slots[0], ts, nano) < 0
+              || set_slot(g_ts_slots[1], ts, ns) < 0
+              || set_slot(g_ts_slots[2], ts, nd == 9 ? text : Py_None) < 0;
+    Py_XDECREF(ns);
+    Py_XDECREF(nano);
+    if (bad) {
+        Py_DECREF(ts);
+        return NULL;
+    }
+    return ts;
+}
+
+static PyObject *timestamp(PyObject *text) {
+    PyObject *last = g_last_text;
+    if (last != NULL && (last == text || (PyUnicode_GET_LENGTH(last) == PyUnicode_GET_LENGTH(text)
+                                          && PyUnicode_Compare(last, text) == 0)))
+        return Py_NewRef(g_last_ts);
+    PyObject *ts = spanner_timestamp(text);
+    if (ts == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        return PyObject_CallOneArg(g_parse_ts, text);
+    }
+    Py_XSETREF(g_last_ts, Py_NewRef(ts));
+    Py_XSETREF(g_last_text, Py_NewRef(text));
+    return ts;
+}
+
+/* --- typing a value ------------------------------------------------------------------- */
+
+/* What converter conv makes of value; the converters of cdcflow.spanner.values that the
+ * decoder inlines are done here without a Python call, with the same result. */
+static PyObject *convert(PyObject *conv, PyObject *value) {
+    if (PyUnicode_CheckExact(value)) {
+        if (conv == (PyObject *)&PyLong_Type) return PyLong_FromUnicodeObject(value, 10);
+        if (conv == (PyObject *)&PyFloat_Type) return PyFloat_FromString(value);
+        if (conv == g_numeric) return PyObject_CallOneArg(g_decimal, value);
+        if (conv == g_parse_ts) return timestamp(value);
+        if (conv == g_json) {
+            PyObject *parsed = PyObject_CallOneArg(g_loads, value);
+            if (parsed == NULL || !PyUnicode_CheckExact(parsed)) return parsed;
+            PyObject *marked = PyObject_CallOneArg(g_json_string, parsed);
+            Py_DECREF(parsed);
+            return marked;
+        }
+    }
+    return PyObject_CallOneArg(conv, value);
+}
+
+/* --- the flat JSON objects of mods ---------------------------------------------------- */
+
+/* A parse the fast parser declines (not an error): the text goes to orjson. */
+#define DECLINE ((PyObject *)1)
+
+typedef struct {
+    const char *p, *end;
+} Cursor;
+
+static void skip_ws(Cursor *c) {
+    while (c->p < c->end && (*c->p == ' ' || *c->p == '\t' || *c->p == '\n' || *c->p == '\r'))
+        c->p++;
+}
+
+/* Column names repeat in every mod: a small direct-mapped cache of their str objects. */
+#define KEY_CACHE 256
+#define KEY_MAX 64
+static struct {
+    Py_ssize_t len;
+    char bytes[KEY_MAX];
+    PyObject *str;
+} key_cache[KEY_CACHE];
+
+static PyObject *cached_key(const char *s, Py_ssize_t len) {
+    if (len > KEY_MAX) return PyUnicode_DecodeUTF8(s, len, NULL);
+    uint32_t h = 2166136261u;
+    for (Py_ssize_t i = 0; i < len; i++) h = (h ^ (unsigned char)s[i]) * 16777619u;
+    h %= KEY_CACHE;
+    if (key_cache[h].str != NULL && key_cache[h].len == len && memcmp(key_cache[h].bytes, s, len) == 0)
+        return Py_NewRef(key_cache[h].str);
+    PyObject *str = PyUnicode_DecodeUTF8(s, len, NULL);
+    if (str == NULL) return NULL;
+    Py_XSETREF(key_cache[h].str, Py_NewRef(str));
+    key_cache[h].len = len;
+    memcpy(key_cache[h].bytes, s, len);
+    return str;
+}
+
+/* A JSON string without escapes at c->p (the opening quote): its span; 0 (declined) when
+ * it has an escape or does not end. */
+static int plain_string(Cursor *c, const char **s, Py_ssize_t *len) {
+    const char *q = c->p + 1;
+    while (q < c->end && *q != '"' && *q != '\\' && (unsigned char)*q >= 0x20) q++;
+    if (q >= c->end || *q != '"') return 0;
+    *s = c->p + 1;
+    *len = q - *s;
+    c->p = q + 1;
+    return 1;
+}
+
+static int hex4(const char *p) {
+    int v = 0;
+    for (int i = 0; i < 4; i++) {
+        char h = p[i];
+        v <<= 4;
+        if (h >= '0' && h <= '9') v |= h - '0';
+        else if (h >= 'a' && h <= 'f') v |= h - 'a' + 10;
+        else if (h >= 'A' && h <= 'F') v |= h - 'A' + 10;
+        else return -1;
+    }
+    return v;
+}
+
+static char *put_utf8(char *o, uint32_t cp) {
+    if (cp < 0x80) {
+        *o++ = (char)cp;
+    } else if (cp < 0x800) {
+        *o++ = (char)(0xC0 | (cp >> 6));
+        *o++ = (char)(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+        *o++ = (char)(0xE0 | (cp >> 12));
+        *o++ = (char)(0x80 | ((cp >> 6) & 0x3F));
+        *o++ = (char)(0x80 | (cp & 0x3F));
+    } else {
+        *o++ = (char)(0xF0 | (cp >> 18));
+        *o++ = (char)(0x80 | ((cp >> 12) & 0x3F));
+        *o++ = (char)(0x80 | ((cp >> 6) & 0x3F));
+        *o++ = (char)(0x80 | (cp & 0x3F));
+    }
+    return o;
+}
+
+/* A JSON string at c->p (the opening quote) as a str, its escapes decoded; DECLINE for a
+ * control character, a bad escape or a lone surrogate (orjson's to judge). */
+static PyObject *parse_string(Cursor *c) {
+    const char *s;
+    Py_ssize_t len;
+    Cursor save = *c;
+    if (plain_string(c, &s, &len)) {
+        PyObject *str = PyUnicode_DecodeUTF8(s, len, NULL);
+        if (str == NULL) PyErr_Clear(); /* not UTF-8 */
+        return str == NULL ? DECLINE : str;
+    }
+    *c = save;
+    const char *q = c->p + 1, *end = c->end;
+    /* an escape never decodes longer than it is written: the text's length is room enough */
+    char *buf = PyMem_Malloc(end - q + 1);
+    if (buf == NULL) return PyErr_NoMemory();
+    char *o = buf;
+    PyObject *result = DECLINE;
+    while (q < end) {
+        unsigned char ch = (unsigned char)*q;
+        if (ch == '"') {
+            PyObject *str = PyUnicode_DecodeUTF8(buf, o - buf, NULL);
+            if (str == NULL) PyErr_Clear();
+            else {
+                result = str;
+                c->p = q + 1;
+            }
+            break;
+        }
+        if (ch < 0x20) break;
+        if (ch != '\\') {
+            *o++ = (char)ch;
+            q++;
+            continue;
+        }
+        if (end - q < 2) break;
+        char e = q[1];
+        q += 2;
+        if (e == '"' || e == '\\' || e == '/') *o++ = e;
+        else if (e == 'b') *o++ = '\b';
+        else if (e == 'f') *o++ = '\f';
+        else if (e == 'n') *o++ = '\n';
+        else if (e == 'r') *o++ = '\r';
+        else if (e == 't') *o++ = '\t';
+        else if (e == 'u') {
+            if (end - q < 4) break;
+            int cp = hex4(q);
+            q += 4;
+            if (cp < 0) break;
+            if (cp >= 0xD800 && cp <= 0xDBFF) { /* a high surrogate: its low one follows */
+                if (end - q < 6 || q[0] != '\\' || q[1] != 'u') break;
+                int low = hex4(q + 2);
+                if (low < 0xDC00 || low > 0xDFFF) break;
+                q += 6;
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+            } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+                break;
+            }
+            o = put_utf8(o, (uint32_t)cp);
+        } else {
+            break;
+        }
+    }
+    PyMem_Free(buf);
+    return result;
+}
+
+static PyObject *parse_value(Cursor *c, int depth);
+
+static const char *digit_run(const char *q, const char *end) {
+    while (q < end && *q >= '0' && *q <= '9') q++;
+    return q;
+}
+
+/* A JSON number (-?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?) as orjson makes it: an int
+ * when it has no fraction or exponent, else the nearest float. Declined: anything else,
+ * ints past 18 digits and exponents past 99 (orjson's to judge). */
+static PyObject *parse_number(Cursor *c) {
+    const char *start = c->p, *q = c->p, *end = c->end;
+    int is_float = 0;
+    if (q < end && *q == '-') q++;
+    if (q >= end || *q < '0' || *q > '9') return DECLINE;
+    if (*q == '0') q++;
+    else q = digit_run(q, end);
+    Py_ssize_t int_digits = q - start - (*start == '-');
+    if (q < end && *q == '.') {
+        const char *f = digit_run(q + 1, end);
+        if (f == q + 1) return DECLINE;
+        q = f;
+        is_float = 1;
+    }
+    if (q < end && (*q == 'e' || *q == 'E')) {
+        q++;
+        if (q < end && (*q == '+' || *q == '-')) q++;
+        const char *e = digit_run(q, end);
+        /* near the ends of the double range (overflow, denormals): orjson's to judge */
+        if (e == q || e - q > 2) return DECLINE;
+        q = e;
+        is_float = 1;
+    }
+    Py_ssize_t len = q - start;
+    char buf[64];
+    if (len >= (Py_ssize_t)sizeof(buf) || (!is_float && int_digits > 18)) return DECLINE;
+    memcpy(buf, start, len);
+    buf[len] = '\0';
+    c->p = q;
+    if (!is_float) return PyLong_FromLongLong(strtoll(buf, NULL, 10));
+    double d = PyOS_string_to_double(buf, NULL, NULL);
+    if (d == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return DECLINE;
+    }
+    return PyFloat_FromDouble(d);
+}
+
+static PyObject *parse_array(Cursor *c, int depth) {
+    c->p++; /* [ */
+    PyObject *list = PyList_New(0);
+    if (list == NULL) return NULL;
+    skip_ws(c);
+    if (c->p < c->end && *c->p == ']') {
+        c->p++;
+        return list;
+    }
+    for (;;) {
+        PyObject *item = parse_value(c, depth + 1);
+        if (item == NULL || item == DECLINE) {
+            Py_DECREF(list);
+            return item;
+        }
+        int r = PyList_Append(list, item);
+        Py_DECREF(item);
+        if (r < 0) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        skip_ws(c);
+        if (c->p < c->end && *c->p == ',') {
+            c->p++;
+            continue;
+        }
+        if (c->p < c->end && *c->p == ']') {
+            c->p++;
+            return list;
+        }
+        Py_DECREF(list);
+        return DECLINE;
+    }
+}
+
+/* A mod's value: a string, a number, true, false, null or an array of them (what Spanner
+ * writes for a column); anything else is declined. */
+static PyObject *parse_value(Cursor *c, int depth) {
+    skip_ws(c);
+    if (c->p >= c->end || depth > 8) return DECLINE;
+    switch (*c->p) {
+    case '"':
+        return parse_string(c);
+    case '[':
+        return parse_array(c, depth);
+    case 't':
+        if (c->end - c->p >= 4 && memcmp(c->p, "true", 4) == 0) {
+            c->p += 4;
+            Py_RETURN_TRUE;
+        }
+        return DECLINE;
+    case 'f':
+        if (c->end - c->p >= 5 && memcmp(c->p, "false", 5) == 0) {
+            c->p += 5;
+            Py_RETURN_FALSE;
+        }
+        return DECLINE;
+    case 'n':
+        if (c->end - c->p >= 4 && memcmp(c->p, "null", 4) == 0) {
+            c->p += 4;
+            Py_RETURN_NONE;
+        }
+        return DECLINE;
+    default:
+        return parse_number(c);
+    }
+}
+
+/* The dict of one mod's JSON object text, typed by convs (NULL: wire values): parsed here
+ * when the text is plain, else by orjson (and typed after). *entries grows by its size. */
+static PyObject *mod_object(const char *text, Py_ssize_t len, PyObject *convs, Py_ssize_t *entries) {
+    if (len == 0) return PyDict_New(); /* NULL: an empty map for the model */
+    Cursor c = {text, text + len};
+    PyObject *d = PyDict_New();
+    if (d == NULL) return NULL;
+    skip_ws(&c);
+    if (c.p >= c.end || *c.p != '{') goto decline;
+    c.p++;
+    skip_ws(&c);
+    if (c.p < c.end && *c.p == '}') {
+        c.p++;
+        goto done;
+    }
+    for (;;) {
+        const char *s;
+        Py_ssize_t klen;
+        skip_ws(&c);
+        if (c.p >= c.end || *c.p != '"' || !plain_string(&c, &s, &klen)) goto decline;
+        skip_ws(&c);
+        if (c.p >= c.end || *c.p != ':') goto decline;
+        c.p++;
+        PyObject *value = parse_value(&c, 0);
+        if (value == DECLINE) goto decline;
+        if (value == NULL) goto fail;
+        PyObject *key = cached_key(s, klen);
+        if (key == NULL) {
+            Py_DECREF(value);
+            PyErr_Clear();
+            goto decline;
+        }
+        if (PyDict_Contains(d, key)) { /* a repeated name: orjson's rule, not ours */
+            Py_DECREF(key);
+            Py_DECREF(value);
+            goto decline;
+        }
+        if (convs != NULL && value != Py_None) {
+            PyObject *conv = PyDict_GetItemWithError(convs, key);
+            if (conv != NULL) {
+                Py_SETREF(value, convert(conv, value));
+            } else if (PyErr_Occurred()) {
+                Py_CLEAR(value);
+            }
+        }
+        int r = value == NULL ? -1 : PyDict_SetItem(d, key, value);
+        Py_DECREF(key);
+        Py_XDECREF(value);
+        if (r < 0) goto fail;
+        skip_ws(&c);
+        if (c.p < c.end && *c.p == ',') {
+            c.p++;
+            continue;
+        }
+        if (c.p < c.end && *c.p == '}') {
+            c.p++;
+            break;
+        }
+        goto decline;
+    }
+done:
+    skip_ws(&c);
+    if (c.p != c.end) goto decline;
+    *entries += PyDict_GET_SIZE(d);
+    return d;
+decline:
+    /* orjson parses it (or raises what is wrong with it); then the values are typed */
+    Py_DECREF(d);
+    {
+        PyObject *mv = PyMemoryView_FromMemory((char *)text, len, PyBUF_READ);
+        if (mv == NULL) return NULL;
+        d = PyObject_CallOneArg(g_loads, mv);
+        Py_DECREF(mv);
+    }
+    if (d == NULL) return NULL;
+    if (!PyDict_CheckExact(d)) {
+        Py_DECREF(d);
+        return DECLINE;
+    }
+    *entries += PyDict_GET_SIZE(d);
+    if (convs != NULL) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(d, &pos, &key, &value)) {
+            if (value == Py_None) continue;
+            PyObject *conv = PyDict_GetItemWithError(convs, key);
+            if (conv == NULL) {
+                if (PyErr_Occurred()) goto fail;
+                continue;
+            }
+            PyObject *typed = convert(conv, value);
+            /* replacing a value keeps the dict's keys: safe while iterating */
+            int r = typed == NULL ? -1 : PyDict_SetItem(d, key, typed);
+            Py_XDECREF(typed);
+            if (r < 0) goto fail;
+        }
+    }
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+/* --- the serialized mods list ------------------------------------------------------------ */
+
+static int read_varint(const unsigned char **p, const unsigned char *end, uint64_t *out) {
+    uint64_t v = 0;
+    for (int shift = 0; *p < end && shift < 64; shift += 7) {
+        unsigned char b = *(*p)++;
+        v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            *out = v;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The length-delimited field with tag `tag` at *p: its body [*body, *body_end); *p after. */
+static int read_field(const unsigned char **p, const unsigned char *end, unsigned char tag,
+                      const unsigned char **body, const unsigned char **body_end) {
+    uint64_t len;
+    if (*p >= end || **p != tag) return 0;
+    (*p)++;
+    if (!read_varint(p, end, &len) || len > (uint64_t)(end - *p)) return 0;
+    *body = *p;
+    *body_end = *p + len;
+    *p = *body_end;
+    return 1;
+}
+
+/* Walks a serialized ListValue of mods, each a Value holding a ListValue of three Values
+ * (keys, new values, old values: a string, or NULL). */
+typedef struct {
+    const unsigned char *p, *end;
+} ModWalk;
+
+/* The next mod's three texts (a NULL's is empty); 1, 0 at the end, -1 if not that shape. */
+static int next_mod(ModWalk *w, const char **texts, Py_ssize_t *lens) {
+    const unsigned char *value, *value_end, *list, *list_end;
+    if (w->p >= w->end) return 0;
+    if (!read_field(&w->p, w->end, 0x0A, &value, &value_end)          /* ListValue.values */
+        || !read_field(&value, value_end, 0x32, &list, &list_end)     /* Value.list_value */
+        || value != value_end)
+        return -1;
+    int k = 0;
+    while (list < list_end) {
+        const unsigned char *e, *e_end;
+        if (k == 3 || !read_field(&list, list_end, 0x0A, &e, &e_end)) return -1;
+        texts[k] = (const char *)e;
+        lens[k] = 0;
+        if (e < e_end && *e == 0x1A) { /* Value.string_value */
+            const unsigned char *s, *s_end;
+            if (!read_field(&e, e_end, 0x1A, &s, &s_end) || e != e_end) return -1;
+            texts[k] = (const char *)s;
+            lens[k] = s_end - s;
+        } else if (e < e_end && *e == 0x08) { /* Value.null_value */
+            uint64_t ignored;
+            e++;
+            if (!read_varint(&e, e_end, &ignored) || e != e_end) return -1;
+        } else if (e != e_end) {
+            return -1;
+        }
+        k++;
+    }
+    return k == 3 ? 1 : -1;
+}
+
+/* --- records -------------------------------------------------------------------------- */
+
+static PyObject *new_instance(PyTypeObject *type) { return type->tp_new(type, g_no_args, NULL); }
+
+/* The mods of one record as a tuple of Mods; DECLINE if the list is not the plain shape. */
+static PyObject *record_mods(PyObject *mods, PyObject *convs, Py_ssize_t *entries) {
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(mods);
+    ModWalk w = {p, p + PyBytes_GET_SIZE(mods)};
+    const char *texts[3];
+    Py_ssize_t lens[3], count = 0;
+    int more;
+    while ((more = next_mod(&w, texts, lens)) == 1) count++;
+    if (more < 0) return DECLINE;
+    PyObject *out = PyTuple_New(count);
+    if (out == NULL) return NULL;
+    w.p = p;
+    for (Py_ssize_t m = 0; m < count; m++) {
+        next_mod(&w, texts, lens);
+        PyObject *mod = new_instance(g_mod);
+        if (mod == NULL) goto fail;
+        PyTuple_SET_ITEM(out, m, mod);
+        for (int k = 0; k < 3; k++) {
+            PyObject *d = mod_object(texts[k], lens[k], convs, entries);
+            if (d == DECLINE) {
+                Py_DECREF(out);
+                return DECLINE;
+            }
+            int r = d == NULL ? -1 : set_slot(g_mod_slots[k], mod, d);
+            Py_XDECREF(d);
+            if (r < 0) goto fail;
+        }
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static int same_bytes(PyObject *a, PyObject *b) {
+    return a == b || (PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b)
+                      && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), PyBytes_GET_SIZE(a)) == 0);
+}
+
+static PyObject *decode(PyObject *self, PyObject *args) {
+    PyObject *token, *strings, *bools, *lists, *planner, *sizes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "UO!O!O!OO", &token, &PyList_Type, &strings, &PyList_Type, &bools,
+                          &PyList_Type, &lists, &planner, &sizes))
+        return NULL;
+    if (g_record == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "cdcflow._speedups: configure() first");
+        return NULL;
+    }
+    if (sizes != Py_None && !PyDict_CheckExact(sizes)) {
+        PyErr_SetString(PyExc_TypeError, "sizes: a dict or None");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(bools) / 2;
+    if (PyList_GET_SIZE(strings) != 9 * n || PyList_GET_SIZE(lists) != 2 * n
+        || PyList_GET_SIZE(bools) != 2 * n)
+        Py_RETURN_NONE;
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    /* each record's measure, given to sizes once every record is made (an error leaves
+       sizes as it was: the records it would name are gone) */
+    Py_ssize_t *measures = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
+    if (measures == NULL) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    /* the plan of the last table and column types (a run of one table repeats them) */
+    PyObject *plan = NULL, *last_table = NULL, *last_columns = NULL;
+    PyObject *columns = NULL, *convs = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject **s = &PyList_GET_ITEM(strings, 9 * i);
+        PyObject *cols = PyList_GET_ITEM(lists, 2 * i), *mods = PyList_GET_ITEM(lists, 2 * i + 1);
+        PyObject *last = PyList_GET_ITEM(bools, 2 * i), *system = PyList_GET_ITEM(bools, 2 * i + 1);
+        PyObject *table = s[3];
+        for (int k = 0; k < 9; k++)
+            if (!PyUnicode_CheckExact(s[k])) goto decline;
+        if (!PyBytes_CheckExact(cols) || !PyBytes_CheckExact(mods) || !PyBool_Check(last)
+            || !PyBool_Check(system))
+            goto decline;
+        if (plan == NULL || PyUnicode_Compare(last_table, table) != 0 || !same_bytes(last_columns, cols)) {
+            if (PyErr_Occurred()) goto fail;
+            PyObject *found = PyObject_CallFunctionObjArgs(planner, table, cols, NULL);
+            if (found == NULL) goto fail;
+            if (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 2
+                || !PyTuple_Check(PyTuple_GET_ITEM(found, 0))) {
+                Py_DECREF(found);
+                PyErr_SetString(PyExc_TypeError, "planner: (a tuple of columns, converters)");
+                goto fail;
+            }
+            Py_XSETREF(plan, found);
+            columns = PyTuple_GET_ITEM(plan, 0);
+            convs = PyTuple_GET_ITEM(plan, 1);
+            if (convs == Py_None || (PyDict_Check(convs) && PyDict_GET_SIZE(convs) == 0))
+                convs = NULL;
+            else if (!PyDict_Check(convs)) {
+                PyErr_SetString(PyExc_TypeError, "planner: converters must be a dict or None");
+                goto fail;
+            }
+            last_table = table;
+            last_columns = cols;
+        }
+        Py_ssize_t entries = 0;
+        PyObject *mod_tuple = record_mods(mods, convs, &entries);
+        if (mod_tuple == DECLINE) goto decline;
+        if (mod_tuple == NULL) goto fail;
+        PyObject *ts = timestamp(s[0]);
+        PyObject *n_rec = ts ? PyLong_FromUnicodeObject(s[6], 10) : NULL;
+        PyObject *n_part = n_rec ? PyLong_FromUnicodeObject(s[7], 10) : NULL;
+        PyObject *record = n_part ? new_instance(g_record) : NULL;
+        int bad = record == NULL;
+        if (!bad) {
+            PyObject *fields[15] = {
+                token, ts, s[1], s[2], last, table, columns, mod_tuple, s[4], s[5], n_rec,
+                n_part, s[8], system, Py_False,
+            };
+            for (int f = 0; f < 15 && !bad; f++)
+                bad = set_slot(g_record_slots[f], record, fields[f]) < 0;
+        }
+        Py_XDECREF(ts);
+        Py_XDECREF(n_rec);
+        Py_XDECREF(n_part);
+        Py_DECREF(mod_tuple);
+        if (bad) {
+            Py_XDECREF(record);
+            goto fail;
+        }
+        PyList_SET_ITEM(out, i, record);
+        measures[i] = g_record_bytes + PyBytes_GET_SIZE(mods) + g_entry_bytes * entries;
+    }
+    Py_CLEAR(plan);
+    if (sizes != Py_None) {
+        PyObject *added = PyDict_New();
+        if (added == NULL) goto fail;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *key = PyLong_FromVoidPtr(PyList_GET_ITEM(out, i));
+            PyObject *size = PyLong_FromSsize_t(measures[i]);
+            int r = key && size ? PyDict_SetItem(added, key, size) : -1;
+            Py_XDECREF(key);
+            Py_XDECREF(size);
+            if (r < 0) {
+                Py_DECREF(added);
+                goto fail;
+            }
+        }
+        int r = PyDict_Update(sizes, added);
+        Py_DECREF(added);
+        if (r < 0) goto fail;
+    }
+    PyMem_Free(measures);
+    return out;
+decline:
+    Py_XDECREF(plan);
+    PyMem_Free(measures);
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(plan);
+    PyMem_Free(measures);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* --- non-finite floats ------------------------------------------------------------------ */
+
+static PyObject *g_no_float;   /* a tuple of the types that hold no float (exact types) */
+static PyObject *g_other;      /* asked of any other value: a float not finite inside it? */
+
+static PyObject *configure_walk(PyObject *self, PyObject *args) {
+    PyObject *no_float, *other;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!O", &PyTuple_Type, &no_float, &other)) return NULL;
+    keep(&g_no_float, no_float);
+    keep(&g_other, other);
+    Py_RETURN_NONE;
+}
+
+/* 1 if a float that is not finite is in value, 0 if not, -1 on an error. */
+static int non_finite_in(PyObject *value, int depth) {
+    PyTypeObject *kind = Py_TYPE(value);
+    if (kind == &PyFloat_Type) return !isfinite(PyFloat_AS_DOUBLE(value));
+    if (kind == &PyUnicode_Type || kind == &PyLong_Type || value == Py_None || kind == &PyBool_Type)
+        return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(g_no_float);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((PyObject *)kind == PyTuple_GET_ITEM(g_no_float, i)) return 0;
+    if (depth < 64) {
+        if (kind == &PyDict_Type) {
+            Py_ssize_t pos = 0;
+            PyObject *key, *item;
+            while (PyDict_Next(value, &pos, &key, &item)) {
+                /* the item may only be borrowed while the dict is not changed: nothing
+                   here runs Python code before the next item, except for `other` */
+                Py_INCREF(item);
+                int found = non_finite_in(item, depth + 1);
+                Py_DECREF(item);
+                if (found) return found;
+            }
+            return 0;
+        }
+        if (kind == &PyList_Type || kind == &PyTuple_Type) {
+            for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(value); i++) {
+                PyObject *item = PySequence_Fast_GET_ITEM(value, i);
+                Py_INCREF(item);
+                int found = non_finite_in(item, depth + 1);
+                Py_DECREF(item);
+                if (found) return found;
+            }
+            return 0;
+        }
+    }
+    PyObject *answer = PyObject_CallOneArg(g_other, value);
+    if (answer == NULL) return -1;
+    int found = PyObject_IsTrue(answer);
+    Py_DECREF(answer);
+    return found;
+}
+
+static PyObject *non_finite(PyObject *self, PyObject *value) {
+    (void)self;
+    if (g_other == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "cdcflow._speedups: configure_walk() first");
+        return NULL;
+    }
+    int found = non_finite_in(value, 0);
+    if (found < 0) return NULL;
+    return PyBool_FromLong(found);
+}
+
+static PyMethodDef methods[] = {
+    {"configure_walk", configure_walk, METH_VARARGS,
+     "configure_walk(no_float_types, other): the types non_finite skips, and what it asks of "
+     "any value that is not a float, dict, list or tuple"},
+    {"non_finite", non_finite, METH_O,
+     "non_finite(value) -> whether a float that is not finite is in value"},
+    {"configure", configure, METH_VARARGS,
+     "configure(loads, parse_timestamp, numeric, json, Decimal, JsonString, Mod, mod_slots, "
+     "DataChangeRecord, record_slots, Timestamp, timestamp_slots, record_bytes, entry_bytes)"},
+    {"decode", decode, METH_VARARGS,
+     "decode(token, strings, bools, lists, planner, sizes) -> list of records, or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_speedups", "cdcflow's hot loops in C (see _speedups.c).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    PyDateTime_IMPORT;
+    if (PyDateTimeAPI == NULL) return NULL;
+    g_no_args = PyTuple_New(0);
+    if (g_no_args == NULL) return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,28 @@
+# The compiled decoder's interface (see _speedups.c); cdcflow.spanner.records uses it.
+from collections.abc import Callable
+from typing import Any
+
+def configure(
+    loads: Callable[[Any], Any],
+    parse_timestamp: Callable[[str], Any],
+    numeric: Callable[[Any], Any],
+    json: Callable[[Any], Any],
+    decimal: type,
+    json_string: type,
+    mod: type,
+    mod_slots: tuple[str, ...],
+    record: type,
+    record_slots: tuple[str, ...],
+    timestamp: type,
+    timestamp_slots: tuple[str, ...],
+    record_bytes: int,
+    entry_bytes: int,
+) -> None: ...
+def decode(
+    token: str,
+    strings: list[str],
+    bools: list[bool],
+    lists: list[bytes],
+    planner: Callable[[str, bytes], tuple[tuple[Any, ...], Any]],
+    sizes: dict[int, int] | None,
+) -> list[Any] | None: ...
