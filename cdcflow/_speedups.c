@@ -209,6 +209,23 @@ static PyObject *timestamp(PyObject *text) {
 
 /* --- typing a value ------------------------------------------------------------------- */
 
+/* Whether text holds 19 digits in a row: an integer that may not fit 64 bits, which
+ * orjson makes a float; the JSON converter (Python) then keeps it exact. */
+static int long_digit_run(PyObject *text) {
+    Py_ssize_t n;
+    const char *p = PyUnicode_AsUTF8AndSize(text, &n);
+    if (p == NULL) {
+        PyErr_Clear();
+        return 1; /* the converter says what is wrong with it */
+    }
+    int run = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        run = (p[i] >= '0' && p[i] <= '9') ? run + 1 : 0;
+        if (run >= 19) return 1;
+    }
+    return 0;
+}
+
 /* What converter conv makes of value; the converters of cdcflow.spanner.values that the
  * decoder inlines are done here without a Python call, with the same result. */
 static PyObject *convert(PyObject *conv, PyObject *value) {
@@ -217,7 +234,7 @@ static PyObject *convert(PyObject *conv, PyObject *value) {
         if (conv == (PyObject *)&PyFloat_Type) return PyFloat_FromString(value);
         if (conv == g_numeric) return PyObject_CallOneArg(g_decimal, value);
         if (conv == g_parse_ts) return timestamp(value);
-        if (conv == g_json) {
+        if (conv == g_json && !long_digit_run(value)) {
             PyObject *parsed = PyObject_CallOneArg(g_loads, value);
             if (parsed == NULL || !PyUnicode_CheckExact(parsed)) return parsed;
             PyObject *marked = PyObject_CallOneArg(g_json_string, parsed);

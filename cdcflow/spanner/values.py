@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, date, datetime
 from decimal import Decimal
@@ -160,10 +162,21 @@ def _bytes(value: Any) -> bytes:
     return binascii.a2b_base64(value)
 
 
+#: A run of digits that may be an integer past 64 bits, which orjson makes a float.
+_LONG_DIGITS = re.compile(r"[0-9]{19}")
+
+
 def _json(value: Any) -> Any:
     # JSON columns arrive as JSON text; a server that nests the value already parsed it.
-    # A JSON string is marked as one (JsonString), apart from JSON text.
-    parsed = _loads(value) if value.__class__ is str else value
+    # A JSON string is marked as one (JsonString), apart from JSON text. Integers stay
+    # exact at any size (PostgreSQL's jsonb keeps them), as Python's json module parses
+    # them; other numbers are floats.
+    if value.__class__ is str:
+        parsed = _loads(value)  # strict: invalid JSON raises here
+        if _LONG_DIGITS.search(value) is not None:
+            parsed = json.loads(value)
+    else:
+        parsed = value
     return JsonString(parsed) if parsed.__class__ is str else parsed
 
 
@@ -264,8 +277,6 @@ _INLINE: dict[Converter, str] = {
     int: "int(v)",
     float: "float(v)",
     _numeric: "(Decimal(v) if v.__class__ is str else numeric(v))",
-    _json: "(JsonString(j) if (j := loads(v) if v.__class__ is str else v).__class__ is str "
-           "else j)",
     parse_timestamp: "parse_timestamp(v)",
 }
 #: Above this many converters a dict smaller than a quarter of them is walked instead.

@@ -336,3 +336,22 @@ def _decode_compiled(messages: list[bytes]) -> list[ChangeRecord]:
     for message in messages:
         out.extend(decoder.decode(message, TOKEN))
     return out
+
+
+def test_json_integers_past_64_bits_stay_exact_both_ways() -> None:
+    columns = [[c.name, orjson.dumps(c.type).decode(), c.is_primary_key, c.ordinal_position]
+               for c in _COLUMNS]
+    texts = ['{"j":"123456789012345678901234567890","aj":["-99999999999999999999",null]}',
+             '{"j":"{\\"n\\":12345678901234567890123,\\"f\\":0.5}"}']
+    data = [Timestamp.from_ns(T0).rfc3339(), "00000000", "t", True, "T", columns,
+            [['{"k":"1","ks":"a"}', text, None] for text in texts], "UPDATE",
+            "OLD_AND_NEW_VALUES", 1, 1, "", False]
+    messages = _serialized([wire._v([[[data], [], []]])])
+    fast = _decode(messages, RecordShaper, COMPILED)
+    assert not isinstance(fast, BaseException)
+    (record,) = fast[0]
+    assert isinstance(record, DataChangeRecord)
+    first, second = (m.new_values for m in record.mods)
+    assert first == {"j": 123456789012345678901234567890, "aj": [-99999999999999999999, None]}
+    assert second == {"j": {"n": 12345678901234567890123, "f": 0.5}}
+    _same(messages, RecordShaper)

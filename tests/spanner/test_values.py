@@ -8,6 +8,7 @@ from datetime import date
 from decimal import Decimal
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -200,3 +201,22 @@ def test_every_type_round_trips(
     back = decode_values(wire, decoders(columns))
     assert back == values
     assert back["t"].ns == ns
+
+
+def test_json_integers_stay_exact_at_any_size() -> None:
+    # PostgreSQL's jsonb keeps integers of any size; orjson alone would make them floats.
+    convert = decoder_for({"code": "JSON"})
+    assert convert is not None
+    text = ('{"big": 123456789012345678901234567890, "neg": -98765432109876543210, '
+            '"fits": 9223372036854775807, "n": 0.5, "s": "12345678901234567890123"}')
+    got = convert(text)
+    assert got == {"big": 123456789012345678901234567890, "neg": -98765432109876543210,
+                   "fits": 2**63 - 1, "n": 0.5, "s": "12345678901234567890123"}
+    assert type(got["big"]) is int and type(got["neg"]) is int
+    assert convert("12345678901234567890123") == 12345678901234567890123
+    for not_json in ("[1e400]", "[NaN, 12345678901234567890]"):
+        with pytest.raises(orjson.JSONDecodeError):  # strict JSON first, long digits or not
+            convert(not_json)
+    array = decoder_for({"code": "ARRAY", "array_element_type": {"code": "JSON"}})
+    assert array is not None
+    assert array(["99999999999999999999", None]) == [99999999999999999999, None]
