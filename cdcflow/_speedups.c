@@ -339,23 +339,16 @@ static PyObject *parse_string(Cursor *c) {
         return str == NULL ? DECLINE : str;
     }
     *c = save;
-    const char *q = c->p + 1, *end = c->end;
-    /* an escape never decodes longer than it is written: the text's length is room enough */
+    const char *q = c->p + 1, *end = c->p + 1;
+    while (end < c->end && *end != '"') end += *end == '\\' ? 2 : 1;
+    if (end >= c->end) return DECLINE; /* no closing quote */
+    /* an escape never decodes longer than it is written: the string's length is room enough */
     char *buf = PyMem_Malloc(end - q + 1);
     if (buf == NULL) return PyErr_NoMemory();
     char *o = buf;
     PyObject *result = DECLINE;
     while (q < end) {
         unsigned char ch = (unsigned char)*q;
-        if (ch == '"') {
-            PyObject *str = PyUnicode_DecodeUTF8(buf, o - buf, NULL);
-            if (str == NULL) PyErr_Clear();
-            else {
-                result = str;
-                c->p = q + 1;
-            }
-            break;
-        }
         if (ch < 0x20) break;
         if (ch != '\\') {
             *o++ = (char)ch;
@@ -388,6 +381,15 @@ static PyObject *parse_string(Cursor *c) {
             o = put_utf8(o, (uint32_t)cp);
         } else {
             break;
+        }
+    }
+    if (q == end) { /* every character read: the closing quote is next */
+        PyObject *str = PyUnicode_DecodeUTF8(buf, o - buf, NULL);
+        if (str == NULL) {
+            PyErr_Clear(); /* not UTF-8 */
+        } else {
+            result = str;
+            c->p = end + 1;
         }
     }
     PyMem_Free(buf);
