@@ -346,44 +346,44 @@ static PyObject *parse_string(Cursor *c) {
     char *buf = PyMem_Malloc(end - q + 1);
     if (buf == NULL) return PyErr_NoMemory();
     char *o = buf;
-    PyObject *result = DECLINE;
-    while (q < end) {
+    int bad = 0;
+    while (q < end && !bad) {
         unsigned char ch = (unsigned char)*q;
-        if (ch < 0x20) break;
-        if (ch != '\\') {
+        if (ch < 0x20) {
+            bad = 1;
+        } else if (ch != '\\') {
             *o++ = (char)ch;
             q++;
-            continue;
-        }
-        if (end - q < 2) break;
-        char e = q[1];
-        q += 2;
-        if (e == '"' || e == '\\' || e == '/') *o++ = e;
-        else if (e == 'b') *o++ = '\b';
-        else if (e == 'f') *o++ = '\f';
-        else if (e == 'n') *o++ = '\n';
-        else if (e == 'r') *o++ = '\r';
-        else if (e == 't') *o++ = '\t';
-        else if (e == 'u') {
-            if (end - q < 4) break;
-            int cp = hex4(q);
-            q += 4;
-            if (cp < 0) break;
-            if (cp >= 0xD800 && cp <= 0xDBFF) { /* a high surrogate: its low one follows */
-                if (end - q < 6 || q[0] != '\\' || q[1] != 'u') break;
-                int low = hex4(q + 2);
-                if (low < 0xDC00 || low > 0xDFFF) break;
-                q += 6;
-                cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-            } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-                break;
-            }
-            o = put_utf8(o, (uint32_t)cp);
         } else {
-            break;
+            char e = q[1]; /* the scan above saw a character after every backslash */
+            q += 2;
+            if (e == '"' || e == '\\' || e == '/') *o++ = e;
+            else if (e == 'b') *o++ = '\b';
+            else if (e == 'f') *o++ = '\f';
+            else if (e == 'n') *o++ = '\n';
+            else if (e == 'r') *o++ = '\r';
+            else if (e == 't') *o++ = '\t';
+            else if (e != 'u' || end - q < 4) bad = 1;
+            else {
+                int cp = hex4(q);
+                q += 4;
+                if (cp >= 0xD800 && cp <= 0xDBFF) { /* a high surrogate: its low one follows */
+                    int low = end - q >= 6 && q[0] == '\\' && q[1] == 'u' ? hex4(q + 2) : -1;
+                    if (low >= 0xDC00 && low <= 0xDFFF) {
+                        q += 6;
+                        cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+                    } else {
+                        bad = 1;
+                    }
+                } else if (cp < 0 || (cp >= 0xDC00 && cp <= 0xDFFF)) {
+                    bad = 1;
+                }
+                if (!bad) o = put_utf8(o, (uint32_t)cp);
+            }
         }
     }
-    if (q == end) { /* every character read: the closing quote is next */
+    PyObject *result = DECLINE;
+    if (!bad) {
         PyObject *str = PyUnicode_DecodeUTF8(buf, o - buf, NULL);
         if (str == NULL) {
             PyErr_Clear(); /* not UTF-8 */

@@ -262,6 +262,9 @@ def test_any_mods_text_decodes_the_same_or_fails_the_same(values: list[Any], typ
     '{"j":"{bad"}', '{"j":"\\"s\\""}', '{"j":"[1,{\\"a\\":null}]"}', '{"f":"NaN"}',
     '{"f":"Infinity"}', '{"f":1}', '{"f":"x"}', '{"ai":["1",null,"x"]}', '{"y":"!!"}',
     '{"d":"2024-02-30"}', '{"k":"1","k":"2"}', '{"i":" 7 "}', '{"i":"1_000"}',
+    # escapes orjson refuses: each must fail the same way, not decode to ""
+    '{"s":"\\x"}', '{"s":"\\ud800"}', '{"as":["\\udc00x"]}', '{"s":"\\u00e"}',
+    '{"s":"a\\ud83d\\u0041"}', '{"s":"\\ud83d\\ude00\\n\\u00e9"}', '{"s":"tab\there"}',
 ])
 def test_odd_values_decode_the_same_or_fail_the_same(text: str) -> None:
     columns = [[c.name, orjson.dumps(c.type).decode(), c.is_primary_key, c.ordinal_position]
