@@ -23,6 +23,7 @@ __all__ = [
     "IncompleteTransactionError",
     "LeaseExpiredError",
     "LeaseHeldError",
+    "LostProgressError",
     "OutputConflictError",
     "PipelineDefinitionError",
     "PipelineFileError",
@@ -100,6 +101,12 @@ class OutputConflictError(UserInputError):
     Nothing was overwritten. The message names the place and the batch; write to a new
     path, resume with the metadata store that wrote the output, or delete it.
     """
+
+
+class LostProgressError(UserInputError):
+    """A pipeline has no progress in its metadata store while a sink holds its output (the
+    store was lost or is another one): starting over would deliver it all again. Resume
+    with the store that holds the progress, or start over on purpose with ``--reset``."""
 
 
 class ChangeStreamError(CdcflowError):

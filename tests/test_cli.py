@@ -291,6 +291,28 @@ def test_second_run_resumes_and_reads_nothing_again(
     assert sorted(p.name for p in (path.parent / "out").glob("*.jsonl")) == files
 
 
+def test_a_deleted_state_file_is_refused_then_reset_starts_over(
+    scripted_run: tuple[Path, subprocess.CompletedProcess[str]]
+) -> None:
+    # The store lost the pipeline's progress while its WriteFiles directory holds its
+    # output: starting over would deliver everything again, silently. Refused in one line
+    # naming --reset; with it the run starts over above the output.
+    path, first = scripted_run
+    assert first.returncode == 0, first.stderr
+    files = sorted(p.name for p in (path.parent / "out").glob("*.jsonl"))
+    for leftover in (path.parent / ".cdcflow").glob("state.db*"):
+        leftover.unlink()
+    refused = cdcflow("run", str(path))
+    assert_usage_error(refused, "pipeline 'scripted' has no progress in the store",
+                       "sink 'WriteFiles' holds its output up to batch", "--reset")
+    assert sorted(p.name for p in (path.parent / "out").glob("*.jsonl")) == files
+    again = cdcflow("run", str(path), "--reset", "--set", "max_batch_span=500ms")
+    assert again.returncode == 0, again.stderr
+    rows = [json.loads(line) for f in sorted((path.parent / "out").glob("*.jsonl"))
+            for line in f.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(list(range(20)) * 2)
+
+
 def test_status_shows_partitions(
     scripted_run: tuple[Path, subprocess.CompletedProcess[str]]
 ) -> None:

@@ -64,6 +64,7 @@ from cdcflow.engine.steps import BatchSteps
 from cdcflow.engine.task import TaskProgram, make_client
 from cdcflow.errors import (
     FencedError,
+    LostProgressError,
     PipelineDefinitionError,
     SinkIOError,
 )
@@ -176,6 +177,7 @@ class Engine:
         )
         self._owner: Ownership | None = None
         self._sink_floor = 0
+        self._sink_held = ("", 0)  # the sink holding the highest batch, and that batch
         self._stop_reason = "interrupted"
 
     def _sink_stop(self, reason: str) -> None:
@@ -218,6 +220,9 @@ class Engine:
         # Batch ids go on above any output a sink already holds (a lost or new store must
         # never make a sink reuse a batch id it committed before).
         self._sink_floor = max((s.last_committed_batch() for s in sinks.values()), default=0)
+        # ...and the output they know this pipeline committed (see _check_not_lost)
+        owned = {label: s.owned_batch() for label, s in sinks.items()}
+        self._sink_held = max(owned.items(), key=lambda item: item[1], default=("", 0))
         # Built (and its chain pickled) after setup: tasks need what setup resolved, such as
         # WriteFiles' directory.
         program = TaskProgram.from_pipeline(pipeline)
@@ -362,6 +367,7 @@ class Engine:
             return resume_source(self.store, name, definition,
                                  source.end_ns(now) if absolute else None,
                                  strict=self.options.strict, partitions=stored_parts)
+        self._check_not_lost()
         start, end = source.start_ns(now), source.end_ns(now)
         if start >= end:
             msg = (
@@ -383,6 +389,24 @@ class Engine:
         _log.info("pipeline %s starts reading at %s%s", name, Timestamp.from_ns(start),
                   f" after a snapshot of {len(snapshots)} tables" if snapshots else "")
         return None
+
+    def _check_not_lost(self) -> None:
+        """A pipeline starting afresh in this store, while a sink holds output of batches
+        the store never planned, lost its progress (a deleted state file, another store):
+        starting over would deliver again all that the sinks hold. Refused, unless the run
+        resets (which starts over on purpose)."""
+        label, batch = self._sink_held
+        name = self.pipeline.name
+        if self.options.reset or batch <= self.store.last_batch_id(name):
+            return
+        msg = (
+            f"pipeline {name!r} has no progress in the store {self.store.url}, but sink "
+            f"{label!r} holds its output up to batch {batch}: the store lost it, or is not "
+            "the one the pipeline ran with. To resume, point --metadata at the store that "
+            "holds its progress; to start over from start_at, run with --reset (the sink "
+            "keeps its output and gets the changes again under new batch ids)"
+        )
+        raise LostProgressError(msg)
 
     def _loop(self, run: Batches) -> RunSummary:
         name, opts = self.pipeline.name, self.options

@@ -367,6 +367,21 @@ class Sink(PrimitiveTransform[E, None], Generic[E, M]):
         Sinks that do not stage (``durable_batch() is None``) have nothing to do."""
         return None
 
+    def owned_batch(self) -> int:
+        """The highest batch that this sink's pipeline itself committed where the sink
+        writes, in an earlier run, by the sink's own records of it (an owner record naming
+        the pipeline, its manifests, a durable mark), or 0: none, or it cannot tell (the
+        default). Called on the driver after :meth:`setup`, like
+        :meth:`last_committed_batch` (output it cannot attribute, such as files of an older
+        version, counts there, not here).
+
+        A pipeline that starts afresh in its metadata store while a sink reports one has
+        lost its progress (a deleted state file, another store): the engine refuses to
+        start it over unless the run resets (``--reset``), so that nothing is delivered
+        twice, or skipped, without the user asking for it.
+        """
+        return 0
+
     def last_committed_batch(self) -> int:
         """The highest batch id whose output this sink finds already where it writes, or 0
         when it finds none or cannot tell (the default).

@@ -238,6 +238,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
         self._label: str | None = None
         self._last_watermark: int | None = None
         self._claimed = False
+        self._owned_before = False
 
     def describe_params(self) -> str:
         return f"{self.path} ({self.format})"
@@ -252,6 +253,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
         # (right after it has checked the pipeline's sinks against each other): a pipeline
         # refused at start leaves no claim behind.
         self._claimed = False
+        self._owned_before = False
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
@@ -324,6 +326,13 @@ class WriteFiles(Sink[Any, WrittenFile]):
     def _manifest_dir(self) -> str:
         return os.path.join(self._dir(), _MANIFESTS, f"{self.prefix}.{self.format}")
 
+    def owned_batch(self) -> int:
+        """The highest batch among this naming scope's manifests when the directory was
+        this pipeline's before this run (its owner record, or its newest manifest, named
+        it), else 0 (after setup). Claims the naming scope first (see :meth:`_claim`)."""
+        self._claim()
+        return self._highest(manifests_only=True) if self._owned_before else 0
+
     def last_committed_batch(self) -> int:
         """The highest batch id among this naming scope's manifests and final file names
         (files written before manifests existed count too), or 0 (after setup).
@@ -331,11 +340,17 @@ class WriteFiles(Sink[Any, WrittenFile]):
         Claims the naming scope for this sink's pipeline first (see :meth:`_claim`).
         """
         self._claim()
+        return self._highest(manifests_only=False)
+
+    def _highest(self, manifests_only: bool) -> int:
         final = re.compile(
             re.escape(f"{self.prefix}-") + r"(\d{10,})-[0-9a-f]{16}" + re.escape(f".{self.format}")
         )
+        places = [(self._manifest_dir(), _MANIFEST_NAME)]
+        if not manifests_only:
+            places.append((self._dir(), final))
         best = 0
-        for directory, pattern in ((self._dir(), final), (self._manifest_dir(), _MANIFEST_NAME)):
+        for directory, pattern in places:
             with storage("list", directory):
                 names = _listdir(directory)
             for name in names:
@@ -361,8 +376,11 @@ class WriteFiles(Sink[Any, WrittenFile]):
         pipeline, _ = self._identity()
         path = self._owner_path()
         owner = self._read_owner(path)
+        self._owned_before = owner == pipeline
         if owner is None:
-            owner = self._newest_manifest_pipeline() or pipeline
+            found = self._newest_manifest_pipeline()
+            self._owned_before = found == pipeline
+            owner = found or pipeline
             if owner == pipeline:
                 try:
                     self._create_owner(path, pipeline)

@@ -216,6 +216,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._schemas: dict[str, Schema] = {}
         self._staged_through = 0
         self._durable: int | None = None
+        self._owned = 0  # the durable batch durable.json held for this pipeline at claim
         # parquet: encoded / in-memory bytes per table (measured, then of the last file cut)
         self._ratios: dict[str, float] = {}
         self._files = 0
@@ -328,6 +329,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             owner, durable = doc.get("pipeline"), int(doc.get("durable_batch", 0))
             if owner is None:  # written before marks named their pipeline
                 self._put(path, self._mark_doc(durable))
+            else:
+                self._owned = durable  # this pipeline's own durable output (checked below)
         except storage_errors(SinkIOError) as exc:
             raise self._setup_error(exc) from exc
         if owner is not None and owner != self._pipeline:
@@ -442,6 +445,12 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                 return None
             except RuntimeError:  # changed by the driver while the upload thread looked
                 continue
+
+    def owned_batch(self) -> int:
+        """The durable batch ``durable.json`` held for this pipeline before this run (0 when
+        it was claimed now, or named no pipeline)."""
+        self.durable_batch()  # claims the URL, once
+        return self._owned
 
     def last_committed_batch(self) -> int:
         fs = self._storage()

@@ -8,11 +8,12 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 import cdcflow as cf
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.errors import PipelineDefinitionError, SinkIOError
+from cdcflow.errors import LostProgressError, PipelineDefinitionError, SinkIOError
 from cdcflow.metadata import MemoryStore, SQLiteStore
 from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.testing import ScriptedChangeStream
@@ -71,9 +72,15 @@ def test_a_new_store_continues_above_existing_output_and_overwrites_nothing(
     p = _files(cf.Pipeline("files"), cf.WriteFiles("out"))
     _run(p, SQLiteStore(tmp_path / "first.db"), tmp_path)
     before = _digest(tmp_path / "out")
-    # the state file is lost: a new store starts the pipeline over into the same directory
+    # the state file is lost: a new store would start the pipeline over into the same
+    # directory, delivering everything again: refused, naming the sink and --reset
     second = SQLiteStore(tmp_path / "second.db")
-    _run(_files(cf.Pipeline("files"), cf.WriteFiles("out")), second, tmp_path)
+    with pytest.raises(LostProgressError,
+                       match=r"sink 'WriteFiles' holds its output up to batch \d+.*--reset"):
+        _run(_files(cf.Pipeline("files"), cf.WriteFiles("out")), second, tmp_path)
+    assert _digest(tmp_path / "out") == before and second.pending_plan("files") is None
+    # starting over on purpose
+    _run(_files(cf.Pipeline("files"), cf.WriteFiles("out")), second, tmp_path, reset=True)
     after = _digest(tmp_path / "out")
     assert all(after[name] == digest for name, digest in before.items())  # nothing overwritten
     first_ids = {n.split("-")[1] for n in before if n.startswith("part-")}
@@ -125,3 +132,24 @@ def test_a_storage_fault_retries_the_batch_not_the_element(tmp_path: Path) -> No
     summary = _run(p, MemoryStore(), tmp_path, retry_backoff=0.0, batch_retries=3)
     assert summary.reason == "end reached" and summary.skipped == 0 and summary.retried == 0
     assert sum(sink.committed) == 30  # every element written, none skipped
+
+
+def test_a_lost_store_under_writetables_output_is_refused_then_reset_starts_over(
+    tmp_path: Path,
+) -> None:
+    def pipeline() -> cf.Pipeline:
+        p = cf.Pipeline("tables")
+        (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 7 * S, client=_stream())
+         | cf.ReadPartition() | cf.WriteTables(str(tmp_path / "lake"), format="jsonl"))
+        return p
+
+    _run(pipeline(), SQLiteStore(tmp_path / "first.db"), tmp_path)
+    durable = orjson.loads((tmp_path / "lake" / "_cdcflow" / "durable.json").read_bytes())
+    assert durable["pipeline"] == "tables" and durable["durable_batch"] > 0
+    second = SQLiteStore(tmp_path / "second.db")
+    with pytest.raises(LostProgressError, match=r"sink 'WriteTables' holds its output up to "
+                       rf"batch {durable['durable_batch']}"):
+        _run(pipeline(), second, tmp_path)
+    assert _run(pipeline(), second, tmp_path, reset=True).reason == "end reached"
+    # a store that knows the batches (the first one, or the second after its reset) runs
+    assert _run(pipeline(), SQLiteStore(tmp_path / "first.db"), tmp_path).reason == "end reached"

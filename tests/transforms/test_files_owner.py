@@ -22,7 +22,7 @@ import pytest
 
 import cdcflow as cf
 from cdcflow.engine.loop import Engine, RunOptions, RunSummary
-from cdcflow.errors import OutputConflictError, PipelineDefinitionError
+from cdcflow.errors import LostProgressError, OutputConflictError, PipelineDefinitionError
 from cdcflow.metadata import SQLiteStore
 from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.testing import ScriptedChangeStream
@@ -93,8 +93,12 @@ def test_a_second_pipeline_on_the_directory_is_refused_and_writes_nothing(
     assert _values(out) == list(range(N))
     assert _run("kv-A", out, tmp_path / "a.db", reset=True).reason == "end reached"
     assert _values(out) == sorted(list(range(N)) * 2)  # a reset reads the stream again
-    # so does the owner with a lost store (batch ids go on above its output)
-    assert _run("kv-A", out, tmp_path / "a2.db").reason == "end reached"
+    # the owner with a lost store would start over and deliver it all again: refused,
+    # unless it resets on purpose (batch ids then go on above its output)
+    with pytest.raises(LostProgressError, match="no progress in the store"):
+        _run("kv-A", out, tmp_path / "a2.db")
+    assert _values(out) == sorted(list(range(N)) * 2)
+    assert _run("kv-A", out, tmp_path / "a2.db", reset=True).reason == "end reached"
     assert _values(out) == sorted(list(range(N)) * 3)
 
 
@@ -147,7 +151,10 @@ def test_a_renamed_pipeline_takes_over_by_writing_its_name_in_the_owner_record(
     with pytest.raises(OutputConflictError, match=f"write its new name in {out / OWNER}"):
         _run("kv-A2", out, tmp_path / "a.db")
     (out / OWNER).write_bytes(orjson.dumps({"pipeline": "kv-A2"}))
-    assert _run("kv-A2", out, tmp_path / "a.db").reason == "end reached"
+    # progress is kept by name: the renamed pipeline starts over, which it must ask for
+    with pytest.raises(LostProgressError, match="'kv-A2' has no progress"):
+        _run("kv-A2", out, tmp_path / "a.db")
+    assert _run("kv-A2", out, tmp_path / "a.db", reset=True).reason == "end reached"
 
 
 def test_an_unreadable_owner_record_is_refused(tmp_path: Path) -> None:
