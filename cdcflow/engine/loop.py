@@ -67,6 +67,7 @@ from cdcflow.errors import (
     LostProgressError,
     PipelineDefinitionError,
     SinkIOError,
+    StoreError,
 )
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import (
@@ -230,6 +231,11 @@ class Engine:
         steps = BatchSteps(pipeline, program.step_labels)
         steps.check_sinks(sinks)
         idle = IdleSchedule(0.0, 0.0)
+        # A store that retries (Spanner's) stops retrying once the run is asked to stop:
+        # a stop during an outage ends the run, not the retry policy's deadline.
+        stopping_hook = getattr(self.store, "set_stopping", None)
+        if stopping_hook is not None:
+            stopping_hook(self._stop.is_set)
         try:
             # The runner starts first: Spark forks its JVM launcher, and a fork after this
             # process has opened gRPC clients (the store's, the stream check's) can kill the
@@ -292,6 +298,8 @@ class Engine:
             finally:
                 self.runner.close()
         finally:
+            if stopping_hook is not None:
+                stopping_hook(None)
             for sink in sinks.values():
                 try:
                     sink.close()
@@ -443,7 +451,13 @@ class Engine:
             ahead = run.ahead
             if ahead is not None:
                 now = ahead.planned_at
-                plan, parts = run.write_ahead()
+                try:
+                    plan, parts = run.write_ahead()
+                except StoreError as exc:
+                    if not self._store_failed_when_stopping(exc, ahead.batch_id):
+                        raise
+                    reason = self._stop_reason
+                    break
             else:
                 now = self._clock()
                 parts = view.snapshot()
@@ -464,7 +478,13 @@ class Engine:
                     self._wait(min(max(wait, 0.01), max(opts.batch_interval, 0.01)), deadline)
                     continue
                 plan = attrs.evolve(plan, planned_at=now)
-                self.store.write_plan(name, plan, transitions, fence=self._fence)
+                try:
+                    self.store.write_plan(name, plan, transitions, fence=self._fence)
+                except StoreError as exc:
+                    if not self._store_failed_when_stopping(exc, plan.batch_id):
+                        raise
+                    reason = self._stop_reason
+                    break
                 view.planned(transitions, now)
             next_id = plan.batch_id + 1
             self.listener.on_planned(plan, replay)
@@ -477,6 +497,11 @@ class Engine:
                 stats = run.execute(plan, replay, parts, batch_began, read_ahead)
             except BatchAbandoned as abandoned:
                 _log.warning("%s", abandoned)
+                reason = self._stop_reason
+                break
+            except StoreError as exc:
+                if not self._store_failed_when_stopping(exc, plan.batch_id):
+                    raise
                 reason = self._stop_reason
                 break
             batches += 1
@@ -496,6 +521,16 @@ class Engine:
             retried=totals["retries"], dead_lettered=totals["dead_lettered"],
         )
 
+    def _store_failed_when_stopping(self, exc: StoreError, batch_id: int) -> bool:
+        """Whether a store failure ends the run as stopped: it came after a stop request
+        (the store then tries once, see ``set_stopping``); the next run replays or plans
+        the batch again, as after a crash."""
+        if not self._stop.is_set():
+            return False
+        _log.warning("the store failed after the stop request (%s); stopping without "
+                     "retrying it: the next run takes batch %d up again", exc, batch_id)
+        return True
+
     def _wait(self, seconds: float, deadline: float | None) -> None:
         end = time.monotonic() + seconds
         if deadline is not None:
@@ -513,7 +548,10 @@ class Engine:
         """Graceful stop on SIGINT/SIGTERM, unless the caller (the CLI) handles them."""
 
         def handler(signum: int, frame: FrameType | None) -> None:
-            _log.warning("signal %d: stopping after the current batch", signum)
+            if self._stop.is_set():  # the second: abort (the next run replays the batch)
+                _log.warning("signal %d again: aborting", signum)
+                raise KeyboardInterrupt
+            _log.warning("signal %d: stopping after the current batch (again to abort)", signum)
             self.request_stop()
 
         with _handling(handler):

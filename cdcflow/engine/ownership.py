@@ -131,8 +131,10 @@ class Ownership:
                 return
             except Exception as e:  # a store hiccup: the next beat tries again
                 left = (lease.expires_at - Timestamp.now().ns) / _NS
-                _log.warning("renewing the lease of %s failed (%s: %s); %.0fs left",
-                             self.pipeline, type(e).__name__, e, left)
+                when = (f"it lapses in {left:.0f}s" if left > 0 else
+                        f"it lapsed {-left:.0f}s ago: another run may take the pipeline over")
+                _log.warning("renewing the lease of %s failed (%s: %s); %s",
+                             self.pipeline, type(e).__name__, e, when)
 
     def release(self) -> None:
         """Stop renewing and give the lease back (a later run takes it at once)."""
@@ -143,6 +145,6 @@ class Ownership:
             try:
                 self.store.release_lease(self.pipeline, self._lease)
             except Exception as e:  # a cdcflow error names its cause: no traceback
-                _log.warning("could not release the lease of %s (%s); it expires in %.0fs",
-                             self.pipeline, e, self.ttl_ns / _NS,
+                _log.warning("could not release the lease of %s (%s); it lapses by itself "
+                             "%.0fs after its last renewal", self.pipeline, e, self.ttl_ns / _NS,
                              exc_info=not isinstance(e, CdcflowError))

@@ -170,6 +170,7 @@ class SpannerStore:
         self._db: Any = None
         self._sql: StoreSql | None = None
         self._schema_ready = False
+        self._stopping: Callable[[], bool] | None = None
 
     @classmethod
     def from_url(cls, url: str) -> SpannerStore:
@@ -183,6 +184,13 @@ class SpannerStore:
         return f"spanner://{self.database_path}{query}"
 
     # -- retries -----------------------------------------------------------------------
+
+    def set_stopping(self, stopping: Callable[[], bool] | None) -> None:
+        """While ``stopping()`` is True (a run was asked to stop), an operation that fails
+        is not tried again: it raises its StoreError at once, so that a stop during an
+        outage does not wait out the retry policy (up to its deadline). None: always
+        retry. The engine sets it for the length of a run."""
+        self._stopping = stopping
 
     def _retrying(
         self,
@@ -206,8 +214,13 @@ class SpannerStore:
             if status_name(exc) == "ABORTED":
                 self.aborted_attempts += 1
 
+        stopping = self._stopping
+
+        def worth_it(exc: BaseException) -> bool:
+            return retry_if(exc) and not (stopping is not None and stopping())
+
         try:
-            return self.retry.call(fn, retry_if=retry_if, on_retry=retried)
+            return self.retry.call(fn, retry_if=worth_it, on_retry=retried)
         except (GoogleAPICallError, schema.BrokenCall) as e:
             cause = e.error if isinstance(e, schema.BrokenCall) else e
             text = str(getattr(cause, "message", None) or cause)

@@ -500,3 +500,30 @@ def test_a_stop_during_the_batch_retries_ends_the_run_without_them(runner: Runne
     again = run(runner, pipeline(s, out), store)
     assert again.reason == "end reached"
     assert sorted(map(ident, out.items)) == sorted(map(ident, s.expected_records(T0, END)))
+
+
+def test_sigterm_stops_after_the_batch_and_a_second_one_aborts(runner: Runner) -> None:
+    # pipeline.run() in an application's main thread that leaves SIGTERM to cdcflow: the
+    # first signal stops after the current batch, the second aborts at once (as a second
+    # Ctrl-C does); the next run replays the batch.
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("SIGTERM has a handler in this process")
+    s = churn_stream(writes=30)
+    store = MemoryStore()
+
+    class Signal(EngineListener):
+        def __init__(self, times: int) -> None:
+            self.times = times
+
+        def on_planned(self, plan: BatchPlan, replay: bool) -> None:
+            if plan.batch_id == 2:
+                for _ in range(self.times):
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+    once = run(runner, pipeline(s, Collect()), store, Signal(1))
+    assert once.reason == "interrupted" and once.batches == 2  # batch 2 finished first
+    with pytest.raises(KeyboardInterrupt):
+        run(runner, pipeline(s, Collect()), MemoryStore(), Signal(2))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back

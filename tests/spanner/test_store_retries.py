@@ -138,6 +138,26 @@ def test_the_store_gives_up_when_the_policy_does(started: SpannerStore) -> None:
 
 
 @pytest.mark.emulator
+def test_once_the_run_is_stopping_a_failure_is_not_retried(started: SpannerStore) -> None:
+    # A supervisor's SIGTERM during a store outage: the call in progress fails at its next
+    # failure instead of retrying up to the policy's deadline (120 s by default).
+    stopping = False
+    started.set_stopping(lambda: stopping)
+    failing = Failing(started, "run_in_transaction", times=3)
+    assert started.commit_batch("p", 1, [PartitionUpdate("a", 50)], [])  # retried: not yet
+    assert failing.calls == 4
+    started.write_plan("p", BatchPlan(2, 200, (Slice("a", 50, 200),), planned_at=2), {})
+    failing = Failing(started, "run_in_transaction", times=99)
+    stopping = True
+    with pytest.raises(StoreError, match="committing the batch kept failing after 1 attempt"):
+        started.commit_batch("p", 2, [PartitionUpdate("a", 200)], [])
+    assert failing.calls == 1
+    started.set_stopping(None)  # the run ended: retried again
+    failing.times = failing.calls + 2
+    assert started.commit_batch("p", 2, [PartitionUpdate("a", 200)], [])
+
+
+@pytest.mark.emulator
 def test_a_permanent_error_is_not_retried(started: SpannerStore) -> None:
     failing = Failing(started, "run_in_transaction", times=99,
                       error=lambda: PermissionDenied("caller lacks spanner.databases.write"))
