@@ -87,6 +87,7 @@ from cdcflow.model import (
 from cdcflow.spanner import _store_limits as limits
 from cdcflow.spanner import _store_schema as schema
 from cdcflow.spanner import _store_txn as steps
+from cdcflow.spanner._store_retry import StoreRetries
 from cdcflow.spanner._store_schema import DEFAULT_TABLE, parse_spanner_url, to_ns
 from cdcflow.spanner._store_sql import Dialect, StoreSql, Tables
 from cdcflow.spanner.retry import status_name
@@ -117,6 +118,7 @@ DEFAULT_CALL_TIMEOUT = 30.0
 DEFAULT_MUTATION_BUDGET = limits.DEFAULT_MUTATION_BUDGET
 
 _T = TypeVar("_T")
+
 
 
 class SpannerStore:
@@ -162,7 +164,6 @@ class SpannerStore:
         self.retry = retry
         self.call_timeout = float(call_timeout)
         self.mutation_budget = limits.check_budget(mutation_budget)
-        self.aborted_attempts = 0
         self.transactions = 0
         self._batch_log_size = _rules.check_log_size(batch_log_size)
         self._client = client
@@ -170,7 +171,7 @@ class SpannerStore:
         self._db: Any = None
         self._sql: StoreSql | None = None
         self._schema_ready = False
-        self._stopping: Callable[[], bool] | None = None
+        self._retries = StoreRetries(self.url)
 
     @classmethod
     def from_url(cls, url: str) -> SpannerStore:
@@ -185,61 +186,23 @@ class SpannerStore:
 
     # -- retries -----------------------------------------------------------------------
 
+    @property
+    def aborted_attempts(self) -> int:
+        return self._retries.aborted_attempts
+
     def set_stopping(self, stopping: Callable[[], bool] | None) -> None:
         """While ``stopping()`` is True (a run was asked to stop), an operation that fails
         is not tried again: it raises its StoreError at once, so that a stop during an
         outage does not wait out the retry policy (up to its deadline). None: always
         retry. The engine sets it for the length of a run."""
-        self._stopping = stopping
+        self._retries.set_stopping(stopping)
 
     def _retrying(
-        self,
-        what: str,
-        fn: Callable[[], _T],
-        *,
-        retry_if: Callable[[BaseException], bool] = schema.transient,
-        fix: str = "",
+        self, what: str, fn: Callable[[], _T], *,
+        retry_if: Callable[[BaseException], bool] = schema.transient, fix: str = "",
     ) -> _T:
-        """``fn()`` under the store's retry policy; an RPC error it gives up on becomes a
-        StoreError saying ``what`` failed (and ``fix``, for permanent errors). StoreErrors
-        (the contract's refusals) pass through at once; so do errors that are not RPC
-        errors (bugs)."""
-        from google.api_core.exceptions import GoogleAPICallError
-
-        failed = 1
-
-        def retried(retry: int, exc: BaseException, delay: float) -> None:
-            nonlocal failed
-            failed = retry + 1
-            if status_name(exc) == "ABORTED":
-                self.aborted_attempts += 1
-
-        stopping = self._stopping
-
-        def worth_it(exc: BaseException) -> bool:
-            return retry_if(exc) and not (stopping is not None and stopping())
-
-        try:
-            return self.retry.call(fn, retry_if=worth_it, on_retry=retried)
-        except (GoogleAPICallError, schema.BrokenCall) as e:
-            cause = e.error if isinstance(e, schema.BrokenCall) else e
-            text = str(getattr(cause, "message", None) or cause)
-            where = f"the Spanner store {self.url}: {what}"
-            if not retry_if(e):
-                msg = f"{where} failed: {text}"
-                raise StoreError(f"{msg}; {fix}" if fix else msg) from e
-            if status_name(e) == "ABORTED":
-                msg = (
-                    f"{where} was aborted {failed} times in a row by concurrent transactions; "
-                    "make sure one run drives each pipeline, then retry"
-                )
-            else:
-                msg = (
-                    f"{where} kept failing after {failed} attempts "
-                    f"({status_name(cause) or type(cause).__name__}: {text}); check that "
-                    "Spanner is reachable and within its quota, then retry"
-                )
-            raise StoreError(msg) from e
+        """``fn()`` under the store's retry policy (see :mod:`._store_retry`)."""
+        return self._retries.call(self.retry, what, fn, retry_if=retry_if, fix=fix)
 
     # -- connection and schema ---------------------------------------------------------
 

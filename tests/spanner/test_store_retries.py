@@ -3,6 +3,7 @@ RPCs bounded by a deadline instead of the stock client's own retries."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -155,6 +156,24 @@ def test_once_the_run_is_stopping_a_failure_is_not_retried(started: SpannerStore
     started.set_stopping(None)  # the run ended: retried again
     failing.times = failing.calls + 2
     assert started.commit_batch("p", 2, [PartitionUpdate("a", 200)], [])
+
+
+@pytest.mark.emulator
+def test_an_outage_is_logged_at_once_then_every_30s_and_its_end_once(
+    started: SpannerStore, caplog: pytest.LogCaptureFixture,
+) -> None:
+    started.retry = RetryPolicy(attempts=50, initial=0.001, maximum=0.001, deadline=120)
+    failing = Failing(started, "run_in_transaction", times=20)
+    with caplog.at_level(logging.INFO, logger="cdcflow.spanner"):
+        assert started.commit_batch("p", 1, [PartitionUpdate("a", 50)], [])
+    assert failing.calls == 21
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1  # 20 failures within 30 s: one warning
+    assert warnings[0].startswith(f"the Spanner store {started.url}: committing the batch "
+                                  "failed (UNAVAILABLE: connection reset); retrying for up to "
+                                  "120s")
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos == [f"the Spanner store {started.url} answers again"]
 
 
 @pytest.mark.emulator

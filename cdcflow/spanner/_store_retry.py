@@ -1,0 +1,118 @@
+"""How the Spanner metadata store retries its operations (:class:`StoreRetries`).
+
+Every operation runs under the store's :class:`~cdcflow.backoff.RetryPolicy` and none of
+the client library's own retries. A failure being retried is logged at once and then every
+30 s while failures go on (an outage would otherwise show only as stuck partitions), and
+the store's recovery once. While the run using the store is stopping, a failure is not
+retried: a stop during an outage ends the run instead of waiting out the policy's deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from cdcflow.backoff import RetryPolicy
+from cdcflow.errors import StoreError
+from cdcflow.spanner import _store_schema as schema
+from cdcflow.spanner.retry import status_name
+
+__all__ = ["StoreRetries"]
+
+_T = TypeVar("_T")
+_log = logging.getLogger("cdcflow.spanner")
+#: Seconds between two warnings of a store that keeps failing.
+WARN_EVERY = 30.0
+
+
+def _text(exc: BaseException) -> str:
+    cause = exc.error if isinstance(exc, schema.BrokenCall) else exc
+    return str(getattr(cause, "message", None) or cause)
+
+
+class StoreRetries:
+    """The retries of one store (``url`` names it in messages); thread-safe."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        #: transaction attempts Spanner aborted and that were retried
+        self.aborted_attempts = 0
+        self._stopping: Callable[[], bool] | None = None
+        self._warned_at: float | None = None  # when a failure was last logged
+        self._lock = threading.Lock()
+
+    def set_stopping(self, stopping: Callable[[], bool] | None) -> None:
+        """While ``stopping()`` is True, a failed operation is not tried again (None:
+        always retry)."""
+        self._stopping = stopping
+
+    def call(
+        self, policy: RetryPolicy, what: str, fn: Callable[[], _T], *,
+        retry_if: Callable[[BaseException], bool] = schema.transient, fix: str = "",
+    ) -> _T:
+        """``fn()`` under ``policy``; an RPC error it gives up on becomes a StoreError
+        saying ``what`` failed (and ``fix``, for permanent errors). StoreErrors (the
+        contract's refusals) pass through at once; so do errors that are not RPC errors
+        (bugs)."""
+        from google.api_core.exceptions import GoogleAPICallError
+
+        failed = 1
+        stopping = self._stopping
+
+        def retried(retry: int, exc: BaseException, delay: float) -> None:
+            nonlocal failed
+            failed = retry + 1
+            if status_name(exc) == "ABORTED":
+                self.aborted_attempts += 1
+            else:
+                self._warn(policy, what, exc)
+
+        def worth_it(exc: BaseException) -> bool:
+            return retry_if(exc) and not (stopping is not None and stopping())
+
+        try:
+            result = policy.call(fn, retry_if=worth_it, on_retry=retried)
+        except (GoogleAPICallError, schema.BrokenCall) as e:
+            raise self._error(e, what, failed, retry_if, fix) from e
+        if self._warned_at is not None:
+            with self._lock:
+                recovered, self._warned_at = self._warned_at is not None, None
+            if recovered:
+                _log.info("the Spanner store %s answers again", self.url)
+        return result
+
+    def _error(self, e: BaseException, what: str, failed: int,
+               retry_if: Callable[[BaseException], bool], fix: str) -> StoreError:
+        cause = e.error if isinstance(e, schema.BrokenCall) else e
+        text = _text(e)
+        where = f"the Spanner store {self.url}: {what}"
+        if not retry_if(e):
+            msg = f"{where} failed: {text}"
+            return StoreError(f"{msg}; {fix}" if fix else msg)
+        if status_name(e) == "ABORTED":
+            return StoreError(
+                f"{where} was aborted {failed} times in a row by concurrent transactions; "
+                "make sure one run drives each pipeline, then retry"
+            )
+        attempts = "1 attempt" if failed == 1 else f"{failed} attempts"
+        return StoreError(
+            f"{where} kept failing after {attempts} "
+            f"({status_name(cause) or type(cause).__name__}: {text}); check that "
+            "Spanner is reachable and within its quota, then retry"
+        )
+
+    def _warn(self, policy: RetryPolicy, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._warned_at is not None and now - self._warned_at < WARN_EVERY:
+                return
+            self._warned_at = now
+        cause = exc.error if isinstance(exc, schema.BrokenCall) else exc
+        deadline = policy.deadline
+        _log.warning("the Spanner store %s: %s failed (%s: %.200s); retrying%s", self.url,
+                     what, status_name(cause) or type(cause).__name__,
+                     " ".join(_text(exc).split()),
+                     f" for up to {deadline:.0f}s" if deadline is not None else "")
