@@ -20,7 +20,9 @@
  * directly, as their __init__ would (their converters are no-ops for these values).
  *
  * non_finite(value): cdcflow.serialize's check for a float that is not finite inside a
- * value (its dicts, lists and tuples; anything else is asked of a Python callable).
+ * value (its dicts, lists and tuples; anything else is asked of a Python callable), and
+ * json_default(value), its orjson default for the two types every change record holds
+ * (a Timestamp's cached RFC 3339 text, a Decimal's text; anything else goes to Python).
  *
  * Thread-safe under the GIL: between calls it keeps only what the configure functions set
  * and two caches (column names, the last timestamp), each read and replaced while holding
@@ -850,14 +852,50 @@ fail:
 
 static PyObject *g_no_float;   /* a tuple of the types that hold no float (exact types) */
 static PyObject *g_other;      /* asked of any other value: a float not finite inside it? */
+static PyObject *g_default;    /* the JSON writer's default, for what json_default leaves */
+static PyObject *g_ser_timestamp, *g_ser_decimal, *g_ser_text;  /* Timestamp, Decimal, _text */
 
 static PyObject *configure_walk(PyObject *self, PyObject *args) {
-    PyObject *no_float, *other;
+    PyObject *no_float, *other, *dflt, *timestamp, *decimal, *text_slot;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!O", &PyTuple_Type, &no_float, &other)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!OOO!OU", &PyTuple_Type, &no_float, &other, &dflt,
+                          &PyType_Type, &timestamp, &decimal, &text_slot))
+        return NULL;
+    PyObject *descr = PyDict_GetItemWithError(((PyTypeObject *)timestamp)->tp_dict, text_slot);
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "not a slot of the class");
+        return NULL;
+    }
     keep(&g_no_float, no_float);
     keep(&g_other, other);
+    keep(&g_default, dflt);
+    keep(&g_ser_timestamp, timestamp);
+    keep(&g_ser_decimal, decimal);
+    keep(&g_ser_text, descr);
     Py_RETURN_NONE;
+}
+
+/* orjson's default for the JSON writer: a Timestamp's RFC 3339 text when it has it cached
+ * (decoders set it from the wire), a Decimal's text, else what the Python default says. */
+static PyObject *json_default(PyObject *self, PyObject *value) {
+    (void)self;
+    if (g_default == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "cdcflow._speedups: configure_walk() first");
+        return NULL;
+    }
+    PyObject *kind = (PyObject *)Py_TYPE(value);
+    if (kind == g_ser_decimal) return PyObject_Str(value);
+    if (kind == g_ser_timestamp) {
+        PyObject *text = Py_TYPE(g_ser_text)->tp_descr_get(g_ser_text, value, kind);
+        if (text == NULL) {
+            PyErr_Clear(); /* not set yet: the Python default computes it */
+        } else if (PyUnicode_CheckExact(text)) {
+            return text;
+        } else {
+            Py_DECREF(text);
+        }
+    }
+    return PyObject_CallOneArg(g_default, value);
 }
 
 /* 1 if a float that is not finite is in value, 0 if not, -1 on an error. */
@@ -914,8 +952,11 @@ static PyObject *non_finite(PyObject *self, PyObject *value) {
 
 static PyMethodDef methods[] = {
     {"configure_walk", configure_walk, METH_VARARGS,
-     "configure_walk(no_float_types, other): the types non_finite skips, and what it asks of "
-     "any value that is not a float, dict, list or tuple"},
+     "configure_walk(no_float_types, other, default, Timestamp, Decimal, text_slot): the types "
+     "non_finite skips, what it asks of any value that is not a float, dict, list or tuple; "
+     "what json_default calls for anything but a Timestamp or a Decimal"},
+    {"json_default", json_default, METH_O,
+     "json_default(value): orjson's default for the JSON writer (Timestamp, Decimal fast)"},
     {"non_finite", non_finite, METH_O,
      "non_finite(value) -> whether a float that is not finite is in value"},
     {"configure", configure, METH_VARARGS,

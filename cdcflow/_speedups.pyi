@@ -26,3 +26,13 @@ def decode(
     planner: Callable[[str, bytes], tuple[tuple[Any, ...], Any]],
     sizes: dict[int, int] | None,
 ) -> list[Any] | None: ...
+def configure_walk(
+    no_float: tuple[type, ...],
+    other: Callable[[Any], bool],
+    default: Callable[[Any], Any],
+    timestamp: type,
+    decimal: type,
+    text_slot: str,
+) -> None: ...
+def non_finite(value: Any) -> bool: ...
+def json_default(value: Any) -> Any: ...

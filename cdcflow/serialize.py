@@ -128,7 +128,7 @@ _OPTIONS = (orjson.OPT_APPEND_NEWLINE | orjson.OPT_PASSTHROUGH_DATETIME
             | orjson.OPT_PASSTHROUGH_DATACLASS)
 
 
-def _default(value: Any, str_: type = str) -> Any:
+def _default_python(value: Any, str_: type = str) -> Any:
     kind = type(value)
     # The two that every change record holds, first and without a call each: a
     # Timestamp's text is usually cached already (decoders set it from the wire)
@@ -203,13 +203,25 @@ def _compiled_walk() -> Callable[[Any], bool] | None:
     module = speedups()
     if module is None:
         return None
-    module.configure_walk(tuple(_NO_FLOAT), _non_finite_other)
+    module.configure_walk(tuple(_NO_FLOAT), _non_finite_other, _default_python, Timestamp,
+                          Decimal, "_text")
     walk: Callable[[Any], bool] = module.non_finite
     return walk
 
 
+def _compiled_default() -> Callable[[Any], Any] | None:
+    """:func:`_default_python` compiled for Timestamps and Decimals, or None."""
+    module = speedups()
+    if module is None or _compiled_walk() is None:
+        return None
+    default: Callable[[Any], Any] = module.json_default
+    return default
+
+
 #: Whether a float that is not finite hides in a value (compiled when built).
 _non_finite: Callable[[Any], bool] = _compiled_walk() or _non_finite_python
+#: orjson's default for what it does not write the rules' way (compiled when built).
+_default: Callable[[Any], Any] = _compiled_default() or _default_python
 
 
 def dumps_line(element: Any) -> bytes:

@@ -234,3 +234,17 @@ def test_the_compiled_non_finite_check_deep_and_wide() -> None:
     assert compiled(wide)
     line = dumps_line({"row": wide})
     assert b'"-Infinity"' in line
+
+
+@pytest.mark.skipif(serialize._compiled_default() is None, reason="not compiled")
+def test_the_compiled_json_default_writes_what_python_writes() -> None:
+    compiled = serialize._compiled_default()
+    assert compiled is not None
+    fresh = Timestamp.from_ns(1_700_000_000_123_456_789)  # no cached text yet
+    parsed = Timestamp.parse("2024-05-01T12:00:00.123456789Z")
+    values = [fresh, parsed, Decimal("-1.50"), Decimal("NaN"), b"\x00", {1, 2},
+              Mod({"k": 1}, {"t": fresh}, {}), date(2024, 1, 1), datetime(2024, 1, 1, tzinfo=UTC)]
+    for value in values:
+        assert compiled(value) == serialize._default_python(value)
+    assert dumps_line({"t": fresh, "n": Decimal("2.5")}) == (
+        b'{"t":"2023-11-14T22:13:20.123456789Z","n":"2.5"}\n')
