@@ -12,6 +12,7 @@ modules that raise them re-export the names they always had.
 from __future__ import annotations
 
 __all__ = [
+    "BatchAbandoned",
     "BrokenCall",
     "CdcflowError",
     "ChangeStreamError",
@@ -123,6 +124,21 @@ class DecodeError(ChangeStreamError, ValueError):
 class IncompleteTransactionError(ChangeStreamError):
     """A transaction GroupTransactions was about to emit has not the records and partitions
     its records announce (records were lost, or delivered twice)."""
+
+
+class BatchAbandoned(CdcflowError):
+    """A batch failed transiently after the run was asked to stop, and was not retried: its
+    plan stays in the store and the next run replays it (the engine ends the run as
+    stopped)."""
+
+    def __init__(self, batch_id: int, cause: BaseException) -> None:
+        reason = " ".join(str(cause).split()) or type(cause).__name__
+        super().__init__(
+            f"batch {batch_id} failed after the stop request ({type(cause).__name__}: "
+            f"{reason}); stopping without retrying it: its plan stays in the store and the "
+            "next run replays it"
+        )
+        self.batch_id = batch_id
 
 
 class TransientError(CdcflowError):

@@ -40,6 +40,8 @@ def _modules() -> list[str]:
 def _class_defs(module: str) -> list[ast.ClassDef]:
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin is not None
+    if not spec.origin.endswith(".py"):  # the compiled module defines no class
+        return []
     tree = ast.parse(Path(spec.origin).read_text(), filename=spec.origin)
     return [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
 

@@ -59,6 +59,7 @@ from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.runner import Runner, Task, TaskResult
 from cdcflow.engine.steps import BatchSteps, Folded
 from cdcflow.errors import (
+    BatchAbandoned,
     CdcflowError,
     PipelineStopped,
     RunnerContractError,
@@ -69,24 +70,10 @@ from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
 from cdcflow.transforms.base import Sink
 
-__all__ = ["BatchAbandoned", "Batches"]
+__all__ = ["Batches"]
 
 _log = logging.getLogger("cdcflow.engine")
 
-
-class BatchAbandoned(CdcflowError):
-    """A batch failed transiently after the run was asked to stop, and was not retried: its
-    plan stays in the store and the next run replays it (the engine ends the run as
-    stopped)."""
-
-    def __init__(self, batch_id: int, cause: BaseException) -> None:
-        reason = " ".join(str(cause).split()) or type(cause).__name__
-        super().__init__(
-            f"batch {batch_id} failed after the stop request ({type(cause).__name__}: "
-            f"{reason}); stopping without retrying it: its plan stays in the store and the "
-            "next run replays it"
-        )
-        self.batch_id = batch_id
 
 
 @attrs.define

@@ -45,7 +45,7 @@ import cloudpickle
 from cdcflow.backoff import RetryPolicy
 from cdcflow.dag import Dag
 from cdcflow.durations import is_relative_time
-from cdcflow.engine.batch import BatchAbandoned, Batches
+from cdcflow.engine.batch import Batches
 from cdcflow.engine.durability import StagedSinks
 from cdcflow.engine.guard import RunGuard, guarding
 from cdcflow.engine.lifecycle import (
@@ -63,6 +63,7 @@ from cdcflow.engine.snapshot import snapshot_partitions
 from cdcflow.engine.steps import BatchSteps
 from cdcflow.engine.task import TaskProgram, make_client
 from cdcflow.errors import (
+    BatchAbandoned,
     FencedError,
     LostProgressError,
     PipelineDefinitionError,
