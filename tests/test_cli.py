@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -274,10 +275,13 @@ def test_run_reaches_end_and_writes_output(
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert "stopped (end reached)" in result.stderr
-    rows = [json.loads(line) for f in sorted((path.parent / "out").glob("*.jsonl"))
-            for line in f.read_text().splitlines()]
-    assert sorted(r["id"] for r in rows) == list(range(20))
+    assert sorted(r["id"] for r in _rows(path.parent / "out")) == list(range(20))
     assert (path.parent / ".cdcflow" / "state.db").is_file()
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for f in sorted(out.glob("*.jsonl"))
+            for line in f.read_text().splitlines()]
 
 
 def test_second_run_resumes_and_reads_nothing_again(
@@ -308,9 +312,7 @@ def test_a_deleted_state_file_is_refused_then_reset_starts_over(
     assert sorted(p.name for p in (path.parent / "out").glob("*.jsonl")) == files
     again = cdcflow("run", str(path), "--reset", "--set", "max_batch_span=500ms")
     assert again.returncode == 0, again.stderr
-    rows = [json.loads(line) for f in sorted((path.parent / "out").glob("*.jsonl"))
-            for line in f.read_text().splitlines()]
-    assert sorted(r["id"] for r in rows) == sorted(list(range(20)) * 2)
+    assert sorted(r["id"] for r in _rows(path.parent / "out")) == sorted(list(range(20)) * 2)
 
 
 def test_status_shows_partitions(

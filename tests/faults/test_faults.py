@@ -25,6 +25,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -282,6 +283,27 @@ def test_faults_and_kills_keep_exactly_once(
     assert partitions_read(case) >= 2
 
 
+def _start_behind(
+    proxy: FaultProxy, case: Case, *, seed: int, seconds: float, extra: tuple[str, ...] = ()
+) -> tuple[Workload, threading.Thread, Path, subprocess.Popen[bytes]]:
+    """A workload of ``seconds`` straight to the emulator, and a run reading it through
+    ``proxy`` (its reads and its store), its window ending 2 s after the workload's end:
+    the workload, its thread, the run's log file and process."""
+    case.env["SPANNER_EMULATOR_HOST"] = proxy.host
+    case.env["E2E_QUERY_TIMEOUT"] = f"{QUERY_TIMEOUT}s"
+    start = Timestamp.now()
+    workload = Workload(case.database, rate=15, seed=seed)
+    thread = workload.start(seconds=seconds)
+    case.window(start, Timestamp.from_ns(start.ns + int((seconds + 2) * 1e9)))
+    log = case.file.parent / "run-0.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            case.command(*extra), env=case.env, stdout=subprocess.DEVNULL, stderr=err,
+            start_new_session=True,
+        )
+    return workload, thread, log, proc
+
+
 #: An outage longer than every retry budget of the change-stream reads (6 attempts with
 #: backoff, then 3 batch retries: at most about 20 s against refused connections).
 OUTAGE = 25.0
@@ -297,18 +319,7 @@ def test_outage_past_the_retry_budget_fails_the_run_then_a_restart_resumes(
     case = Case(spanner_emulator, tmp_path, store=store)
     progress = _Progress(case)
     with FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy:
-        case.env["SPANNER_EMULATOR_HOST"] = proxy.host
-        case.env["E2E_QUERY_TIMEOUT"] = f"{QUERY_TIMEOUT}s"
-        start = Timestamp.now()
-        workload = Workload(case.database, rate=15, seed=3)
-        thread = workload.start(seconds=8)
-        case.window(start, Timestamp.from_ns(start.ns + 10_000_000_000))
-        log = tmp_path / "run-0.log"
-        with log.open("w") as err:
-            proc = subprocess.Popen(
-                case.command(), env=case.env, stdout=subprocess.DEVNULL, stderr=err,
-                start_new_session=True,
-            )
+        workload, thread, log, proc = _start_behind(proxy, case, seed=3, seconds=8)
         try:
             began = time.monotonic()
             while progress.last() < 2 and proc.poll() is None:
@@ -370,18 +381,8 @@ def test_sigterm_during_an_outage_stops_at_once_then_a_restart_resumes(
     case = Case(spanner_emulator, tmp_path, store=store)
     progress = _Progress(case)
     with FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy:
-        case.env["SPANNER_EMULATOR_HOST"] = proxy.host
-        case.env["E2E_QUERY_TIMEOUT"] = f"{QUERY_TIMEOUT}s"
-        start = Timestamp.now()
-        workload = Workload(case.database, rate=15, seed=4)
-        thread = workload.start(seconds=6)
-        case.window(start, Timestamp.from_ns(start.ns + 8_000_000_000))
-        log = tmp_path / "run-0.log"
-        with log.open("w") as err:
-            proc = subprocess.Popen(
-                case.command("--set", "retry_backoff=20s"), env=case.env,
-                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-            )
+        workload, thread, log, proc = _start_behind(proxy, case, seed=4, seconds=6,
+                                                    extra=("--set", "retry_backoff=20s"))
         try:
             began = time.monotonic()
             while progress.last() < 2 and proc.poll() is None:
