@@ -75,7 +75,6 @@ __all__ = ["Batches"]
 _log = logging.getLogger("cdcflow.engine")
 
 
-
 @attrs.define
 class _Ahead:
     """The next batch, planned and reading while the current one commits. ``written``: its

@@ -179,7 +179,7 @@ class Engine:
         )
         self._owner: Ownership | None = None
         self._sink_floor = 0
-        self._sink_held = ("", 0)  # the sink holding the highest batch, and that batch
+        self._sink_held = ("", 0)  # the sink whose own output reaches furthest, and where
         self._stop_reason = "interrupted"
 
     def _sink_stop(self, reason: str) -> None:
@@ -311,10 +311,11 @@ class Engine:
 
     def _final_flush(self, staged: StagedSinks) -> None:
         """Make what is staged durable; a run asked to stop does not wait for a storage
-        that fails (a sink gives up with SinkIOError: the next run writes it again)."""
+        that fails (a sink gives up with SinkIOError) or a store that does (it records the
+        durable marks): the next run writes again what is not durable."""
         try:
             staged.flush()
-        except SinkIOError as exc:
+        except (SinkIOError, StoreError) as exc:
             if not self._stop.is_set():
                 raise
             _log.warning("stopping without waiting for the staged output to become durable "
