@@ -551,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _serve(args.serve, args.records, max(1, args.rows_per_message))
         return
     print(f"load average: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()}); decoder: "
-          + ("compiled (cdcflow.spanner._speedups)" if _compiled() else "Python"))
+          + ("compiled (cdcflow._speedups)" if _compiled() else "Python"))
     raw: Result | None = None
     for rpm in [args.rows_per_message] if args.rows_per_message else [1, 50]:
         results = run(args.records, rows_per_message=rpm, rounds=args.rounds,

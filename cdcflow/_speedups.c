@@ -211,6 +211,11 @@ static PyObject *timestamp(PyObject *text) {
 
 /* --- typing a value ------------------------------------------------------------------- */
 
+/* A parse the fast parser declines (not an error): the text goes to orjson. */
+#define DECLINE ((PyObject *)1)
+
+static PyObject *json_text(PyObject *text);
+
 /* Whether text holds 19 digits in a row: an integer that may not fit 64 bits, which
  * orjson makes a float; the JSON converter (Python) then keeps it exact. */
 static int long_digit_run(PyObject *text) {
@@ -237,7 +242,8 @@ static PyObject *convert(PyObject *conv, PyObject *value) {
         if (conv == g_numeric) return PyObject_CallOneArg(g_decimal, value);
         if (conv == g_parse_ts) return timestamp(value);
         if (conv == g_json && !long_digit_run(value)) {
-            PyObject *parsed = PyObject_CallOneArg(g_loads, value);
+            PyObject *parsed = json_text(value);
+            if (parsed == DECLINE) parsed = PyObject_CallOneArg(g_loads, value);
             if (parsed == NULL || !PyUnicode_CheckExact(parsed)) return parsed;
             PyObject *marked = PyObject_CallOneArg(g_json_string, parsed);
             Py_DECREF(parsed);
@@ -249,8 +255,6 @@ static PyObject *convert(PyObject *conv, PyObject *value) {
 
 /* --- the flat JSON objects of mods ---------------------------------------------------- */
 
-/* A parse the fast parser declines (not an error): the text goes to orjson. */
-#define DECLINE ((PyObject *)1)
 
 typedef struct {
     const char *p, *end;
@@ -481,8 +485,63 @@ static PyObject *parse_array(Cursor *c, int depth) {
     }
 }
 
-/* A mod's value: a string, a number, true, false, null or an array of them (what Spanner
- * writes for a column); anything else is declined. */
+static PyObject *parse_object(Cursor *c, int depth) {
+    c->p++; /* { */
+    PyObject *d = PyDict_New();
+    if (d == NULL) return NULL;
+    skip_ws(c);
+    if (c->p < c->end && *c->p == '}') {
+        c->p++;
+        return d;
+    }
+    for (;;) {
+        skip_ws(c);
+        if (c->p >= c->end || *c->p != '"') break;
+        PyObject *key = parse_string(c);
+        if (key == NULL || key == DECLINE) {
+            Py_DECREF(d);
+            return key;
+        }
+        skip_ws(c);
+        PyObject *value = DECLINE;
+        if (c->p < c->end && *c->p == ':') {
+            c->p++;
+            value = parse_value(c, depth + 1);
+        }
+        /* a repeated name is orjson's to judge (the last one wins there) */
+        if (value != NULL && value != DECLINE && PyDict_Contains(d, key)) {
+            Py_DECREF(value);
+            value = DECLINE;
+        }
+        int r = value == NULL || value == DECLINE ? -1 : PyDict_SetItem(d, key, value);
+        Py_DECREF(key);
+        if (value == NULL || value == DECLINE) {
+            Py_DECREF(d);
+            return value;
+        }
+        Py_DECREF(value);
+        if (r < 0) {
+            Py_DECREF(d);
+            return NULL;
+        }
+        skip_ws(c);
+        if (c->p < c->end && *c->p == ',') {
+            c->p++;
+            continue;
+        }
+        if (c->p < c->end && *c->p == '}') {
+            c->p++;
+            return d;
+        }
+        break;
+    }
+    Py_DECREF(d);
+    return DECLINE;
+}
+
+/* A JSON value: a string, a number, true, false, null, an array or an object (a mod's
+ * value, or a JSON column's text); declined: what parse_string and parse_number decline,
+ * a repeated name, nesting deeper than 8. */
 static PyObject *parse_value(Cursor *c, int depth) {
     skip_ws(c);
     if (c->p >= c->end || depth > 8) return DECLINE;
@@ -491,6 +550,8 @@ static PyObject *parse_value(Cursor *c, int depth) {
         return parse_string(c);
     case '[':
         return parse_array(c, depth);
+    case '{':
+        return parse_object(c, depth);
     case 't':
         if (c->end - c->p >= 4 && memcmp(c->p, "true", 4) == 0) {
             c->p += 4;
@@ -512,6 +573,25 @@ static PyObject *parse_value(Cursor *c, int depth) {
     default:
         return parse_number(c);
     }
+}
+
+/* A JSON column's text parsed here, as orjson would; DECLINE: orjson's to parse. */
+static PyObject *json_text(PyObject *text) {
+    Py_ssize_t n;
+    const char *p = PyUnicode_AsUTF8AndSize(text, &n);
+    if (p == NULL) {
+        PyErr_Clear(); /* a lone surrogate: orjson says what is wrong */
+        return DECLINE;
+    }
+    Cursor c = {p, p + n};
+    PyObject *value = parse_value(&c, 0);
+    if (value == NULL || value == DECLINE) return value;
+    skip_ws(&c);
+    if (c.p != c.end) {
+        Py_DECREF(value);
+        return DECLINE;
+    }
+    return value;
 }
 
 /* The dict of one mod's JSON object text, typed by convs (NULL: wire values): parsed here

@@ -265,6 +265,11 @@ def test_any_mods_text_decodes_the_same_or_fails_the_same(values: list[Any], typ
     # escapes orjson refuses: each must fail the same way, not decode to ""
     '{"s":"\\x"}', '{"s":"\\ud800"}', '{"as":["\\udc00x"]}', '{"s":"\\u00e"}',
     '{"s":"a\\ud83d\\u0041"}', '{"s":"\\ud83d\\ude00\\n\\u00e9"}', '{"s":"tab\there"}',
+    # JSON column texts the compiled parser reads, or leaves to orjson
+    '{"j":"{\\"a\\":1,\\"a\\":2}"}', '{"j":"{\\"k\\\\u0041\\":[1,{\\"x\\":null}]}"}',
+    '{"j":" [1, 2.5e3, -0, true] "}', '{"j":"{\\"a\\":1} x"}', '{"j":"[[[[[[[[[[1]]]]]]]]]]"}',
+    '{"j":"1e400"}', '{"j":"{}"}', '{"j":"\\"\\""}', '{"j":"{\\"a\\":{\\"b\\":{}}}"}',
+    '{"aj":["{\\"a\\":[]}","3",null]}',
 ])
 def test_odd_values_decode_the_same_or_fail_the_same(text: str) -> None:
     columns = [[c.name, orjson.dumps(c.type).decode(), c.is_primary_key, c.ordinal_position]
