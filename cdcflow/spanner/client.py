@@ -419,7 +419,9 @@ class SpannerChangeStreamClient:
     def _query(
         self, info: StreamInfo, token: str | None, start: int, end: int, heartbeat: int,
         stats: QueryStats, sizes: dict[int, int],
-    ) -> Iterator[ChangeRecord]:
+    ) -> Iterator[list[ChangeRecord]]:
+        """The records of one query, a message's at a time (the caller handles them all
+        before it asks for the next: the time it holds them is not the query's)."""
         sql, params = self._statement(info, token, start, end, heartbeat)
         label = token if token is not None else INITIAL_PARTITION_TOKEN
         clock = time.perf_counter
@@ -440,13 +442,13 @@ class SpannerChangeStreamClient:
                     first = arrived - began
                 if records:
                     paused = clock()
-                    yield from records
+                    yield records
                     held += clock() - paused
                     paused = None
             records = decoder.finish(label)
             if records:
                 paused = clock()
-                yield from records
+                yield records
                 held += clock() - paused
                 paused = None
         finally:
@@ -502,32 +504,36 @@ class SpannerChangeStreamClient:
             progressed = False
             began = self.retry.clock()
             try:
-                for record in self._query(
+                for records in self._query(
                     info, query.partition_token, start, end, query.heartbeat_millis, stats,
                     sizes,
                 ):
-                    pos = record_position(record)
-                    if resume is not None:
-                        if pos < resume or (pos == resume and (
-                            isinstance(record, HeartbeatRecord) or _identity(record) in seen
-                        )):
+                    for record in records:
+                        # record_position, inline for data records: the hot path
+                        pos = (record.commit_timestamp.ns if type(record) is DataChangeRecord
+                               else record_position(record))
+                        if resume is not None:
+                            if pos < resume or (pos == resume and (
+                                isinstance(record, HeartbeatRecord)
+                                or _identity(record) in seen
+                            )):
+                                continue
+                            if pos > resume:
+                                resume = None
+                        if pos >= end:
+                            # The server's bounds are inclusive of end - 1 ns; never past it.
                             continue
-                        if pos > resume:
-                            resume = None
-                    if pos >= end:
-                        # The server's bounds are inclusive of end - 1 ns; never past it.
-                        continue
-                    if pos != last:
-                        last = pos
-                        at_last.clear()
-                    if type(record) is DataChangeRecord:  # _identity, inline: the hot path
-                        at_last.add(
-                            ("data", record.record_sequence, record.server_transaction_id)
-                        )
-                    else:
-                        at_last.add(_identity(record))
-                    progressed = True
-                    yield record
+                        if pos != last:
+                            last = pos
+                            at_last.clear()
+                        if type(record) is DataChangeRecord:  # _identity, inline
+                            at_last.add(
+                                ("data", record.record_sequence, record.server_transaction_id)
+                            )
+                        else:
+                            at_last.add(_identity(record))
+                        progressed = True
+                        yield record
                 return
             except Exception as exc:
                 stats.error(exc)
