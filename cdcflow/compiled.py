@@ -4,10 +4,10 @@ goes on without it).
 
 What it speeds up stays written in Python, which is the reference: the GoogleSQL
 decoder's record making (:mod:`cdcflow.spanner.records`) and the JSON writer's check for
-floats that are not finite (:mod:`cdcflow.serialize`). Each caller asks :func:`speedups`
-and falls back to its Python code when it gets None, or when the compiled code declines
-an input. ``CDCFLOW_PURE_PYTHON=1`` in the environment turns it off (read when cdcflow is
-imported).
+floats that are not finite and its orjson default (:mod:`cdcflow.serialize`). Each
+caller asks :func:`speedups` and falls back to its Python code when it gets None, or when
+the compiled code declines an input. ``CDCFLOW_PURE_PYTHON=1`` in the environment turns
+it off (read when cdcflow is imported).
 """
 
 from __future__ import annotations
