@@ -404,10 +404,12 @@ class Engine:
         """A pipeline starting afresh in this store, while a sink holds output of batches
         the store never planned, lost its progress (a deleted state file, another store):
         starting over would deliver again all that the sinks hold. Refused, unless the run
-        resets (which starts over on purpose)."""
+        resets (which starts over on purpose) or the store keeps nothing (``memory://``:
+        every run starts over, by choice)."""
         label, batch = self._sink_held
         name = self.pipeline.name
-        if self.options.reset or batch <= self.store.last_batch_id(name):
+        if (self.options.reset or batch <= self.store.last_batch_id(name)
+                or self.store.url.startswith("memory:")):
             return
         msg = (
             f"pipeline {name!r} has no progress in the store {self.store.url}, but sink "

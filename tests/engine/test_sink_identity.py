@@ -153,3 +153,13 @@ def test_a_lost_store_under_writetables_output_is_refused_then_reset_starts_over
     assert _run(pipeline(), second, tmp_path, reset=True).reason == "end reached"
     # a store that knows the batches (the first one, or the second after its reset) runs
     assert _run(pipeline(), SQLiteStore(tmp_path / "first.db"), tmp_path).reason == "end reached"
+
+
+def test_a_memory_store_starts_over_by_choice_without_a_refusal(tmp_path: Path) -> None:
+    # memory:// keeps nothing between runs (cdcflow.testing.run uses one): every run starts
+    # over, so output an earlier run left is not a sign of lost progress.
+    for _ in range(2):
+        _run(_files(cf.Pipeline("files"), cf.WriteFiles("out")), MemoryStore(), tmp_path)
+    lines = [line for f in (tmp_path / "out").glob("*.jsonl")
+             for line in f.read_text().splitlines()]
+    assert len(lines) == 2 * 30
