@@ -8,7 +8,8 @@ is read three ways, side by side:
 * ``stock``: ``snapshot.execute_sql`` iterated with default decoding (the rows only), and
   ``stock+model``: the same rows turned into cdcflow records;
 * ``cdcflow``: :class:`cdcflow.spanner.client.SpannerChangeStreamClient` reading the
-  stream (its transport and decoder, producing model records);
+  stream (its transport and decoder, producing model records); when the compiled module
+  (:mod:`cdcflow.compiled`) is built, once more with the Python decoder, side by side;
 * ``raw grpc``: receiving and parsing the PartialResultSets, nothing else (the ceiling).
 
 Every reader is consumed two ways: one by one, each item dropped once counted (what a
@@ -19,8 +20,9 @@ list grows). The targets are judged one by one, the consumer's shape; both are
 printed.
 
 Then, decoding only (the serialized messages in memory, no server): the same records
-spread over ten tables decoded in full with typed values, in full with wire values, and
-with a filter that wants one of the ten tables (the pushed-down filter skips the other
+spread over ten tables decoded in full with typed values (and again with the Python
+decoder, when the compiled one is built), in full with wire values, and with a filter that
+wants one of the ten tables (the pushed-down filter skips the other
 tables' records after reading their table name); beside them the floor of any decoder on
 this protobuf runtime: parsing the messages, pulling out every string and parsing every
 JSON text, making no record and typing nothing.
