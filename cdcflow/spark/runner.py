@@ -56,6 +56,7 @@ from cdcflow.errors import (
 )
 from cdcflow.logformat import WORKER_LOG_ENV, configure_worker_logging
 from cdcflow.model import Timestamp
+from cdcflow.spark._quiet import quiet_jvm_death
 
 __all__ = [
     "DEFAULT_LOCAL_CONF",
@@ -351,6 +352,7 @@ class SparkRunner:
         began = time.monotonic()
         self._session = _start_session(builder)
         self._owns_session = True
+        quiet_jvm_death(self._session.sparkContext)
         if _is_local(self._session.sparkContext.master):
             self._session.sparkContext.setLogLevel("ERROR")
         # Start-up is most of a short run's time on Spark: say what it cost.
