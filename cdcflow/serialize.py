@@ -198,23 +198,29 @@ def _non_finite_other(value: Any) -> bool:
     return False
 
 
-def _compiled_walk() -> Callable[[Any], bool] | None:
-    """:func:`_non_finite_python` compiled (:mod:`cdcflow.compiled`), or None."""
+def _configured() -> Any:
+    """The compiled module (:mod:`cdcflow.compiled`) set up for this module, or None."""
     module = speedups()
-    if module is None:
-        return None
-    module.configure_walk(tuple(_NO_FLOAT), _non_finite_other, _default_python, Timestamp,
-                          Decimal, "_text")
-    walk: Callable[[Any], bool] = module.non_finite
+    if module is not None:
+        module.configure_walk(tuple(_NO_FLOAT), _non_finite_other, _default_python, Timestamp,
+                              Decimal, "_text")
+    return module
+
+
+_COMPILED = _configured()
+
+
+def _compiled_walk() -> Callable[[Any], bool] | None:
+    """:func:`_non_finite_python` compiled, or None."""
+    walk: Callable[[Any], bool] | None = None if _COMPILED is None else _COMPILED.non_finite
     return walk
 
 
 def _compiled_default() -> Callable[[Any], Any] | None:
     """:func:`_default_python` compiled for Timestamps and Decimals, or None."""
-    module = speedups()
-    if module is None or _compiled_walk() is None:
-        return None
-    default: Callable[[Any], Any] = module.json_default
+    default: Callable[[Any], Any] | None = (
+        None if _COMPILED is None else _COMPILED.json_default
+    )
     return default
 
 

@@ -367,8 +367,7 @@ class Batches:
             self.listener.on_batch_retry(plan.batch_id, exc)
 
         def worth_retrying(exc: BaseException) -> bool:
-            return (_is_transient(exc) and not isinstance(exc, BatchAbandoned)
-                    and not self._stopping())
+            return _is_transient(exc) and not self._stopping()
 
         try:
             return self._retry.call(attempt, retry_if=worth_retrying, on_retry=retrying)
