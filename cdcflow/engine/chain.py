@@ -6,6 +6,12 @@ use. With ``max_inflight > 1`` on ReadPartition the ParDos of several records ru
 concurrently on a pool while sink writers still receive elements in record order: an
 :class:`~cdcflow.inflight.InflightTracker` releases only the contiguously completed prefix.
 
+One line: a chain that is ReadPartition -> ParDo ... -> one sink, without ``max_inflight``
+or bundles (the usual pipeline), runs fused: each record goes down the line and into the
+sink's writer in one call, without the general path's delivery list, and a Map's function
+(``DoFn.as_function``) is called directly. Outputs, writes, counts and error handling are
+the general path's.
+
 Bundles: when a DoFn of the chain has ``bundle_size > 1`` the chain holds consecutive
 records (charged to the quota) and runs them as one bundle, node by node, so that each
 bundling DoFn's ``process_bundle`` sees every element the bundle's records gave it; each
@@ -17,7 +23,9 @@ and at the end of the task. Under ``max_inflight > 1`` a bundle is one item of t
 Memory: every record is charged to the process's byte quota
 (:func:`cdcflow.engine.quota.process_quota`) before it enters the chain and given back once
 every sink writer has taken its outputs, so reading blocks (in :meth:`Chain._wait_for_quota`)
-while the tasks of the process hold the quota, whatever ``max_inflight`` is.
+while the tasks of the process hold the quota, whatever ``max_inflight`` is. Bytes go back
+in lots (a 64th of the quota, at most 1 MiB: the quota's lock once a lot, not once a
+record); a read that waits gives its chain's lot back first.
 User functions and sink writes run under the pipeline's
 :class:`~cdcflow.policy.ErrorPolicy`; a skipped element goes to the dead-letter sink as a
 :class:`~cdcflow.policy.FailedElement`.
@@ -31,7 +39,7 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +66,7 @@ from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
 __all__ = ["Chain"]
 
 _log = logging.getLogger("cdcflow.task")
+_MAX_LOT = 1 << 20  # the most bytes a chain holds for others to take once its sinks took them
 
 
 class _Skipped:
@@ -91,6 +100,35 @@ class _Evaluated:
     def __init__(self, deliveries: list[Delivery], counts: dict[str, int]) -> None:
         self.deliveries = deliveries
         self.counts = counts
+
+
+class _LineStep:
+    """A ParDo of a chain that is one line, and what it took and gave."""
+
+    __slots__ = ("function", "given", "label", "normalized", "taken")
+
+    def __init__(
+        self, label: str, function: Callable[[Any], Any] | None,
+        normalized: Callable[[Any], Sequence[Any]],
+    ) -> None:
+        self.label = label
+        self.function = function  # the DoFn's as_function(): one output, called directly
+        self.normalized = normalized  # the DoFn's process, its outputs as a sequence
+        self.taken = 0
+        self.given = 0
+
+
+class _Line:
+    """A chain that is one line: ReadPartition -> its ParDos -> one sink."""
+
+    __slots__ = ("sink", "sink_key", "steps", "writer", "writes")
+
+    def __init__(self, steps: tuple[_LineStep, ...], sink: str, sink_key: str) -> None:
+        self.steps = steps
+        self.sink = sink
+        self.sink_key = sink_key
+        self.writer: SinkWriter[Any, Any] | None = None  # opened on the first element
+        self.writes = 0
 
 
 class Chain:
@@ -131,6 +169,9 @@ class Chain:
         self._release_lock = threading.Lock()
         self._quota: ByteQuota = process_quota(quota_limit(program.max_inflight_bytes))
         self._held = 0  # bytes of this chain's records charged to the quota, not yet returned
+        self._owed = 0  # of those, bytes whose elements every sink has taken (given back soon)
+        # given back in lots of at most this many bytes: one lock a lot, not one a record
+        self._owed_lot = max(1, min(self._quota.limit // 64, _MAX_LOT))
         self._peak_held = 0
         if program.max_inflight > 1:
             self._inflight = InflightTracker(program.max_inflight, self._quota.limit)
@@ -140,12 +181,23 @@ class Chain:
         self._bundle: list[tuple[DataChangeRecord, int, int]] = []  # (record, position, size)
         self._bundle_bytes = 0
         self._order = _top_down(program.read_label, self._succ)
+        # a chain that is one line of ParDos into one sink runs fused (see _push_line)
+        self._line = (
+            self._line_of(task.sinks)
+            if self._inflight is None and self._bundle_size == 1 else None
+        )
+        #: ``push(record, position, size)``: run ``record`` (``size`` bytes,
+        #: :func:`approx_size`) through the chain; blocks while the process's byte quota
+        #: is used up. Chosen once: the fused path for one line, else the general one.
+        self.push: Callable[[DataChangeRecord, int, int], None] = (
+            self._push if self._line is None else self._push_line
+        )
 
     # -- feeding records ---------------------------------------------------------------------
 
-    def push(self, record: DataChangeRecord, position: int, size: int) -> None:
-        """Run ``record`` (``size`` bytes, :func:`approx_size`) through the chain; blocks
-        while the process's byte quota is used up."""
+    def _push(self, record: DataChangeRecord, position: int, size: int) -> None:
+        """:attr:`push` of a chain that is not one line (or runs records concurrently, or
+        in bundles)."""
         if not self._started:
             self._start()
         self._wait_for_quota(size)
@@ -207,23 +259,35 @@ class Chain:
             while not self._quota.acquire(size, until=self._must_give_back):
                 self._run_bundle()  # a held bundle would hold its bytes while this one waits
                 self._flush()
+                self._give_back_owed()
             waited = time.perf_counter() - began
             if waited > 0.001:  # admitted at once takes microseconds: this one waited
                 counts["quota_waits"] = counts.get("quota_waits", 0) + 1
                 counts["quota_wait_us"] = counts.get("quota_wait_us", 0) + int(waited * 1e6)
         held = self._held = self._held + size
+        held -= self._owed  # what the sinks took is held for the quota only, not in the chain
         if held > self._peak_held:
             self._peak_held = counts["inflight_bytes_peak"] = held
 
     def _must_give_back(self) -> bool:
         # Read without the lock: a stale answer only delays.
-        return bool(self._released) or bool(self._bundle)
+        return bool(self._released) or bool(self._bundle) or self._owed > 0
 
     def _give_back(self, size: int) -> None:
-        self._held -= size
-        self._quota.release(size)
+        """Every sink has taken the outputs of a record of ``size`` bytes: its bytes go
+        back to the quota, in lots (a waiting read of this chain gives them back first)."""
+        owed = self._owed = self._owed + size
+        if owed >= self._owed_lot:
+            self._give_back_owed()
+
+    def _give_back_owed(self) -> None:
+        owed, self._owed = self._owed, 0
+        if owed:
+            self._held -= owed
+            self._quota.release(owed)
 
     def _give_back_all(self) -> None:
+        self._owed = 0
         held, self._held = self._held, 0
         if held:
             self._quota.release(held)
@@ -320,6 +384,124 @@ class Chain:
             for nxt in successors:
                 self._visit(nxt, value, record, counts, out)
 
+    # -- one line: the fused path -----------------------------------------------------------
+
+    def _line_of(self, wanted: Collection[str] | None) -> _Line | None:
+        """The chain as one line ReadPartition -> ParDo ... -> sink, when it is one (and
+        this task writes that sink); else None."""
+        steps: list[_LineStep] = []
+        label = self._program.read_label
+        while True:
+            successors = self._succ.get(label, ())
+            if len(successors) != 1:
+                return None
+            label = successors[0]
+            node = self._nodes.get(label)
+            if label in self._steps or node is None:
+                return None
+            if isinstance(node, Sink):
+                if wanted is not None and label not in wanted:
+                    return None
+                return _Line(tuple(steps), label, self._counter_keys[label][2])
+            assert isinstance(node, ParDo)
+            steps.append(_LineStep(label, node.fn.as_function(), self._processes[label]))
+
+    def _push_line(self, record: DataChangeRecord, position: int, size: int) -> None:
+        """:attr:`push` for a chain that is one line: :meth:`_evaluate` and
+        :meth:`_deliver` in one, with the same outputs, writes and counts, without a
+        delivery list. A step with a plain function (``DoFn.as_function``: Map's) is
+        called directly while one element goes down the line."""
+        if not self._started:
+            self._start()
+        self._wait_for_quota(size)
+        line = self._line
+        assert line is not None
+        element: Any = record
+        for at, step in enumerate(line.steps):
+            function = step.function
+            if function is None:
+                self._push_line_from(record, line, at, (element,), None)
+                break
+            try:
+                element = function(element)
+            except Exception as exc:
+                self._push_line_from(record, line, at, (element,), exc)
+                break
+            step.taken += 1
+            step.given += 1
+        else:
+            writer = line.writer or self._line_writer(line)
+            line.writes += 1
+            try:  # _guarded, inline: its first attempt is the usual case
+                writer.write(element)
+            except Exception as exc:
+                self._write_failed(line.sink, record, element, writer, exc)
+        # _give_back, inline
+        owed = self._owed = self._owed + size
+        if owed >= self._owed_lot:
+            self._give_back_owed()
+
+    def _push_line_from(
+        self, record: DataChangeRecord, line: _Line, at: int, elements: Sequence[Any],
+        failed: Exception | None,
+    ) -> None:
+        """:meth:`_push_line` of ``elements`` from step ``at`` on, whose first element
+        raised ``failed`` there already, if not None."""
+        for step in line.steps[at:]:
+            step.taken += len(elements)
+            outputs: list[Any] = []
+            for element in elements:
+                if failed is None:
+                    try:
+                        outputs.extend(step.normalized(element))
+                        continue
+                    except Exception as exc:
+                        failed = exc
+                produced = self._failing(step.label, record, element, step.normalized,
+                                         element, failed)
+                failed = None
+                if isinstance(produced, _Skipped):
+                    if self._program.dead_letter_label is not None:
+                        self._write_dead(self._failed(step.label, record, element, produced))
+                    continue
+                outputs.extend(produced)
+            step.given += len(outputs)
+            if not outputs:
+                return
+            elements = outputs
+        writer = line.writer or self._line_writer(line)
+        for element in elements:
+            line.writes += 1
+            try:
+                writer.write(element)
+            except Exception as exc:
+                self._write_failed(line.sink, record, element, writer, exc)
+
+    def _line_writer(self, line: _Line) -> SinkWriter[Any, Any]:
+        writer = line.writer = self._writer(line.sink)
+        return writer
+
+    def _write_failed(
+        self, label: str, record: DataChangeRecord, element: Any, writer: SinkWriter[Any, Any],
+        exc: Exception,
+    ) -> None:
+        """A sink's ``write(element)`` raised ``exc``: what the error policy decides."""
+        done = self._failing(label, record, element, writer.write, element, exc)
+        if isinstance(done, _Skipped) and self._program.dead_letter_label is not None:
+            self._write_dead(self._failed(label, record, element, done))
+
+    def _write_dead(self, failed: FailedElement) -> None:
+        """Write ``failed`` to the dead-letter sink (unless this task replays other sinks);
+        a failing dead-letter sink fails the task."""
+        dead = self._program.dead_letter_label
+        wanted = self._task.sinks
+        if dead is None or (wanted is not None and dead not in wanted):
+            return
+        self._writer(dead).write(failed)
+        counts = self._counts
+        for key in (self._counter_keys[dead][2], "dead_lettered"):
+            counts[key] = counts.get(key, 0) + 1
+
     def _evaluate_bundle(self, records: list[DataChangeRecord]) -> list[_Evaluated]:
         """:meth:`_evaluate` of each of ``records``, run node by node so that a bundling
         DoFn gets all of its elements from the bundle at once. Each record's deliveries
@@ -415,23 +597,16 @@ class Chain:
                 continue
             if wanted is not None and label not in wanted:
                 continue  # a replay for other sinks: this one has the batch already
+            if label == dead:
+                self._write_dead(element)
+                continue
             writer = self._writers.get(label) or self._writer(label)
             key = self._counter_keys[label][2]
             counts[key] = counts.get(key, 0) + 1
-            if label == dead:
-                writer.write(element)  # a failing dead-letter sink fails the task
-                counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
-                continue
             try:  # _guarded, inline: its first attempt is the usual case
                 writer.write(element)
-                continue
             except Exception as exc:
-                done = self._failing(label, record, element, writer.write, element, exc)
-            if isinstance(done, _Skipped) and dead is not None and (
-                wanted is None or dead in wanted
-            ):
-                self._writer(dead).write(self._failed(label, record, element, done))
-                counts["dead_lettered"] = counts.get("dead_lettered", 0) + 1
+                self._write_failed(label, record, element, writer, exc)
 
     def _guarded(
         self, label: str, record: DataChangeRecord, element: Any, call: Callable[[Any], Any],
@@ -551,16 +726,12 @@ class Chain:
         wanted = self._task.sinks
         if not skipped or dead is None or (wanted is not None and dead not in wanted):
             return
-        writer = self._writer(dead)
-        writes = self._counter_keys[dead][2]
         for element, error in skipped:
             token, at = _origin(element)
-            writer.write(FailedElement(
+            self._write_dead(FailedElement(
                 label=label, error=error, partition_token=token or self._task.slice.token,
                 commit_timestamp=at, element=element,
             ))
-            for key in (writes, "dead_lettered"):
-                self._counts[key] = self._counts.get(key, 0) + 1
 
     def abort(self) -> None:
         self._bundle, self._bundle_bytes = [], 0  # its bytes are in _held: given back below
@@ -580,6 +751,8 @@ class Chain:
         self._writers.clear()
 
     def _shutdown(self) -> None:
+        if self._line is not None:
+            self._line.writer = None  # its writer closes or aborts next
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -598,6 +771,15 @@ class Chain:
         how long in all), ``bundle_retries`` (bundles whose ``process_bundle`` raised and
         whose elements were then processed one by one)."""
         counts = {**self._counts, "skipped": self._skipped, "retries": self._retries}
+        line = self._line
+        if line is not None:  # the fused path counts apart
+            for step in line.steps:
+                for key, n in ((f"elements_in/{step.label}", step.taken),
+                               (f"elements_out/{step.label}", step.given)):
+                    if n:
+                        counts[key] = counts.get(key, 0) + n
+            if line.writes:
+                counts[line.sink_key] = counts.get(line.sink_key, 0) + line.writes
         if self._bundle_retries:
             counts["bundle_retries"] = self._bundle_retries
         return counts

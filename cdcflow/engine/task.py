@@ -161,12 +161,20 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
     # A reader that measured its records while decoding them (the Spanner reader) says
     # their size; any other record is measured here.
     size_of = getattr(reading, "size_of", None)
+    claim, push, sample = tracker.try_claim, chain.push, commit_times.add
     try:
         for record in reading:
-            position = (
-                record.commit_timestamp.ns if type(record) is DataChangeRecord
-                else record_position(record)
-            )
+            if type(record) is DataChangeRecord and ended_at is None:  # the hot path
+                position = record.commit_timestamp.ns
+                if not claim(position):
+                    break
+                n = (size_of(record) if size_of is not None else None) or approx_size(record)
+                records += 1
+                size += n
+                sample(position)
+                push(record, position, n)
+                continue
+            position = record_position(record)
             if ended_at is not None:
                 # Several child records may share the end position (the root query gives
                 # one per partition); anything else after the end is not ours.
@@ -177,12 +185,12 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
                 continue
             if not tracker.try_claim(position):
                 break
-            if isinstance(record, DataChangeRecord):
+            if isinstance(record, DataChangeRecord):  # a subclass: as on the hot path
                 n = (size_of(record) if size_of is not None else None) or approx_size(record)
                 records += 1
                 size += n
-                commit_times.add(position)
-                chain.push(record, position, n)
+                sample(position)
+                push(record, position, n)
             elif isinstance(record, HeartbeatRecord):
                 chain.barrier(position)
             elif isinstance(record, ChildPartitionsRecord):

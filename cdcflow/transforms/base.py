@@ -172,6 +172,12 @@ class DoFn(Generic[InT, OutT]):
     def teardown(self) -> None:
         return None
 
+    def as_function(self) -> Callable[[InT], OutT] | None:
+        """A function giving the one output :meth:`process` gives for each element, when
+        that is all the DoFn does (``Map``'s does); a task may call it in place of
+        ``process``. None (the default) when there is no such function."""
+        return None
+
 
 class ParDo(PrimitiveTransform[InT, OutT]):
     """Apply a :class:`DoFn` to every element: ``PCollection[InT]`` to ``PCollection[OutT]``."""

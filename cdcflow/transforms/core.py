@@ -116,6 +116,9 @@ class _MapFn(_CallableDoFn[InT, OutT, OutT]):
     def process(self, element: InT) -> Iterable[OutT]:
         return (self.fn(element, *self.args, **self.kwargs),)  # _call, inline: per element
 
+    def as_function(self) -> Callable[[InT], OutT]:
+        return self.fn if not self.args and not self.kwargs else self._call
+
 
 class _FlatMapFn(_CallableDoFn[InT, OutT, Iterable[OutT]]):
     def process(self, element: InT) -> Iterable[OutT]:

@@ -33,6 +33,7 @@ from cdcflow.transforms import (
     ParDo,
     ReadPartition,
 )
+from cdcflow.transforms.base import SinkWriter, WriterContext
 from tests.engine.test_loop import run
 from tests.engine.test_task import T0, S, items, program, task
 
@@ -120,6 +121,99 @@ def test_a_bundled_run_gives_what_a_record_at_a_time_run_gives() -> None:
     # Records 0-4 give "scale" 0 1 1 2 3 3 4, taken 5 at a time: both chunks hold a 3, so
     # both raised inside process_bundle and ran element by element.
     assert bundled.counters["bundle_retries"] == 2 and "bundle_retries" not in one.counters
+
+
+class _PickyWriter(SinkWriter[int, list[int]]):
+    """Keeps what it is given, but refuses 61 (a sink's write that fails on an element)."""
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+
+    def write(self, element: int) -> None:
+        if element == 61:
+            raise ValueError("no 61")
+        self.items.append(element)
+
+    def close(self) -> list[int]:
+        return self.items
+
+    def abort(self) -> None:
+        return None
+
+
+class _Picky(Collect[int]):
+    def open_writer(self, ctx: WriterContext) -> SinkWriter[int, list[int]]:
+        return _PickyWriter()
+
+
+def _odd(x: int) -> int:
+    if x == 90:
+        raise ValueError("not 90")
+    return x + 1
+
+
+def _tenfold(x: int) -> int:
+    if x == 3:
+        raise ValueError("not 3")
+    return 10 * x
+
+
+def _fan_out_first(read: ReadPartition, dead: Any) -> Any:
+    return program(
+        _stream(12),
+        "dup" >> FlatMap(lambda r: [r, r] if _v(r) % 2 else [r]),
+        "scale" >> ParDo(_Scale(1)),  # none for 7, fails on 3
+        "big" >> Filter(lambda x: x > 20),
+        "plus" >> Map(_odd),  # fails on 90 (9, twice)
+        "out" >> _Picky(),  # refuses 61 (6 once)
+        read=read, policy=ErrorPolicy(retries=1, backoff=0.001, then="skip", dead_letter=dead),
+    )
+
+
+def _maps_first(read: ReadPartition, dead: Any) -> Any:
+    return program(
+        _stream(12),
+        "v" >> Map(_v),
+        "tenfold" >> Map(_tenfold),  # fails on 3: a function that raises mid-line
+        "dup" >> FlatMap(lambda x: [x, x] if x % 20 else [x]),
+        "big" >> Filter(lambda x: x > 20),
+        "plus" >> Map(_odd),  # fails on 90 (9, twice)
+        "out" >> _Picky(),  # refuses 61 (6 once)
+        read=read, policy=ErrorPolicy(retries=1, backoff=0.001, then="skip", dead_letter=dead),
+    )
+
+
+@pytest.mark.parametrize(("line", "out", "dead", "writes"), [
+    (_fan_out_first, [41, 51, 51, 81, 101, 111, 111],  # 6 refused, 9 failed, 7 gave none
+     [("scale", 3), ("scale", 3), ("out", 61), ("plus", 90), ("plus", 90)], 8),
+    (_maps_first, [41, 51, 51, 71, 71, 81, 101, 111, 111],  # 3 failed, 6 refused, 9 failed
+     [("tenfold", 3), ("out", 61), ("plus", 90), ("plus", 90)], 10),
+])
+def test_a_chain_that_is_one_line_gives_what_the_general_path_gives(
+    line: Any, out: list[int], dead: list[tuple[str, int]], writes: int,
+) -> None:
+    # One line of ParDos into one sink runs fused (Chain._push_line, Maps called directly
+    # while one element goes down the line); with max_inflight the same line runs on the
+    # general path. Outputs, dead letters and counts agree.
+    results = []
+    for read in (ReadPartition(), ReadPartition(max_inflight=2)):
+        results.append(run_task(line(read, "dead" >> Collect()),
+                                task("p0", T0, T0 + 100 * S)))
+    fused, general = results
+    assert items(fused, "out") == items(general, "out") == out
+
+    def failed(result: Any) -> list[tuple[str, Any]]:
+        return [(f.label, f.element if isinstance(f.element, int) else _v(f.element))
+                for f in items(result, "dead")]
+
+    assert failed(fused) == failed(general) == dead
+    held = ("inflight_bytes_peak", "quota_waits", "quota_wait_us")
+    assert ({k: v for k, v in fused.counters.items() if k not in held}
+            == {k: v for k, v in general.counters.items() if k not in held})
+    assert fused.counters["sink_writes/out"] == writes  # 61's write was attempted
+    for key in ("dead_lettered", "sink_writes/dead", "skipped", "retries"):
+        assert fused.counters[key] == len(dead)
+    assert fused.counters["elements_in/plus"] == fused.counters["elements_out/big"]
 
 
 def test_a_heartbeat_ends_a_bundle() -> None:
