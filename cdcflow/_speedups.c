@@ -978,20 +978,27 @@ static PyObject *json_default(PyObject *self, PyObject *value) {
     return PyObject_CallOneArg(g_default, value);
 }
 
-/* 1 if a float that is not finite is in value, 0 if not, -1 on an error. */
+/* A value that holds no float and no other value: a str, int, None or bool. */
+#define PLAIN_LEAF(kind, value) ((kind) == &PyUnicode_Type || (kind) == &PyLong_Type \
+                                 || (value) == Py_None || (kind) == &PyBool_Type)
+
+/* 1 if a float that is not finite is in value, 0 if not, -1 on an error. The loops judge
+ * plain leaves and floats themselves, without a call each (most values of a row are). */
 static int non_finite_in(PyObject *value, int depth) {
     PyTypeObject *kind = Py_TYPE(value);
     if (kind == &PyFloat_Type) return !isfinite(PyFloat_AS_DOUBLE(value));
-    if (kind == &PyUnicode_Type || kind == &PyLong_Type || value == Py_None || kind == &PyBool_Type)
-        return 0;
-    Py_ssize_t n = PyTuple_GET_SIZE(g_no_float);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if ((PyObject *)kind == PyTuple_GET_ITEM(g_no_float, i)) return 0;
+    if (PLAIN_LEAF(kind, value)) return 0;
     if (depth < 64) {
         if (kind == &PyDict_Type) {
             Py_ssize_t pos = 0;
             PyObject *key, *item;
             while (PyDict_Next(value, &pos, &key, &item)) {
+                PyTypeObject *item_kind = Py_TYPE(item);
+                if (PLAIN_LEAF(item_kind, item)) continue;
+                if (item_kind == &PyFloat_Type) {
+                    if (!isfinite(PyFloat_AS_DOUBLE(item))) return 1;
+                    continue;
+                }
                 /* the item may only be borrowed while the dict is not changed: nothing
                    here runs Python code before the next item, except for `other` */
                 Py_INCREF(item);
@@ -1004,6 +1011,12 @@ static int non_finite_in(PyObject *value, int depth) {
         if (kind == &PyList_Type || kind == &PyTuple_Type) {
             for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(value); i++) {
                 PyObject *item = PySequence_Fast_GET_ITEM(value, i);
+                PyTypeObject *item_kind = Py_TYPE(item);
+                if (PLAIN_LEAF(item_kind, item)) continue;
+                if (item_kind == &PyFloat_Type) {
+                    if (!isfinite(PyFloat_AS_DOUBLE(item))) return 1;
+                    continue;
+                }
                 Py_INCREF(item);
                 int found = non_finite_in(item, depth + 1);
                 Py_DECREF(item);
@@ -1012,6 +1025,9 @@ static int non_finite_in(PyObject *value, int depth) {
             return 0;
         }
     }
+    Py_ssize_t n = PyTuple_GET_SIZE(g_no_float);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((PyObject *)kind == PyTuple_GET_ITEM(g_no_float, i)) return 0;
     PyObject *answer = PyObject_CallOneArg(g_other, value);
     if (answer == NULL) return -1;
     int found = PyObject_IsTrue(answer);

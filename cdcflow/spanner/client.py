@@ -41,7 +41,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -114,6 +114,45 @@ def _identity(record: ChangeRecord) -> tuple[str, str, str]:
         return ("data", record.record_sequence, record.server_transaction_id)
     sequence = getattr(record, "record_sequence", "")
     return (type(record).__name__, str(sequence), "")
+
+
+def _position(record: ChangeRecord) -> int:
+    """record_position, with data records (nearly every record) first."""
+    if type(record) is DataChangeRecord:
+        return record.commit_timestamp.ns
+    return record_position(record)
+
+
+def _identities_at_end(
+    records: Sequence[ChangeRecord], position: int
+) -> Iterator[tuple[str, str, str]]:
+    """The identities of the last of ``records``, those at ``position``."""
+    at = len(records)
+    while at > 0 and _position(records[at - 1]) == position:
+        at -= 1
+    for record in records[at:]:
+        yield _identity(record)
+
+
+def _kept(
+    records: Sequence[ChangeRecord], resume: int | None, seen: set[tuple[str, str, str]],
+    end: int,
+) -> list[ChangeRecord]:
+    """What of ``records`` a read gives: none before ``end``, and while re-reading after a
+    failure none at or before ``resume`` that the failed read gave (``seen``), and no
+    heartbeat at ``resume``."""
+    kept: list[ChangeRecord] = []
+    for record in records:
+        pos = _position(record)
+        if resume is not None and pos <= resume and (
+            pos < resume or isinstance(record, HeartbeatRecord) or _identity(record) in seen
+        ):
+            continue
+        if pos >= end:
+            # The server's bounds are inclusive of end - 1 ns; never past it.
+            continue
+        kept.append(record)
+    return kept
 
 
 class SpannerChangeStreamClient:
@@ -475,26 +514,30 @@ class SpannerChangeStreamClient:
     def _read_windows(
         self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats,
         sizes: dict[int, int],
-    ) -> Iterator[ChangeRecord]:
+    ) -> Iterator[Sequence[ChangeRecord]]:
         """MUTABLE_KEY_RANGE queries need an end at most 30 minutes after the start: read
         the slice in consecutive windows, and stop at the partition's end record."""
         start = query.start
         while start < query.end:
             end = min(query.end, start + _MUTABLE_WINDOW_NS)
             window = attrs.evolve(query, start=start, end=end)
-            for record in self._read(window, info, stats, sizes):
-                yield record
-                if isinstance(record, PartitionEndRecord):
-                    return
+            for records in self._read(window, info, stats, sizes):
+                for at, record in enumerate(records):
+                    if isinstance(record, PartitionEndRecord):
+                        yield records[:at + 1]
+                        return
+                yield records
             start = end
 
     def _read(
         self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats,
         sizes: dict[int, int],
-    ) -> Iterator[ChangeRecord]:
+    ) -> Iterator[Sequence[ChangeRecord]]:
+        """The records of ``query`` in runs (a message's, or what is left of it), queries
+        that fail retried from the last position given, without what was given there."""
         start = query.start
-        last: int | None = None  # position of the last record yielded
-        at_last: set[tuple[str, str, str]] = set()  # identities yielded at ``last``
+        last: int | None = None  # position of the last record given
+        at_last: set[tuple[str, str, str]] = set()  # identities given at ``last``
         seen: set[tuple[str, str, str]] = set()  # while re-reading: those of the failed read
         resume: int | None = None  # while re-reading: drop what is at or before this
         failed = 0  # failures in a row without progress
@@ -508,32 +551,28 @@ class SpannerChangeStreamClient:
                     info, query.partition_token, start, end, query.heartbeat_millis, stats,
                     sizes,
                 ):
-                    for record in records:
-                        # record_position, inline for data records: the hot path
-                        pos = (record.commit_timestamp.ns if type(record) is DataChangeRecord
-                               else record_position(record))
-                        if resume is not None:
-                            if pos < resume or (pos == resume and (
-                                isinstance(record, HeartbeatRecord)
-                                or _identity(record) in seen
-                            )):
-                                continue
-                            if pos > resume:
-                                resume = None
-                        if pos >= end:
-                            # The server's bounds are inclusive of end - 1 ns; never past it.
+                    if not records:
+                        continue
+                    tail = _position(records[-1])
+                    if resume is None and tail < end:
+                        # The usual case: all of the message, given as it is (positions
+                        # never decrease in a partition, and the server starts at start).
+                        given = records
+                    else:
+                        given = _kept(records, resume, seen, end)
+                        if resume is not None and _position(records[-1]) > resume:
+                            resume = None
+                        if not given:
                             continue
-                        if pos != last:
-                            last = pos
-                            at_last.clear()
-                        if type(record) is DataChangeRecord:  # _identity, inline
-                            at_last.add(
-                                ("data", record.record_sequence, record.server_transaction_id)
-                            )
-                        else:
-                            at_last.add(_identity(record))
-                        progressed = True
-                        yield record
+                        tail = _position(given[-1])
+                    # A query fails between messages only: what a run gives at its last
+                    # position joins ``at_last`` once, not record by record.
+                    if tail != last:
+                        last = tail
+                        at_last.clear()
+                    at_last.update(_identities_at_end(given, tail))
+                    progressed = True
+                    yield given
                 return
             except Exception as exc:
                 stats.error(exc)

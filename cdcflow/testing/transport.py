@@ -69,7 +69,7 @@ class ScriptedTransport:
     """Serves ``records`` through the change stream wire protocol (see the module doc).
 
     ``chunk=True`` splits every row across two messages (``chunked_value``), as Spanner
-    does with large values. ``error`` builds the exception a ``fail_after`` failure raises.
+    does with large values; ``rows_per_message`` puts that many rows in a message (1). ``error`` builds the exception a ``fail_after`` failure raises.
     Messages are serialized, as :class:`~cdcflow.spanner.transport.GrpcTransport` yields
     them; ``serialized=False`` yields protobuf messages instead (the seam takes both).
     """
@@ -86,6 +86,7 @@ class ScriptedTransport:
         error: Callable[[], BaseException] = _service_unavailable,
         chunk: bool = False,
         serialized: bool = True,
+        rows_per_message: int = 1,
     ) -> None:
         if dialect not in ("GOOGLE_STANDARD_SQL", "POSTGRESQL"):
             msg = f"ScriptedTransport(dialect={dialect!r}): use GOOGLE_STANDARD_SQL or POSTGRESQL"
@@ -95,6 +96,9 @@ class ScriptedTransport:
                 f"ScriptedTransport(partition_mode={partition_mode!r}): use "
                 "IMMUTABLE_KEY_RANGE or MUTABLE_KEY_RANGE"
             )
+            raise ValueError(msg)
+        if rows_per_message < 1:
+            msg = f"ScriptedTransport(rows_per_message={rows_per_message}): 1 or more"
             raise ValueError(msg)
         if any(n < 0 for n in fail_after):
             msg = f"ScriptedTransport(fail_after={list(fail_after)}): counts are 0 or more"
@@ -107,6 +111,7 @@ class ScriptedTransport:
         self.error = error
         self.chunk = chunk
         self.serialized = serialized
+        self.rows_per_message = rows_per_message
         self.queries: list[ScriptedQuery] = []
         self.resets = 0
         self.closed = False
@@ -181,7 +186,8 @@ class ScriptedTransport:
             and (query.end is None or record_position(r) <= query.end)
         ]
         messages = wire.partial_result_sets(
-            wire.row_type(self._column_type()), [self._value(r) for r in served], chunk=self.chunk
+            wire.row_type(self._column_type()), [self._value(r) for r in served],
+            rows_per_message=self.rows_per_message, chunk=self.chunk,
         )
         limit = self._fail_after.pop(0) if self._fail_after else None
         return self._stream(messages, limit)

@@ -503,6 +503,46 @@ def test_resume_skips_exactly_what_was_consumed_at_a_shared_timestamp() -> None:
     assert [q.start for q in scripted.queries] == [t, t + 5, t + 5]
 
 
+@pytest.mark.parametrize(("rows_per_message", "fail_after"), [
+    (1, [3, 1]), (2, [1, 1]), (2, [2, 0, 1]), (3, [1, 1]), (4, [1]), (6, [0, 1]),
+])
+def test_resume_after_messages_of_many_records_gives_each_record_once(
+    rows_per_message: int, fail_after: list[int],
+) -> None:
+    # A read gives a message's records as one run; a failure (between messages) re-reads
+    # from the last position given, without what was given there, also when the records
+    # at that position span messages or share one with records before them.
+    from cdcflow.model import Mod
+
+    def data(seq: int, ts: int, txn: str) -> DataChangeRecord:
+        return DataChangeRecord("tok", ts, f"{seq:08d}", txn, True, "T", [],
+                                [Mod({"Id": seq})], "INSERT", "NEW_ROW", 1, 1)
+
+    t = Timestamp.parse("2024-05-01T12:00:00.000000100Z").ns
+    records: list[ChangeRecord] = [
+        data(0, t, "a"), data(1, t + 5, "b"), HeartbeatRecord("tok", t + 5),
+        data(2, t + 5, "b"), data(0, t + 5, "c"), data(3, t + 9, "d"), data(4, t + 9, "d"),
+        HeartbeatRecord("tok", t + 12), data(0, t + 20, "e"),
+    ]
+    client = SpannerChangeStreamClient(
+        "projects/p/instances/i/databases/d", retry=RetryPolicy(sleep=lambda s: None)
+    )
+    scripted = ScriptedTransport(records, fail_after=fail_after,
+                                 rows_per_message=rows_per_message)
+    client.transport = scripted
+    got = list(client.read(ChangeStreamQuery("S", "tok", t, t + 20)))
+
+    def data_of(rs: list[ChangeRecord]) -> list[ChangeRecord]:
+        return [r for r in rs if isinstance(r, DataChangeRecord)]
+
+    assert data_of(got) == data_of(records[:-1])  # the last is at the end: not in the read
+    # a heartbeat at the position a re-read starts from is dropped (it says nothing new)
+    assert [r for r in got if isinstance(r, HeartbeatRecord)] in (
+        [records[2], records[7]], [records[7]],
+    )
+    assert len(scripted.queries) == len(fail_after) + 1
+
+
 @pytest.mark.parametrize("dialect", ["GOOGLE_STANDARD_SQL", "POSTGRESQL"])
 def test_mutable_key_range_reads_30_minute_windows_until_the_partition_ends(
     dialect: str,
