@@ -69,7 +69,8 @@ class ScriptedTransport:
     """Serves ``records`` through the change stream wire protocol (see the module doc).
 
     ``chunk=True`` splits every row across two messages (``chunked_value``), as Spanner
-    does with large values; ``rows_per_message`` puts that many rows in a message (1). ``error`` builds the exception a ``fail_after`` failure raises.
+    does with large values; ``rows_per_message`` puts that many rows in a message (1).
+    ``error`` builds the exception a ``fail_after`` failure raises (a count of messages).
     Messages are serialized, as :class:`~cdcflow.spanner.transport.GrpcTransport` yields
     them; ``serialized=False`` yields protobuf messages instead (the seam takes both).
     """
