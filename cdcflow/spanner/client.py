@@ -508,8 +508,9 @@ class SpannerChangeStreamClient:
         info = self.describe_stream(query.stream)
         sizes: dict[int, int] = {}  # what the decoder measured of the records it gives
         if info.partition_mode == "MUTABLE_KEY_RANGE":
-            return ObservedRead(self._read_windows(query, info, stats, sizes), stats, sizes)
-        return ObservedRead(self._read(query, info, stats, sizes), stats, sizes)
+            return ObservedRead.of_runs(self._read_windows(query, info, stats, sizes), stats,
+                                        sizes)
+        return ObservedRead.of_runs(self._read(query, info, stats, sizes), stats, sizes)
 
     def _read_windows(
         self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats,

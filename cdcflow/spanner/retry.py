@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.model import ChangeRecord
@@ -150,22 +151,31 @@ class QueryStats:
 class ObservedRead(Iterator[ChangeRecord]):
     """The records of one change stream read, and what its queries cost.
 
-    The reader gives its records in runs (a message's at a time); iterating this iterates
-    the records of the runs (``iter()`` hands out one flat iterator made in C: no Python
-    call per record). :meth:`counters` ends the read (a query still open is closed, so its
-    duration is counted) and returns the read's :class:`QueryStats` counters: call it once
-    the records are consumed or abandoned; records are not available after it.
-    :meth:`size_of` tells the size the decoder measured of the record just read.
+    Iterating it iterates the records (``iter()`` hands out the records' iterator itself: no
+    cost per record; :meth:`of_runs` makes one of records given in runs, flattened in C).
+    :meth:`counters` ends the read (a query still open is closed, so its duration is
+    counted) and returns the read's :class:`QueryStats` counters: call it once the records
+    are consumed or abandoned; records are not available after it. :meth:`size_of` tells
+    the size the decoder measured of the record just read.
     """
 
-    __slots__ = ("_records", "_runs", "_sizes", "_stats")
+    __slots__ = ("_records", "_sizes", "_source", "_stats")
 
-    def __init__(self, runs: Iterator[Sequence[ChangeRecord]], stats: QueryStats,
+    def __init__(self, records: Iterator[ChangeRecord], stats: QueryStats,
                  sizes: dict[int, int] | None = None) -> None:
-        self._runs = runs
-        self._records: Iterator[ChangeRecord] = itertools.chain.from_iterable(runs)
+        self._records = records
+        self._source: Iterator[Any] = records  # what close() closes
         self._stats = stats
         self._sizes = sizes if sizes is not None else {}
+
+    @classmethod
+    def of_runs(cls, runs: Iterator[Sequence[ChangeRecord]], stats: QueryStats,
+                sizes: dict[int, int] | None = None) -> ObservedRead:
+        """The read of records given in runs (the Spanner reader gives a message's at a
+        time)."""
+        read = cls(itertools.chain.from_iterable(runs), stats, sizes)
+        read._source = runs
+        return read
 
     def size_of(self, record: ChangeRecord) -> int | None:
         """The bytes the decoder measured for ``record``, the record just read (the
@@ -180,7 +190,7 @@ class ObservedRead(Iterator[ChangeRecord]):
         return next(self._records)
 
     def close(self) -> None:
-        close = getattr(self._runs, "close", None)
+        close = getattr(self._source, "close", None)
         if close is not None:
             close()
 
