@@ -480,17 +480,18 @@ def test_session_not_found_gets_a_new_session(
 # --- dedupe across retries, exactly (scripted transport) ------------------------------------
 
 
-def test_resume_skips_exactly_what_was_consumed_at_a_shared_timestamp() -> None:
+def _data(seq: int, ts: int, txn: str) -> DataChangeRecord:
     from cdcflow.model import Mod
 
-    def data(seq: int, ts: int, txn: str) -> DataChangeRecord:
-        return DataChangeRecord("tok", ts, f"{seq:08d}", txn, True, "T", [],
-                                [Mod({"Id": seq})], "INSERT", "NEW_ROW", 1, 1)
+    return DataChangeRecord("tok", ts, f"{seq:08d}", txn, True, "T", [],
+                            [Mod({"Id": seq})], "INSERT", "NEW_ROW", 1, 1)
 
+
+def test_resume_skips_exactly_what_was_consumed_at_a_shared_timestamp() -> None:
     t = Timestamp.parse("2024-05-01T12:00:00.000000100Z").ns
     records: list[ChangeRecord] = [
-        data(0, t, "a"), data(1, t + 5, "b"), HeartbeatRecord("tok", t + 5),
-        data(2, t + 5, "b"), data(0, t + 5, "c"), data(3, t + 9, "d"),
+        _data(0, t, "a"), _data(1, t + 5, "b"), HeartbeatRecord("tok", t + 5),
+        _data(2, t + 5, "b"), _data(0, t + 5, "c"), _data(3, t + 9, "d"),
     ]
     client = SpannerChangeStreamClient(
         "projects/p/instances/i/databases/d", retry=RetryPolicy(sleep=lambda s: None)
@@ -512,17 +513,11 @@ def test_resume_after_messages_of_many_records_gives_each_record_once(
     # A read gives a message's records as one run; a failure (between messages) re-reads
     # from the last position given, without what was given there, also when the records
     # at that position span messages or share one with records before them.
-    from cdcflow.model import Mod
-
-    def data(seq: int, ts: int, txn: str) -> DataChangeRecord:
-        return DataChangeRecord("tok", ts, f"{seq:08d}", txn, True, "T", [],
-                                [Mod({"Id": seq})], "INSERT", "NEW_ROW", 1, 1)
-
     t = Timestamp.parse("2024-05-01T12:00:00.000000100Z").ns
     records: list[ChangeRecord] = [
-        data(0, t, "a"), data(1, t + 5, "b"), HeartbeatRecord("tok", t + 5),
-        data(2, t + 5, "b"), data(0, t + 5, "c"), data(3, t + 9, "d"), data(4, t + 9, "d"),
-        HeartbeatRecord("tok", t + 12), data(0, t + 20, "e"),
+        _data(0, t, "a"), _data(1, t + 5, "b"), HeartbeatRecord("tok", t + 5),
+        _data(2, t + 5, "b"), _data(0, t + 5, "c"), _data(3, t + 9, "d"), _data(4, t + 9, "d"),
+        HeartbeatRecord("tok", t + 12), _data(0, t + 20, "e"),
     ]
     client = SpannerChangeStreamClient(
         "projects/p/instances/i/databases/d", retry=RetryPolicy(sleep=lambda s: None)
