@@ -47,7 +47,17 @@ __all__ = [
     "UserInputError",
     "WatermarkRegressionError",
     "WriterFailed",
+    "describe",
 ]
+
+
+def describe(exc: BaseException) -> str:
+    """``"Type: message"`` for ``exc``, also when its message cannot be made (its
+    ``__str__`` raises): an error message about a user's exception never fails itself."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:
+        return f"{type(exc).__name__} (its message could not be printed)"
 
 
 class CdcflowError(Exception):

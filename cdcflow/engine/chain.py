@@ -57,11 +57,12 @@ from cdcflow.errors import (
     PipelineStopped,
     SinkIOError,
     WriterFailed,
+    describe,
 )
 from cdcflow.inflight import Barrier, InflightTracker
 from cdcflow.model import DataChangeRecord
 from cdcflow.policy import FailedElement, Retry, Stop
-from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
+from cdcflow.transforms.base import DoFn, ParDo, Sink, SinkWriter, WriterContext
 
 __all__ = ["Chain"]
 
@@ -103,19 +104,20 @@ class _Evaluated:
 
 
 class _LineStep:
-    """A ParDo of a chain that is one line, and what it took and gave."""
+    """A ParDo of a chain that is one line, and what it took, gave and skipped."""
 
-    __slots__ = ("function", "given", "label", "normalized", "taken")
+    __slots__ = ("fn", "function", "given", "label", "normalized", "skipped", "taken")
 
     def __init__(
-        self, label: str, function: Callable[[Any], Any] | None,
-        normalized: Callable[[Any], Sequence[Any]],
+        self, label: str, fn: DoFn[Any, Any], normalized: Callable[[Any], Sequence[Any]],
     ) -> None:
         self.label = label
-        self.function = function  # the DoFn's as_function(): one output, called directly
+        self.fn = fn
+        self.function: Callable[[Any], Any] | None = None  # fn.as_function(), after setup
         self.normalized = normalized  # the DoFn's process, its outputs as a sequence
         self.taken = 0
         self.given = 0
+        self.skipped = 0  # elements the error policy skipped here (no output counted)
 
 
 class _Line:
@@ -336,6 +338,9 @@ class Chain:
             if isinstance(node, ParDo):
                 node.fn.setup()
                 self._set_up.append(node)
+        if self._line is not None:  # a DoFn may make its function in setup
+            for step in self._line.steps:
+                step.function = step.fn.as_function()
         if self._inflight is not None:
             self._pool = ThreadPoolExecutor(
                 self._inflight.max_inflight, thread_name_prefix="cdcflow-inflight"
@@ -404,13 +409,14 @@ class Chain:
                     return None
                 return _Line(tuple(steps), label, self._counter_keys[label][2])
             assert isinstance(node, ParDo)
-            steps.append(_LineStep(label, node.fn.as_function(), self._processes[label]))
+            steps.append(_LineStep(label, node.fn, self._processes[label]))
 
     def _push_line(self, record: DataChangeRecord, position: int, size: int) -> None:
         """:attr:`push` for a chain that is one line: :meth:`_evaluate` and
-        :meth:`_deliver` in one, with the same outputs, writes and counts, without a
-        delivery list. A step with a plain function (``DoFn.as_function``: Map's) is
-        called directly while one element goes down the line."""
+        :meth:`_deliver` in one, with the same outputs, writes, counts, error handling and
+        order of calls (depth first), without a delivery list. A step with a plain function
+        (``DoFn.as_function``: Map's) is called directly while one element goes down the
+        line."""
         if not self._started:
             self._start()
         self._wait_for_quota(size)
@@ -420,62 +426,59 @@ class Chain:
         for at, step in enumerate(line.steps):
             function = step.function
             if function is None:
-                self._push_line_from(record, line, at, (element,), None)
+                self._line_visit(record, line, at, element, None)
                 break
             try:
                 element = function(element)
             except Exception as exc:
-                self._push_line_from(record, line, at, (element,), exc)
+                self._line_visit(record, line, at, element, exc)
                 break
             step.taken += 1
             step.given += 1
         else:
-            writer = line.writer or self._line_writer(line)
-            line.writes += 1
-            try:  # _guarded, inline: its first attempt is the usual case
-                writer.write(element)
-            except Exception as exc:
-                self._write_failed(line.sink, record, element, writer, exc)
+            self._line_write(record, line, element)
         # _give_back, inline
         owed = self._owed = self._owed + size
         if owed >= self._owed_lot:
             self._give_back_owed()
 
-    def _push_line_from(
-        self, record: DataChangeRecord, line: _Line, at: int, elements: Sequence[Any],
+    def _line_visit(
+        self, record: DataChangeRecord, line: _Line, at: int, element: Any,
         failed: Exception | None,
     ) -> None:
-        """:meth:`_push_line` of ``elements`` from step ``at`` on, whose first element
-        raised ``failed`` there already, if not None."""
-        for step in line.steps[at:]:
-            step.taken += len(elements)
-            outputs: list[Any] = []
-            for element in elements:
-                if failed is None:
-                    try:
-                        outputs.extend(step.normalized(element))
-                        continue
-                    except Exception as exc:
-                        failed = exc
-                produced = self._failing(step.label, record, element, step.normalized,
-                                         element, failed)
-                failed = None
-                if isinstance(produced, _Skipped):
-                    if self._program.dead_letter_label is not None:
-                        self._write_dead(self._failed(step.label, record, element, produced))
-                    continue
-                outputs.extend(produced)
-            step.given += len(outputs)
-            if not outputs:
-                return
-            elements = outputs
-        writer = line.writer or self._line_writer(line)
-        for element in elements:
-            line.writes += 1
+        """``element`` down the line from step ``at`` on, each output to the end before the
+        next (as :meth:`_visit`); ``failed``: what step ``at`` raised on it already."""
+        steps = line.steps
+        if at == len(steps):
+            self._line_write(record, line, element)
+            return
+        step = steps[at]
+        step.taken += 1
+        if failed is None:
             try:
-                writer.write(element)
+                outputs = step.normalized(element)
             except Exception as exc:
-                self._write_failed(line.sink, record, element, writer, exc)
+                failed = exc
+        if failed is not None:
+            decided = self._failing(step.label, record, element, step.normalized, element,
+                                    failed)
+            if isinstance(decided, _Skipped):
+                step.skipped += 1
+                if self._program.dead_letter_label is not None:
+                    self._write_dead(self._failed(step.label, record, element, decided))
+                return
+            outputs = decided
+        step.given += len(outputs)
+        for value in outputs:
+            self._line_visit(record, line, at + 1, value, None)
+
+    def _line_write(self, record: DataChangeRecord, line: _Line, element: Any) -> None:
+        writer = line.writer or self._line_writer(line)
+        line.writes += 1
+        try:  # _guarded, inline: its first attempt is the usual case
+            writer.write(element)
+        except Exception as exc:
+            self._write_failed(line.sink, record, element, writer, exc)
 
     def _line_writer(self, line: _Line) -> SinkWriter[Any, Any]:
         writer = line.writer = self._writer(line.sink)
@@ -647,8 +650,7 @@ class Chain:
                     continue
             where = (
                 f"{label!r} failed on a change of partition {token} "
-                f"committed at {at} after {failed} attempt(s): "
-                f"{type(exc).__name__}: {exc}"
+                f"committed at {at} after {failed} attempt(s): {describe(exc)}"
             )
             if isinstance(decision, Stop):
                 msg = (
@@ -660,7 +662,7 @@ class Chain:
             _log.warning("skipped an element: %s", where)
             with self._count_lock:
                 self._skipped += 1
-            return _Skipped(f"{type(exc).__name__}: {exc}")
+            return _Skipped(describe(exc))
 
     def _failed(
         self, label: str, record: DataChangeRecord, element: Any, skipped: _Skipped
@@ -774,10 +776,13 @@ class Chain:
         line = self._line
         if line is not None:  # the fused path counts apart
             for step in line.steps:
-                for key, n in ((f"elements_in/{step.label}", step.taken),
-                               (f"elements_out/{step.label}", step.given)):
-                    if n:
-                        counts[key] = counts.get(key, 0) + n
+                # as the general path counts: out once an element was not skipped, even 0
+                if step.taken:
+                    key = f"elements_in/{step.label}"
+                    counts[key] = counts.get(key, 0) + step.taken
+                if step.taken > step.skipped:
+                    key = f"elements_out/{step.label}"
+                    counts[key] = counts.get(key, 0) + step.given
             if line.writes:
                 counts[line.sink_key] = counts.get(line.sink_key, 0) + line.writes
         if self._bundle_retries:

@@ -15,7 +15,7 @@ import attrs
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.durations import parse_duration
-from cdcflow.errors import PipelineDefinitionError, PipelineStopped
+from cdcflow.errors import PipelineDefinitionError, PipelineStopped, describe
 from cdcflow.transforms.base import Sink
 from cdcflow.transforms.core import callable_name
 
@@ -145,7 +145,7 @@ class ErrorPolicy:
         except Exception as exc:
             msg = (
                 f"the ErrorPolicy handler {callable_name(self.handler)} raised "
-                f"{type(exc).__name__}: {exc} deciding about {type(error).__name__}: {error} "
+                f"{describe(exc)} deciding about {describe(error)} "
                 f"(partition {partition_token}, attempt {attempt}); nothing past that element "
                 "was committed: fix the handler and run again"
             )

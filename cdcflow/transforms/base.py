@@ -175,7 +175,8 @@ class DoFn(Generic[InT, OutT]):
     def as_function(self) -> Callable[[InT], OutT] | None:
         """A function giving the one output :meth:`process` gives for each element, when
         that is all the DoFn does (``Map``'s does); a task may call it in place of
-        ``process``. None (the default) when there is no such function."""
+        ``process``. None (the default) when there is no such function. Asked once per
+        task, after :meth:`setup`."""
         return None
 
 

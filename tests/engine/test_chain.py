@@ -18,6 +18,7 @@ import cdcflow as cf
 from cdcflow.engine.quota import approx_size, process_quota
 from cdcflow.engine.runner import Runner
 from cdcflow.engine.task import FailedElement, run_task
+from cdcflow.errors import PipelineStopped
 from cdcflow.model import DataChangeRecord
 from cdcflow.policy import ErrorPolicy
 from cdcflow.runners.in_memory import InMemoryRunner
@@ -214,6 +215,117 @@ def test_a_chain_that_is_one_line_gives_what_the_general_path_gives(
     for key in ("dead_lettered", "sink_writes/dead", "skipped", "retries"):
         assert fused.counters[key] == len(dead)
     assert fused.counters["elements_in/plus"] == fused.counters["elements_out/big"]
+
+
+def _drop_all(read: ReadPartition, dead: Any) -> Any:
+    return program(
+        _stream(4), "v" >> Map(_v), "none" >> Filter(lambda x: False), "out" >> _Picky(),
+        read=read, policy=ErrorPolicy(retries=1, backoff=0.001, then="skip", dead_letter=dead),
+    )
+
+
+def test_a_step_that_passes_nothing_counts_its_zero_outputs_on_both_paths() -> None:
+    fused, general = (run_task(_drop_all(read, "dead" >> Collect()),
+                               task("p0", T0, T0 + 100 * S))
+                      for read in (ReadPartition(), ReadPartition(max_inflight=2)))
+    assert fused.counters["elements_in/none"] == general.counters["elements_in/none"] == 4
+    # the metrics' in - out accounting needs the 0, as the general path gives it
+    assert fused.counters["elements_out/none"] == general.counters["elements_out/none"] == 0
+    assert "sink_writes/out" not in fused.counters
+
+
+def _pair(record: Any) -> list[dict[str, int]]:
+    row = {"v": _v(record), "n": 0}
+    return [row, row]  # one object twice: what the next steps do to it shows their order
+
+
+class _Logged:
+    """Steps that note each call in a file (the pipeline runs pickled: a list would not
+    come back)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def note(self, line: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+    def bump(self, row: dict[str, int]) -> dict[str, int]:
+        self.note(f"bump {row['v']}")
+        row["n"] += 1
+        return row
+
+    def seen(self, row: dict[str, int]) -> int:
+        self.note(f"seen {row['v']}:{row['n']}")
+        if row["v"] == 2:
+            raise ValueError("stop at 2")
+        return row["n"]
+
+
+def test_a_line_calls_its_steps_depth_first_like_the_general_path(tmp_path: Any) -> None:
+    # Each output of a fan-out goes to the end of the line before the next one, as on the
+    # general path: steps that share an element, or have side effects, see the same order,
+    # and a stop happens after the same calls.
+    results = []
+    for branch in (False, True):
+        log = _Logged(str(tmp_path / f"calls-{branch}"))
+        steps: list[Any] = ["pair" >> FlatMap(_pair), "bump" >> Map(log.bump),
+                            "seen" >> Map(log.seen), "out" >> Collect()]
+        if branch:  # a second sink: the general path
+            steps = [[steps, ["side" >> Collect()]]]
+        with pytest.raises(PipelineStopped, match="stop at 2"):
+            run_task(program(_stream(4), *steps, policy=ErrorPolicy(retries=0, then="stop")),
+                     task("p0", T0, T0 + 100 * S))
+        with open(log.path) as f:
+            results.append(f.read().splitlines())
+    fused, general = results
+    assert fused == general == [
+        "bump 0", "seen 0:1", "bump 0", "seen 0:2", "bump 1", "seen 1:1", "bump 1",
+        "seen 1:2", "bump 2", "seen 2:1",
+    ]
+
+
+class _Named(DoFn[Any, str]):
+    """A DoFn whose function is made in setup, as the README suggests for as_function."""
+
+    def setup(self) -> None:
+        names = {0: "zero", 1: "one"}
+        self.name = lambda element: names.get(_v(element), "many")
+
+    def process(self, element: Any) -> Iterable[str]:
+        return [self.name(element)]
+
+    def as_function(self) -> Any:
+        return self.name
+
+
+def test_as_function_is_asked_after_setup() -> None:
+    result = run_task(program(_stream(3), ParDo(_Named()), Collect()),
+                      task("p0", T0, T0 + 100 * S))
+    assert items(result) == ["zero", "one", "many"]
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def _unprintable(record: Any) -> int:
+    raise _Unprintable
+
+
+@pytest.mark.parametrize("read", [ReadPartition(), ReadPartition(max_inflight=2)])
+def test_an_exception_that_cannot_be_printed_is_skipped_or_stops_in_one_line(
+    read: ReadPartition,
+) -> None:
+    skip = program(_stream(1), Map(_unprintable), Collect(), read=read,
+                   policy=ErrorPolicy(then="skip", dead_letter="dead" >> Collect()))
+    failed = items(run_task(skip, task("p0", T0, T0 + 100 * S)), "dead")
+    assert [f.error for f in failed] == ["_Unprintable (its message could not be printed)"]
+    stop = program(_stream(1), Map(_unprintable), Collect(), read=read,
+                   policy=ErrorPolicy(then="stop"))
+    with pytest.raises(PipelineStopped, match=r"_Unprintable \(its message could not"):
+        run_task(stop, task("p0", T0, T0 + 100 * S))
 
 
 def test_a_heartbeat_ends_a_bundle() -> None:
