@@ -6,7 +6,8 @@ that was between tasks then fails to flush its output and, as Spark 4 kills such
 worker (``spark.python.daemon.killWorkerOnFlushFailure``), PySpark's daemon printed the
 ``BrokenPipeError`` with its traceback on the driver's terminal, at random, after runs that
 went well. Here such a worker ends quietly instead, as killed (it is not reused); anything
-else is PySpark's own behaviour.
+else is PySpark's own behaviour. The daemon imports cdcflow's task code before it forks
+workers, so that a worker's first task does not.
 """
 
 from __future__ import annotations
@@ -29,7 +30,18 @@ def worker(sock: Any, authenticated: bool) -> int:
     return code
 
 
+def _preload() -> None:
+    """Import what every task imports (the engine's task code, not the Spanner client
+    library, whose gRPC core must not start before a fork) once, here: the workers this
+    daemon forks start with it."""
+    try:
+        import cdcflow.engine.task  # noqa: F401
+    except Exception:  # a worker imports it again, and says what is wrong
+        return
+
+
 def main() -> None:
+    _preload()
     _daemon.worker = worker  # manager() looks it up in its module at every task
     _daemon.manager()
 

@@ -4,6 +4,8 @@ driver's terminal after a run that went well)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -38,3 +40,13 @@ def test_other_outcomes_are_pysparks(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sessions_start_this_daemon() -> None:
     settings = SparkRunner(master="local[1]")._settings("app")
     assert settings["spark.python.daemon.module"] == "cdcflow.spark.daemon"
+
+
+def test_the_daemon_imports_the_task_code_but_not_grpc_before_it_forks() -> None:
+    # Workers are forked from the daemon: they start with the task code imported, and
+    # gRPC's core (which must not start before a fork) is not there yet.
+    code = ("import sys; from cdcflow.spark import daemon; daemon._preload(); "
+            "print('cdcflow.engine.task' in sys.modules, 'grpc' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["True", "False"]
