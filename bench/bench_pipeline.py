@@ -73,7 +73,8 @@ class ReplayTransport:
         )]
 
     def execute_streaming_sql(
-        self, sql: str, params: Mapping[str, Any], *, priority: str, timeout: float
+        self, sql: str, params: Mapping[str, Any], *, priority: str, timeout: float,
+        idle: float | None = None,
     ) -> Iterator[Any]:
         if "READ_" not in sql:
             return iter(_metadata_answer(sql))

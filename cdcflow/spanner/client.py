@@ -92,6 +92,10 @@ _UNIT_NS = {"s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86_400 * 10**9}
 _DEFAULT_RETENTION_NS = 86_400 * 10**9
 #: MUTABLE_KEY_RANGE change stream queries accept at most 30 minutes between start and end.
 _MUTABLE_WINDOW_NS = 30 * 60 * 10**9
+#: A change stream query with no message for this many heartbeat intervals (and at least
+#: STALL_MIN_S seconds) stalled: it is ended and read again from where it was.
+STALL_HEARTBEATS = 6
+STALL_MIN_S = 60.0
 
 Dialect = Literal["GOOGLE_STANDARD_SQL", "POSTGRESQL"]
 
@@ -277,16 +281,22 @@ class SpannerChangeStreamClient:
             self.transport.reset_session()
         return True
 
-    def _retry_after(self, exc: Exception, failed: int, streak_began: float) -> bool:
+    def _retry_after(
+        self, exc: Exception, failed: int, streak_began: float, what: str = "a query"
+    ) -> bool:
         """After ``failed`` failures in a row, the first of them begun at ``streak_began``
         (on the policy's clock): sleep and return True to retry, or return False when the
         error is not retryable (the caller translates it). Raises TransientError when the
-        policy's attempts or deadline are spent."""
+        policy's attempts or deadline are spent. A retry is logged (``what`` failed): at
+        INFO, and as a warning from the third failure in a row on."""
         if not self._retry_if(exc):
             return False
         delay = self.retry.delay(failed)
         if not self.retry.allows(failed, self.retry.clock() - streak_began, delay):
             raise self._failure(exc, None, failed) from exc
+        _log.log(logging.WARNING if failed >= 3 else logging.INFO,
+                 "%s failed (%s: %s); trying again in %.1f s (failure %d in a row)",
+                 what, status_name(exc), error_text(exc), delay, failed)
         self.retry.sleep(delay)
         return True
 
@@ -296,7 +306,8 @@ class SpannerChangeStreamClient:
         if self._worth_retrying(exc):
             msg = (
                 f"Spanner kept failing after {failed} attempts ({status_name(exc)}: "
-                f"{error_text(exc)}); check the database's health and quota, then run again"
+                f"{error_text(exc)}); check the network path to {endpoint()} and the "
+                "database's health and quota, then run again"
             )
             return TransientError(msg)
         return self._translate(exc, query)
@@ -455,6 +466,14 @@ class SpannerChangeStreamClient:
             "h": ("INT64", str(heartbeat)),
         }
 
+    def _stall_after(self, heartbeat_millis: int) -> float:
+        """Seconds without a message after which a change stream query stalled: the
+        server sends a heartbeat record every ``heartbeat_millis`` when it has nothing
+        else, so silence of several heartbeats is a connection that carries nothing
+        (at least :data:`STALL_MIN_S`, at most the query's timeout)."""
+        return min(self.query_timeout,
+                   max(STALL_MIN_S, STALL_HEARTBEATS * heartbeat_millis / 1000))
+
     def _query(
         self, info: StreamInfo, token: str | None, start: int, end: int, heartbeat: int,
         stats: QueryStats, sizes: dict[int, int],
@@ -470,7 +489,8 @@ class SpannerChangeStreamClient:
         first: float | None = None
         try:
             responses = self.transport.execute_streaming_sql(
-                sql, params, priority=self.priority, timeout=self.query_timeout
+                sql, params, priority=self.priority, timeout=self.query_timeout,
+                idle=self._stall_after(heartbeat),
             )
             decoder = MessageDecoder(self._shaper, sizes)
             decode = decoder.decode
@@ -582,7 +602,9 @@ class SpannerChangeStreamClient:
                     streak_began = self.retry.clock() if progressed else began
                     failed = 0
                 failed += 1
-                if not self._retry_after(exc, failed, streak_began):
+                token = query.partition_token or INITIAL_PARTITION_TOKEN
+                what = f"the change stream query of partition {token}"
+                if not self._retry_after(exc, failed, streak_began, what):
                     translated = self._translate(exc, query)
                     if translated is exc:
                         raise

@@ -37,10 +37,15 @@ _SESSION_MAX_AGE_S = 7 * 86_400
 
 class Transport(Protocol):
     """Runs one streaming query; yields ``PartialResultSet`` messages: protobuf messages or
-    their serialized bytes (faster to decode: see :mod:`cdcflow.spanner.flat`)."""
+    their serialized bytes (faster to decode: see :mod:`cdcflow.spanner.flat`).
+
+    ``timeout`` bounds the whole query; ``idle`` (None: no bound), the seconds the reader
+    may wait for the next message: a stream silent for longer stalled (an open connection
+    that carries nothing), and the transport ends it with a transient error."""
 
     def execute_streaming_sql(
-        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
+        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
+        idle: float | None = None,
     ) -> Iterator[Any]: ...
 
     def reset_session(self) -> None:
@@ -96,7 +101,8 @@ class GrpcTransport:
 
     #: PartialResultSets received ahead of the reader (each at most about 1 MiB), on a thread
     #: of their own, so the next message travels while the reader decodes this one; 0
-    #: receives on the reader's thread only.
+    #: receives on the reader's thread only (then a stalled stream waits for its timeout:
+    #: the ``idle`` bound needs the thread).
     prefetch = 2
 
     def __init__(self, database: str, spanner_client: Any = None) -> None:
@@ -178,7 +184,8 @@ class GrpcTransport:
         return self._raw or None
 
     def execute_streaming_sql(
-        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
+        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
+        idle: float | None = None,
     ) -> Iterator[Any]:
         from google.api_core import gapic_v1
         from google.cloud.spanner_v1.types import PartialResultSet
@@ -210,7 +217,7 @@ class GrpcTransport:
                 if cancel is not None:
                     cancel()
             return
-        yield from _prefetched(stream, to_pb, self.prefetch)
+        yield from _prefetched(stream, to_pb, self.prefetch, idle)
 
     def close(self) -> None:
         with self._lock:
@@ -229,11 +236,15 @@ class GrpcTransport:
 _END = object()
 
 
-def _prefetched(stream: Any, to_pb: Any, depth: int) -> Iterator[Any]:
+def _prefetched(
+    stream: Any, to_pb: Any, depth: int, idle: float | None = None
+) -> Iterator[Any]:
     """``to_pb`` of every item of ``stream`` (a gRPC response iterator), received up to
     ``depth`` items ahead on a daemon thread. An error of the stream is raised here, after
-    the items before it. Leaving early (an exception, ``close()``) cancels the call, which
-    ends the thread even while it waits for the server."""
+    the items before it; so is a stall: no item for ``idle`` seconds while the reader
+    waits (DEADLINE_EXCEEDED, which the reader retries). Leaving early (an exception,
+    ``close()``) cancels the call, which ends the thread even while it waits for the
+    server."""
     items: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
     room = threading.Semaphore(depth)
     stop = threading.Event()
@@ -252,7 +263,10 @@ def _prefetched(stream: Any, to_pb: Any, depth: int) -> Iterator[Any]:
     threading.Thread(target=pump, name="cdcflow-prefetch", daemon=True).start()
     try:
         while True:
-            item, error = items.get()
+            try:
+                item, error = items.get(timeout=idle)
+            except queue.Empty:
+                raise _stalled(idle) from None
             if item is _END:
                 if error is not None:
                     raise error
@@ -266,6 +280,14 @@ def _prefetched(stream: Any, to_pb: Any, depth: int) -> Iterator[Any]:
         cancel = getattr(stream, "cancel", None)
         if cancel is not None:
             cancel()
+
+
+def _stalled(idle: float | None) -> Exception:
+    from google.api_core.exceptions import DeadlineExceeded
+
+    message = (f"no message from Spanner for {idle:g} s: the stream stalled (its connection "
+               "is open but carries nothing)")
+    return DeadlineExceeded(message)  # type: ignore[no-untyped-call]
 
 
 def _request(session: str, sql: str, params: Mapping[str, Param], priority: str) -> Any:

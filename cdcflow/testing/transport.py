@@ -121,7 +121,8 @@ class ScriptedTransport:
     # -- Transport ---------------------------------------------------------------------------
 
     def execute_streaming_sql(
-        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
+        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
+        idle: float | None = None,
     ) -> Iterator[Any]:
         if "information_schema" in sql:
             return iter(self._metadata(sql))

@@ -624,10 +624,12 @@ class _Recording:
         self.resets = 0
 
     def execute_streaming_sql(
-        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
+        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
+        idle: float | None = None,
     ) -> Iterator[Any]:
         self.calls.append((sql, dict(params), priority, timeout))
-        return self.inner.execute_streaming_sql(sql, params, priority=priority, timeout=timeout)
+        return self.inner.execute_streaming_sql(sql, params, priority=priority, timeout=timeout,
+                                                idle=idle)
 
     def reset_session(self) -> None:
         self.resets += 1
@@ -646,9 +648,11 @@ class _Failing(_Recording):
         self.after_rows = after_rows
 
     def execute_streaming_sql(
-        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float
+        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
+        idle: float | None = None,
     ) -> Iterator[Any]:
-        stream = super().execute_streaming_sql(sql, params, priority=priority, timeout=timeout)
+        stream = super().execute_streaming_sql(sql, params, priority=priority, timeout=timeout,
+                                               idle=idle)
         if "READ_" not in sql or not self.errors:
             return stream
         error = self.errors.pop(0)

@@ -115,7 +115,7 @@ class _Down:
         self.metadata_calls = 0
 
     def execute_streaming_sql(self, sql: str, params: Mapping[str, Param], *, priority: str,
-                              timeout: float) -> Iterator[Any]:
+                              timeout: float, idle: float | None = None) -> Iterator[Any]:
         if "READ_" in sql:
             self.reads.append(self.clock.now)
             self.clock.now += self.took

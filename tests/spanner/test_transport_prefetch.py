@@ -88,3 +88,38 @@ def test_leaving_early_cancels_a_call_waiting_for_the_server() -> None:
 
 def test_prefetch_is_on_by_default() -> None:
     assert GrpcTransport.prefetch >= 1
+
+
+def test_a_stream_silent_past_the_idle_bound_stalled_and_is_cancelled() -> None:
+    from google.api_core.exceptions import DeadlineExceeded
+
+    stream = _Stream([1, 2], finite=False)  # two messages, then an open, silent call
+    got = []
+    began = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="stalled"):
+        for item in _prefetched(stream, lambda x: x, 2, idle=0.3):
+            got.append(item)
+    assert got == [1, 2] and 0.3 <= time.monotonic() - began < 5
+    assert stream.cancelled.is_set()
+    _wait_no_prefetch_threads()
+
+
+def test_the_idle_bound_counts_only_the_readers_wait() -> None:
+    # A reader that holds each message longer than the bound (a slow sink) is not a stall:
+    # the messages were there when it asked.
+    stream = _Stream(list(range(4)))
+    got = []
+    for item in _prefetched(stream, lambda x: x, 2, idle=0.2):
+        got.append(item)
+        time.sleep(0.3)
+    assert got == [0, 1, 2, 3]
+
+
+def test_a_change_stream_query_stalls_after_several_heartbeats() -> None:
+    from cdcflow.spanner.client import STALL_MIN_S, SpannerChangeStreamClient
+
+    client = SpannerChangeStreamClient("projects/p/instances/i/databases/d")
+    assert client._stall_after(10_000) == STALL_MIN_S  # 6 heartbeats of 10 s: the minimum
+    assert client._stall_after(60_000) == 360.0
+    short = SpannerChangeStreamClient("projects/p/instances/i/databases/d", query_timeout=30)
+    assert short._stall_after(10_000) == 30.0  # never past the query's own timeout
