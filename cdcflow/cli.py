@@ -17,6 +17,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
@@ -588,8 +590,29 @@ def _fail(error: BaseException, log_format: str) -> None:
         print(f"cdcflow: error: {_one_line(error)}", file=sys.stderr)
 
 
+def _leave_busy_threads(code: int, grace: float = 2.0) -> None:
+    """After an abort, exit with ``code`` at once when threads of the run are still busy
+    ``grace`` seconds later (a task waiting on a silent connection): the interpreter would
+    wait for them at exit. The store keeps the batch's plan; the next run replays it."""
+    deadline = time.monotonic() + grace
+    me = threading.current_thread()
+
+    def busy() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t is not me and not t.daemon
+                and t.is_alive()]
+
+    for thread in busy():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if busy():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    own_process = argv is None  # the process's own command line: it may end the process
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("CDCFLOW_DEBUG", "") not in ("", "0")
     # Known before parsing, so that a usage error is reported in the format asked for.
@@ -614,4 +637,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("\ncdcflow: interrupted", file=sys.stderr)
+        if own_process:
+            _leave_busy_threads(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED

@@ -427,6 +427,56 @@ def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path, runner: str) -> No
     assert "Traceback" not in err
 
 
+STUCK_TASK = """
+import time
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+T0 = 1_700_000_000 * 10**9
+stream = ScriptedChangeStream("Orders", partitions=2, origin=T0)
+for i in range(4):
+    stream.write("Orders", {"id": i}, "INSERT", {"total": i}, at=T0 + 10**9 + i)
+
+
+def stuck(record):
+    print("stuck", flush=True)
+    time.sleep(3600)  # a read or call that never returns (a silent connection)
+    return record
+
+
+pipeline = cf.Pipeline("stuck")
+(pipeline
+ | cf.DetectPartitions(stream="Orders", start_at=T0, end_at=T0 + 3 * 10**9, client=stream)
+ | cf.ReadPartition()
+ | cf.Map(stuck)
+ | cf.WriteFiles("out"))
+"""
+
+
+def test_a_second_ctrl_c_ends_a_run_whose_task_never_returns(tmp_path: Path) -> None:
+    # The first asks to stop after the batch, which never ends; the second aborts, and the
+    # process exits although a task's thread is still busy (the interpreter would wait).
+    path = write(tmp_path, STUCK_TASK)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--metadata",
+         f"sqlite:///{tmp_path / 'state.db'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "stuck"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        began = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert time.monotonic() - began < 10
+    assert "interrupted" in err and "Traceback" not in err
+
+
 HANGING_FLUSH = """
 import sys
 import time

@@ -56,7 +56,7 @@ from cdcflow.engine.lifecycle import (
 )
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
-from cdcflow.engine.runner import Runner, Task, TaskResult
+from cdcflow.engine.runner import Runner, Task, TaskResult, outcome, settle
 from cdcflow.engine.steps import BatchSteps, Folded
 from cdcflow.errors import (
     BatchAbandoned,
@@ -123,6 +123,7 @@ class Batches:
         self._gc_ttl_ns = gc_ttl_ns
         self._ahead: _Ahead | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._last_ahead: Future[list[TaskResult]] | None = None  # the pool's last work
 
     # -- the read-ahead ----------------------------------------------------------------------
 
@@ -152,6 +153,7 @@ class Batches:
         if ahead is None:
             return
         messages: dict[str, list[Any]] = {}
+        settle(ahead.future)  # a signal (an abort) raises here, not below
         try:
             done = ahead.future.result()
         except BaseException as exc:  # nothing of it is used: only its leftovers matter
@@ -175,8 +177,18 @@ class Batches:
             self.drop_ahead()
         finally:
             if self._pool is not None:
+                if self._last_ahead is not None:
+                    settle(self._last_ahead)  # the thread's last work: a signal may end it
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+    def abandon(self) -> None:
+        """:meth:`close` for a run that aborts: no wait for the tasks of a batch read ahead
+        (one may never return); their output is attempt-specific, and nothing commits it."""
+        self._ahead = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def _read_ahead(self, plan: BatchPlan, results: Sequence[TaskResult], now: int) -> None:
         """Plan the batch after ``plan`` from the partitions as ``results`` will leave them,
@@ -195,6 +207,7 @@ class Batches:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"cdcflow-ahead-{self.name}")
         future = self._pool.submit(self._run_tasks, nxt, tasks)
+        self._last_ahead = future
         self._ahead = _Ahead(nxt, transitions, future)
         _log.debug("batch %d: reading ahead while batch %d commits", nxt.batch_id,
                    plan.batch_id)
@@ -337,7 +350,7 @@ class Batches:
             attempts += 1
             try:
                 if first is not None and attempts == 1:
-                    done = first.result()
+                    done = outcome(first)
                 else:
                     done = self._run_tasks(plan, tasks)
                 executed()

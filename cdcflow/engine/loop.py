@@ -284,6 +284,9 @@ class Engine:
                         self.listener.on_start(name, self.runner.name, self.store.url)
                         with self._signals(), _settled_heap(), guarding(guard):
                             summary = self._loop(batches)
+                    except KeyboardInterrupt:  # an abort: waits for nothing
+                        batches.abandon()
+                        raise
                     finally:
                         batches.close()  # waits for a batch read ahead and aborts its output
                     # A graceful end: what is staged becomes durable. A signal while it
@@ -296,6 +299,11 @@ class Engine:
                     self._owner.release()
                 if self._owner.lost is not None:
                     raise self._owner.lost
+            except KeyboardInterrupt:  # an abort: the runner waits for no running task
+                abandon = getattr(self.runner, "abandon", None)
+                if abandon is not None:
+                    abandon()
+                raise
             finally:
                 self.runner.close()
         finally:

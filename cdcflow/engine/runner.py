@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from concurrent.futures import Future, wait
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -18,7 +19,26 @@ from cdcflow.model import Slice
 
 __all__ = [
     "COMMIT_TIME_SAMPLE", "ChildSeen", "CommitTimeSample", "Runner", "Task", "TaskResult",
+    "outcome", "settle",
 ]
+
+_T = TypeVar("_T")
+#: How long a wait for another thread blocks at a time (see :func:`outcome`).
+_WAKE_S = 0.25
+
+
+def settle(future: Future[Any]) -> None:
+    """Wait until ``future`` is done, in short steps: a signal delivered to another thread
+    of the process (Ctrl-C, SIGTERM) is handled by the main thread only once it runs Python
+    code again, which a wait without a timeout would never let it do."""
+    while not future.done():
+        wait([future], timeout=_WAKE_S)
+
+
+def outcome(future: Future[_T]) -> _T:
+    """``future.result()``, waited for with :func:`settle`."""
+    settle(future)
+    return future.result()
 
 
 @attrs.frozen

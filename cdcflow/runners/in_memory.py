@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from cdcflow.engine.runner import settle
 from cdcflow.engine.task import execute_task
 
 __all__ = ["InMemoryRunner"]
@@ -45,8 +46,10 @@ class InMemoryRunner:
         self.open("tasks")
         assert self._pool is not None
         futures = [self._pool.submit(execute_task, program, task) for task in tasks]
-        errors = [f.exception() for f in futures]  # waits for every task
-        for error in errors:
+        for future in futures:  # waits for every task
+            settle(future)
+        for future in futures:
+            error = future.exception()
             if error is not None:
                 raise error
         return [f.result() for f in futures]
@@ -56,6 +59,13 @@ class InMemoryRunner:
         are cancelled, and the running ones waited for."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def abandon(self) -> None:
+        """:meth:`close` for a run that aborts: queued tasks are cancelled and the running
+        ones not waited for (one may never return: a call on a silent connection)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
     def __repr__(self) -> str:
