@@ -101,7 +101,7 @@ def test_a_snapshot_killed_midway_replays_to_the_database(
     start = bulk_insert_orders(db, ROWS)
     feature = Feature(spanner_emulator, tmp_path, name, PIPELINE)
     workload = Workload(db, rate=15, seed=random.randrange(1 << 20))
-    workload.start(seconds=8)
+    writing = workload.start(seconds=8)
     end = start + 10 * S
     feature.window(start, end)
     try:
@@ -113,6 +113,7 @@ def test_a_snapshot_killed_midway_replays_to_the_database(
         assert feature.planned_batches() >= 1
         assert feature.committed_batches() == 0, "the snapshot committed before the kill"
     finally:
+        writing.join(30)  # its 8 s of changes, also while the pipeline is down
         workload.stop()
     feature.run()
     records = [element for _, _, element in feature.output()]
