@@ -131,6 +131,10 @@ class Runner(Protocol):
     Contract of ``run_tasks``: returns one result per task, in task order, each the bytes
     ``execute_task(program, task)`` returned; raises if any task failed after the runner's
     own retries (nothing of the batch is committed then, and the engine replays it).
+
+    Optionally ``abandon()``: what the engine calls instead of waiting in ``close`` when a
+    run aborts (a second Ctrl-C): cancel what is queued, wait for no running task (one may
+    never return). ``close`` is still called after it.
     """
 
     name: str
