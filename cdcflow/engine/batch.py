@@ -123,7 +123,6 @@ class Batches:
         self._gc_ttl_ns = gc_ttl_ns
         self._ahead: _Ahead | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._last_ahead: Future[list[TaskResult]] | None = None  # the pool's last work
 
     # -- the read-ahead ----------------------------------------------------------------------
 
@@ -175,12 +174,12 @@ class Batches:
         """Drop a batch read ahead and stop the read-ahead thread."""
         try:
             self.drop_ahead()
-        finally:
-            if self._pool is not None:
-                if self._last_ahead is not None:
-                    settle(self._last_ahead)  # the thread's last work: a signal may end it
-                self._pool.shutdown(wait=True)
-                self._pool = None
+        except BaseException:  # an abort while it waited (or it failed): wait no more
+            self.abandon()
+            raise
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # idle: drop_ahead waited for its last work
+            self._pool = None
 
     def abandon(self) -> None:
         """:meth:`close` for a run that aborts: no wait for the tasks of a batch read ahead
@@ -207,7 +206,6 @@ class Batches:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"cdcflow-ahead-{self.name}")
         future = self._pool.submit(self._run_tasks, nxt, tasks)
-        self._last_ahead = future
         self._ahead = _Ahead(nxt, transitions, future)
         _log.debug("batch %d: reading ahead while batch %d commits", nxt.batch_id,
                    plan.batch_id)

@@ -164,7 +164,7 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
     claim, push, sample = tracker.try_claim, chain.push, commit_times.add
     try:
         for record in reading:
-            if type(record) is DataChangeRecord and ended_at is None:  # the hot path
+            if ended_at is None and isinstance(record, DataChangeRecord):  # the hot path
                 position = record.commit_timestamp.ns
                 if not claim(position):
                     break
@@ -185,13 +185,7 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
                 continue
             if not tracker.try_claim(position):
                 break
-            if isinstance(record, DataChangeRecord):  # a subclass: as on the hot path
-                n = (size_of(record) if size_of is not None else None) or approx_size(record)
-                records += 1
-                size += n
-                sample(position)
-                push(record, position, n)
-            elif isinstance(record, HeartbeatRecord):
+            if isinstance(record, HeartbeatRecord):
                 chain.barrier(position)
             elif isinstance(record, ChildPartitionsRecord):
                 ended_at = position

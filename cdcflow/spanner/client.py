@@ -120,19 +120,12 @@ def _identity(record: ChangeRecord) -> tuple[str, str, str]:
     return (type(record).__name__, str(sequence), "")
 
 
-def _position(record: ChangeRecord) -> int:
-    """record_position, with data records (nearly every record) first."""
-    if type(record) is DataChangeRecord:
-        return record.commit_timestamp.ns
-    return record_position(record)
-
-
 def _identities_at_end(
     records: Sequence[ChangeRecord], position: int
 ) -> Iterator[tuple[str, str, str]]:
     """The identities of the last of ``records``, those at ``position``."""
     at = len(records)
-    while at > 0 and _position(records[at - 1]) == position:
+    while at > 0 and record_position(records[at - 1]) == position:
         at -= 1
     for record in records[at:]:
         yield _identity(record)
@@ -147,7 +140,7 @@ def _kept(
     heartbeat at ``resume``."""
     kept: list[ChangeRecord] = []
     for record in records:
-        pos = _position(record)
+        pos = record_position(record)
         if resume is not None and pos <= resume and (
             pos < resume or isinstance(record, HeartbeatRecord) or _identity(record) in seen
         ):
@@ -574,18 +567,18 @@ class SpannerChangeStreamClient:
                 ):
                     if not records:
                         continue
-                    tail = _position(records[-1])
+                    tail = record_position(records[-1])
                     if resume is None and tail < end:
                         # The usual case: all of the message, given as it is (positions
                         # never decrease in a partition, and the server starts at start).
                         given = records
                     else:
                         given = _kept(records, resume, seen, end)
-                        if resume is not None and _position(records[-1]) > resume:
+                        if resume is not None and record_position(records[-1]) > resume:
                             resume = None
                         if not given:
                             continue
-                        tail = _position(given[-1])
+                        tail = record_position(given[-1])
                     # A query fails between messages only: what a run gives at its last
                     # position joins ``at_last`` once, not record by record.
                     if tail != last:
