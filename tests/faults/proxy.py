@@ -300,9 +300,10 @@ class FaultProxy:
                     return
                 # While stalled, hold the chunk; the kernel buffers fill up behind it.
                 await self._flowing.wait()
+                # Counted before it is written, so a peer that has the bytes sees them counted.
+                setattr(self.stats, counter, getattr(self.stats, counter) + len(data))
                 writer.write(data)
                 await writer.drain()
-                setattr(self.stats, counter, getattr(self.stats, counter) + len(data))
         except (ConnectionError, OSError):
             # One side broke: break the other one the same way (abortive close).
             writer.transport.abort()
