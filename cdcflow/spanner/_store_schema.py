@@ -33,6 +33,7 @@ from cdcflow.model import (
     Timestamp,
 )
 from cdcflow.spanner._store_sql import GOOGLE_SQL, POSTGRESQL, Dialect, StoreSql, Tables
+from cdcflow.spanner.connection import Connection, connection_api
 from cdcflow.spanner.retry import is_transient
 from cdcflow.spanner.transport import emulator_host
 
@@ -46,6 +47,7 @@ __all__ = [
     "TABLE_NAME",
     "BrokenCall",
     "bound_rpcs",
+    "close_rpcs",
     "database_exists",
     "detect_dialect",
     "ensure_schema",
@@ -213,11 +215,13 @@ def _break(exc: Exception) -> Exception:
 
 
 class _Stream:
-    """A response stream whose broken-stream errors arrive as BrokenCall."""
+    """A response stream whose broken-stream errors arrive as BrokenCall; ``failed`` is
+    told every error."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, failed: Callable[[BaseException], None]) -> None:
         self._stream = stream
         self._items: Iterator[Any] = iter(stream)
+        self._failed = failed
 
     def __iter__(self) -> _Stream:
         return self
@@ -228,6 +232,7 @@ class _Stream:
         except StopIteration:
             raise
         except Exception as exc:
+            self._failed(exc)
             broken = _break(exc)
             if broken is exc:
                 raise
@@ -238,42 +243,68 @@ class _Stream:
 
 
 class _BoundedApi:
-    """A SpannerClient whose RPCs carry ``retry=None`` and a ``timeout`` deadline."""
+    """A SpannerClient whose RPCs carry ``retry=None`` and a ``timeout`` deadline, through
+    ``connection`` (a new one after a call passed its deadline)."""
 
-    def __init__(self, api: Any, timeout: float) -> None:
-        self._api = api
+    def __init__(self, connection: Connection, timeout: float) -> None:
+        self._connection = connection
         self._timeout = timeout
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._api, name)
         if name not in _RPCS:
-            return attr
-        return functools.partial(self._call, attr, name in _STREAMING)
+            return getattr(self._connection.api(), name)
+        return functools.partial(self._call, name, name in _STREAMING)
 
-    def _call(self, rpc: Callable[..., Any], streaming: bool, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, rpc: str, streaming: bool, /, *args: Any, **kwargs: Any) -> Any:
+        api = self._connection.api()
         kwargs["retry"] = None
         kwargs["timeout"] = self._timeout
         try:
-            result = rpc(*args, **kwargs)
+            result = getattr(api, rpc)(*args, **kwargs)
         except Exception as exc:
+            self._connection.failed(api, exc)
             broken = _break(exc)
             if broken is exc:
                 raise
             raise broken from exc
-        return _Stream(result) if streaming else result
+        if not streaming:
+            return result
+        return _Stream(result, functools.partial(self._connection.failed, api))
+
+    def close_connections(self) -> None:
+        """Close the connections opened after the first one's."""
+        self._connection.close()
 
 
-def bound_rpcs(db: Any, timeout: float) -> None:
+def bound_rpcs(db: Any, timeout: float, client: Any = None) -> None:
     """Make every data RPC of ``db`` (a ``google.cloud.spanner`` Database) go out without
-    the stock retry and with a deadline of ``timeout`` seconds.
+    the stock retry and with a deadline of ``timeout`` seconds; with ``client`` (the
+    ``google.cloud.spanner.Client`` of ``db``), on a new connection after a call passed
+    its deadline (see :mod:`cdcflow.spanner.connection`).
 
     Sessions, snapshots and transactions all reach the server through the database's
     ``spanner_api``, which the Database builds once and keeps in ``_spanner_api``; that
     attribute is the one place to bound them all (the client has no setting for it).
     """
     api = db.spanner_api
-    if not isinstance(api, _BoundedApi):
-        db._spanner_api = _BoundedApi(api, timeout)
+    if isinstance(api, _BoundedApi):
+        return
+    def open_api(connection: int) -> Any:
+        if connection == 0 or client is None:
+            return api
+        instance = client.instance(db.name.split("/")[3])
+        return connection_api(client, instance.emulator_host, connection)
+
+    db._spanner_api = _BoundedApi(
+        Connection(open_api, f"the Spanner store in {db.name}", timeout), timeout
+    )
+
+
+def close_rpcs(db: Any) -> None:
+    """Close the connections :func:`bound_rpcs` opened for ``db`` (not the first)."""
+    api = getattr(db, "_spanner_api", None)
+    if isinstance(api, _BoundedApi):
+        api.close_connections()
 
 
 def use_session_pool_on_emulator() -> None:

@@ -249,7 +249,7 @@ class SpannerStore:
                 )
                 raise StoreError(msg)
             db = self._create_on_emulator()
-        schema.bound_rpcs(db, self.call_timeout)
+        schema.bound_rpcs(db, self.call_timeout, self._client)
         self._sql = StoreSql(schema.detect_dialect(db), self.tables)
         return db
 
@@ -576,6 +576,8 @@ class SpannerStore:
     def close(self) -> None:
         # Database.close() joins a maintenance thread that sleeps for minutes and Client has
         # no close(); the client's threads are daemons, so dropping the references suffices.
+        if self._db is not None:
+            schema.close_rpcs(self._db)
         self._db = None
         self._client = None
 

@@ -8,6 +8,9 @@ the server sent (on the client's own gRPC channel, with the GAPIC layer's header
 mapping): the change stream reader parses them itself (:mod:`cdcflow.spanner.flat`), and
 :func:`assemble_rows` merges chunked values into rows of protobuf ``Value`` for anyone else.
 
+A call that passes its deadline (a stalled stream, a session RPC with no answer) makes
+the next calls go out on a new connection (:mod:`cdcflow.spanner.connection`).
+
 The transport is the seam tests wrap to inject failures (see ``Transport``).
 """
 
@@ -22,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from cdcflow.errors import ConfigurationError
+from cdcflow.spanner.connection import Connection, connection_api
 
 __all__ = [
     "GrpcTransport", "Param", "RowAssembler", "Transport", "assemble_rows", "merge_values",
@@ -109,20 +113,24 @@ class GrpcTransport:
         self.database = database
         self._client = spanner_client
         self._owns_client = spanner_client is None
-        self._api: Any = None
+        self._connection = Connection(self._open_api, f"reading {database}", _RPC_TIMEOUT)
         self._session: str | None = None
         self._session_born = 0.0
         self._raw: Any = None  # the serialized-answer RPC; False: the client has no channel
+        self._raw_api: Any = None  # the API (connection) ``_raw`` calls through
         self._lock = threading.Lock()
 
+    def _open_api(self, connection: int) -> Any:
+        parts = self.database.split("/")
+        if self._client is None:
+            self._client = new_client(parts[1])
+        instance = self._client.instance(parts[3])
+        if connection == 0:
+            return instance.database(parts[5]).spanner_api
+        return connection_api(self._client, instance.emulator_host, connection)
+
     def _spanner_api(self) -> Any:
-        if self._api is None:
-            parts = self.database.split("/")
-            if self._client is None:
-                self._client = new_client(parts[1])
-            db = self._client.instance(parts[3]).database(parts[5])
-            self._api = db.spanner_api
-        return self._api
+        return self._connection.api()
 
     def _metadata(self) -> list[tuple[str, str]]:
         return [("google-cloud-resource-prefix", self.database)]
@@ -133,25 +141,32 @@ class GrpcTransport:
             if self._session is None or stale:
                 api = self._spanner_api()
                 try:
-                    # No stock retry (it spins for 30 s on a closed port); the caller's
-                    # RetryPolicy decides.
-                    created = api.create_session(
-                        request={"database": self.database, "session": {"multiplexed": True}},
-                        metadata=self._metadata(), retry=None, timeout=_RPC_TIMEOUT,
-                    )
+                    self._session = self._create_session(api)
                 except Exception as exc:
-                    # Servers without multiplexed sessions reject the flag; use a plain one.
-                    if getattr(getattr(exc, "grpc_status_code", None), "name", "") not in (
-                        "INVALID_ARGUMENT", "UNIMPLEMENTED",
-                    ):
-                        raise
-                    created = api.create_session(
-                        request={"database": self.database}, metadata=self._metadata(),
-                        retry=None, timeout=_RPC_TIMEOUT,
-                    )
-                self._session = str(created.name)
+                    self._connection.failed(api, exc)
+                    raise
                 self._session_born = time.monotonic()
             return self._session
+
+    def _create_session(self, api: Any) -> str:
+        try:
+            # No stock retry (it spins for 30 s on a closed port); the caller's
+            # RetryPolicy decides.
+            created = api.create_session(
+                request={"database": self.database, "session": {"multiplexed": True}},
+                metadata=self._metadata(), retry=None, timeout=_RPC_TIMEOUT,
+            )
+        except Exception as exc:
+            # Servers without multiplexed sessions reject the flag; use a plain one.
+            if getattr(getattr(exc, "grpc_status_code", None), "name", "") not in (
+                "INVALID_ARGUMENT", "UNIMPLEMENTED",
+            ):
+                raise
+            created = api.create_session(
+                request={"database": self.database}, metadata=self._metadata(),
+                retry=None, timeout=_RPC_TIMEOUT,
+            )
+        return str(created.name)
 
     def reset_session(self) -> None:
         with self._lock:
@@ -161,37 +176,49 @@ class GrpcTransport:
         """ExecuteStreamingSql on the client's gRPC channel, answering each message as the
         bytes the server sent; wrapped like the GAPIC method (headers, errors mapped to
         google.api_core exceptions). None when the client's transport has no gRPC channel."""
-        if self._raw is None:
-            channel = getattr(getattr(api, "transport", None), "grpc_channel", None)
-            if channel is None:
-                self._raw = False
-            else:
-                from google.api_core import gapic_v1
-                from google.cloud.spanner_v1.services.spanner.transports.base import (
-                    DEFAULT_CLIENT_INFO,
-                )
-                from google.cloud.spanner_v1.types import ExecuteSqlRequest
+        with self._lock:
+            if self._raw_api is api:
+                return self._raw or None
+        raw: Any = False
+        channel = getattr(getattr(api, "transport", None), "grpc_channel", None)
+        if channel is not None:
+            from google.api_core import gapic_v1
+            from google.cloud.spanner_v1.services.spanner.transports.base import (
+                DEFAULT_CLIENT_INFO,
+            )
+            from google.cloud.spanner_v1.types import ExecuteSqlRequest
 
-                stub = channel.unary_stream(
-                    "/google.spanner.v1.Spanner/ExecuteStreamingSql",
-                    request_serializer=ExecuteSqlRequest.serialize,
-                    response_deserializer=None,
-                )
-                self._raw = gapic_v1.method.wrap_method(  # type: ignore[no-untyped-call]
-                    stub, default_retry=None, default_timeout=None,
-                    client_info=DEFAULT_CLIENT_INFO,
-                )
-        return self._raw or None
+            stub = channel.unary_stream(
+                "/google.spanner.v1.Spanner/ExecuteStreamingSql",
+                request_serializer=ExecuteSqlRequest.serialize,
+                response_deserializer=None,
+            )
+            raw = gapic_v1.method.wrap_method(  # type: ignore[no-untyped-call]
+                stub, default_retry=None, default_timeout=None,
+                client_info=DEFAULT_CLIENT_INFO,
+            )
+        with self._lock:
+            self._raw_api, self._raw = api, raw
+        return raw or None
 
     def execute_streaming_sql(
         self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
         idle: float | None = None,
     ) -> Iterator[Any]:
+        api = self._spanner_api()
+        self._connection.deadline(timeout)
+        request = _request(self.session(), sql, params, priority)
+        try:
+            yield from self._stream(api, request, timeout, idle)
+        except Exception as exc:
+            self._connection.failed(api, exc)
+            raise
+
+    def _stream(self, api: Any, request: Any, timeout: float, idle: float | None
+                ) -> Iterator[Any]:
         from google.api_core import gapic_v1
         from google.cloud.spanner_v1.types import PartialResultSet
 
-        api = self._spanner_api()
-        request = _request(self.session(), sql, params, priority)
         raw = self._raw_rpc(api)
         to_pb: Any
         if raw is not None:
@@ -221,16 +248,17 @@ class GrpcTransport:
 
     def close(self) -> None:
         with self._lock:
-            if self._session is not None and self._api is not None:
+            api = self._connection.current
+            if self._session is not None and api is not None:
                 with contextlib.suppress(Exception):
-                    self._api.delete_session(name=self._session, metadata=self._metadata())
+                    api.delete_session(name=self._session, metadata=self._metadata())
             self._session = None
-            self._raw = None
+            self._raw = self._raw_api = None
+            self._connection.close()
             if self._owns_client and self._client is not None:
                 with contextlib.suppress(Exception):
                     self._client.close()
                 self._client = None
-            self._api = None
 
 
 _END = object()

@@ -10,6 +10,9 @@ passes through it as it would through a network. From any thread, while it forwa
   listening socket is closed, so a connect gets ECONNREFUSED) for a number of seconds;
 - :meth:`FaultProxy.stall` stops forwarding for a number of seconds: connections stay
   open and bytes wait, so only a client deadline or keepalive can notice;
+- :meth:`FaultProxy.blackhole` makes the connections open now carry nothing, for good
+  (bytes sent on them are dropped), while new connections work: a path that died without
+  a word, which only a client that opens a new connection gets past;
 - :meth:`FaultProxy.heal` ends every drop and stall at once;
 - :meth:`FaultProxy.chaos` applies those at random moments (uniform gaps averaging
   ``mean_interval``) from a seeded generator, for a bounded time; :attr:`FaultProxy.events`
@@ -43,8 +46,9 @@ from typing import Any, Literal, TypeVar
 
 __all__ = ["FaultEvent", "FaultKind", "FaultProxy", "ProxyStats"]
 
-FaultKind = Literal["reset", "drop", "stall"]
-_KINDS: tuple[FaultKind, ...] = ("reset", "drop", "stall")
+FaultKind = Literal["reset", "drop", "stall", "blackhole"]
+_KINDS: tuple[FaultKind, ...] = ("reset", "drop", "stall")  # chaos's by default
+_ALL_KINDS: tuple[FaultKind, ...] = (*_KINDS, "blackhole")
 _CHUNK = 64 * 1024
 _T = TypeVar("_T")
 
@@ -69,7 +73,8 @@ class FaultEvent:
 @dataclass
 class ProxyStats:
     """Counters since start: connections accepted, bytes forwarded each way, connections
-    ended by a reset or a drop, and connections that could not reach the target."""
+    ended by a reset or a drop, connections that could not reach the target, and bytes
+    dropped by a black hole."""
 
     accepted: int = 0
     bytes_up: int = 0  # client -> target
@@ -77,6 +82,7 @@ class ProxyStats:
     reset: int = 0
     dropped: int = 0
     upstream_failed: int = 0
+    blackholed_bytes: int = 0
     open: int = field(default=0)
 
 
@@ -110,6 +116,7 @@ class _Connection:
         self.client = client
         self.upstream = upstream
         self.tasks: list[asyncio.Task[None]] = []
+        self.blackholed = False
 
     def writers(self) -> tuple[asyncio.StreamWriter, asyncio.StreamWriter]:
         return self.client, self.upstream
@@ -274,8 +281,8 @@ class FaultProxy:
         conn = _Connection(writer, up_writer)
         self._connections.add(conn)
         self.stats.open = len(self._connections)
-        up = asyncio.ensure_future(self._pump(reader, up_writer, "bytes_up"))
-        down = asyncio.ensure_future(self._pump(up_reader, writer, "bytes_down"))
+        up = asyncio.ensure_future(self._pump(conn, reader, up_writer, "bytes_up"))
+        down = asyncio.ensure_future(self._pump(conn, up_reader, writer, "bytes_down"))
         conn.tasks = [up, down]
         try:
             await asyncio.gather(up, down, return_exceptions=True)
@@ -287,7 +294,8 @@ class FaultProxy:
                     w.transport.abort()
 
     async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counter: str
+        self, conn: _Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+        counter: str,
     ) -> None:
         assert self._flowing is not None
         try:
@@ -300,6 +308,9 @@ class FaultProxy:
                     return
                 # While stalled, hold the chunk; the kernel buffers fill up behind it.
                 await self._flowing.wait()
+                if conn.blackholed:
+                    self.stats.blackholed_bytes += len(data)
+                    continue
                 # Counted before it is written, so a peer that has the bytes sees them counted.
                 setattr(self.stats, counter, getattr(self.stats, counter) + len(data))
                 writer.write(data)
@@ -383,6 +394,18 @@ class FaultProxy:
         if time.monotonic() >= self._stalled_until - 1e-3:
             self._flowing.set()
 
+    def blackhole(self) -> int:
+        """From now on the connections open now carry nothing (what is sent on them is
+        dropped, nothing is closed); new connections work. Return how many there were."""
+        return self._call(self._blackhole())
+
+    async def _blackhole(self) -> int:
+        conns = [c for c in self._connections if not c.blackholed]
+        for conn in conns:
+            conn.blackholed = True
+        self._record("blackhole", 0.0, len(conns))
+        return len(conns)
+
     def heal(self) -> None:
         """End every drop and stall now (a running chaos schedule goes on)."""
         self._call(self._heal())
@@ -423,9 +446,9 @@ class FaultProxy:
         if mean_interval <= 0 or duration < 0 or not kinds:
             msg = "FaultProxy.chaos: mean_interval > 0, duration >= 0 and some kinds, please"
             raise ValueError(msg)
-        unknown = set(kinds) - set(_KINDS)
+        unknown = set(kinds) - set(_ALL_KINDS)
         if unknown:
-            msg = f"FaultProxy.chaos: unknown kinds {sorted(unknown)}; use {_KINDS}"
+            msg = f"FaultProxy.chaos: unknown kinds {sorted(unknown)}; use {_ALL_KINDS}"
             raise ValueError(msg)
         plan = _schedule(seed, mean_interval, duration, kinds, stall_seconds, drop_seconds,
                          max_events)
@@ -444,6 +467,8 @@ class FaultProxy:
                 await self._reset_all()
             elif kind == "drop":
                 await self._drop(seconds)
+            elif kind == "blackhole":
+                await self._blackhole()
             else:
                 await self._stall(seconds)
 

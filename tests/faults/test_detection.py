@@ -223,6 +223,64 @@ def test_resets_mid_stream_resume_without_loss_or_duplicates(
         assert got_data == want_data
 
 
+def test_a_dead_connection_mid_stream_is_replaced_and_reads_resume_exactly(
+    spanner_emulator: Emulator, proxy: FaultProxy, shop: tuple[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Live reads while the workload commits; once, the connection they use goes dead for
+    good (open, carrying nothing; new connections work). Each stream stalls, and the
+    retry goes out on a new connection: each read equals a fault-free read afterwards."""
+    import cdcflow.spanner.client as client_module
+
+    monkeypatch.setattr(client_module, "STALL_MIN_S", 1.0)  # stalls noticed after 1.2 s
+    database, db = shop
+    began = time.time_ns()
+    reader = SpannerChangeStreamClient(
+        database, query_timeout=60, retry=RetryPolicy(attempts=4),
+        spanner_client=_client(proxy.host),
+    )
+    direct = SpannerChangeStreamClient(database, spanner_client=_client(spanner_emulator.host))
+    root = ChangeStreamQuery(SHOP_STREAM, None, began, began + 1)
+    tokens = [c.token for r in direct.read(root) if isinstance(r, ChildPartitionsRecord)
+              for c in r.child_partitions]
+    workload = Workload(db, rate=30, seed=6)
+    workload.start(seconds=5)
+    end = began + 5_000_000_000
+    queries = [ChangeStreamQuery(SHOP_STREAM, t, began, end, heartbeat_millis=200)
+               for t in tokens]
+    faulted: list[list[tuple[Any, ...]]] = [[] for _ in queries]
+    errors: list[BaseException] = []
+
+    def read(i: int) -> None:
+        try:
+            faulted[i] = [_identity(r) for r in reader.read(queries[i])]
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(queries))]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        dead = proxy.blackhole()
+        accepted = proxy.stats.accepted
+        for t in threads:
+            t.join(60)
+    finally:
+        workload.stop()
+    clean = [[_identity(r) for r in direct.read(q)] for q in queries]
+    data = sum(1 for rows in clean for r in rows if r[0] == "data")
+    print(f"\n{len(queries)} live reads, {dead} connection(s) went dead, "
+          f"{proxy.stats.accepted - accepted} new, {data} data records compared")
+    assert not errors, errors
+    assert dead >= 1
+    assert proxy.stats.accepted > accepted  # the reads went on over a new connection
+    assert proxy.stats.blackholed_bytes > 0
+    assert data > 10
+    for got, want in zip(faulted, clean, strict=True):
+        assert [r for r in got if r[0] != "other"] == [r for r in want if r[0] != "other"]
+
+
 # -- the Spanner metadata store ----------------------------------------------------------
 
 
@@ -311,6 +369,27 @@ def test_a_store_call_rides_out_a_stall_shorter_than_its_retry_budget(
           f"{call.outcome}")
     assert not isinstance(call.outcome[0], Exception)  # it succeeded
     assert 4.5 <= call.took < 12
+
+
+@pytest.mark.parametrize("operation", ["read", "commit"])
+def test_a_store_call_gets_past_a_dead_connection_on_a_new_one(
+    spanner_emulator: Emulator, proxy: FaultProxy, operation: str
+) -> None:
+    store = _store(spanner_emulator, proxy, call_timeout=2.0)
+    calls: dict[str, Callable[[], Any]] = {
+        "read": lambda: store.partitions("p"),
+        "commit": lambda: store.insert_partitions("p", [_partition(unique("t"))]),
+    }
+    calls[operation]()
+    accepted = proxy.stats.accepted
+    assert proxy.blackhole() >= 1  # dead for good: only a new connection gets through
+    call = _Call(calls[operation])
+    assert call.wait(20.0), f"the store {operation} was still blocked 20 s after it began"
+    print(f"\nstore {operation} over a dead connection: returned after {call.took:.1f}s: "
+          f"{call.outcome}; {proxy.stats.accepted - accepted} new connection(s)")
+    assert not isinstance(call.outcome[0], Exception)  # it succeeded
+    assert proxy.stats.accepted > accepted
+    store.close()
 
 
 def test_store_read_backs_off_while_connections_are_refused(

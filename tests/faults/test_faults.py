@@ -415,3 +415,40 @@ def test_sigterm_during_an_outage_stops_at_once_then_a_restart_resumes(
             progress.close()
     assert not thread.is_alive()
     assert check_exactly_once(case, workload) > 20
+
+
+@pytest.mark.parametrize("store", ["sqlite", "spanner"])
+def test_a_connection_that_dies_mid_run_is_replaced_and_the_run_finishes(
+    spanner_emulator: Emulator, tmp_path: Path, store: str
+) -> None:
+    """At batch 2 every connection of the run goes dead for good (open, carrying nothing:
+    a path that died without a word); new connections work. The run notices its calls
+    passing their deadlines, opens new connections and finishes by itself (exit 0), every
+    change exactly once; without that, every retry would go out on the dead connection."""
+    case = Case(spanner_emulator, tmp_path, store=store)
+    progress = _Progress(case)
+    with FaultProxy(spanner_emulator.host, lifetime=BUDGET + 30) as proxy:
+        workload, thread, log, proc = _start_behind(proxy, case, seed=5, seconds=8)
+        try:
+            began = time.monotonic()
+            while progress.last() < 2 and proc.poll() is None:
+                assert time.monotonic() - began < 30, "no batch committed within 30 s"
+                time.sleep(0.05)
+            accepted = proxy.stats.accepted
+            dead = proxy.blackhole()
+            code = proc.wait(BUDGET)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            workload.stop()
+            progress.close()
+        text = log.read_text()
+        print(f"\n[{store}] {dead} connection(s) went dead at batch 2: exit {code}, "
+              f"{proxy.stats.accepted - accepted} new connection(s), "
+              f"{proxy.stats.blackholed_bytes} bytes into the void")
+        assert code == 0, text[-3000:]
+        assert dead >= 1
+        assert proxy.stats.accepted > accepted
+        assert "new connection" in text
+    assert not thread.is_alive()
+    assert check_exactly_once(case, workload) > 30

@@ -144,6 +144,25 @@ def test_stall_holds_new_connections_too(proxy: FaultProxy) -> None:
     assert time.monotonic() - began >= 0.8
 
 
+def test_blackhole_silences_open_connections_for_good_but_not_new_ones(
+    proxy: FaultProxy,
+) -> None:
+    with _connect(proxy) as old:
+        assert _exchange(old, b"before") == b"before"
+        assert proxy.blackhole() == 1
+        old.sendall(b"into the void")  # accepted by the kernel, dropped by the proxy
+        old.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            old.recv(16)  # nothing comes back, and nothing closes
+        with _connect(proxy) as new:
+            assert _exchange(new, b"fresh") == b"fresh"
+        old.sendall(b"still nothing")
+        with pytest.raises(TimeoutError):
+            old.recv(16)
+    assert proxy.stats.blackholed_bytes == len(b"into the void") + len(b"still nothing")
+    assert [e.kind for e in proxy.events] == ["blackhole"]
+
+
 def test_drop_closes_and_refuses_then_recovers(proxy: FaultProxy) -> None:
     sock = _connect(proxy)
     try:

@@ -1,0 +1,144 @@
+"""Connection: a call past its deadline retires the API it went out on; the next calls
+go out on a new connection. (On the emulator, through a proxy whose connections go dead:
+tests/faults/test_detection.py.)"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from cdcflow.spanner import connection as conn_module
+from cdcflow.spanner.connection import Connection, connection_api, past_deadline
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Api:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.transport = _Transport()
+
+
+class _Clock:
+    def __init__(self, now: list[float]) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now[0]
+
+
+def _deadline() -> Exception:
+    from google.api_core.exceptions import DeadlineExceeded
+
+    return DeadlineExceeded("no answer")  # type: ignore[no-untyped-call]
+
+
+def _unavailable() -> Exception:
+    from google.api_core.exceptions import ServiceUnavailable
+
+    return ServiceUnavailable("refused")  # type: ignore[no-untyped-call]
+
+
+def test_past_deadline_knows_api_core_and_grpc_errors() -> None:
+    import grpc
+
+    class RpcError(grpc.RpcError):  # type: ignore[misc]
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    assert past_deadline(_deadline())
+    assert past_deadline(RpcError())
+    assert not past_deadline(_unavailable())
+    assert not past_deadline(ValueError("x"))
+
+
+def test_only_a_call_past_its_deadline_retires_the_connection() -> None:
+    opened: list[int] = []
+
+    def open_api(n: int) -> _Api:
+        opened.append(n)
+        return _Api(n)
+
+    c = Connection(open_api, "test", longest_call=30)
+    first = c.api()
+    assert c.api() is first and opened == [0]
+    c.failed(first, _unavailable())  # a refused connection is not a dead one
+    assert c.api() is first
+    c.failed(first, _deadline())
+    c.failed(first, _deadline())  # a second call that failed on it: retired once
+    second = c.api()
+    assert second is not first and opened == [0, 1] and c.replaced == 1
+    assert not first.transport.closed  # calls still on it go on until their deadline
+    c.failed(first, _deadline())  # a late report about the retired one changes nothing
+    assert c.api() is second
+
+
+def test_retired_connections_close_once_their_calls_are_past_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(conn_module, "time", _Clock(now))
+    c = Connection(_Api, "test", longest_call=10)
+    c.deadline(20)  # a longer call went out: retired APIs are kept 20 s
+    a = c.api()
+    c.failed(a, _deadline())
+    now[0] += 15
+    b = c.api()
+    c.failed(b, _deadline())
+    assert not a.transport.closed  # 15 s < 20 s: a call on it may still run
+    now[0] += 10
+    d = c.api()
+    c.failed(d, _deadline())
+    assert a.transport.closed and not b.transport.closed
+    e = c.api()
+    c.close()
+    assert b.transport.closed and d.transport.closed and e.transport.closed
+
+
+def test_close_leaves_the_first_connection_to_its_owner() -> None:
+    c = Connection(_Api, "test", longest_call=10)
+    first = c.api()
+    c.close()
+    assert not first.transport.closed
+
+
+def test_a_new_connection_to_spanner_keeps_the_stock_settings_and_adds_its_mark(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Cloud Spanner path (not the emulator's): endpoint, credentials and the stock
+    channel options as the stock client sets them, plus the argument that keeps gRPC from
+    sharing another channel's connection. Nothing connects: channels dial lazily."""
+    from google.cloud import spanner
+    from google.cloud.spanner_v1.services.spanner.transports.grpc import SpannerGrpcTransport
+    from google.oauth2.credentials import Credentials
+
+    monkeypatch.delenv("SPANNER_EMULATOR_HOST", raising=False)
+    seen: list[dict[str, Any]] = []
+    stock = SpannerGrpcTransport.create_channel
+
+    def spy(host: str, **kwargs: Any) -> Any:
+        seen.append({"host": host, **kwargs})
+        return stock(host, **kwargs)
+
+    monkeypatch.setattr(SpannerGrpcTransport, "create_channel", spy)
+    client = spanner.Client(project="p", credentials=Credentials(token="t"),  # type: ignore[no-untyped-call]
+                            disable_builtin_metrics=True)
+    began = time.monotonic()
+    api = connection_api(client, None, 3)
+    assert time.monotonic() - began < 5
+    assert len(seen) == 1
+    options = dict(seen[0]["options"])
+    assert options["cdcflow.connection"] == 3
+    assert options["grpc.max_receive_message_length"] == -1  # the stock options are kept
+    assert "keepalive" in " ".join(options)
+    assert seen[0]["host"].startswith("spanner.googleapis.com")
+    assert api.transport.grpc_channel is not None
+    api.transport.close()
