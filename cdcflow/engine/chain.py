@@ -170,9 +170,11 @@ class Chain:
         self._released: list[tuple[int, Any]] = []
         self._release_lock = threading.Lock()
         self._quota: ByteQuota = process_quota(quota_limit(program.max_inflight_bytes))
-        self._held = 0  # bytes of this chain's records charged to the quota, not yet returned
+        self._held = 0  # bytes this chain charged to the quota, not yet returned
         self._owed = 0  # of those, bytes whose elements every sink has taken (given back soon)
-        # given back in lots of at most this many bytes: one lock a lot, not one a record
+        self._credit = 0  # of those, bytes taken ahead for records not read yet
+        # taken and given back in lots of at most this many bytes: one lock a lot, not one
+        # a record
         self._owed_lot = max(1, min(self._quota.limit // 64, _MAX_LOT))
         self._peak_held = 0
         if program.max_inflight > 1:
@@ -255,21 +257,41 @@ class Chain:
         """Charge ``size`` bytes to the process's quota: the one place reading blocks on
         memory. While it waits, this chain delivers its own completed records (giving
         their bytes back), so tasks holding bytes never wait on each other forever."""
-        counts = self._counts
-        if not self._quota.try_acquire(size):  # room at once: the usual case, untimed
+        credit = self._credit
+        if size <= credit:  # taken ahead, in the last lot: the usual case
+            self._credit = credit - size
+        else:
+            self._charge(size)
+        # what the sinks took, and the credit, are held for the quota only, not in the chain
+        held = self._held - self._owed - self._credit
+        if held > self._peak_held:
+            self._peak_held = self._counts["inflight_bytes_peak"] = held
+
+    def _charge(self, size: int) -> None:
+        """Take ``size`` bytes from the quota, with a lot of credit for the next records
+        when there is room at once; else exactly ``size``, waiting for them."""
+        quota = self._quota
+        if self._credit:  # too little for this record: given back first
+            quota.release(self._credit)
+            self._held -= self._credit
+            self._credit = 0
+        lot = self._owed_lot
+        if size < lot and quota.try_acquire(lot):
+            self._held += lot
+            self._credit = lot - size
+            return
+        if not quota.try_acquire(size):  # room at once: untimed
             began = time.perf_counter()
-            while not self._quota.acquire(size, until=self._must_give_back):
+            while not quota.acquire(size, until=self._must_give_back):
                 self._run_bundle()  # a held bundle would hold its bytes while this one waits
                 self._flush()
                 self._give_back_owed()
             waited = time.perf_counter() - began
             if waited > 0.001:  # admitted at once takes microseconds: this one waited
+                counts = self._counts
                 counts["quota_waits"] = counts.get("quota_waits", 0) + 1
                 counts["quota_wait_us"] = counts.get("quota_wait_us", 0) + int(waited * 1e6)
-        held = self._held = self._held + size
-        held -= self._owed  # what the sinks took is held for the quota only, not in the chain
-        if held > self._peak_held:
-            self._peak_held = counts["inflight_bytes_peak"] = held
+        self._held += size
 
     def _must_give_back(self) -> bool:
         # Read without the lock: a stale answer only delays.
@@ -289,7 +311,7 @@ class Chain:
             self._quota.release(owed)
 
     def _give_back_all(self) -> None:
-        self._owed = 0
+        self._owed = self._credit = 0
         held, self._held = self._held, 0
         if held:
             self._quota.release(held)

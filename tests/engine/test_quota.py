@@ -267,6 +267,36 @@ def test_tasks_reading_one_record_at_a_time_share_the_quota() -> None:
     assert _overlapping(_lifetimes) >= 2
 
 
+def test_small_records_take_the_quota_in_lots_and_give_every_byte_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Far from the limit a chain takes bytes ahead, a lot (1/64 of the quota) at a time, so
+    # the quota's lock is taken once a lot rather than once a record; the lot it has not
+    # used yet goes back with the rest when the task ends.
+    calls = [0]
+    stock = ByteQuota.try_acquire
+
+    def counting(self: ByteQuota, n: int) -> bool:
+        calls[0] += 1
+        return stock(self, n)
+
+    monkeypatch.setattr(ByteQuota, "try_acquire", counting)
+    backlog = _backlog(records=2000, payload=64)  # 8000 small records
+    sink = _SlowSink(0.0)
+    p = cf.Pipeline("lots")
+    (p
+     | DetectPartitions(stream="B", start_at=backlog.origin, end_at=backlog.end, client=backlog)
+     | ReadPartition(heartbeat="1s", max_inflight_bytes=1 << 20)
+     | sink)
+    process_quota(1 << 20).reset_peak()
+    opts = RunOptions(batch_interval=0, max_batch_span=3600.0, batch_retries=0)
+    Engine(p, MemoryStore(), InMemoryRunner(workers=4), opts).run()
+    assert sink.count == 8000
+    stats = process_quota().stats()
+    assert stats.used == 0 and stats.peak <= 1 << 20
+    assert 0 < calls[0] < 8000 // 10, calls[0]
+
+
 def _query(token: str) -> Any:
     from cdcflow.stream import ChangeStreamQuery
 
