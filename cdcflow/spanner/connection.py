@@ -134,7 +134,8 @@ class Connection:
                   "connection", self._what, describe(exc)[:300])
 
     def close(self) -> None:
-        """Close the connections opened here (the first one belongs to whoever gave it)."""
+        """Close the APIs retired here and the current one if it was opened here (the
+        first one, while current, is left to whoever built it)."""
         with self._lock:
             own = [api for _, api in self._retired]
             if self.replaced and self._api is not None:
