@@ -500,9 +500,14 @@ class Engine:
                 view.planned(transitions, now)
             next_id = plan.batch_id + 1
             self.listener.on_planned(plan, replay)
+            # Caught up with the clock: a slice was read up to now, so the next batch has
+            # little to read until the clock moves on (paced below). A batch whose slices
+            # all stop at their partitions' ends (an end_at in the past; partitions that
+            # ended) lags: their children, or the end of the run, follow at once.
+            caught_up = not replay and any(s.end >= now for s in plan.slices)
             # Read the next batch while this one commits only when it would follow at once
             # anyway: the run lags the clock (no pacing wait), and it is not the last.
-            lagging = not replay and plan.end < now
+            lagging = not replay and not caught_up
             room = opts.max_batches is None or batches + 1 < opts.max_batches
             read_ahead = may_read_ahead if opts.pipelined and lagging and room else None
             try:
@@ -521,8 +526,8 @@ class Engine:
             for key in ("skipped", "retries", "dead_lettered"):
                 totals[key] += stats.counters.get(key, 0)
             self.listener.on_batch(stats)
-            if not replay and plan.end >= now:
-                # Caught up with the clock: pace batches instead of spinning on tiny ones.
+            if caught_up:
+                # Pace batches instead of spinning on tiny ones.
                 self._wait(batch_began + opts.batch_interval - time.monotonic(), deadline)
         run.drop_ahead()  # the run ends after the batch that committed last
         parts = view.snapshot()

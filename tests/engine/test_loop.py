@@ -155,6 +155,37 @@ def test_end_at_excludes_later_records_and_ends_the_run(runner: Runner) -> None:
     assert again.reason == "end reached" and again.batches == 0
 
 
+def test_batches_that_stop_at_their_partitions_ends_follow_at_once(
+    runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog read with an end_at in the past, its span within one batch: every slice
+    stops at its partition's end, before the clock, so no batch is paced (the batch
+    interval is for runs that caught up with the clock), neither the children's batch
+    after the root's nor the end of the run after the last."""
+    waits: list[float] = []
+    stock = Engine._wait
+
+    def recorded(self: Engine, seconds: float, deadline: float | None) -> None:
+        waits.append(seconds)
+        stock(self, seconds, deadline)
+
+    monkeypatch.setattr(Engine, "_wait", recorded)
+    origin = time.time_ns() - 20 * S  # a recent backlog: its lag is within one batch span
+    s = ScriptedChangeStream("S", partitions=2, origin=origin)
+    s.split("p0", at=origin + 3 * S, into=["a", "b"])
+    for i in range(40):
+        s.write("T", i % 7, "UPDATE", {"i": i}, at=origin + (i + 1) * S // 5)
+    out = Collect()
+    p = cf.Pipeline("eng")
+    (p | DetectPartitions(stream="S", start_at=origin, end_at=origin + 10 * S, client=s)
+     | ReadPartition(heartbeat="500ms") | out)
+    summary = run(runner, p, batch_interval=30.0, max_batch_span=3600.0)
+    assert summary.reason == "end reached"
+    assert len(out.items) == len(s.expected_records(origin, origin + 10 * S + 1)) == 40
+    assert summary.batches >= 3  # the root, the partitions, the children of the split
+    assert [w for w in waits if w > 0] == []
+
+
 def test_idle_stream_advances_its_watermark(runner: Runner) -> None:
     s = ScriptedChangeStream("S", partitions=3, origin=T0)
     seen: list[BatchStats] = []
