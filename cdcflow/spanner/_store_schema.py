@@ -47,7 +47,7 @@ __all__ = [
     "TABLE_NAME",
     "BrokenCall",
     "bound_rpcs",
-    "close_rpcs",
+    "data_connection",
     "database_exists",
     "detect_dialect",
     "ensure_schema",
@@ -271,40 +271,35 @@ class _BoundedApi:
             return result
         return _Stream(result, functools.partial(self._connection.failed, api))
 
-    def close_connections(self) -> None:
-        """Close the connections opened after the first one's."""
-        self._connection.close()
+
+def data_connection(db: Any, client: Any, what: str, timeout: float) -> Connection:
+    """The connection the data RPCs of ``db`` (a ``google.cloud.spanner`` Database of
+    ``client``) go out on: its own API first, then, after a call passed its deadline, a
+    new one (see :mod:`cdcflow.spanner.connection`). ``what`` names the caller in logs."""
+    stock = db.spanner_api
+    emulator = client.instance(db.name.split("/")[3]).emulator_host
+
+    def open_api(connection: int) -> Any:
+        return stock if connection == 0 else connection_api(client, emulator)
+
+    return Connection(open_api, what, timeout)
 
 
-def bound_rpcs(db: Any, timeout: float, client: Any = None) -> None:
+def bound_rpcs(db: Any, timeout: float, connection: Connection | None = None) -> None:
     """Make every data RPC of ``db`` (a ``google.cloud.spanner`` Database) go out without
-    the stock retry and with a deadline of ``timeout`` seconds; with ``client`` (the
-    ``google.cloud.spanner.Client`` of ``db``), on a new connection after a call passed
-    its deadline (see :mod:`cdcflow.spanner.connection`).
+    the stock retry and with a deadline of ``timeout`` seconds, through ``connection``
+    (:func:`data_connection`; by default, ``db``'s own API, never replaced).
 
     Sessions, snapshots and transactions all reach the server through the database's
     ``spanner_api``, which the Database builds once and keeps in ``_spanner_api``; that
     attribute is the one place to bound them all (the client has no setting for it).
     """
-    api = db.spanner_api
-    if isinstance(api, _BoundedApi):
+    if isinstance(getattr(db, "_spanner_api", None), _BoundedApi):
         return
-    def open_api(connection: int) -> Any:
-        if connection == 0 or client is None:
-            return api
-        instance = client.instance(db.name.split("/")[3])
-        return connection_api(client, instance.emulator_host, connection)
-
-    db._spanner_api = _BoundedApi(
-        Connection(open_api, f"the Spanner store in {db.name}", timeout), timeout
-    )
-
-
-def close_rpcs(db: Any) -> None:
-    """Close the connections :func:`bound_rpcs` opened for ``db`` (not the first)."""
-    api = getattr(db, "_spanner_api", None)
-    if isinstance(api, _BoundedApi):
-        api.close_connections()
+    if connection is None:
+        api = db.spanner_api
+        connection = Connection(lambda _: api, db.name, timeout)
+    db._spanner_api = _BoundedApi(connection, timeout)
 
 
 def use_session_pool_on_emulator() -> None:

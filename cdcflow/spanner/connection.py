@@ -9,15 +9,17 @@ the channels of equal arguments one shared connection: a new client does not hel
 :class:`Connection` keeps the API calls go through. When a call on it ends with
 ``DEADLINE_EXCEEDED`` (a stalled stream, an RPC that got no answer), :meth:`Connection.failed`
 retires it: the next call opens a new API whose channel has an argument of its own
-(:func:`connection_api`), hence a new connection. Calls still running on a retired API go on
-(a stalled one ends at its own deadline); the API is closed once every call it carried is
-past its deadline. Retiring a healthy connection costs one new connection, nothing else.
+(:func:`connection_api`: a number no other channel of the process has), hence a new
+connection. Calls still running on a retired API go on (a stalled one ends at its own
+deadline); the API is closed once every call it carried is past its deadline. Retiring a
+healthy connection costs one new connection, nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -29,6 +31,8 @@ from cdcflow.errors import describe
 __all__ = ["Connection", "connection_api", "past_deadline"]
 
 _log = logging.getLogger("cdcflow.spanner")
+#: Numbers the channels of connection_api apart (next() is atomic in CPython).
+_SERIAL = itertools.count(1)
 
 
 def past_deadline(exc: BaseException) -> bool:
@@ -44,38 +48,54 @@ def past_deadline(exc: BaseException) -> bool:
     return getattr(code, "name", None) == "DEADLINE_EXCEEDED"
 
 
-def connection_api(client: Any, emulator: str | None, connection: int) -> Any:
-    """A Spanner API (GAPIC ``SpannerClient``) for ``client`` (a
-    ``google.cloud.spanner.Client``) on a connection of its own: its channel's arguments
-    name ``connection``, so gRPC does not hand it another channel's connection. Otherwise
-    it is built as the stock client builds its own (endpoint, credentials, options)."""
+def connection_api(client: Any, emulator: str | None, admin: bool = False) -> Any:
+    """A Spanner API (GAPIC ``SpannerClient``; with ``admin``, ``DatabaseAdminClient``)
+    for ``client`` (a ``google.cloud.spanner.Client``) on a connection of its own: its
+    channel's arguments hold a number no other channel of the process has, so gRPC does
+    not hand it another channel's connection. Otherwise it is built as the stock client
+    builds its own (endpoint, credentials, options)."""
     import grpc
-    from google.cloud.spanner_v1.services.spanner import SpannerClient
     from google.cloud.spanner_v1.services.spanner.transports.base import DEFAULT_CLIENT_INFO
-    from google.cloud.spanner_v1.services.spanner.transports.grpc import SpannerGrpcTransport
 
-    mark = ("cdcflow.connection", connection)
+    api_class, transport_class = _classes(admin)
+    mark = ("cdcflow.connection", next(_SERIAL))
     client_info: Any = getattr(client, "_client_info", None) or DEFAULT_CLIENT_INFO
     if emulator is not None:
         channel = grpc.insecure_channel(emulator, options=[mark])
-        return SpannerClient(client_info=client_info,
-                             transport=SpannerGrpcTransport(channel=channel))
+        return api_class(client_info=client_info, transport=transport_class(channel=channel))
 
     def new_channel(host: str, **kwargs: Any) -> Any:
         kwargs["options"] = [*kwargs.get("options", ()), mark]
-        return SpannerGrpcTransport.create_channel(host, **kwargs)
+        return transport_class.create_channel(host, **kwargs)
 
     from google.auth.credentials import Scoped
     from google.cloud.spanner_v1.database import SPANNER_DATA_SCOPE
 
     credentials = client.credentials
-    if isinstance(credentials, Scoped):
+    if not admin and isinstance(credentials, Scoped):  # as Database.spanner_api scopes them
         credentials = credentials.with_scopes((SPANNER_DATA_SCOPE,))  # type: ignore[no-untyped-call]
-    return SpannerClient(
+    return api_class(
         credentials=credentials, client_info=client_info,
         client_options=getattr(client, "_client_options", None),
-        transport=functools.partial(SpannerGrpcTransport, channel=new_channel),
+        transport=functools.partial(transport_class, channel=new_channel),
     )
+
+
+def _classes(admin: bool) -> tuple[Any, Any]:
+    """The GAPIC client and gRPC transport classes of the data or the admin API."""
+    if admin:
+        from google.cloud.spanner_admin_database_v1.services.database_admin import (
+            DatabaseAdminClient,
+        )
+        from google.cloud.spanner_admin_database_v1.services.database_admin.transports import (
+            grpc as admin_grpc,
+        )
+
+        return DatabaseAdminClient, admin_grpc.DatabaseAdminGrpcTransport
+    from google.cloud.spanner_v1.services.spanner import SpannerClient
+    from google.cloud.spanner_v1.services.spanner.transports.grpc import SpannerGrpcTransport
+
+    return SpannerClient, SpannerGrpcTransport
 
 
 def _close(api: Any) -> None:
@@ -99,10 +119,24 @@ class Connection:
 
     def api(self) -> Any:
         """The current API (opened now if there is none)."""
+        expired: list[Any] = []
         with self._lock:
+            if self._retired:
+                expired = self._expired(time.monotonic())
             if self._api is None:
                 self._api = self._open(self.replaced)
-            return self._api
+            api = self._api
+        for old in expired:
+            _close(old)
+        return api
+
+    def _expired(self, now: float) -> list[Any]:
+        """The retired APIs every call of which is past its deadline, taken off the list
+        (to be closed); called with the lock held."""
+        kept = [(at, a) for at, a in self._retired if now - at <= self._longest_call]
+        expired = [a for at, a in self._retired if now - at > self._longest_call]
+        self._retired = kept
+        return expired
 
     @property
     def current(self) -> Any:
@@ -124,9 +158,7 @@ class Connection:
             self.replaced += 1
             self._api = None
             now = time.monotonic()
-            expired = [a for at, a in self._retired if now - at > self._longest_call]
-            self._retired = [(at, a) for at, a in self._retired
-                             if now - at <= self._longest_call]
+            expired = self._expired(now)
             self._retired.append((now, api))
         for old in expired:
             _close(old)

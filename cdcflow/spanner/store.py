@@ -90,6 +90,7 @@ from cdcflow.spanner import _store_txn as steps
 from cdcflow.spanner._store_retry import StoreRetries
 from cdcflow.spanner._store_schema import DEFAULT_TABLE, parse_spanner_url, to_ns
 from cdcflow.spanner._store_sql import Dialect, StoreSql, Tables
+from cdcflow.spanner.connection import Connection, connection_api
 from cdcflow.spanner.retry import status_name
 from cdcflow.spanner.translate import error_text, unreachable
 from cdcflow.spanner.transport import emulator_host, endpoint
@@ -169,6 +170,8 @@ class SpannerStore:
         self._client = client
         self._own_client = client is None  # made from the environment (see _open)
         self._db: Any = None
+        self._data: Connection | None = None  # what data RPCs go out on (bound_rpcs)
+        self._admin: Connection | None = None  # the database admin API (schema changes)
         self._sql: StoreSql | None = None
         self._schema_ready = False
         self._retries = StoreRetries(self.url)
@@ -239,8 +242,9 @@ class SpannerStore:
 
             self._client = spanner.Client(project=self._project, disable_builtin_metrics=True)
         db = self._client.instance(self._instance_id).database(self._database_id)
-        admin = self._client.database_admin_api
-        if not schema.database_exists(admin, self.database_path, self.call_timeout):
+        if not self._admin_call(
+            lambda admin: schema.database_exists(admin, self.database_path, self.call_timeout)
+        ):
             if emulator_host() is None:
                 msg = (
                     f"the Spanner database {self.database_path} does not exist; create it "
@@ -249,9 +253,33 @@ class SpannerStore:
                 )
                 raise StoreError(msg)
             db = self._create_on_emulator()
-        schema.bound_rpcs(db, self.call_timeout, self._client)
+        if self._data is None:  # kept across attempts: a retry goes out on a new one
+            self._data = schema.data_connection(db, self._client, f"the Spanner store {self.url}",
+                                                self.call_timeout)
+        schema.bound_rpcs(db, self.call_timeout, self._data)
         self._sql = StoreSql(schema.detect_dialect(db), self.tables)
         return db
+
+    def _admin_call(self, fn: Callable[[Any], _T]) -> _T:
+        """``fn(admin API)``; a call past its deadline retires the admin API's connection
+        (see :mod:`cdcflow.spanner.connection`), as the data RPCs' (``bound_rpcs``)."""
+        client = self._client
+        if self._admin is None:
+            emulator = client.instance(self._instance_id).emulator_host
+
+            def open_admin(n: int) -> Any:
+                if n == 0:
+                    return client.database_admin_api
+                return connection_api(client, emulator, admin=True)
+
+            self._admin = Connection(open_admin, f"the Spanner store {self.url} (schema)",
+                                     self.call_timeout)
+        admin = self._admin.api()
+        try:
+            return fn(admin)
+        except Exception as exc:
+            self._admin.failed(admin, exc)
+            raise
 
     def _create_on_emulator(self) -> Any:
         # Emulator only (tests, the demo): the stock calls and their own retries suffice.
@@ -285,7 +313,6 @@ class SpannerStore:
         version; return what was created (tables, indexes, columns, the policy)."""
         db = self._database()
         sql = self._statements()
-        admin = self._client.database_admin_api
 
         def busy(e: BaseException) -> bool:
             # Another store is changing the schema right now (the emulator refuses a second
@@ -297,7 +324,8 @@ class SpannerStore:
 
         created = self._retrying(
             "creating the metadata tables",
-            lambda: schema.ensure_schema(db, admin, self.database_path, sql, self.call_timeout),
+            lambda: self._admin_call(lambda admin: schema.ensure_schema(
+                db, admin, self.database_path, sql, self.call_timeout)),
             retry_if=busy,
             fix="the store needs permission to change the database's schema",
         )
@@ -576,9 +604,10 @@ class SpannerStore:
     def close(self) -> None:
         # Database.close() joins a maintenance thread that sleeps for minutes and Client has
         # no close(); the client's threads are daemons, so dropping the references suffices.
-        if self._db is not None:
-            schema.close_rpcs(self._db)
-        self._db = None
+        for connection in (self._data, self._admin):
+            if connection is not None:
+                connection.close()
+        self._db = self._data = self._admin = None
         self._client = None
 
     def __repr__(self) -> str:

@@ -127,7 +127,7 @@ class GrpcTransport:
         instance = self._client.instance(parts[3])
         if connection == 0:
             return instance.database(parts[5]).spanner_api
-        return connection_api(self._client, instance.emulator_host, connection)
+        return connection_api(self._client, instance.emulator_host)
 
     def _spanner_api(self) -> Any:
         return self._connection.api()
@@ -193,6 +193,9 @@ class GrpcTransport:
                 request_serializer=ExecuteSqlRequest.serialize,
                 response_deserializer=None,
             )
+            # api_core's wrapper would wait for the first message as the call is made,
+            # before the reader's idle bound applies: awaited like the others, it is.
+            stub._prefetch_first_result_ = False
             raw = gapic_v1.method.wrap_method(  # type: ignore[no-untyped-call]
                 stub, default_retry=None, default_timeout=None,
                 client_info=DEFAULT_CLIENT_INFO,

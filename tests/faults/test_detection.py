@@ -281,6 +281,34 @@ def test_a_dead_connection_mid_stream_is_replaced_and_reads_resume_exactly(
         assert [r for r in got if r[0] != "other"] == [r for r in want if r[0] != "other"]
 
 
+def test_a_query_waiting_for_its_first_message_on_a_dead_connection_is_retried_soon(
+    proxy: FaultProxy, shop: tuple[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connection dies between two reads: the next query gets no first message. The
+    stall bound (not the 60 s query deadline) ends it, and the retry, on a new connection,
+    reads what a read before the fault read."""
+    import cdcflow.spanner.client as client_module
+
+    monkeypatch.setattr(client_module, "STALL_MIN_S", 1.0)
+    database, _ = shop
+    root = _root()
+    reader = SpannerChangeStreamClient(
+        database, query_timeout=60, retry=RetryPolicy(attempts=3),
+        spanner_client=_client(proxy.host),
+    )
+    expected = [_identity(r) for r in reader.read(root)]
+    accepted = proxy.stats.accepted
+    assert proxy.blackhole() == 1
+    took, got, error = _timed(lambda: [_identity(r) for r in reader.read(root)])
+    print(f"\nread over a dead connection: {took:.2f}s, error={error}, "
+          f"{proxy.stats.accepted - accepted} new connection(s)")
+    assert error is None
+    assert got == expected
+    assert proxy.stats.accepted > accepted
+    assert took < 20  # 6 heartbeats of 1 s (the stall bound): not the 60 s deadline
+    reader.close()
+
+
 # -- the Spanner metadata store ----------------------------------------------------------
 
 
@@ -390,6 +418,31 @@ def test_a_store_call_gets_past_a_dead_connection_on_a_new_one(
     assert not isinstance(call.outcome[0], Exception)  # it succeeded
     assert proxy.stats.accepted > accepted
     store.close()
+
+
+def test_a_store_opened_over_a_dead_connection_gets_past_it(
+    spanner_emulator: Emulator, proxy: FaultProxy
+) -> None:
+    """The process's connection dies; then a store is opened (a restarted run's first
+    steps): its admin calls (does the database exist? the schema) and its data calls
+    each pass one deadline, then go out on new connections."""
+    first = _store(spanner_emulator, proxy, call_timeout=2.0)
+    first.partitions("p")
+    assert proxy.blackhole() >= 1
+    accepted = proxy.stats.accepted
+    name = unique("meta")
+    spanner_emulator.create_database(name)
+    store = SpannerStore(spanner_emulator.database_path(name), client=_client(proxy.host),
+                         call_timeout=2.0, retry=RetryPolicy(attempts=20, deadline=30.0))
+    call = _Call(lambda: (store.ensure_schema(), store.partitions("p")))
+    assert call.wait(60.0), "opening the store was still blocked after 60 s"
+    print(f"\nstore opened over a dead connection: {call.took:.1f}s: {call.outcome}; "
+          f"{proxy.stats.accepted - accepted} new connection(s)")
+    assert not isinstance(call.outcome[0], Exception), call.outcome[0]
+    assert proxy.stats.accepted > accepted
+    assert call.took < 20
+    store.close()
+    first.close()
 
 
 def test_store_read_backs_off_while_connections_are_refused(

@@ -103,6 +103,21 @@ def test_retired_connections_close_once_their_calls_are_past_deadline(
     assert b.transport.closed and d.transport.closed and e.transport.closed
 
 
+def test_a_retired_connection_closes_with_the_next_call_past_its_deadlines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(conn_module, "time", _Clock(now))
+    c = Connection(_Api, "test", longest_call=10)
+    a = c.api()
+    c.failed(a, _deadline())
+    b = c.api()
+    now[0] += 5
+    assert c.api() is b and not a.transport.closed
+    now[0] += 6  # every call a carried is past its deadline now: no failure needed
+    assert c.api() is b and a.transport.closed and not b.transport.closed
+
+
 def test_close_leaves_the_first_connection_to_its_owner() -> None:
     c = Connection(_Api, "test", longest_call=10)
     first = c.api()
@@ -132,13 +147,34 @@ def test_a_new_connection_to_spanner_keeps_the_stock_settings_and_adds_its_mark(
     client = spanner.Client(project="p", credentials=Credentials(token="t"),  # type: ignore[no-untyped-call]
                             disable_builtin_metrics=True)
     began = time.monotonic()
-    api = connection_api(client, None, 3)
+    api = connection_api(client, None)
+    other = connection_api(client, None)
     assert time.monotonic() - began < 5
-    assert len(seen) == 1
+    assert len(seen) == 2
     options = dict(seen[0]["options"])
-    assert options["cdcflow.connection"] == 3
+    # a number of its own: two new connections never share one
+    assert options["cdcflow.connection"] != dict(seen[1]["options"])["cdcflow.connection"]
     assert options["grpc.max_receive_message_length"] == -1  # the stock options are kept
     assert "keepalive" in " ".join(options)
     assert seen[0]["host"].startswith("spanner.googleapis.com")
     assert api.transport.grpc_channel is not None
-    api.transport.close()
+    for made in (api, other):
+        made.transport.close()
+
+
+def test_a_new_connection_to_the_admin_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    from google.cloud import spanner
+    from google.cloud.spanner_admin_database_v1.services.database_admin import (
+        DatabaseAdminClient,
+    )
+    from google.oauth2.credentials import Credentials
+
+    monkeypatch.delenv("SPANNER_EMULATOR_HOST", raising=False)
+    client = spanner.Client(project="p", credentials=Credentials(token="t"),  # type: ignore[no-untyped-call]
+                            disable_builtin_metrics=True)
+    for emulator in (None, "127.0.0.1:1"):
+        admin = connection_api(client, emulator, admin=True)
+        assert isinstance(admin, DatabaseAdminClient)
+        transport: Any = admin.transport
+        assert transport.grpc_channel is not None
+        transport.close()
