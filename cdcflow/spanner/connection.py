@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cdcflow.errors import describe
+from cdcflow.spanner.retry import status_name
 
 __all__ = ["Connection", "connection_api", "past_deadline"]
 
@@ -37,15 +38,7 @@ _SERIAL = itertools.count(1)
 
 def past_deadline(exc: BaseException) -> bool:
     """Whether ``exc`` is DEADLINE_EXCEEDED (an api_core or a grpc error)."""
-    code = getattr(exc, "grpc_status_code", None)
-    if code is None:
-        code = getattr(exc, "code", None)
-        if callable(code):
-            try:
-                code = code()
-            except Exception:
-                return False
-    return getattr(code, "name", None) == "DEADLINE_EXCEEDED"
+    return status_name(exc) == "DEADLINE_EXCEEDED"
 
 
 def connection_api(client: Any, emulator: str | None, admin: bool = False) -> Any:

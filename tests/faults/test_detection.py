@@ -329,6 +329,14 @@ def _partition(token: str) -> PartitionMetadata:
     )
 
 
+def _store_calls(store: SpannerStore) -> dict[str, Callable[[], Any]]:
+    """A store read and a store commit, by name."""
+    return {
+        "read": lambda: store.partitions("p"),
+        "commit": lambda: store.insert_partitions("p", [_partition(unique("t"))]),
+    }
+
+
 class _Call:
     """``fn`` running in a daemon thread, so a test can give up waiting on it."""
 
@@ -361,10 +369,7 @@ def test_a_stalled_store_call_fails_at_its_deadlines_instead_of_hanging(
     # it, and the retry policy's deadline bounds the whole operation.
     store = _store(spanner_emulator, proxy, call_timeout=2.0,
                    retry=RetryPolicy(attempts=10, initial=0.1, maximum=0.5, deadline=6.0))
-    calls: dict[str, Callable[[], Any]] = {
-        "read": lambda: store.partitions("p"),
-        "commit": lambda: store.insert_partitions("p", [_partition(unique("t"))]),
-    }
+    calls = _store_calls(store)
     calls[operation]()  # warm: sessions exist, the connection is up
     proxy.stall(60)
     call = _Call(calls[operation])
@@ -385,10 +390,7 @@ def test_a_store_call_rides_out_a_stall_shorter_than_its_retry_budget(
     spanner_emulator: Emulator, proxy: FaultProxy, operation: str
 ) -> None:
     store = _store(spanner_emulator, proxy, call_timeout=2.0)
-    calls: dict[str, Callable[[], Any]] = {
-        "read": lambda: store.partitions("p"),
-        "commit": lambda: store.insert_partitions("p", [_partition(unique("t"))]),
-    }
+    calls = _store_calls(store)
     calls[operation]()
     proxy.stall(5)  # heals itself after 5 s
     call = _Call(calls[operation])
@@ -404,10 +406,7 @@ def test_a_store_call_gets_past_a_dead_connection_on_a_new_one(
     spanner_emulator: Emulator, proxy: FaultProxy, operation: str
 ) -> None:
     store = _store(spanner_emulator, proxy, call_timeout=2.0)
-    calls: dict[str, Callable[[], Any]] = {
-        "read": lambda: store.partitions("p"),
-        "commit": lambda: store.insert_partitions("p", [_partition(unique("t"))]),
-    }
+    calls = _store_calls(store)
     calls[operation]()
     accepted = proxy.stats.accepted
     assert proxy.blackhole() >= 1  # dead for good: only a new connection gets through

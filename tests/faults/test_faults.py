@@ -304,6 +304,14 @@ def _start_behind(
     return workload, thread, log, proc
 
 
+def _until_batch(progress: _Progress, proc: subprocess.Popen[bytes], batch: int) -> None:
+    """Wait until the run committed ``batch`` (or ended), at most 30 s."""
+    began = time.monotonic()
+    while progress.last() < batch and proc.poll() is None:
+        assert time.monotonic() - began < 30, f"batch {batch} not committed within 30 s"
+        time.sleep(0.05)
+
+
 #: An outage longer than every retry budget of the change-stream reads (6 attempts with
 #: backoff, then 3 batch retries: at most about 20 s against refused connections).
 OUTAGE = 25.0
@@ -321,10 +329,7 @@ def test_outage_past_the_retry_budget_fails_the_run_then_a_restart_resumes(
     with FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy:
         workload, thread, log, proc = _start_behind(proxy, case, seed=3, seconds=8)
         try:
-            began = time.monotonic()
-            while progress.last() < 2 and proc.poll() is None:
-                assert time.monotonic() - began < 30, "no batch committed within 30 s"
-                time.sleep(0.05)
+            _until_batch(progress, proc, 2)
             cpu = cpu_end = _cpu_seconds(proc.pid)
             proxy.drop(OUTAGE)
             dropped = time.monotonic()
@@ -384,10 +389,7 @@ def test_sigterm_during_an_outage_stops_at_once_then_a_restart_resumes(
         workload, thread, log, proc = _start_behind(proxy, case, seed=4, seconds=6,
                                                     extra=("--set", "retry_backoff=20s"))
         try:
-            began = time.monotonic()
-            while progress.last() < 2 and proc.poll() is None:
-                assert time.monotonic() - began < 30, "no batch committed within 30 s"
-                time.sleep(0.05)
+            _until_batch(progress, proc, 2)
             proxy.drop(OUTAGE)
             dropped = time.monotonic()
             # in the batch's retries (a SQLite store), or 4 s into a store call's (Spanner)
@@ -430,10 +432,7 @@ def test_a_connection_that_dies_mid_run_is_replaced_and_the_run_finishes(
     with FaultProxy(spanner_emulator.host, lifetime=BUDGET + 30) as proxy:
         workload, thread, log, proc = _start_behind(proxy, case, seed=5, seconds=8)
         try:
-            began = time.monotonic()
-            while progress.last() < 2 and proc.poll() is None:
-                assert time.monotonic() - began < 30, "no batch committed within 30 s"
-                time.sleep(0.05)
+            _until_batch(progress, proc, 2)
             accepted = proxy.stats.accepted
             dead = proxy.blackhole()
             code = proc.wait(BUDGET)
