@@ -114,20 +114,22 @@ class Connection:
         """The current API (opened now if there is none)."""
         expired: list[Any] = []
         with self._lock:
-            if self._retired:
-                expired = self._expired(time.monotonic())
             if self._api is None:
                 self._api = self._open(self.replaced)
             api = self._api
+            if self._retired:
+                expired = self._expired(time.monotonic())
         for old in expired:
             _close(old)
         return api
 
     def _expired(self, now: float) -> list[Any]:
         """The retired APIs every call of which is past its deadline, taken off the list
-        (to be closed); called with the lock held."""
+        to be closed (not the current one: an ``open_api`` that cannot make a new API
+        gives the retired one again); called with the lock held."""
         kept = [(at, a) for at, a in self._retired if now - at <= self._longest_call]
-        expired = [a for at, a in self._retired if now - at > self._longest_call]
+        expired = [a for at, a in self._retired
+                   if now - at > self._longest_call and a is not self._api]
         self._retired = kept
         return expired
 
@@ -150,11 +152,7 @@ class Connection:
                 return  # retired already, by another call that failed on it
             self.replaced += 1
             self._api = None
-            now = time.monotonic()
-            expired = self._expired(now)
-            self._retired.append((now, api))
-        for old in expired:
-            _close(old)
+            self._retired.append((time.monotonic(), api))  # closed by a later api()
         _log.info("%s: a call passed its deadline (%s); the next calls go out on a new "
                   "connection", self._what, describe(exc)[:300])
 
@@ -162,10 +160,10 @@ class Connection:
         """Close the APIs retired here and the current one if it was opened here (the
         first one, while current, is left to whoever built it)."""
         with self._lock:
-            own = [api for _, api in self._retired]
+            own = {id(api): api for _, api in self._retired}
             if self.replaced and self._api is not None:
-                own.append(self._api)
+                own[id(self._api)] = self._api
             self._retired = []
             self._api = None
-        for api in own:
+        for api in own.values():
             _close(api)

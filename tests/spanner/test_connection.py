@@ -118,6 +118,19 @@ def test_a_retired_connection_closes_with_the_next_call_past_its_deadlines(
     assert c.api() is b and a.transport.closed and not b.transport.closed
 
 
+def test_an_api_that_cannot_be_replaced_is_never_closed_while_in_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(conn_module, "time", _Clock(now))
+    only = _Api(0)
+    c = Connection(lambda _: only, "test", longest_call=10)
+    c.failed(c.api(), _deadline())
+    assert c.api() is only  # "retired", and given again: there is no other
+    now[0] += 60
+    assert c.api() is only and not only.transport.closed
+
+
 def test_close_leaves_the_first_connection_to_its_owner() -> None:
     c = Connection(_Api, "test", longest_call=10)
     first = c.api()
