@@ -11,8 +11,8 @@ the channels of equal arguments one shared connection: a new client does not hel
 retires it: the next call opens a new API whose channel has an argument of its own
 (:func:`connection_api`: a number no other channel of the process has), hence a new
 connection. Calls still running on a retired API go on (a stalled one ends at its own
-deadline); the API is closed once every call it carried is past its deadline. Retiring a
-healthy connection costs one new connection, nothing else.
+deadline); the first call after every call it carried is past its deadline closes it.
+Retiring a healthy connection costs one new connection, nothing else.
 """
 
 from __future__ import annotations
