@@ -574,7 +574,7 @@ class SpannerChangeStreamClient:
                         given = records
                     else:
                         given = _kept(records, resume, seen, end)
-                        if resume is not None and record_position(records[-1]) > resume:
+                        if resume is not None and tail > resume:
                             resume = None
                         if not given:
                             continue

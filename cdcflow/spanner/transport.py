@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from cdcflow.errors import ConfigurationError
 from cdcflow.spanner.connection import Connection, connection_api
+from cdcflow.spanner.retry import status_name
 
 __all__ = [
     "GrpcTransport", "Param", "RowAssembler", "Transport", "assemble_rows", "merge_values",
@@ -158,9 +159,7 @@ class GrpcTransport:
             )
         except Exception as exc:
             # Servers without multiplexed sessions reject the flag; use a plain one.
-            if getattr(getattr(exc, "grpc_status_code", None), "name", "") not in (
-                "INVALID_ARGUMENT", "UNIMPLEMENTED",
-            ):
+            if status_name(exc) not in ("INVALID_ARGUMENT", "UNIMPLEMENTED"):
                 raise
             created = api.create_session(
                 request={"database": self.database}, metadata=self._metadata(),
