@@ -11,14 +11,17 @@ Bounded RPCs. The stock client retries on its own: UNAVAILABLE commits for up to
 most other calls for 30 s, and streaming reads restart after UNAVAILABLE without bound or
 delay. The store retries with its one policy instead, so every RPC it makes here goes out
 with ``retry=None`` and a deadline (:func:`bound_rpcs`, :func:`database_exists`,
-:func:`ensure_schema`).
+:func:`ensure_schema`). Within :func:`call_deadline` a thread's RPCs get a shorter one:
+the lease's small transactions must notice a dead connection well before the lease lapses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -242,9 +245,26 @@ class _Stream:
         return getattr(self._stream, name)
 
 
+#: The deadline of RPCs made inside call_deadline(), per thread (None: outside).
+_SHORTER = threading.local()
+
+
+@contextlib.contextmanager
+def call_deadline(seconds: float) -> Iterator[None]:
+    """The store RPCs this thread makes inside the block get a deadline of at most
+    ``seconds`` (each store's own ``call_timeout`` still applies if it is shorter)."""
+    outer: float | None = getattr(_SHORTER, "seconds", None)
+    _SHORTER.seconds = seconds if outer is None else min(outer, seconds)
+    try:
+        yield
+    finally:
+        _SHORTER.seconds = outer
+
+
 class _BoundedApi:
-    """A SpannerClient whose RPCs carry ``retry=None`` and a ``timeout`` deadline, through
-    ``connection`` (a new one after a call passed its deadline)."""
+    """A SpannerClient whose RPCs carry ``retry=None`` and a ``timeout`` deadline (shorter
+    inside :func:`call_deadline`), through ``connection`` (a new one after a call passed
+    its deadline)."""
 
     def __init__(self, connection: Connection, timeout: float) -> None:
         self._connection = connection
@@ -257,8 +277,9 @@ class _BoundedApi:
 
     def _call(self, rpc: str, streaming: bool, /, *args: Any, **kwargs: Any) -> Any:
         api = self._connection.api()
+        shorter: float | None = getattr(_SHORTER, "seconds", None)
         kwargs["retry"] = None
-        kwargs["timeout"] = self._timeout
+        kwargs["timeout"] = self._timeout if shorter is None else min(shorter, self._timeout)
         try:
             result = getattr(api, rpc)(*args, **kwargs)
         except Exception as exc:

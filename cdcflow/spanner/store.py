@@ -47,9 +47,10 @@ causes anyway. docs/spanner-store.md has the arithmetic and the argument.
 Retries: every operation goes through one :class:`~cdcflow.backoff.RetryPolicy` whose
 predicate is :func:`~cdcflow.spanner.retry.is_transient` (ABORTED, which the emulator
 answers to any overlapping transactions, UNAVAILABLE, DEADLINE_EXCEEDED,
-RESOURCE_EXHAUSTED); every RPC has a deadline of ``call_timeout`` seconds and none of the
-stock client's own retries. When the policy gives up, or on a permanent error, the
-operation raises :class:`~cdcflow.errors.StoreError`.
+RESOURCE_EXHAUSTED); every RPC has a deadline of ``call_timeout`` seconds (the lease's
+operations: ``LEASE_CALL_TIMEOUT``, so that a dead connection is replaced before the lease
+lapses) and none of the stock client's own retries. When the policy gives up, or on a
+permanent error, the operation raises :class:`~cdcflow.errors.StoreError`.
 
 A retried write may follow an attempt whose outcome is unknown (it committed, but the
 answer was lost), so every write is safe to repeat: ``write_plan`` of the plan that is
@@ -115,6 +116,10 @@ CONNECT_PATIENCE = 3.0
 #: Deadline of each RPC in seconds; a call that exceeds it fails with DEADLINE_EXCEEDED and
 #: is retried like any transient error.
 DEFAULT_CALL_TIMEOUT = 30.0
+#: Deadline of each RPC of the lease's operations (a row read, a one-row commit): a lease
+#: renewed every third of its time to live (10 s of the default 30 s) must notice a dead
+#: connection and go out on a new one before it lapses, not after ``call_timeout``.
+LEASE_CALL_TIMEOUT = 5.0
 #: Mutations one transaction may use (Spanner allows 80,000 per commit).
 DEFAULT_MUTATION_BUDGET = limits.DEFAULT_MUTATION_BUDGET
 
@@ -424,8 +429,9 @@ class SpannerStore:
 
     def lease(self, pipeline: str) -> Lease | None:
         """The pipeline's current lease (alive or not), None if it never had one."""
-        return self._read("reading the lease",
-                          lambda snap, sql: steps.read_record(snap, sql, pipeline).lease)
+        with schema.call_deadline(LEASE_CALL_TIMEOUT):
+            return self._read("reading the lease",
+                              lambda snap, sql: steps.read_record(snap, sql, pipeline).lease)
 
     def source(self, pipeline: str) -> str | None:
         """The stored source definition (None before the first run or after a reset)."""
@@ -561,16 +567,20 @@ class SpannerStore:
         self, pipeline: str, owner: str, run_id: str, ttl_ns: int, *, replace: int | None = None
     ) -> Lease:
         """Take the pipeline's lease (see the protocol); LeaseHeldError names a live holder."""
-        return self._transact("taking the lease", steps.acquire_lease, pipeline, owner,
-                              run_id, ttl_ns, replace)
+        with schema.call_deadline(LEASE_CALL_TIMEOUT):
+            return self._transact("taking the lease", steps.acquire_lease, pipeline, owner,
+                                  run_id, ttl_ns, replace)
 
     def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease:
         """Extend ``lease`` by ``ttl_ns``; FencedError when it is no longer current."""
-        return self._transact("renewing the lease", steps.renew_lease, pipeline, lease, ttl_ns)
+        with schema.call_deadline(LEASE_CALL_TIMEOUT):
+            return self._transact("renewing the lease", steps.renew_lease, pipeline, lease,
+                                  ttl_ns)
 
     def release_lease(self, pipeline: str, lease: Lease) -> None:
         """End ``lease`` (expiry 0, token kept) if it is current; else do nothing."""
-        self._transact("releasing the lease", steps.release_lease, pipeline, lease)
+        with schema.call_deadline(LEASE_CALL_TIMEOUT):
+            self._transact("releasing the lease", steps.release_lease, pipeline, lease)
 
     def set_source(self, pipeline: str, source: str) -> None:
         self._transact("storing the source definition", steps.set_source, pipeline, source)

@@ -419,6 +419,30 @@ def test_a_store_call_gets_past_a_dead_connection_on_a_new_one(
     store.close()
 
 
+def test_the_lease_renews_past_a_dead_connection_before_it_lapses(
+    spanner_emulator: Emulator, proxy: FaultProxy
+) -> None:
+    """With the default 30 s call deadline, a renewal over a dead connection would pass the
+    30 s lease's expiry; the lease's calls have a deadline of their own (5 s)."""
+    store = _store(spanner_emulator, proxy)
+    assert store.call_timeout == 30
+    ttl = 30 * 10**9
+    lease = store.acquire_lease("p", "me", "run-1", ttl)
+    accepted = proxy.stats.accepted
+    assert proxy.blackhole() >= 1
+    call = _Call(lambda: store.renew_lease("p", lease, ttl))
+    finished = call.wait(20.0)
+    print(f"\nlease renewed over a dead connection: {finished} after {call.took:.1f}s: "
+          f"{call.outcome}; {proxy.stats.accepted - accepted} new connection(s)")
+    assert finished, "renewing the lease was still blocked 20 s in (its time to live is 30 s)"
+    assert not isinstance(call.outcome[0], Exception), call.outcome[0]
+    assert call.outcome[0].token == lease.token
+    assert call.outcome[0].expires_at > lease.expires_at
+    assert proxy.stats.accepted > accepted
+    assert store.partitions("p") == []  # a call outside the lease's goes out on the new one
+    store.close()
+
+
 def test_a_store_opened_over_a_dead_connection_gets_past_it(
     spanner_emulator: Emulator, proxy: FaultProxy
 ) -> None:
