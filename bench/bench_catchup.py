@@ -34,6 +34,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -293,6 +294,8 @@ class Run:
     exited: float
     events: dict[str, float]
     batches: list[float]
+    own_cpu: float = 0.0  # CPU seconds of the reader's processes (a JVM and workers too)
+    emulator_cpu: float = 0.0  # CPU seconds the emulator spent while the reader ran
 
     @property
     def seconds(self) -> float:
@@ -356,6 +359,18 @@ def _events(stderr: str) -> tuple[dict[str, float], list[float]]:
         elif _BATCH.match(message):
             batches.append(at)
     return events, batches
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished (waited) descendants."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
@@ -450,7 +465,10 @@ def _run_shape(emulator: Any, tmp: Path, changes: int, per_txn: int, spark: bool
             argv_i = [sys.executable, "-m", "cdcflow", "run", str(path),
                       "--metadata", f"sqlite:///{tmp / f'state-{i}.db'}",
                       "--log-format", "json", *extra]
+        cpu_before, emulator_before = _children_cpu(), _cpu_seconds(emulator.pid)
         launched, exited, stderr = _timed(argv_i, env)
+        own_cpu = _children_cpu() - cpu_before
+        emulator_cpu = _cpu_seconds(emulator.pid) - emulator_before
         if extra[:1] in (["--stock"], ["--ceiling"]):
             doc = json.loads(count.read_text())
             mods = int(doc["mods"])
@@ -461,7 +479,8 @@ def _run_shape(emulator: Any, tmp: Path, changes: int, per_txn: int, spark: bool
         else:
             mods = int(count.read_text())
             events, batches = _events(stderr)
-        results.append(Run(name, mods, launched, exited, events, batches))
+        results.append(Run(name, mods, launched, exited, events, batches, own_cpu,
+                           emulator_cpu))
         print(f"  ({name}: {exited - launched:.1f}s)", flush=True)
     return results
 
@@ -496,6 +515,36 @@ def _report(results: list[Run], changes: int, judged: bool = True) -> None:
         reading = run.reading()
         rate = run.mods / reading if reading > 0 else float("inf")
         print(f"  {run.name:<38} {reading:9.2f} {rate:10.0f} {rate / read_ref:7.2f}x")
+    _report_cpu(results)
+
+
+def _report_cpu(results: list[Run]) -> None:
+    """The CPU each run took, its own and the emulator's, and the floor it sets: on this
+    machine's cores a run needs at least (own + emulator CPU) / cores seconds."""
+    cores = os.cpu_count() or 1
+    ref = results[0]
+    print()
+    print(f"  {'reader':<38} {'own CPU s':>9} {'emulator':>9} {'floor s':>8} {'seconds':>8}"
+          f"  (floor: (own + emulator CPU) / {cores} cores)")
+    for run in results:
+        floor = (run.own_cpu + run.emulator_cpu) / cores
+        print(f"  {run.name:<38} {run.own_cpu:9.2f} {run.emulator_cpu:9.2f} {floor:8.2f} "
+              f"{run.seconds:8.2f}")
+    ceiling = next((r for r in results if r.name.startswith(CEILING)), None)
+    if ceiling is None:
+        return
+    served = min(r.emulator_cpu for r in results)
+    floor = (served + ceiling.own_cpu) / cores
+    best = ref.seconds / floor
+    print(f"  serving this backlog costs the emulator at least {served:.2f} CPU s; with the "
+          f"ceiling reader's own {ceiling.own_cpu:.2f} s")
+    print(f"  (start-up, protobuf parsing, nothing decoded) no run on {cores} cores ends "
+          f"before {floor:.2f} s: {best:.2f}x the stock reader at most")
+    for target in (4.0, 2.0):
+        print(f"  {target:g}x needs {ref.seconds / target:.2f} s: at least "
+              f"{(served + ceiling.own_cpu) / (ref.seconds / target):.1f} cores busy for the "
+              f"whole run" + (" (more than this machine has)"
+                              if ref.seconds / target < floor else ""))
 
 
 if __name__ == "__main__":

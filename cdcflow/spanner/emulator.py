@@ -143,6 +143,11 @@ class Emulator:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def pid(self) -> int | None:
+        """The emulator's process id while it runs (None before start and after stop)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def log_path(self) -> str | None:
         return self._log.name if self._log is not None else None
 
