@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml setup.py cdcflow/_speedups.c
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]' -e examples/plugin
+	@# bytecode now, as pip does for a package it copies (an editable install is not
+	@# copied): every process then starts without compiling, even under
+	@# PYTHONDONTWRITEBYTECODE
+	$(BIN)/python -m compileall -q cdcflow examples/plugin > /dev/null
 	@touch $(STAMP)
 
 demo: $(STAMP)
