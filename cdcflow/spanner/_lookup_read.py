@@ -144,7 +144,7 @@ class Reader:
         self.priority = priority
         self.call_timeout = call_timeout
         self.retry = retry
-        self.transport = GrpcTransport(database)
+        self.transport = GrpcTransport(database, what=f"LookupRows reading rows of {database}")
         self.reads: Counter[str] = Counter()
         self._count_lock = threading.Lock()
         self._dialect: str | None = None

@@ -101,7 +101,7 @@ class GrpcTransport:
 
     ``spanner_client`` is a ``google.cloud.spanner.Client``; by default one is built for
     the database's project (honouring ``SPANNER_EMULATOR_HOST`` and Application Default
-    Credentials).
+    Credentials). ``what`` names the caller in log lines (default: ``reading <database>``).
     """
 
     #: PartialResultSets received ahead of the reader (each at most about 1 MiB), on a thread
@@ -110,11 +110,13 @@ class GrpcTransport:
     #: the ``idle`` bound needs the thread).
     prefetch = 2
 
-    def __init__(self, database: str, spanner_client: Any = None) -> None:
+    def __init__(self, database: str, spanner_client: Any = None, what: str | None = None
+                 ) -> None:
         self.database = database
         self._client = spanner_client
         self._owns_client = spanner_client is None
-        self._connection = Connection(self._open_api, f"reading {database}", _RPC_TIMEOUT)
+        self._connection = Connection(self._open_api, what or f"reading {database}",
+                                      _RPC_TIMEOUT)
         self._session: str | None = None
         self._session_born = 0.0
         self._raw: Any = None  # the serialized-answer RPC; False: the client has no channel

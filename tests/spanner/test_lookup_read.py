@@ -127,3 +127,19 @@ def test_the_emulator_information_schema(
 
 def _now() -> int:
     return Timestamp.now().ns
+
+
+def test_a_replaced_connection_is_logged_as_lookuprows_not_as_the_reader(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from google.api_core.exceptions import DeadlineExceeded
+
+    database = "projects/p/instances/i/databases/d"
+    reader = Reader(database, "MEDIUM", 5.0, DEFAULT_LOOKUP_RETRY)
+    connection = reader.transport._connection
+    api = object()
+    connection._api = api  # as if a call had gone out on it
+    with caplog.at_level("INFO", logger="cdcflow.spanner"):
+        connection.failed(api, DeadlineExceeded("no answer"))
+    [line] = [r.getMessage() for r in caplog.records if "new connection" in r.getMessage()]
+    assert line.startswith(f"LookupRows reading rows of {database}: a call passed its deadline")
