@@ -274,6 +274,7 @@ class _Columns:
 
     def __init__(self) -> None:
         self.rows = 0  # rows held now (since the last take)
+        self.bytes = 0  # their payload: text by its length, other values _VALUE_BYTES each
         self._values: dict[str, list[Any]] = {}  # every column of the file, first-seen order
         self._kinds: dict[str, str] = {}
         self._big: set[str] = set()  # int columns holding a value beyond 2**53
@@ -281,10 +282,13 @@ class _Columns:
     def add(self, row: dict[str, Any]) -> None:
         kinds: dict[str, str] = {}
         big: list[str] = []
+        size = _VALUE_BYTES * len(row)
         for name, value in row.items():
             if value is None:
                 continue
             kind = _kind(name, value)
+            if kind == "str":
+                size += len(value)
             have = self._kinds.get(name)
             merged = kind if have is None or have == kind else None
             if {have, kind} == {"int", "float"}:
@@ -318,6 +322,7 @@ class _Columns:
             if name not in self._values:
                 self._values[name] = [None] * self.rows + [value]
         self.rows += 1
+        self.bytes += size
 
     def take(self) -> Any:
         """The rows held as a pyarrow RecordBatch (typed as far as the file's rows tell,
@@ -338,6 +343,7 @@ class _Columns:
             raise SinkError(msg) from exc
         self._values = {name: [] for name in self._values}
         self.rows = 0
+        self.bytes = 0
         return batch
 
     def schema(self) -> Any:
@@ -374,8 +380,12 @@ def conform(batch: Any, schema: Any) -> Any:
     return pa.record_batch(columns, schema=schema)
 
 
-#: Rows a Parquet writer holds in memory; each full chunk goes to a spill file on disk.
+#: What a Parquet writer holds in memory, in rows and in payload bytes (text by its
+#: length): a chunk that reaches either goes to a spill file on disk.
 SPILL_ROWS = 50_000
+SPILL_BYTES = 4 << 20
+#: What a value (and its column's slot) costs besides its text, in _Columns.bytes.
+_VALUE_BYTES = 16
 
 
 class ParquetWriter(_FileWriter):
@@ -383,7 +393,8 @@ class ParquetWriter(_FileWriter):
 
     A Parquet file has one schema, and a column may first appear (or first hold a value)
     in a later row, so the file is written when the task ends. Until then at most
-    :data:`SPILL_ROWS` rows stay in memory: each full chunk is written to a spill file
+    :data:`SPILL_ROWS` rows and :data:`SPILL_BYTES` of their payload stay in memory (the
+    sink's memory does not grow with the batch): each full chunk is written to a spill file
     beside the temporary file (Arrow IPC, named ``<temp>.<n>.spill``); ``close`` writes
     the chunks, conformed to the file's schema, as the file's row groups and removes the
     spill files (``abort`` too; a crash leaves them to the batch's commit or abort, which
@@ -396,12 +407,13 @@ class ParquetWriter(_FileWriter):
         self._spills: list[str] = []
         self._count = 0
         self._spill_rows = SPILL_ROWS
+        self._spill_bytes = SPILL_BYTES
 
     def write(self, element: Any) -> None:
         self._usable()
         self._columns.add(parquet_row(element))
         self._count += 1
-        if self._columns.rows >= self._spill_rows:
+        if self._columns.rows >= self._spill_rows or self._columns.bytes >= self._spill_bytes:
             self._spill()
 
     def _spill(self) -> None:

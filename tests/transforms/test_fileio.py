@@ -197,6 +197,29 @@ def test_a_parquet_writer_spills_chunks_and_writes_the_same_file(
     assert pq.ParquetFile(b).num_row_groups == 7
 
 
+def test_a_parquet_writer_spills_by_bytes_as_well_as_by_rows(tmp_path: Path) -> None:
+    """Large rows: the writer holds at most SPILL_BYTES of payload (plus the row that
+    crossed it), whatever the row count; the file holds every row."""
+    from cdcflow.transforms._fileio import SPILL_BYTES
+
+    big = "x" * (1 << 20)
+    sink = _sink(tmp_path / "big", format="parquet")
+    writer = sink.open_writer(_wctx(1, "tok"))
+    held = []
+    for i in range(40):
+        writer.write({"id": i, "text": f"{i}{big}"})
+        held.append(writer._columns.bytes)  # type: ignore[attr-defined]
+    assert max(held) < SPILL_BYTES + (2 << 20)
+    assert len(list((tmp_path / "big").glob("*.spill"))) == 40 * len(big) // SPILL_BYTES
+    sink.commit(1, [writer.close()])
+    (path,) = (tmp_path / "big").glob("part-*.parquet")
+    table = pq.read_table(path)
+    assert table.column("id").to_pylist() == list(range(40))
+    assert [len(t) for t in table.column("text").to_pylist()] == [
+        len(f"{i}{big}") for i in range(40)
+    ]
+
+
 def test_spill_files_of_an_aborted_or_crashed_writer_are_swept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
