@@ -12,7 +12,7 @@ import orjson
 
 from cdcflow.model import DataChangeRecord, Timestamp
 
-__all__ = ["approx_size", "payload_size"]
+__all__ = ["approx_size", "element_size", "payload_size"]
 
 
 def approx_size(record: DataChangeRecord) -> int:
@@ -62,6 +62,25 @@ def payload_size(record: DataChangeRecord) -> int:
                     n += len(value)
                 elif kind not in _FIXED:  # JSON, arrays, a str subclass (cf.JsonString)
                     n += _value_size(value) - _PER_VALUE
+    return n
+
+
+def element_size(element: Any) -> int:
+    """An estimate of any element's memory in bytes, for a writer that keeps elements
+    (Consume's queue): a record by :func:`payload_size`; text, bytes, dicts, lists and
+    tuples by their payload; another object by its fields (``__dict__`` or ``__slots__``,
+    one level: a field holding a record or a container is measured whole)."""
+    if isinstance(element, DataChangeRecord):
+        return payload_size(element)
+    if isinstance(element, str | bytes | bytearray | dict | list | tuple):
+        return _value_size(element)
+    fields = getattr(element, "__dict__", None)
+    if fields is None:
+        names = getattr(type(element), "__slots__", ())
+        fields = {n: getattr(element, n, None) for n in names if isinstance(n, str)}
+    n = _PER_VALUE
+    for value in fields.values():
+        n += element_size(value) if isinstance(value, DataChangeRecord) else _value_size(value)
     return n
 
 

@@ -46,3 +46,33 @@ def test_payload_size_counts_what_approx_size_counts_without_encoding() -> None:
     for values in ({"s": "x" * 10_000}, nested, {"n": 1, "t": "short"}):
         record = _record(values)
         assert 0.5 < payload_size(record) / approx_size(record) < 2
+
+
+def test_element_size_measures_what_a_map_may_hand_a_sink() -> None:
+    import attrs
+
+    from cdcflow.sizes import element_size, payload_size
+
+    record = _record({"s": "x" * 10_000})
+    assert element_size(record) == payload_size(record)
+    assert element_size({"id": 1, "body": "x" * 10_000}) >= 10_000
+    assert element_size(["y" * 4_000, b"\0" * 6_000]) >= 10_000
+    assert element_size("z" * 10_000) >= 10_000
+
+    @attrs.define
+    class Row:
+        id: int
+        body: str
+
+    @attrs.frozen(slots=True)
+    class Wrapped:
+        record: DataChangeRecord
+
+    class Plain:
+        def __init__(self) -> None:
+            self.body = "w" * 10_000
+
+    assert element_size(Row(1, "x" * 10_000)) >= 10_000  # attrs' default: __slots__
+    assert element_size(Wrapped(record)) >= 10_000
+    assert element_size(Plain()) >= 10_000
+    assert element_size(1) < 200 and element_size(None) < 200

@@ -707,6 +707,7 @@ class Chain:
                 attempt=self._attempt, guard=guard_for(self._program.pipeline),
                 error_policy=self._policy,
                 dead_letter=self._program.dead_letter_label is not None,
+                hold=self._quota.take, let_go=self._quota.release,
             ))
             self._writers[label] = writer
         return writer

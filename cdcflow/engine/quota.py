@@ -183,8 +183,18 @@ class ByteQuota:
                 self._waited += time.monotonic() - began
                 self._cond.notify_all()  # the next in line may fit now
 
+    def take(self, n: int) -> None:
+        """Take ``n`` bytes now, whether or not they fit: bytes that move from one holder
+        to another (a sink writer keeping elements whose reader gives their bytes back
+        right after), not new ones. Waiting acquirers wait the longer."""
+        if n < 0:
+            msg = f"take({n}): a size is 0 bytes or more"
+            raise ValueError(msg)
+        with self._lock:
+            self._admit(n)
+
     def release(self, n: int) -> None:
-        """Give back ``n`` bytes taken with :meth:`acquire`."""
+        """Give back ``n`` bytes taken with :meth:`acquire` (or :meth:`take`)."""
         if n < 0:
             msg = f"release({n}): a size is 0 bytes or more"
             raise ValueError(msg)

@@ -255,6 +255,13 @@ class WriterContext:
     #: Whether the pipeline has a dead-letter sink: a writer that skips elements itself
     #: hands them over through ``dead_letters()`` (see Consume).
     dead_letter: bool = False
+    #: A writer that keeps elements after ``write`` returns (Consume's queue) holds their
+    #: bytes against the process's byte quota: ``hold(n)`` in ``write`` (at once, never
+    #: blocking: the reader gives the element's bytes back right after, and reading
+    #: blocks while the writer holds them), ``let_go(n)`` once it is done with them (at
+    #: the latest when it closes or aborts). Outside the engine both do nothing.
+    hold: Callable[[int], None] = attrs.field(default=lambda n: None, eq=False, repr=False)
+    let_go: Callable[[int], None] = attrs.field(default=lambda n: None, eq=False, repr=False)
 
 
 def _no_stop(reason: str) -> None:

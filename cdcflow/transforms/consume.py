@@ -13,7 +13,9 @@ How a task's writer works:
   first element in the process that runs the task (a Spark executor's Python worker on
   Spark). Calls for one ``key(element)`` run one after another in arrival order; calls for
   different keys run concurrently. ``write`` blocks while ``max_inflight`` elements are in
-  flight and ``4 * max_inflight`` more wait (backpressure on the reader).
+  flight and ``4 * max_inflight`` more wait (backpressure on the reader). The elements it
+  keeps stay charged to the process's byte quota until they are acked or skipped, so
+  reading also blocks while they hold the quota, whatever their size.
 - ``fn`` returning acks the element; raising nacks it, and the writer's
   :class:`~cdcflow.policy.ErrorPolicy` (``on_error``, else the pipeline's) decides: retry
   after a delay (the key's later elements wait; the element waits apart, holding no
@@ -48,6 +50,7 @@ import attrs
 from cdcflow.durations import parse_duration
 from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError, WriterFailed
 from cdcflow.model import DataChangeRecord
+from cdcflow.sizes import element_size
 from cdcflow.transforms._policy import ErrorPolicy, Retry, Skip
 from cdcflow.transforms.base import Sink, SinkWriter, WriterContext
 from cdcflow.transforms.core import callable_name, function_kind
@@ -259,12 +262,13 @@ class Consume(Sink[E, Consumed]):
 class _Call:
     """One element on its way through ``fn``."""
 
-    __slots__ = ("element", "failures", "key")
+    __slots__ = ("element", "failures", "key", "size")
 
-    def __init__(self, element: Any, key: Hashable) -> None:
+    def __init__(self, element: Any, key: Hashable, size: int) -> None:
         self.element = element
         self.key = key
         self.failures = 0
+        self.size = size  # bytes held against the quota (WriterContext.hold)
 
 
 class _Worker:
@@ -307,6 +311,9 @@ class _ConsumeWriter(Generic[E]):
         self._label = ctx.sink_label
         self._token = ctx.partition_token
         self._guard = ctx.guard
+        self._hold = ctx.hold
+        self._let_go = ctx.let_go
+        self._held = 0  # bytes of the calls taken and not done, held against the quota
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # a key became ready, or the end
         self._room = threading.Condition(self._lock)  # a call was acked/skipped, or the end
@@ -341,6 +348,7 @@ class _ConsumeWriter(Generic[E]):
             raise TypeError(msg) from None
         if not self._started:
             self._start()
+        size = element_size(element)
         with self._lock:
             if not self._wait(lambda: self._pending < self._capacity or self._ended):
                 msg = (
@@ -357,7 +365,9 @@ class _ConsumeWriter(Generic[E]):
             if self._ended:
                 msg = "Consume writer written after close() or abort(); open a new writer"
                 raise SinkError(msg)
-            call = _Call(element, key)
+            call = _Call(element, key, size)
+            self._hold(size)
+            self._held += size
             queue = self._queues.get(key)
             if queue is None:
                 self._queues[key] = deque((call,))
@@ -556,8 +566,12 @@ class _ConsumeWriter(Generic[E]):
                 self._fail(PipelineDefinitionError(msg))
 
     def _finish(self, call: _Call) -> None:
-        """``call``'s element is acked or skipped: release its key (under the lock)."""
+        """``call``'s element is acked or skipped: release its key and its bytes (under the
+        lock; once the writer ended, ``_end`` gave every byte back)."""
         self._pending -= 1
+        if not self._ended:
+            self._held -= call.size
+            self._let_go(call.size)
         queue = self._queues[call.key]
         if queue:
             self._ready.append(call.key)
@@ -659,8 +673,12 @@ class _ConsumeWriter(Generic[E]):
         self._end()
 
     def _end(self) -> None:
-        """Workers stop taking calls; waiting ones give up (under the lock)."""
+        """Workers stop taking calls; waiting ones give up; the bytes of every call taken
+        go back to the quota (under the lock)."""
         self._ended = True
+        held, self._held = self._held, 0
+        if held:
+            self._let_go(held)
         self._work.notify_all()
         self._room.notify_all()
         self._ending.notify_all()

@@ -267,6 +267,48 @@ def test_tasks_reading_one_record_at_a_time_share_the_quota() -> None:
     assert _overlapping(_lifetimes) >= 2
 
 
+_consumed: list[int] = []
+
+
+def _slow_call(record: DataChangeRecord) -> None:
+    time.sleep(0.01)
+    _consumed.append(len(record.mods[0].new_values["body"]))
+
+
+@pytest.mark.parametrize("quota", [QUOTA, 64 << 20])
+def test_consume_keeps_the_elements_it_queues_charged_to_the_quota(quota: int) -> None:
+    # Consume(max_inflight=16) queues up to 80 elements per task after write returns; they
+    # stay charged until acked, so reading stops at the quota (4 tasks, 16 KiB records:
+    # 5 MiB queued without the charge). The 64 MiB run is the control: it does queue.
+    backlog = _backlog(records=48, payload=16384)  # 3 MiB of payload
+    p = cf.Pipeline("consume-quota")
+    (p
+     | DetectPartitions(stream="B", start_at=backlog.origin, end_at=backlog.end, client=backlog)
+     | ReadPartition(heartbeat="1s", max_inflight_bytes=quota)
+     | cf.Consume(_slow_call, max_inflight=16))
+    _consumed.clear()
+    process_quota(quota).reset_peak()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        opts = RunOptions(batch_interval=0, max_batch_span=3600.0, batch_retries=0)
+        Engine(p, MemoryStore(), InMemoryRunner(workers=4), opts).run()
+        traced = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert sorted(_consumed) == [16384] * 192  # every element, once
+    stats = process_quota().stats()
+    assert stats.used == 0  # every byte given back
+    if quota == QUOTA:
+        # an element moves from reader to writer before the reader gives it back: at most
+        # one record per task over the limit
+        assert stats.peak <= QUOTA + 4 * (16384 + 1024), stats
+        assert traced < QUOTA + (2 << 20), f"traced peak {traced} bytes"
+    else:
+        assert stats.peak > 1 << 20 and traced > 2 << 20, (stats, traced)
+
+
 def test_small_records_take_the_quota_in_lots_and_give_every_byte_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
