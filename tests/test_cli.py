@@ -647,6 +647,21 @@ def test_metadata_init_sqlite(tmp_path: Path) -> None:
     assert_usage_error(cdcflow("metadata", "init", "kafka://x"), "'kafka'")
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "10XB"])
+def test_a_bad_quota_in_the_environment_exits_2_before_any_batch(
+    tmp_path: Path, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, SCRIPTED)
+    monkeypatch.setenv("CDCFLOW_MAX_INFLIGHT_BYTES", value)
+    result = cdcflow("run", str(path), "--metadata", f"sqlite:///{tmp_path / 'm.db'}")
+    assert_usage_error(result, f"CDCFLOW_MAX_INFLIGHT_BYTES={value!r}", "256MiB")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.jsonl"))
+    monkeypatch.setenv("CDCFLOW_MAX_INFLIGHT_BYTES", "64MiB")  # fixed: the run goes through
+    ran = cdcflow("run", str(path), "--metadata", f"sqlite:///{tmp_path / 'm.db'}")
+    assert ran.returncode == 0, ran.stderr
+    assert list((tmp_path / "out").glob("*.jsonl"))
+
+
 def test_pipeline_stopped_exits_1_with_one_line(tmp_path: Path) -> None:
     body = SCRIPTED.replace(
         'pipeline = cf.Pipeline("scripted")',

@@ -57,6 +57,7 @@ from cdcflow.engine.lifecycle import (
 from cdcflow.engine.listener import EngineListener, RunSummary
 from cdcflow.engine.ownership import Ownership
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
+from cdcflow.engine.quota import quota_limit
 from cdcflow.engine.resume import resume_source
 from cdcflow.engine.runner import Runner
 from cdcflow.engine.snapshot import snapshot_partitions
@@ -228,6 +229,7 @@ class Engine:
         # Built (and its chain pickled) after setup: tasks need what setup resolved, such as
         # WriteFiles' directory.
         program = TaskProgram.from_pipeline(pipeline)
+        quota_limit(program.max_inflight_bytes)  # a bad CDCFLOW_MAX_INFLIGHT_BYTES: exit 2 now
         program_bytes: bytes = cloudpickle.dumps(program)
         steps = BatchSteps(pipeline, program.step_labels)
         steps.check_sinks(sinks)

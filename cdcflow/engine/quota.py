@@ -13,10 +13,11 @@ gets :data:`DEFAULT_QUOTA_BYTES` (256 MiB), or the ``CDCFLOW_MAX_INFLIGHT_BYTES`
 environment variable of the process where the tasks run. One quota per process: when
 tasks of pipelines with different limits share a process, the last one to start sets it.
 
-What the quota does not count: what a sink keeps after ``write`` returns. Writers stream
-or spill (WriteFiles, Consume, WriteSpark's staging files, WriteTables' and Print's local
-spool files) and keep little; Collect, for tests, keeps its whole slice until the task
-ends, as its commit message.
+What the quota does not count: what a sink keeps after ``write`` returns, unless it says
+so (Consume holds its queued elements' bytes through ``WriterContext.hold`` until they are
+acked: :meth:`ByteQuota.take`). Other writers stream or spill (WriteFiles, WriteSpark's
+staging files, WriteTables' and Print's local spool files) and keep little; Collect, for
+tests, keeps its whole slice until the task ends, as its commit message.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from collections.abc import Callable
 
 import attrs
 
+from cdcflow.durations import parse_size
+from cdcflow.errors import ConfigurationError, PipelineDefinitionError
 from cdcflow.sizes import approx_size
 
 __all__ = [
@@ -242,12 +245,13 @@ def quota_limit(max_inflight_bytes: int | None) -> int:
     if not text:
         return DEFAULT_QUOTA_BYTES
     try:
-        limit = int(text)
-    except ValueError:
+        limit = parse_size(text)
+    except PipelineDefinitionError:
         limit = 0
     if limit < 1:
-        msg = f"{_ENV}={text!r}: set it to a number of bytes, 1 or more (e.g. 268435456)"
-        raise ValueError(msg)
+        msg = (f"{_ENV}={text!r}: set it to a size of 1 byte or more (e.g. 256MiB or "
+               "268435456), or unset it for the default 256MiB")
+        raise ConfigurationError(msg)
     return limit
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Literal
 
-from cdcflow.durations import parse_duration, parse_time
+from cdcflow.durations import parse_duration, parse_size, parse_time
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import MAX_NS, DataChangeRecord, PartitionMetadata
 from cdcflow.stream import ChangeStreamClient, ConfigurableClient, RecordFilter, SnapshotClient
@@ -227,9 +227,10 @@ class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
     (see :class:`~cdcflow.transforms.base.DoFn`). ``max_inflight_bytes`` is the byte quota
     of each process running the pipeline's tasks (the driver, or a Spark executor's Python
     worker), shared by all of its tasks: a record is charged when it is read and given
-    back when every sink has taken it, and reading blocks while the quota is used up. None
-    (the default) uses the process's default, 256 MiB or the ``CDCFLOW_MAX_INFLIGHT_BYTES``
-    environment variable.
+    back when every sink has taken it, and reading blocks while the quota is used up: a
+    number of bytes or size text (``"64MiB"``). None (the default) uses the process's
+    default, 256 MiB or the ``CDCFLOW_MAX_INFLIGHT_BYTES`` environment variable (a size
+    too).
     """
 
     kind = "Read"
@@ -239,21 +240,15 @@ class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
         heartbeat: str | float = "1s",
         *,
         max_inflight: int = 1,
-        max_inflight_bytes: int | None = None,
+        max_inflight_bytes: int | str | None = None,
     ) -> None:
         seconds = parse_duration(heartbeat)
         if not 0.001 <= seconds <= 300:
             msg = f"ReadPartition(heartbeat={heartbeat!r}): use a value from 1ms to 300s"
             raise PipelineDefinitionError(msg)
-        if max_inflight < 1:
-            msg = f"ReadPartition(max_inflight={max_inflight}): use 1 or more"
-            raise PipelineDefinitionError(msg)
-        if max_inflight_bytes is not None and max_inflight_bytes < 1:
-            msg = f"ReadPartition(max_inflight_bytes={max_inflight_bytes}): use 1 or more"
-            raise PipelineDefinitionError(msg)
         self.heartbeat_millis = max(1, round(seconds * 1000))
-        self.max_inflight = max_inflight
-        self.max_inflight_bytes = max_inflight_bytes
+        self.max_inflight = _check_inflight("ReadPartition", max_inflight)
+        self.max_inflight_bytes = _check_quota("ReadPartition", max_inflight_bytes)
 
     def describe_params(self) -> str:
         return f"heartbeat={self.heartbeat_millis}ms max_inflight={self.max_inflight}"
@@ -281,7 +276,7 @@ class ReadChangeStream(PTransform[None, DataChangeRecord]):
         *,
         heartbeat: str | float = "1s",
         max_inflight: int = 1,
-        max_inflight_bytes: int | None = None,
+        max_inflight_bytes: int | str | None = None,
         client: ChangeStreamClient | None = None,
         priority: str = "MEDIUM",
         query_timeout: str | float = "10m",
@@ -305,11 +300,35 @@ class ReadChangeStream(PTransform[None, DataChangeRecord]):
             snapshot_tasks_per_batch=snapshot_tasks_per_batch,
         )
         self.read = ReadPartition(
-            heartbeat, max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes
+            heartbeat, max_inflight=_check_inflight("ReadChangeStream", max_inflight),
+            max_inflight_bytes=_check_quota("ReadChangeStream", max_inflight_bytes),
         )
 
     def expand(self, pcoll: PCollection[None]) -> PCollection[DataChangeRecord]:
         return pcoll | self.detect | self.read
+
+
+def _check_inflight(owner: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{owner}(max_inflight={value!r}): use a whole number, 1 or more"
+        raise PipelineDefinitionError(msg)
+    return value
+
+
+def _check_quota(owner: str, value: object) -> int | None:
+    """``max_inflight_bytes``: None, a whole number of bytes or size text ("64MiB"), 1 byte
+    or more."""
+    if value is None:
+        return None
+    name = f"{owner}(max_inflight_bytes=...)"
+    if not isinstance(value, int | str) or isinstance(value, bool):
+        msg = f"{name.replace('...', repr(value))}: use a size such as 64MiB or 67108864"
+        raise PipelineDefinitionError(msg)
+    size = parse_size(value, name)
+    if size < 1:
+        msg = f"{name.replace('...', repr(value))}: use 1 byte or more, such as 64MiB"
+        raise PipelineDefinitionError(msg)
+    return size
 
 
 def _snapshot_tables(

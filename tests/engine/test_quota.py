@@ -24,6 +24,7 @@ from cdcflow.engine.quota import (
     process_quota,
     quota_limit,
 )
+from cdcflow.errors import ConfigurationError
 from cdcflow.metadata import MemoryStore
 from cdcflow.model import DataChangeRecord
 from cdcflow.runners.in_memory import InMemoryRunner
@@ -133,9 +134,12 @@ def test_process_quota_is_one_object_sized_by_the_last_pipeline(
     assert quota_limit(77) == 77
     monkeypatch.setenv("CDCFLOW_MAX_INFLIGHT_BYTES", "12345")
     assert quota_limit(None) == 12345
-    monkeypatch.setenv("CDCFLOW_MAX_INFLIGHT_BYTES", "lots")
-    with pytest.raises(ValueError, match="CDCFLOW_MAX_INFLIGHT_BYTES='lots'"):
-        quota_limit(None)
+    monkeypatch.setenv("CDCFLOW_MAX_INFLIGHT_BYTES", "64MiB")
+    assert quota_limit(None) == 64 << 20
+    for bad in ("lots", "0", "-5", "10XB"):
+        monkeypatch.setenv("CDCFLOW_MAX_INFLIGHT_BYTES", bad)
+        with pytest.raises(ConfigurationError, match=f"CDCFLOW_MAX_INFLIGHT_BYTES='{bad}'"):
+            quota_limit(None)
 
 
 # -- a slow sink facing a backlog -------------------------------------------------------------

@@ -87,13 +87,26 @@ def test_arguments_reach_the_primitives() -> None:
         ({"database": "shop", "stream": "Orders"}, "projects/PROJECT/instances"),
         ({"database": DB, "stream": "1bad"}, "identifier"),
         ({"database": DB, "stream": "Orders", "heartbeat": "10m"}, "1ms to 300s"),
-        ({"database": DB, "stream": "Orders", "max_inflight": 0}, "use 1 or more"),
+        ({"database": DB, "stream": "Orders", "max_inflight": 0}, "use a whole number, 1 or"),
+        ({"database": DB, "stream": "Orders", "max_inflight": True}, "use a whole number"),
+        ({"database": DB, "stream": "Orders", "max_inflight_bytes": "abc"},
+         r"ReadChangeStream\(max_inflight_bytes='abc'\) is not a size; write e.g. 64MiB"),
+        ({"database": DB, "stream": "Orders", "max_inflight_bytes": "10XB"}, "not a size"),
+        ({"database": DB, "stream": "Orders", "max_inflight_bytes": 0}, "1 byte or more"),
+        ({"database": DB, "stream": "Orders", "max_inflight_bytes": 1.5}, "whole number"),
+        ({"database": DB, "stream": "Orders", "max_inflight_bytes": True}, "use a size"),
         ({"database": DB, "stream": "Orders", "priority": "urgent"}, "LOW, MEDIUM, HIGH"),
     ],
 )
 def test_bad_arguments_fail_when_built(kwargs: dict[str, object], fragment: str) -> None:
     with pytest.raises(PipelineDefinitionError, match=fragment):
         ReadChangeStream(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_byte_quota_may_be_written_as_size_text() -> None:
+    assert ReadChangeStream(DB, "Orders", max_inflight_bytes="64MiB").read.max_inflight_bytes \
+        == 64 << 20
+    assert cf.ReadPartition(max_inflight_bytes=1000).max_inflight_bytes == 1000
 
 
 def test_must_be_applied_to_the_pipeline_itself() -> None:
