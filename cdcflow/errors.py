@@ -47,6 +47,7 @@ __all__ = [
     "UserInputError",
     "WatermarkRegressionError",
     "WriterFailed",
+    "WriterStopped",
     "describe",
 ]
 
@@ -191,6 +192,11 @@ class WriterFailed(SinkError):
     """A sink writer failed as a whole, not because of the element being written (calls
     that hang past ``drain_timeout``, say): the task fails without the error policy
     deciding about that element."""
+
+
+class WriterStopped(TransientError):
+    """A writer retrying failed calls gave its batch up because the run was asked to stop
+    (a signal, ``--for``): the batch is not committed, and the next run replays it."""
 
 
 class SinkIOError(TransientError):

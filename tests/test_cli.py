@@ -635,6 +635,58 @@ def test_one_sigterm_stops_a_run_whose_uploads_fail(tmp_path: Path) -> None:
     assert "Traceback" not in err
 
 
+CONSUME_DOWN = f"""
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+stream = ScriptedChangeStream("Orders", partitions=1, origin={T0})
+for i in range(5):
+    stream.write("Orders", {{"id": i}}, "INSERT", {{"total": i}}, at={T0} + (i + 1) * 10**8)
+
+
+def send(record):
+    print("sending", flush=True)
+    raise ConnectionError("API down")
+
+
+def on_error(error, element, partition, attempt):  # the README's handler
+    return cf.Retry(after=2 ** attempt) if attempt <= 5 else cf.Stop()
+
+
+pipeline = cf.Pipeline("notify")
+(pipeline
+ | cf.DetectPartitions(stream="Orders", start_at={T0}, client=stream)
+ | cf.ReadPartition()
+ | cf.Consume(send, on_error=cf.ErrorPolicy(handler=on_error)))
+"""
+
+
+def test_one_sigterm_stops_a_run_whose_consume_calls_are_being_retried(
+    tmp_path: Path,
+) -> None:
+    """The downstream is down and Consume retries with growing delays (a minute in all):
+    a supervisor's SIGTERM ends the run at once as stopped, and the batch is replayed."""
+    path = write(tmp_path, CONSUME_DOWN)
+    env = {**os.environ, "NO_COLOR": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "cdcflow", "run", str(path), "--metadata",
+                             f"sqlite:///{tmp_path / 'm.db'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().startswith("sending")  # the first call failed
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - began
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert took < 5, (took, err)
+    assert "asked to stop while 5 element(s) of partition p0 were being retried" in err
+    assert "the next run replays it" in err and "Traceback" not in err
+
+
 def test_metadata_init_sqlite(tmp_path: Path) -> None:
     db = tmp_path / "meta.db"
     result = cdcflow("metadata", "init", f"sqlite:///{db}")

@@ -45,7 +45,7 @@ from typing import Any
 
 import cloudpickle
 
-from cdcflow.engine.guard import guard_for
+from cdcflow.engine.guard import guard_for, stopping_for
 from cdcflow.engine.listener import note_task_done
 from cdcflow.engine.program import TaskProgram
 from cdcflow.engine.quota import ByteQuota, process_quota, quota_limit
@@ -708,6 +708,7 @@ class Chain:
                 error_policy=self._policy,
                 dead_letter=self._program.dead_letter_label is not None,
                 hold=self._quota.take, let_go=self._quota.release,
+                stopping=stopping_for(self._program.pipeline),
             ))
             self._writers[label] = writer
         return writer

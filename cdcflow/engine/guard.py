@@ -26,14 +26,16 @@ from contextlib import contextmanager
 
 from cdcflow.errors import LeaseExpiredError, PipelineStopped
 
-__all__ = ["RunGuard", "guard_for", "guarding"]
+__all__ = ["RunGuard", "guard_for", "guarding", "stopping_for"]
 
 
 class RunGuard:
     """See the module docstring. Thread-safe: checks read two attributes."""
 
-    def __init__(self, pipeline: str) -> None:
+    def __init__(self, pipeline: str, stopping: Callable[[], bool] = lambda: False) -> None:
         self.pipeline = pipeline
+        #: True once the run was asked to stop (gracefully: after the current batch)
+        self.stopping = stopping
         self._until = math.inf  # monotonic seconds
         self._ttl = 0.0
         self._revoked: BaseException | None = None
@@ -75,6 +77,17 @@ def guard_for(pipeline: str) -> Callable[[], None]:
     """The check of this process's run of ``pipeline``, or one that does nothing."""
     guard = _GUARDS.get(pipeline)
     return _free if guard is None else guard.check
+
+
+def _going_on() -> bool:
+    return False
+
+
+def stopping_for(pipeline: str) -> Callable[[], bool]:
+    """Whether this process's run of ``pipeline`` was asked to stop (always False where the
+    run is not in this process: a Spark executor)."""
+    guard = _GUARDS.get(pipeline)
+    return _going_on if guard is None else guard.stopping
 
 
 @contextmanager

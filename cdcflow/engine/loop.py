@@ -250,7 +250,7 @@ class Engine:
                         and info.keys_follow_lineage):
                     idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval)
                 # One run per pipeline: every write below carries this run's fencing token.
-                guard = RunGuard(name)
+                guard = RunGuard(name, self._stop.is_set)
                 self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost, guard)
                 self._owner.acquire(opts.takeover)
                 try:

@@ -261,6 +261,10 @@ class WriterContext:
     #: blocks while the writer holds them), ``let_go(n)`` once it is done with them (at
     #: the latest when it closes or aborts). Outside the engine both do nothing.
     hold: Callable[[int], None] = attrs.field(default=lambda n: None, eq=False, repr=False)
+    #: True once the run was asked to stop after the current batch (a signal, ``--for``):
+    #: a writer retrying failed calls gives the batch up then (it is replayed by the next
+    #: run) instead of retrying on. Always False where the run is not in this process.
+    stopping: Callable[[], bool] = attrs.field(default=lambda: False, eq=False, repr=False)
     let_go: Callable[[int], None] = attrs.field(default=lambda n: None, eq=False, repr=False)
 
 

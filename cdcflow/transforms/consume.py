@@ -48,7 +48,13 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from cdcflow.durations import parse_duration
-from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError, WriterFailed
+from cdcflow.errors import (
+    PipelineDefinitionError,
+    PipelineStopped,
+    SinkError,
+    WriterFailed,
+    WriterStopped,
+)
 from cdcflow.model import DataChangeRecord
 from cdcflow.sizes import element_size
 from cdcflow.transforms._policy import ErrorPolicy, Retry, Skip
@@ -130,9 +136,14 @@ class Consume(Sink[E, Consumed]):
 
     ``max_inflight``: calls that may run at once in one task. ``key``: elements with equal
     ``key(element)`` (hashable) are never called at once and are called in arrival order;
-    without a key, elements run in any order when ``max_inflight > 1``. Within a batch a
-    key's changes come from one partition, and a batch starts after the previous one
-    committed, so per-key order holds across tasks and batches too (replays aside).
+    without a key, elements run in any order when ``max_inflight > 1``. In an
+    IMMUTABLE_KEY_RANGE stream a key's changes within a batch come from one partition, and
+    a batch starts after the previous one committed, so per-key order holds across tasks
+    and batches too (replays aside). In a MUTABLE_KEY_RANGE stream a key can move between
+    two partitions read in one batch: its changes from the two are then called by two
+    tasks, possibly at once and out of order (across batches order holds); there, make
+    ``fn`` order-proof, e.g. by writing only if the change's commit timestamp is newer
+    than what the target holds.
 
     ``timeout`` (seconds or a duration, None: no bound): a call still running past it is a
     failure. A thread cannot be killed: the stuck call is abandoned (it runs on in the
@@ -142,11 +153,13 @@ class Consume(Sink[E, Consumed]):
 
     ``drain_timeout``: how long ``close`` (the task's end) and ``write`` (a full pool and
     queue: a call that hangs holds its key's later elements in the queue) wait without any
-    call finishing; the time elements wait out a Retry's delay does not count. Past it the
+    call finishing (with a ``timeout``, at least that plus a second: a call may take that
+    long); the time elements wait out a Retry's delay does not count. Past it the
     task fails with SinkError: the batch is not committed and is replayed (by Spark's task
     retry, or by the next run), calling ``fn`` again for all its elements. While it waits,
     the task also stops once the run may no longer act (its guard: a second Ctrl-C, a lost
-    lease).
+    lease), and once the run was asked to stop (a signal, ``--for``) while elements are
+    being retried: the batch is given up then, and the next run replays it.
 
     ``on_error``: the :class:`~cdcflow.policy.ErrorPolicy` for failed calls; without one,
     the pipeline's (``Pipeline(error_policy=...)``; by default: retry 3 times with
@@ -262,12 +275,13 @@ class Consume(Sink[E, Consumed]):
 class _Call:
     """One element on its way through ``fn``."""
 
-    __slots__ = ("element", "failures", "key", "size")
+    __slots__ = ("element", "failures", "key", "retried", "size")
 
     def __init__(self, element: Any, key: Hashable, size: int) -> None:
         self.element = element
         self.key = key
         self.failures = 0
+        self.retried = False  # a Retry decision came for it (counted in _retrying)
         self.size = size  # bytes held against the quota (WriterContext.hold)
 
 
@@ -305,6 +319,12 @@ class _ConsumeWriter(Generic[E]):
         self._capacity = consume.max_inflight * (1 + _QUEUE_PER_THREAD)
         self._timeout = consume.timeout
         self._drain_timeout = consume.drain_timeout
+        # how long the writer waits without a call finishing: drain_timeout, and at least
+        # a call's timeout (a call may take that long; past it, the watchdog ends it)
+        self._quiet = (consume.drain_timeout if consume.timeout is None
+                       else max(consume.drain_timeout, consume.timeout + 1.0))
+        self._stopping = ctx.stopping
+        self._retrying = 0  # pending calls that failed at least once
         self._policy: ErrorPolicy = (consume.on_error or ctx.error_policy or ErrorPolicy())
         self._keep_skipped = ctx.dead_letter
         self._skipped: list[tuple[Any, str]] = []  # (element, error) for the dead letter
@@ -352,7 +372,7 @@ class _ConsumeWriter(Generic[E]):
         with self._lock:
             if not self._wait(lambda: self._pending < self._capacity or self._ended):
                 msg = (
-                    f"Consume {self._label!r}: no call finished for {self._drain_timeout:g}s "
+                    f"Consume {self._label!r}: no call finished for {self._quiet:g}s "
                     f"while the pool and queue of partition {self._token} were full "
                     f"({self._running()} call(s) running, {self._pending} element(s) waiting); "
                     "the task fails, and a replay of the batch calls fn again for its "
@@ -390,9 +410,11 @@ class _ConsumeWriter(Generic[E]):
                 msg = (
                     f"Consume {self._label!r}: {self._pending} element(s) of partition "
                     f"{self._token} not acknowledged at the task's end: no call finished for "
-                    f"{self._drain_timeout:g}s ({self._running()} call(s) still running); the "
+                    f"{self._quiet:g}s ({self._running()} call(s) still running); the "
                     "task fails, and a replay of the batch calls fn again for its elements. "
-                    "Find why fn hangs, raise drain_timeout, or bound each call with timeout="
+                    "Find why fn hangs, raise drain_timeout"
+                    + ("" if self._timeout is not None else
+                       ", or bound each call with timeout=")
                 )
                 self._fail(WriterFailed(msg))
             self._end()
@@ -447,16 +469,18 @@ class _ConsumeWriter(Generic[E]):
         """Wait (under the lock) until ``ready()``, or ``drain_timeout`` seconds without any
         call finishing, not counting the time an element waits out a Retry's delay; False
         then. Checks the run's guard every half second: once the run may no longer act, the
-        writer fails with the guard's error (``ready`` then holds: the writer has ended)."""
-        deadline = time.monotonic() + self._drain_timeout
+        writer fails with the guard's error (``ready`` then holds: the writer has ended);
+        and once the run was asked to stop while calls are being retried, it gives the
+        batch up (WriterStopped: the next run replays it) rather than retry on."""
+        deadline = time.monotonic() + self._quiet
         progress = self._progress()
         while not ready():
             now = time.monotonic()
             if self._progress() != progress:
                 progress = self._progress()
-                deadline = now + self._drain_timeout
+                deadline = now + self._quiet
             if self._delayed:  # a retry's delay is not time without progress
-                deadline = max(deadline, self._delayed[0][0] + self._drain_timeout)
+                deadline = max(deadline, self._delayed[0][0] + self._quiet)
             if now >= deadline:
                 return False
             self._room.wait(min(0.5, deadline - now))
@@ -464,6 +488,11 @@ class _ConsumeWriter(Generic[E]):
                 self._guard()
             except BaseException as exc:
                 self._fail(exc)
+            if self._retrying and not self._ended and self._stopping():
+                self._fail(WriterStopped(
+                    f"Consume {self._label!r}: the run was asked to stop while "
+                    f"{self._retrying} element(s) of partition {self._token} were being "
+                    "retried; the batch is given up and the next run replays it"))
         return True
 
     # -- the pool ---------------------------------------------------------------------------
@@ -569,6 +598,8 @@ class _ConsumeWriter(Generic[E]):
         """``call``'s element is acked or skipped: release its key and its bytes (under the
         lock; once the writer ended, ``_end`` gave every byte back)."""
         self._pending -= 1
+        if call.retried:
+            self._retrying -= 1
         if not self._ended:
             self._held -= call.size
             self._let_go(call.size)
@@ -598,6 +629,9 @@ class _ConsumeWriter(Generic[E]):
                 return
             if isinstance(decision, Retry):
                 self._counts["retries"] += 1
+                if not call.retried:
+                    call.retried = True
+                    self._retrying += 1
                 self._queues[call.key].appendleft(call)  # first in line: its key waits
                 if decision.after > 0:
                     due = time.monotonic() + decision.after

@@ -23,7 +23,14 @@ import cdcflow as cf
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine, RunOptions, RunSummary
 from cdcflow.engine.runner import Runner
-from cdcflow.errors import PipelineDefinitionError, PipelineStopped, SinkError, WriterFailed
+from cdcflow.errors import (
+    PipelineDefinitionError,
+    PipelineStopped,
+    SinkError,
+    TransientError,
+    WriterFailed,
+    WriterStopped,
+)
 from cdcflow.metadata import MemoryStore
 from cdcflow.model import BatchPlan
 from cdcflow.policy import Decision, ErrorPolicy, FailedElement, Retry, Skip, Stop
@@ -437,6 +444,41 @@ def test_a_revoked_guard_ends_a_write_waiting_on_a_hung_call() -> None:
         assert time.monotonic() - began < 3
     finally:
         release.set()
+
+
+def test_a_stop_requested_while_calls_are_retried_gives_the_batch_up() -> None:
+    """A graceful stop (SIGTERM, --for) while the downstream fails: the writer does not
+    retry on (it could for minutes) but gives the batch up as transient, which the engine
+    turns into a stopped run; without retries pending, a stop lets the batch finish."""
+    stopping = threading.Event()
+    calls = [0]
+
+    def failing(e: str) -> None:
+        calls[0] += 1
+        raise ConnectionError("down")
+
+    ctx = WriterContext("p", "consume", 1, "tok", 0, 10, "attempt", stopping=stopping.is_set)
+    policy = ErrorPolicy(handler=lambda err, el, tok, n: Retry(after=2))
+    writer = Consume(failing, on_error=policy).open_writer(ctx)
+    writer.write("a")
+    threading.Timer(0.3, stopping.set).start()
+    began = time.monotonic()
+    with pytest.raises(WriterStopped, match=r"asked to stop while 1 element.*retried"):
+        writer.close()
+    assert time.monotonic() - began < 1.5 and calls[0] == 1
+    assert isinstance(WriterStopped("x"), TransientError)
+    # a healthy writer finishes its batch after the stop
+    done = Consume(lambda e: time.sleep(0.2)).open_writer(ctx)
+    done.write("b")
+    assert done.close() == Consumed(elements=1, acked=1, calls=1)
+
+
+def test_a_call_within_its_timeout_is_waited_for_past_the_drain_timeout() -> None:
+    """timeout=2s with drain_timeout=0.3s: a call of 1 s is within its timeout, so the
+    writer waits for it rather than fail the task at the drain timeout."""
+    writer = _writer(Consume(lambda e: time.sleep(1.0), timeout=2, drain_timeout=0.3))
+    writer.write("slow")
+    assert writer.close() == Consumed(elements=1, acked=1, calls=1)
 
 
 def test_abort_drops_waiting_elements() -> None:
