@@ -33,10 +33,11 @@ Metrics (type; labels besides ``pipeline``):
   retried ones included; an error that fails its task returns no counters and shows as
   the batch's retry instead), ``cdcflow_batch_retries_total{error}`` (counter: batches
   run again after a transient failure, by the error's class, and ``error="any"``);
-- ``cdcflow_inflight_bytes`` (gauge: the last batch's in-flight bytes at their peak,
-  summed over its tasks), ``cdcflow_quota_waits_total`` and
-  ``cdcflow_quota_wait_seconds_total`` (counters: reads that waited for in-flight room,
-  and how long), all 0 unless ReadPartition runs with ``max_inflight > 1``;
+- ``cdcflow_inflight_bytes`` (gauge: the most bytes one task of the last batch held of
+  its process's byte quota: records read and not yet taken by every sink, and Consume's
+  queue), ``cdcflow_inflight_bytes_limit`` (gauge: that quota, ``max_inflight_bytes``),
+  ``cdcflow_quota_waits_total`` and ``cdcflow_quota_wait_seconds_total`` (counters: reads
+  that waited for room in the quota, and how long);
 - ``cdcflow_sink_<name>{sink}``: what each sink reports after a batch (``Sink.metrics()``;
   a counter for a name ending in ``_total``, else a gauge), e.g. WriteTables' files cut by
   reason, uploads, spool bytes and durable batch.
@@ -158,6 +159,7 @@ class PipelineMetrics(EngineListener):
         self._spanner_errors: Counter[str] = Counter()
         self._batch_retries: Counter[str] = Counter()  # by error class
         self._inflight_bytes = 0
+        self._inflight_limit = 0
         self._last_batch_ns: int | None = None
         # From the last on_partitions: watermarks of the partitions that are not FINISHED.
         self._watermarks: tuple[tuple[str, int], ...] = ()
@@ -179,6 +181,7 @@ class PipelineMetrics(EngineListener):
             for key in ("retries", "skipped", "dead_lettered", "quota_waits", "quota_wait_us"):
                 counts[key] += task.get(key, 0)
             self._inflight_bytes = task.get("inflight_bytes_peak", 0)
+            self._inflight_limit = task.get("inflight_bytes_limit", self._inflight_limit)
             for kind, us_key in _QUERY_HISTOGRAMS.items():
                 self._queries[kind].total += task.get(us_key, 0) / 1e6
             for key, value in task.items():
@@ -246,6 +249,7 @@ class PipelineMetrics(EngineListener):
             spanner_errors = dict(self._spanner_errors)
             batch_retries = dict(self._batch_retries)
             inflight_bytes = self._inflight_bytes
+            inflight_limit = self._inflight_limit
             last_batch, watermarks = self._last_batch_ns, self._watermarks
             low, done = self._low, self._done
         p = ["pipeline"]
@@ -358,8 +362,11 @@ class PipelineMetrics(EngineListener):
         for error, value in sorted(batch_retries.items()):
             retries_family.add_metric([name, error], value)
         yield retries_family
-        yield gauge("cdcflow_inflight_bytes", "Bytes in flight at their peak in the last "
-                    "batch, summed over its tasks (max_inflight > 1 only).", inflight_bytes)
+        yield gauge("cdcflow_inflight_bytes", "The most bytes one task of the last batch "
+                    "held of its process's byte quota.", inflight_bytes)
+        yield gauge("cdcflow_inflight_bytes_limit", "The byte quota of the processes that "
+                    "run the tasks (max_inflight_bytes; 0 before the first batch).",
+                    inflight_limit)
         yield counter("cdcflow_quota_waits", "Reads that waited for in-flight room "
                       "(max_inflight, max_inflight_bytes).", counts["quota_waits"])
         yield counter("cdcflow_quota_wait_seconds", "Seconds reads waited for in-flight room.",

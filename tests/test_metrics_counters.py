@@ -146,6 +146,7 @@ def test_query_counters_travel_in_task_results_to_the_scrape() -> None:
     assert v("cdcflow_spanner_query_seconds_count") == reads + 1
     assert 0 < v("cdcflow_spanner_query_seconds_sum") < 10
     assert v("cdcflow_inflight_bytes") == 0  # max_inflight 1: nothing in flight
+    assert v("cdcflow_inflight_bytes_limit") == 256 << 20  # the default quota
     assert v("cdcflow_quota_waits_total") == 0
 
 
@@ -169,3 +170,4 @@ def test_inflight_bytes_and_quota_waits_of_a_bounded_reader() -> None:
     # a gauge of the last batch's peak (the last batches read no data: 0 then)
     peaks = _peaks["bounded"]
     assert max(peaks) > 0 and v("cdcflow_inflight_bytes") == peaks[-1]
+    assert v("cdcflow_inflight_bytes_limit") == 1

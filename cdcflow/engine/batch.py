@@ -73,6 +73,8 @@ from cdcflow.transforms.base import Sink
 __all__ = ["Batches"]
 
 _log = logging.getLogger("cdcflow.engine")
+#: Task counters that are levels (the largest over a batch's tasks), not counts (summed).
+_LARGEST = ("inflight_bytes_peak", "inflight_bytes_limit")
 
 
 @attrs.define
@@ -268,6 +270,10 @@ class Batches:
         counters: Counter[str] = Counter()
         for r in results:
             counters.update(r.counters)
+        for key in _LARGEST:  # a level, not a count: the largest over the tasks
+            levels = [r.counters[key] for r in results if key in r.counters]
+            if levels:
+                counters[key] = max(levels)
         if folded is not None:
             counters.update(folded.counters)
         size = sum(r.bytes for r in results)

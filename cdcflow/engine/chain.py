@@ -792,11 +792,13 @@ class Chain:
     def counters(self) -> dict[str, int]:
         """What this task did: ``skipped``, ``retries``, ``dead_lettered`` elements, per
         step ``elements_in/<label>``, ``elements_out/<label>``, ``sink_writes/<label>``,
-        ``inflight_bytes_peak`` (the most bytes this task held of the process's byte quota),
+        ``inflight_bytes_peak`` (the most bytes this task held of the process's byte quota;
+        a batch takes the largest over its tasks), ``inflight_bytes_limit`` (that quota),
         ``quota_waits`` / ``quota_wait_us`` (reads that waited for room in the quota, and
         how long in all), ``bundle_retries`` (bundles whose ``process_bundle`` raised and
         whose elements were then processed one by one)."""
-        counts = {**self._counts, "skipped": self._skipped, "retries": self._retries}
+        counts = {**self._counts, "skipped": self._skipped, "retries": self._retries,
+                  "inflight_bytes_limit": self._quota.limit}
         line = self._line
         if line is not None:  # the fused path counts apart
             for step in line.steps:

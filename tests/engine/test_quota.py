@@ -16,6 +16,7 @@ import pytest
 
 import cdcflow as cf
 from bench._backlog import LazyBacklog
+from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.engine.quota import (
     DEFAULT_QUOTA_BYTES,
@@ -191,6 +192,19 @@ def _body_length(record: DataChangeRecord) -> int:
     return len(body)
 
 
+class _Peaks(EngineListener):
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self.limits: list[int] = []
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self.peaks.append(stats.counters.get("inflight_bytes_peak", 0))
+        self.limits.append(stats.counters.get("inflight_bytes_limit", 0))
+
+
+_listener = _Peaks()
+
+
 def _run_backlog(
     backlog: LazyBacklog, quota: int, max_inflight: int, delay: float
 ) -> tuple[_SlowSink, int]:
@@ -209,7 +223,9 @@ def _run_backlog(
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
         opts = RunOptions(batch_interval=0, max_batch_span=3600.0, batch_retries=0)
-        Engine(p, MemoryStore(), InMemoryRunner(workers=4), opts).run()
+        _listener.peaks.clear()
+        _listener.limits.clear()
+        Engine(p, MemoryStore(), InMemoryRunner(workers=4), opts, listener=_listener).run()
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
@@ -241,6 +257,8 @@ def test_a_slow_sink_keeps_held_bytes_under_the_shared_quota() -> None:
     stats = process_quota().stats()
     assert stats.limit == QUOTA and stats.peak <= QUOTA and stats.used == 0
     assert _overlapping(_lifetimes) >= 2  # tasks ran at once, sharing the one quota
+    # a batch reports the largest of its tasks' peaks (their sum would pass the quota)
+    assert 0 < max(_listener.peaks) <= QUOTA and set(_listener.limits) == {QUOTA}
     # Everything the run allocated at its peak (records, results, futures): the quota and
     # about 1.5 MiB of the engine's own (8 MiB in the control below).
     assert traced < QUOTA + (2 << 20), f"traced peak {traced} bytes"
