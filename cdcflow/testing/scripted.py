@@ -536,10 +536,21 @@ class ScriptedChangeStream:
 
     def _compile(self) -> dict[str, list[DataChangeRecord]]:
         """Per partition, its records with mod values in the wire form."""
-        return compile_records(
-            self._txns, lambda keys, at: self._owner(_bucket(keys, self.buckets), at),
-            self.value_capture_type,
-        )
+        # bucket -> the partitions that ever owned it: a write looks at those (a few), not
+        # at every partition (10,000 partitions made compiling minutes long)
+        owners: dict[int, list[_Partition]] = {}
+        for part in self._parts.values():
+            for bucket in part.buckets:
+                owners.setdefault(bucket, []).append(part)
+
+        def owner(keys: Mapping[str, Any], at: int) -> str:
+            bucket = _bucket(keys, self.buckets)
+            for part in owners.get(bucket, ()):
+                if part.start <= at < part.end:
+                    return part.token
+            return self._owner(bucket, at)  # raises: buckets are always covered
+
+        return compile_records(self._txns, owner, self.value_capture_type)
 
 
 def _ns(value: TimeLike) -> int:
