@@ -296,6 +296,14 @@ class SpannerChangeStreamClient:
     def _failure(self, exc: Exception, query: ChangeStreamQuery | None, failed: int
                  ) -> Exception:
         """What to raise for ``exc`` once retrying stopped after ``failed`` attempts."""
+        if self._worth_retrying(exc) and status_name(exc) == "RESOURCE_EXHAUSTED":
+            msg = (
+                f"Spanner kept refusing the read after {failed} attempts (RESOURCE_EXHAUSTED: "
+                f"{error_text(exc)}): a query may ask for more than it answers at once (lower "
+                "max_batch_span, e.g. --set max_batch_span=2s, so that each batch reads a "
+                "shorter span), or the instance is out of capacity or quota; then run again"
+            )
+            return TransientError(msg)
         if self._worth_retrying(exc):
             msg = (
                 f"Spanner kept failing after {failed} attempts ({status_name(exc)}: "

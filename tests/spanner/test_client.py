@@ -696,3 +696,22 @@ class _Exploding:
 
     def close(self) -> None:
         pass
+
+
+@pytest.mark.parametrize(("error", "advice"), [
+    (lambda: gexc.ResourceExhausted("Query result too large"), "lower max_batch_span"),
+    (lambda: gexc.ServiceUnavailable("connection reset"), "check the network path"),
+])
+def test_spent_retries_name_the_fix_for_their_status(
+    error: Callable[[], BaseException], advice: str
+) -> None:
+    t = Timestamp.parse("2024-01-01T00:00:00Z").ns
+    records = [HeartbeatRecord("tok", t + i) for i in range(3)]
+    client = SpannerChangeStreamClient(
+        "projects/p/instances/i/databases/d",
+        retry=RetryPolicy(attempts=2, sleep=lambda s: None),
+    )
+    client.transport = ScriptedTransport(records, fail_after=[0, 0, 0], error=error)
+    with pytest.raises(TransientError, match=advice) as info:
+        list(client.read(ChangeStreamQuery("S", "tok", t, t + 10)))
+    assert "after 2 attempts" in str(info.value)
