@@ -82,6 +82,11 @@ class Usage:
     disk: int = 0
 
 
+#: A file cut before it spilled goes to its upload as bytes up to this size, through its
+#: local file above it.
+INLINE_CUT = 8 << 20
+
+
 class OpenFile:
     """A key's open file: whole batches ``first..last`` of schema ``schema``.
 
@@ -194,8 +199,10 @@ class OpenFile:
         return pa.Table.from_batches(self.chunks, schema=self._meta())
 
     def finish(self, name: str, batch_id: int) -> Cut:
-        """Close the file: its bytes if it never spilled, else the completed local file."""
-        if self._writer is None and self.disk == 0:
+        """Close the file: its bytes if it never spilled and is small, else the completed
+        local file (joined or encoded in memory, a large file would be held twice, and its
+        bytes then wait for the upload outside the spool's count)."""
+        if self._writer is None and self.disk == 0 and self.memory <= INLINE_CUT:
             if self.text:
                 data = self.header + b"".join(self.chunks)
             else:
