@@ -256,6 +256,10 @@ def _kind(name: str, value: Any) -> str:
 _NAMES = {"bool": "boolean", "int": "int64", "float": "double", "str": "string"}
 
 
+#: Text columns whose values average more characters are not dictionary encoded.
+_DICTIONARY_TEXT = 256
+
+
 class _Columns:
     """A file's rows, column-wise, with one type per column that every row must keep.
 
@@ -275,6 +279,8 @@ class _Columns:
     def __init__(self) -> None:
         self.rows = 0  # rows held now (since the last take)
         self.bytes = 0  # their payload: text by its length, other values _VALUE_BYTES each
+        # per text column, over the whole file: (values, characters)
+        self._text: dict[str, list[int]] = {}
         self._values: dict[str, list[Any]] = {}  # every column of the file, first-seen order
         self._kinds: dict[str, str] = {}
         self._big: set[str] = set()  # int columns holding a value beyond 2**53
@@ -289,6 +295,12 @@ class _Columns:
             kind = _kind(name, value)
             if kind == "str":
                 size += len(value)
+                seen = self._text.get(name)
+                if seen is None:
+                    self._text[name] = [1, len(value)]
+                else:
+                    seen[0] += 1
+                    seen[1] += len(value)
             have = self._kinds.get(name)
             merged = kind if have is None or have == kind else None
             if {have, kind} == {"int", "float"}:
@@ -345,6 +357,13 @@ class _Columns:
         self.rows = 0
         self.bytes = 0
         return batch
+
+    def short_text(self, longest: int = _DICTIONARY_TEXT) -> list[str]:
+        """The columns worth dictionary encoding: all but the text columns whose values
+        average more than ``longest`` characters (few repeat, and the encoder would hold
+        several copies of a row group trying)."""
+        return [name for name in self._values
+                if name not in self._text or self._text[name][1] <= longest * self._text[name][0]]
 
     def schema(self) -> Any:
         """The file's schema: every column in first-seen order, its one type (string for a
@@ -444,7 +463,8 @@ class ParquetWriter(_FileWriter):
 
         schema = self._columns.schema()
         with self._storage("write"), self._create() as f:
-            with pq.ParquetWriter(f, schema) as out:
+            with pq.ParquetWriter(f, schema,
+                                  use_dictionary=self._columns.short_text()) as out:
                 for batch in self._chunks():
                     out.write_batch(conform(batch, schema))
             f.flush()

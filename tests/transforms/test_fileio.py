@@ -220,6 +220,23 @@ def test_a_parquet_writer_spills_by_bytes_as_well_as_by_rows(tmp_path: Path) -> 
     ]
 
 
+def test_long_text_columns_are_not_dictionary_encoded(tmp_path: Path) -> None:
+    """A column of long, mostly distinct texts gains nothing from a dictionary, and the
+    encoder would hold several copies of each row group trying; short columns keep it."""
+    sink = _sink(tmp_path / "enc", format="parquet")
+    writer = sink.open_writer(_wctx(1, "tok"))
+    for i in range(50):
+        writer.write({"op": "UPDATE", "body": f"{i}" + "x" * 1000})
+    sink.commit(1, [writer.close()])
+    (path,) = (tmp_path / "enc").glob("part-*.parquet")
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    encodings = {group.column(i).path_in_schema: group.column(i).encodings
+                 for i in range(group.num_columns)}
+    assert any("DICTIONARY" in e for e in encodings["op"])
+    assert not any("DICTIONARY" in e for e in encodings["body"])
+    assert pq.read_table(path).column("body").to_pylist()[7] == "7" + "x" * 1000
+
+
 def test_spill_files_of_an_aborted_or_crashed_writer_are_swept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
