@@ -8,9 +8,12 @@ in-memory runner with 4 threads. Each quota runs in a fresh process, which print
 baseline RSS (after imports), its peak RSS (VmHWM), and the quota's own peak of held
 bytes. Target: peak RSS <= quota + 200 MB for a 1 GB backlog.
 
-Then the same backlog goes into a real sink that keeps rows, WriteTables (Parquet on local
-disk, ``spool_memory=32MiB``): its memory is the quota plus its spool, so the line prints
-peak RSS - quota - spool_memory, and counts the rows in the files it wrote.
+Then the same backlog at a 32 MiB quota goes into sinks that keep elements after
+``write``: WriteFiles (Parquet: a file per task, its rows spilled past 4 MiB),
+``Consume(max_inflight=16)`` (a 1 ms call: its queue stays charged to the quota) and
+WriteTables (Parquet on local disk, ``spool_memory=32MiB``: its memory is the quota plus
+its spool, so that line prints peak RSS - quota - spool_memory). Each counts what it wrote
+or called.
 
 ``python -m bench.bench_memory [--mb N] [--quotas 256,32,8]``; ``CDCFLOW_BENCH_BACKLOG_MB``
 sets the default backlog size (e.g. 128 for a quick run).
@@ -78,15 +81,32 @@ def _stall(record: Any) -> Any:
     return record  # the whole record goes on: its payload is what the sink takes
 
 
-def _child(mb: int, quota_mb: int, tables: bool) -> dict[str, Any]:
-    """One run in this process (into WriteTables if ``tables``); what it measured."""
+def _call(record: Any) -> None:
+    time.sleep(_SINK_DELAY)
+
+
+def _row(record: Any) -> dict[str, Any]:
+    return {"id": record.mods[0].keys["id"], "body": record.mods[0].new_values["body"]}
+
+
+def _child(mb: int, quota_mb: int, sink_name: str) -> dict[str, Any]:
+    """One run in this process into ``sink_name`` (slow, files, consume, tables); what it
+    measured."""
     import cdcflow as cf
     from bench._backlog import LazyBacklog
     from cdcflow.engine.loop import Engine, RunOptions
     from cdcflow.engine.quota import process_quota
     from cdcflow.metadata import MemoryStore
     from cdcflow.runners.in_memory import InMemoryRunner
-    from cdcflow.transforms import DetectPartitions, Map, ReadPartition, Sink, WriteTables
+    from cdcflow.transforms import (
+        Consume,
+        DetectPartitions,
+        Map,
+        ReadPartition,
+        Sink,
+        WriteFiles,
+        WriteTables,
+    )
 
     class SlowSink(Sink[Any, int]):
         def __init__(self) -> None:
@@ -103,14 +123,18 @@ def _child(mb: int, quota_mb: int, tables: bool) -> dict[str, Any]:
     backlog = LazyBacklog("Backlog", partitions=_PARTITIONS, records=records,
                           payload=_PAYLOAD, origin=origin, span_ns=60 * _S)
     out = tempfile.mkdtemp(prefix="cdcflow-bench-memory-")
-    sink: Any = (WriteTables(out, format="parquet", spool_memory=_SPOOL_MEMORY) if tables
-                 else SlowSink())
+    sink: Any = {
+        "tables": lambda: WriteTables(out, format="parquet", spool_memory=_SPOOL_MEMORY),
+        "files": lambda: WriteFiles(out, format="parquet"),
+        "consume": lambda: Consume(_call, max_inflight=16),
+        "slow": SlowSink,
+    }[sink_name]()
     p = cf.Pipeline("bench-memory")
     (p
      | DetectPartitions(stream="Backlog", start_at=origin, end_at=backlog.end, client=backlog)
      | ReadPartition(heartbeat="1s", max_inflight=_MAX_INFLIGHT,
                      max_inflight_bytes=quota_mb * _MB)
-     | Map(_stall if not tables else _same)
+     | Map({"slow": _stall, "files": _row}.get(sink_name, _same))
      | sink)
     base = _rss("VmRSS")
     began = time.monotonic()
@@ -118,10 +142,13 @@ def _child(mb: int, quota_mb: int, tables: bool) -> dict[str, Any]:
     opts = RunOptions(batch_interval=0, max_batch_span=3600.0)
     Engine(p, MemoryStore(), InMemoryRunner(workers=_PARTITIONS), opts).run()
     stats = process_quota().stats()
-    if tables:
+    if sink_name in ("tables", "files"):
         import pyarrow.dataset as ds
 
-        count = ds.dataset(f"{out}/Backlog", format="parquet").count_rows()
+        where = f"{out}/Backlog" if sink_name == "tables" else out
+        count = ds.dataset(where, format="parquet").count_rows()
+    elif sink_name == "consume":
+        count = sink.stats().acked
     else:
         count = sink.count
     shutil.rmtree(out, ignore_errors=True)
@@ -140,10 +167,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="backlog payload in MiB (default 1024)")
     parser.add_argument("--quotas", default="256,32,8", help="quotas in MiB, one run each")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--tables", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sink", default="slow", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(_child(args.mb, args.child, args.tables)))
+        print(json.dumps(_child(args.mb, args.child, args.sink)))
         return
     print(f"bench_memory: a slow sink (1 ms per element) facing a {args.mb} MiB backlog "
           f"({_PARTITIONS} partitions, {_PAYLOAD >> 10} KiB records, "
@@ -159,7 +186,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {r['quota'] / _MB:7.0f} MiB {r['quota_peak'] / _MB:7.1f} MiB {r['waits']:7d} "
               f"{r['base_rss'] / 1e6:6.0f} MB {r['peak_rss'] / 1e6:6.0f} MB {over:9.0f} MB "
               f"{r['records']:8d} {r['seconds']:8.1f}  {verdict}", flush=True)
-    r = _run(args.mb, 32, "--tables")
+    for sink_name, title in (("files", "WriteFiles (parquet)"),
+                             ("consume", "Consume(max_inflight=16)")):
+        r = _run(args.mb, 32, "--sink", sink_name)
+        over = (r["peak_rss"] - r["quota"]) / 1e6
+        verdict = "met" if over <= 200 else "MISSED"
+        if r["records"] != r["expected"]:
+            verdict = f"WRONG: {r['records']} of {r['expected']}"
+        print(f"  {title}, quota {r['quota'] / _MB:.0f} MiB: peak RSS {r['peak_rss'] / 1e6:.0f} "
+              f"MB (base {r['base_rss'] / 1e6:.0f} MB), RSS - quota {over:.0f} MB, "
+              f"{r['records']} in {r['seconds']:.1f} s  target: <= 200 MB  {verdict}",
+              flush=True)
+    r = _run(args.mb, 32, "--sink", "tables")
     over = (r["peak_rss"] - r["quota"] - _SPOOL_MEMORY) / 1e6
     verdict = "met" if over <= 200 else "MISSED"
     if r["records"] != r["expected"]:
