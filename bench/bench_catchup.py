@@ -545,6 +545,13 @@ def _report_cpu(results: list[Run]) -> None:
               f"{(served + ceiling.own_cpu) / (ref.seconds / target):.1f} cores busy for the "
               f"whole run" + (" (more than this machine has)"
                               if ref.seconds / target < floor else ""))
+    for run in results:
+        phases = dict(run.phases())
+        startup = phases.get("imports+JVM+session")
+        if startup is not None and startup > ref.seconds / 2:
+            print(f"  {run.name}: its start-up alone (interpreter, imports, JVM, Spark "
+                  f"session) took {startup:.2f} s, more than the {ref.seconds / 2:.2f} s "
+                  "that 2x allows")
 
 
 if __name__ == "__main__":
