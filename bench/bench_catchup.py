@@ -528,8 +528,10 @@ def _report_cpu(results: list[Run]) -> None:
           f"  (floor: (own + emulator CPU) / {cores} cores)")
     for run in results:
         floor = (run.own_cpu + run.emulator_cpu) / cores
+        jvm = "spark" in run.name
         print(f"  {run.name:<38} {run.own_cpu:9.2f} {run.emulator_cpu:9.2f} {floor:8.2f} "
-              f"{run.seconds:8.2f}")
+              f"{run.seconds:8.2f}" + ("  (its JVM's CPU is not counted: the JVM is not "
+                                       "a waited-for child)" if jvm else ""))
     ceiling = next((r for r in results if r.name.startswith(CEILING)), None)
     if ceiling is None:
         return
