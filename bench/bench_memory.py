@@ -9,7 +9,7 @@ baseline RSS (after imports), its peak RSS (VmHWM), and the quota's own peak of 
 bytes. Target: peak RSS <= quota + 200 MB for a 1 GB backlog.
 
 Then the same backlog at a 32 MiB quota goes into sinks that keep elements after
-``write``: WriteFiles (Parquet: a file per task, its rows spilled past 4 MiB),
+``write``: WriteFiles (Parquet: a file per task, its rows spilled past 2 MiB),
 ``Consume(max_inflight=16)`` (a 1 ms call: its queue stays charged to the quota) and
 WriteTables (Parquet on local disk, ``spool_memory=32MiB``: its memory is the quota plus
 its spool, so that line prints peak RSS - quota - spool_memory). Each counts what it wrote

@@ -402,7 +402,7 @@ def conform(batch: Any, schema: Any) -> Any:
 #: What a Parquet writer holds in memory, in rows and in payload bytes (text by its
 #: length): a chunk that reaches either goes to a spill file on disk.
 SPILL_ROWS = 50_000
-SPILL_BYTES = 4 << 20
+SPILL_BYTES = 2 << 20
 #: What a value (and its column's slot) costs besides its text, in _Columns.bytes.
 _VALUE_BYTES = 16
 

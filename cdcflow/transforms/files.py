@@ -195,7 +195,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
     string. A column keeps one type within a file: an element whose value has another
     type fails at ``write`` (a SinkError the error policy retries or skips to the
     dead-letter sink) and the other rows are written. A parquet writer writes its file
-    when the task ends; until then it keeps at most 50,000 rows or 4 MiB of their payload
+    when the task ends; until then it keeps at most 50,000 rows or 2 MiB of their payload
     in memory and spills the rest to local disk. A storage failure (``OSError``) in a writer or a
     commit raises :class:`~cdcflow.errors.SinkIOError`: the batch is retried.
 
