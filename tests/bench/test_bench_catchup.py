@@ -3,6 +3,8 @@ asserts: ``make bench`` measures)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench import bench_catchup
@@ -22,9 +24,15 @@ def test_a_small_backlog_is_read_whole_by_the_stock_reader_and_cdcflow(
             if line.startswith(f"  {name} "):
                 rows[name].append(line[len(name) + 2:].split())
     for cells in rows.values():
-        # the side-by-side row, the breakdown, the reading-alone row
-        assert len(cells) == 3, out
+        # the side-by-side row, the breakdown, the reading-alone row, the CPU row
+        assert len(cells) == 4, out
+        own, emulator, floor, seconds = (float(x) for x in cells[3][:4])
+        assert own > 0 and emulator > 0  # each reader's CPU, and the emulator's for it
+        cores = os.cpu_count() or 1
+        assert floor == pytest.approx((own + emulator) / cores, abs=0.011)
+        assert seconds > 0
         assert cells[0][0] == "300" and float(cells[0][2]) > 0  # changes, changes/s
+    assert "no run on" in out and "the stock reader at most" in out
     assert "WRONG" not in out and "target >= 4x the stock reader" in out
     assert any(line.startswith(f"  {bench_catchup.CEILING} (") and " 300 " in line
                for line in out.splitlines()), out  # the emulator's ceiling, every change
