@@ -116,6 +116,7 @@ def test_unknown_option_lists_the_valid_keys() -> None:
         ({"batch_interval": float("nan")}, "batch_interval takes a duration"),
         ({"gc_ttl": "inf"}, "not a duration"),
         ({"lease_ttl": float("inf")}, "lease_ttl takes a duration"),
+        ({"batch_interval": "99999h"}, r"batch_interval must be at most a day \(86400 s\)"),
     ],
 )
 def test_bad_values_name_what_the_option_takes(options: dict[str, object], fragment: str) -> None:

@@ -94,6 +94,18 @@ def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) ->
         raise ValueError(msg)
 
 
+#: The longest batch interval: a run waits that long between batches once caught up.
+_DAY = 86_400.0
+
+
+def _interval(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _non_negative(instance, attribute, value)
+    if value > _DAY:
+        msg = (f"RunOptions.{attribute.name} must be at most a day (86400 s), got {value:g}; "
+               "for runs days apart, run with --max-batches from a scheduler instead")
+        raise ValueError(msg)
+
+
 def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and (value <= 0 or not math.isfinite(value)):
         msg = f"RunOptions.{attribute.name} must be more than 0 (and finite), got {value}"
@@ -129,7 +141,7 @@ class RunOptions:
     all the same). False runs one batch at a time.
     """
 
-    batch_interval: float = attrs.field(default=1.0, validator=_non_negative)
+    batch_interval: float = attrs.field(default=1.0, validator=_interval)
     max_batch_span: float = attrs.field(default=10.0, validator=_positive)
     max_batches: int | None = attrs.field(default=None, validator=_positive)
     duration: float | None = attrs.field(default=None, validator=_non_negative)
