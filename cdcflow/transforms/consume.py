@@ -324,7 +324,7 @@ class _ConsumeWriter(Generic[E]):
         self._quiet = (consume.drain_timeout if consume.timeout is None
                        else max(consume.drain_timeout, consume.timeout + 1.0))
         self._stopping = ctx.stopping
-        self._retrying = 0  # pending calls that failed at least once
+        self._retrying = 0  # pending calls the policy said to retry (once each)
         self._policy: ErrorPolicy = (consume.on_error or ctx.error_policy or ErrorPolicy())
         self._keep_skipped = ctx.dead_letter
         self._skipped: list[tuple[Any, str]] = []  # (element, error) for the dead letter
