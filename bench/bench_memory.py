@@ -179,34 +179,33 @@ def main(argv: list[str] | None = None) -> None:
           f"{'RSS - quota':>12} {'records':>8} {'seconds':>8}  target: peak RSS <= quota + 200 MB")
     for quota_mb in (int(q) for q in args.quotas.split(",")):
         r = _run(args.mb, quota_mb)
-        over = (r["peak_rss"] - r["quota"]) / 1e6
-        verdict = "met" if over <= 200 else "MISSED"
-        if r["records"] != r["expected"]:
-            verdict = f"WRONG: {r['records']} of {r['expected']} records"
+        over, verdict = _judged(r)
         print(f"  {r['quota'] / _MB:7.0f} MiB {r['quota_peak'] / _MB:7.1f} MiB {r['waits']:7d} "
               f"{r['base_rss'] / 1e6:6.0f} MB {r['peak_rss'] / 1e6:6.0f} MB {over:9.0f} MB "
               f"{r['records']:8d} {r['seconds']:8.1f}  {verdict}", flush=True)
     for sink_name, title in (("files", "WriteFiles (parquet)"),
                              ("consume", "Consume(max_inflight=16)")):
         r = _run(args.mb, 32, "--sink", sink_name)
-        over = (r["peak_rss"] - r["quota"]) / 1e6
-        verdict = "met" if over <= 200 else "MISSED"
-        if r["records"] != r["expected"]:
-            verdict = f"WRONG: {r['records']} of {r['expected']}"
+        over, verdict = _judged(r)
         print(f"  {title}, quota {r['quota'] / _MB:.0f} MiB: peak RSS {r['peak_rss'] / 1e6:.0f} "
               f"MB (base {r['base_rss'] / 1e6:.0f} MB), RSS - quota {over:.0f} MB, "
               f"{r['records']} in {r['seconds']:.1f} s  target: <= 200 MB  {verdict}",
               flush=True)
     r = _run(args.mb, 32, "--sink", "tables")
-    over = (r["peak_rss"] - r["quota"] - _SPOOL_MEMORY) / 1e6
-    verdict = "met" if over <= 200 else "MISSED"
-    if r["records"] != r["expected"]:
-        verdict = f"WRONG: {r['records']} of {r['expected']} rows"
+    over, verdict = _judged(r, _SPOOL_MEMORY)
     print(f"  WriteTables (parquet, spool_memory {_SPOOL_MEMORY >> 20} MiB), quota "
           f"{r['quota'] / _MB:.0f} MiB: peak RSS {r['peak_rss'] / 1e6:.0f} MB (base "
           f"{r['base_rss'] / 1e6:.0f} MB), RSS - quota - spool_memory {over:.0f} MB, "
           f"{r['records']} rows in {r['seconds']:.1f} s  target: <= 200 MB  {verdict}",
           flush=True)
+
+
+def _judged(r: dict[str, Any], spool: int = 0) -> tuple[float, str]:
+    """(peak RSS - quota - ``spool`` in MB, the verdict against the 200 MB target)."""
+    over = (r["peak_rss"] - r["quota"] - spool) / 1e6
+    if r["records"] != r["expected"]:
+        return over, f"WRONG: {r['records']} of {r['expected']} records"
+    return over, "met" if over <= 200 else "MISSED"
 
 
 def _run(mb: int, quota_mb: int, *flags: str) -> dict[str, Any]:

@@ -217,19 +217,23 @@ def _run_backlog(
      | Map(_body_length)
      | sink)
     _lifetimes.clear()
+    _listener.peaks.clear()
+    _listener.limits.clear()
+    return sink, _traced_run(p, quota, _listener)
+
+
+def _traced_run(p: cf.Pipeline, quota: int, listener: EngineListener | None = None) -> int:
+    """Run ``p`` to its end on 4 threads, the quota's peak reset; the traced peak growth."""
     process_quota(quota).reset_peak()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
         opts = RunOptions(batch_interval=0, max_batch_span=3600.0, batch_retries=0)
-        _listener.peaks.clear()
-        _listener.limits.clear()
-        Engine(p, MemoryStore(), InMemoryRunner(workers=4), opts, listener=_listener).run()
-        peak = tracemalloc.get_traced_memory()[1] - base
+        Engine(p, MemoryStore(), InMemoryRunner(workers=4), opts, listener=listener).run()
+        return tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    return sink, peak
 
 
 def _overlapping(lifetimes: list[tuple[float, float]]) -> int:
@@ -309,16 +313,7 @@ def test_consume_keeps_the_elements_it_queues_charged_to_the_quota(quota: int) -
      | ReadPartition(heartbeat="1s", max_inflight_bytes=quota)
      | cf.Consume(_slow_call, max_inflight=16))
     _consumed.clear()
-    process_quota(quota).reset_peak()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        opts = RunOptions(batch_interval=0, max_batch_span=3600.0, batch_retries=0)
-        Engine(p, MemoryStore(), InMemoryRunner(workers=4), opts).run()
-        traced = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    traced = _traced_run(p, quota)
     assert sorted(_consumed) == [16384] * 192  # every element, once
     stats = process_quota().stats()
     assert stats.used == 0  # every byte given back
