@@ -687,6 +687,22 @@ def test_one_sigterm_stops_a_run_whose_consume_calls_are_being_retried(
     assert "the next run replays it" in err and "Traceback" not in err
 
 
+def test_a_run_for_a_duration_ends_while_consume_calls_are_being_retried(
+    tmp_path: Path,
+) -> None:
+    """--for ends the run like a stop: a batch whose calls are being retried is given up
+    once the duration passes (it is replayed next run), not retried for a minute more."""
+    path = write(tmp_path, CONSUME_DOWN)
+    began = time.monotonic()
+    result = cdcflow("run", str(path), "--metadata", f"sqlite:///{tmp_path / 'm.db'}",
+                     "--for", "2s")
+    took = time.monotonic() - began
+    assert result.returncode == 0, result.stderr
+    assert took < 10, (took, result.stderr)
+    assert "were being retried; the batch is given up" in result.stderr
+    assert "stopped (duration)" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_metadata_init_sqlite(tmp_path: Path) -> None:
     db = tmp_path / "meta.db"
     result = cdcflow("metadata", "init", f"sqlite:///{db}")

@@ -296,7 +296,8 @@ class Engine:
                             batches.restore_staged()
                         steps.load(self.store)
                         self.listener.on_start(name, self.runner.name, self.store.url)
-                        with self._signals(), _settled_heap(), guarding(guard):
+                        with self._signals(), self._time_limit(), _settled_heap(), \
+                                guarding(guard):
                             summary = self._loop(batches)
                     except KeyboardInterrupt:  # an abort: waits for nothing
                         batches.abandon()
@@ -573,6 +574,28 @@ class Engine:
             self._stop.wait(min(left, _TICK))
 
     # -- signals -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _time_limit(self) -> Iterator[None]:
+        """With a ``duration`` (``--for``): once it passed, the run is asked to stop after
+        the current batch, as by a signal, so that a batch failing then (an outage) is
+        given up rather than retried on; the run's reason is "duration"."""
+        if self.options.duration is None:
+            yield
+            return
+
+        def passed() -> None:
+            if not self._stop.is_set():
+                self._stop_reason = "duration"
+                self.request_stop()
+
+        timer = threading.Timer(self.options.duration, passed)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
 
     @contextmanager
     def _signals(self) -> Iterator[None]:
