@@ -159,7 +159,8 @@ class Consume(Sink[E, Consumed]):
     retry, or by the next run), calling ``fn`` again for all its elements. While it waits,
     the task also stops once the run may no longer act (its guard: a second Ctrl-C, a lost
     lease), and once the run was asked to stop (a signal, ``--for``) while elements are
-    being retried: the batch is given up then, and the next run replays it.
+    being retried: the batch is given up then, and the next run replays it. (A Spark
+    executor sees neither the guard nor the stop: there a second signal aborts the run.)
 
     ``on_error``: the :class:`~cdcflow.policy.ErrorPolicy` for failed calls; without one,
     the pipeline's (``Pipeline(error_policy=...)``; by default: retry 3 times with
