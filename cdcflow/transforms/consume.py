@@ -548,37 +548,46 @@ class _ConsumeWriter(Generic[E]):
                 if self._timeout is not None:
                     worker.deadline = time.monotonic() + self._timeout
                 self._counts["calls"] += 1
-            error: Exception | None = None
-            try:
-                result = self._fn(call.element)
-                if inspect.isawaitable(result) or inspect.isgenerator(result):
-                    self._not_called(worker, result)
-                    return
-            except Exception as exc:
-                error = exc
-            except BaseException as exc:  # SystemExit, KeyboardInterrupt: stop the run
-                with self._lock:
-                    if not worker.abandoned:
-                        msg = (
-                            f"Consume {self._label!r}: fn raised {type(exc).__name__}"
-                            f"({exc}) on an element of partition {self._token}; a function "
-                            "Consume calls may not end the process: raise an exception (the "
-                            "error policy decides) instead. Nothing of this batch was "
-                            "committed; the next run calls fn again for its elements"
-                        )
-                        stopped = PipelineStopped(msg)
-                        stopped.__cause__ = exc
-                        self._fail(stopped)
+            if not self._call(worker, call):
                 return
+            # the element left the quota once acked: this thread must not keep it alive
+            # while it waits for the next call
+            del call
+
+    def _call(self, worker: _Worker, call: _Call) -> bool:
+        """Call ``fn`` on ``call``'s element and ack or nack it; False: the thread ends."""
+        error: Exception | None = None
+        try:
+            result = self._fn(call.element)
+            if inspect.isawaitable(result) or inspect.isgenerator(result):
+                self._not_called(worker, result)
+                return False
+        except Exception as exc:
+            error = exc
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt: stop the run
             with self._lock:
-                if worker.abandoned:
-                    return  # the watchdog gave this call up and decided about its element
-                worker.call = worker.deadline = None
-                if error is None:
-                    self._counts["acked"] += 1
-                    self._finish(call)
-                    continue
-            self._nack(call, error)
+                if not worker.abandoned:
+                    msg = (
+                        f"Consume {self._label!r}: fn raised {type(exc).__name__}"
+                        f"({exc}) on an element of partition {self._token}; a function "
+                        "Consume calls may not end the process: raise an exception (the "
+                        "error policy decides) instead. Nothing of this batch was "
+                        "committed; the next run calls fn again for its elements"
+                    )
+                    stopped = PipelineStopped(msg)
+                    stopped.__cause__ = exc
+                    self._fail(stopped)
+            return False
+        with self._lock:
+            if worker.abandoned:
+                return False  # the watchdog gave this call up and decided about its element
+            worker.call = worker.deadline = None
+            if error is None:
+                self._counts["acked"] += 1
+                self._finish(call)
+                return True
+        self._nack(call, error)
+        return True
 
     def _not_called(self, worker: _Worker, result: Any) -> None:
         """``fn`` returned an awaitable or a generator: its body did not run. Fail the run
