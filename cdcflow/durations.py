@@ -88,4 +88,8 @@ def parse_size(text: str | int, name: str = "") -> int:
     if m is None:
         msg = f"{what}; write e.g. 64MiB, 500KB or 1GiB"
         raise PipelineDefinitionError(msg)
-    return int(float(m.group(1)) * _BYTES[(m.group(2) or "").upper()])
+    unit = (m.group(2) or "").upper()
+    if "." in m.group(1) and _BYTES[unit] == 1:
+        msg = f"{what}; a number of bytes is whole (or write e.g. 1.5MiB)"
+        raise PipelineDefinitionError(msg)
+    return int(float(m.group(1)) * _BYTES[unit])

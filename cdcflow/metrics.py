@@ -34,8 +34,9 @@ Metrics (type; labels besides ``pipeline``):
   the batch's retry instead), ``cdcflow_batch_retries_total{error}`` (counter: batches
   run again after a transient failure, by the error's class, and ``error="any"``);
 - ``cdcflow_inflight_bytes`` (gauge: the most bytes one task of the last batch held of
-  its process's byte quota: records read and not yet taken by every sink, and Consume's
-  queue), ``cdcflow_inflight_bytes_limit`` (gauge: that quota, ``max_inflight_bytes``),
+  its process's byte quota: records read and not yet taken by every sink; what a sink
+  keeps, such as Consume's queue, is charged to the quota but not counted here),
+  ``cdcflow_inflight_bytes_limit`` (gauge: that quota, ``max_inflight_bytes``),
   ``cdcflow_quota_waits_total`` and ``cdcflow_quota_wait_seconds_total`` (counters: reads
   that waited for room in the quota, and how long);
 - ``cdcflow_sink_<name>{sink}``: what each sink reports after a batch (``Sink.metrics()``;

@@ -19,6 +19,9 @@ def test_sizes_in_binary_and_decimal_units() -> None:
 def test_a_bad_size_says_how_to_write_one() -> None:
     with pytest.raises(PipelineDefinitionError, match=r"write e\.g\. 64MiB"):
         parse_size("64 megs")
+    for fraction in ("1.5", "1.5B"):  # a fraction of a byte: refused, not rounded down
+        with pytest.raises(PipelineDefinitionError, match="a number of bytes is whole"):
+            parse_size(fraction)
 
 
 def test_durations_and_what_is_not_one() -> None:

@@ -321,6 +321,9 @@ def _check_quota(owner: str, value: object) -> int | None:
     if value is None:
         return None
     name = f"{owner}(max_inflight_bytes=...)"
+    if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        msg = f"{name.replace('...', repr(value))}: use 1 byte or more, such as 64MiB"
+        raise PipelineDefinitionError(msg)
     if not isinstance(value, int | str) or isinstance(value, bool):
         msg = f"{name.replace('...', repr(value))}: use a size such as 64MiB or 67108864"
         raise PipelineDefinitionError(msg)

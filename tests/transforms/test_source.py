@@ -93,6 +93,8 @@ def test_arguments_reach_the_primitives() -> None:
          r"ReadChangeStream\(max_inflight_bytes='abc'\) is not a size; write e.g. 64MiB"),
         ({"database": DB, "stream": "Orders", "max_inflight_bytes": "10XB"}, "not a size"),
         ({"database": DB, "stream": "Orders", "max_inflight_bytes": 0}, "1 byte or more"),
+        ({"database": DB, "stream": "Orders", "max_inflight_bytes": -1}, "1 byte or more"),
+        ({"database": DB, "stream": "Orders", "max_inflight_bytes": "1.5"}, "bytes is whole"),
         ({"database": DB, "stream": "Orders", "max_inflight_bytes": 1.5}, "use a size"),
         ({"database": DB, "stream": "Orders", "max_inflight_bytes": True}, "use a size"),
         ({"database": DB, "stream": "Orders", "priority": "urgent"}, "LOW, MEDIUM, HIGH"),
