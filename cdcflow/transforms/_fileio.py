@@ -289,18 +289,14 @@ class _Columns:
         kinds: dict[str, str] = {}
         big: list[str] = []
         size = _VALUE_BYTES * len(row)
+        texts: list[tuple[str, int]] = []
         for name, value in row.items():
             if value is None:
                 continue
             kind = _kind(name, value)
             if kind == "str":
                 size += len(value)
-                seen = self._text.get(name)
-                if seen is None:
-                    self._text[name] = [1, len(value)]
-                else:
-                    seen[0] += 1
-                    seen[1] += len(value)
+                texts.append((name, len(value)))
             have = self._kinds.get(name)
             merged = kind if have is None or have == kind else None
             if {have, kind} == {"int", "float"}:
@@ -328,6 +324,10 @@ class _Columns:
         # Checked: only now does the row change anything.
         self._kinds.update(kinds)
         self._big.update(big)
+        for name, length in texts:
+            seen = self._text.setdefault(name, [0, 0])
+            seen[0] += 1
+            seen[1] += length
         for name, values in self._values.items():
             values.append(row.get(name))
         for name, value in row.items():
