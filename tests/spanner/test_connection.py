@@ -35,6 +35,14 @@ class _Clock:
         return self.now[0]
 
 
+@pytest.fixture
+def now(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The connection module's monotonic clock, set by the test: ``now[0] += 5``."""
+    clock = [1000.0]
+    monkeypatch.setattr(conn_module, "time", _Clock(clock))
+    return clock
+
+
 def _deadline() -> Exception:
     from google.api_core.exceptions import DeadlineExceeded
 
@@ -81,11 +89,7 @@ def test_only_a_call_past_its_deadline_retires_the_connection() -> None:
     assert c.api() is second
 
 
-def test_retired_connections_close_once_their_calls_are_past_deadline(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(conn_module, "time", _Clock(now))
+def test_retired_connections_close_once_their_calls_are_past_deadline(now: list[float]) -> None:
     c = Connection(_Api, "test", longest_call=10)
     c.deadline(20)  # a longer call went out: retired APIs are kept 20 s
     a = c.api()
@@ -104,10 +108,8 @@ def test_retired_connections_close_once_their_calls_are_past_deadline(
 
 
 def test_a_retired_connection_closes_with_the_next_call_past_its_deadlines(
-    monkeypatch: pytest.MonkeyPatch,
+    now: list[float],
 ) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(conn_module, "time", _Clock(now))
     c = Connection(_Api, "test", longest_call=10)
     a = c.api()
     c.failed(a, _deadline())
@@ -118,11 +120,7 @@ def test_a_retired_connection_closes_with_the_next_call_past_its_deadlines(
     assert c.api() is b and a.transport.closed and not b.transport.closed
 
 
-def test_an_api_that_cannot_be_replaced_is_never_closed_while_in_use(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(conn_module, "time", _Clock(now))
+def test_an_api_that_cannot_be_replaced_is_never_closed_while_in_use(now: list[float]) -> None:
     only = _Api(0)
     c = Connection(lambda _: only, "test", longest_call=10)
     c.failed(c.api(), _deadline())
