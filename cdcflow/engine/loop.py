@@ -445,8 +445,6 @@ class Engine:
 
     def _loop(self, run: Batches) -> RunSummary:
         name, opts = self.pipeline.name, self.options
-        began = time.monotonic()
-        deadline = None if opts.duration is None else began + opts.duration
         batches = records = 0
         totals = Counter[str]()
         reason = ""
@@ -455,8 +453,9 @@ class Engine:
         next_id = max(self.store.last_batch_id(name), self._sink_floor) + 1
 
         def may_read_ahead() -> bool:
-            # Asked while a batch runs: a stop or the duration ends the run after it.
-            return not self._stop.is_set() and (deadline is None or time.monotonic() < deadline)
+            # Asked while a batch runs: a stop (or the duration, see _time_limit) ends the
+            # run after it.
+            return not self._stop.is_set()
 
         while True:
             if self._stop.is_set():
@@ -464,9 +463,6 @@ class Engine:
                 break
             if opts.max_batches is not None and batches >= opts.max_batches:
                 reason = "max batches"
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                reason = "duration"
                 break
             batch_began = time.monotonic()
             # 1. plan: replay a pending plan as it is; or write the plan of the batch read
@@ -502,7 +498,7 @@ class Engine:
                     # with transitions only finishes partitions: it runs as a batch with
                     # no task, so that they finish the way every partition does.)
                     wait = (low_watermark(parts) - now) / _NS
-                    self._wait(min(max(wait, 0.01), max(opts.batch_interval, 0.01)), deadline)
+                    self._wait(min(max(wait, 0.01), max(opts.batch_interval, 0.01)))
                     continue
                 plan = attrs.evolve(plan, planned_at=now)
                 try:
@@ -543,7 +539,7 @@ class Engine:
             self.listener.on_batch(stats)
             if caught_up:
                 # Pace batches instead of spinning on tiny ones.
-                self._wait(batch_began + opts.batch_interval - time.monotonic(), deadline)
+                self._wait(batch_began + opts.batch_interval - time.monotonic())
         run.drop_ahead()  # the run ends after the batch that committed last
         parts = view.snapshot()
         return RunSummary(
@@ -563,10 +559,9 @@ class Engine:
                      "retrying it: the next run takes batch %d up again", exc, batch_id)
         return True
 
-    def _wait(self, seconds: float, deadline: float | None) -> None:
+    def _wait(self, seconds: float) -> None:
+        """Wait ``seconds``, or less once the run is asked to stop."""
         end = time.monotonic() + seconds
-        if deadline is not None:
-            end = min(end, deadline)
         while not self._stop.is_set():
             left = end - time.monotonic()
             if left <= 0:
@@ -589,6 +584,8 @@ class Engine:
                 self._stop_reason = "duration"
                 self.request_stop()
 
+        if self.options.duration <= 0:
+            passed()  # no batch at all, as surely as a stop before the first
         timer = threading.Timer(self.options.duration, passed)
         timer.daemon = True
         timer.start()
