@@ -3,8 +3,15 @@
 Each :class:`~cdcflow.stream.ChangeStreamQuery` is one change stream query with
 ``start_timestamp = start`` and ``end_timestamp = end - 1 ns`` (the function's bounds are
 inclusive, slices are half-open). The dialect (GoogleSQL or PostgreSQL) and the partition
-mode are read from the database once per stream. MUTABLE_KEY_RANGE streams accept at most
-30 minutes per query, so their slices are read in consecutive windows of that size.
+mode are read from the database once per stream.
+
+Windows. A slice is read in consecutive queries (windows) when one query cannot span it:
+MUTABLE_KEY_RANGE streams accept at most 30 minutes per query, and a server refuses a
+query that asks for more than it can hold at once with RESOURCE_EXHAUSTED (the emulator,
+past 128 MB of changes). Such a refusal halves the window, at once and without counting as
+a failed attempt, down to :data:`NARROWEST_WINDOW_NS`; each window read doubles the next;
+the client's next reads start at the widest window it has seen answered. Windows stop
+where the partition ends. What a slice gives does not depend on its windows.
 
 Retries. Transient errors (see :func:`cdcflow.spanner.retry.is_transient`) are retried
 with the delays of a :class:`~cdcflow.backoff.RetryPolicy` (capped exponential backoff,
@@ -44,8 +51,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-import attrs
-
 from cdcflow.backoff import RetryPolicy
 from cdcflow.errors import (
     ChangeStreamError,
@@ -58,6 +63,7 @@ from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     MAX_NS,
     ChangeRecord,
+    ChildPartitionsRecord,
     DataChangeRecord,
     HeartbeatRecord,
     PartitionEndRecord,
@@ -92,6 +98,9 @@ _UNIT_NS = {"s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86_400 * 10**9}
 _DEFAULT_RETENTION_NS = 86_400 * 10**9
 #: MUTABLE_KEY_RANGE change stream queries accept at most 30 minutes between start and end.
 _MUTABLE_WINDOW_NS = 30 * 60 * 10**9
+_ENDS = (ChildPartitionsRecord, PartitionEndRecord)
+#: The narrowest window RESOURCE_EXHAUSTED narrows a query to (see the module docstring).
+NARROWEST_WINDOW_NS = 1_000_000
 #: A change stream query with no message for this many heartbeat intervals (and at least
 #: STALL_MIN_S seconds) stalled: it is ended and read again from where it was.
 STALL_HEARTBEATS = 6
@@ -129,6 +138,16 @@ def _identities_at_end(
         at -= 1
     for record in records[at:]:
         yield _identity(record)
+
+
+def _through_end(records: Sequence[ChangeRecord]) -> tuple[Sequence[ChangeRecord], bool]:
+    """``records`` through the first that ends the partition (a ChildPartitionsRecord, or
+    MUTABLE_KEY_RANGE's PartitionEndRecord: nothing of the partition follows it), and
+    whether there was one."""
+    for at, record in enumerate(records):
+        if type(record) in _ENDS:
+            return records[:at + 1], True
+    return records, False
 
 
 def _kept(
@@ -202,6 +221,8 @@ class SpannerChangeStreamClient:
         self._dialect: Dialect | None = None
         self._streams: dict[str, StreamInfo] = {}
         self._lock = threading.Lock()
+        # The widest query window known to be answered (MAX_NS until one is refused).
+        self._width = MAX_NS
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -299,9 +320,10 @@ class SpannerChangeStreamClient:
         if self._worth_retrying(exc) and status_name(exc) == "RESOURCE_EXHAUSTED":
             msg = (
                 f"Spanner kept refusing the read after {failed} attempts (RESOURCE_EXHAUSTED: "
-                f"{error_text(exc)}): a query may ask for more than it answers at once (lower "
-                "max_batch_span, e.g. --set max_batch_span=2s, so that each batch reads a "
-                "shorter span), or the instance is out of capacity or quota; then run again"
+                f"{error_text(exc)}), even in windows of "
+                f"{NARROWEST_WINDOW_NS // 1_000_000} ms of commits: the instance is out of "
+                "capacity or quota (or one commit holds more than it answers at once); add "
+                "capacity or wait, then run again"
             )
             return TransientError(msg)
         if self._worth_retrying(exc):
@@ -528,54 +550,41 @@ class SpannerChangeStreamClient:
             return ObservedRead(iter(()), stats)
         info = self.describe_stream(query.stream)
         sizes: dict[int, int] = {}  # what the decoder measured of the records it gives
-        if info.partition_mode == "MUTABLE_KEY_RANGE":
-            return ObservedRead.of_runs(self._read_windows(query, info, stats, sizes), stats,
-                                        sizes)
         return ObservedRead.of_runs(self._read(query, info, stats, sizes), stats, sizes)
-
-    def _read_windows(
-        self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats,
-        sizes: dict[int, int],
-    ) -> Iterator[Sequence[ChangeRecord]]:
-        """MUTABLE_KEY_RANGE queries need an end at most 30 minutes after the start: read
-        the slice in consecutive windows, and stop at the partition's end record."""
-        start = query.start
-        while start < query.end:
-            end = min(query.end, start + _MUTABLE_WINDOW_NS)
-            window = attrs.evolve(query, start=start, end=end)
-            for records in self._read(window, info, stats, sizes):
-                for at, record in enumerate(records):
-                    if isinstance(record, PartitionEndRecord):
-                        yield records[:at + 1]
-                        return
-                yield records
-            start = end
 
     def _read(
         self, query: ChangeStreamQuery, info: StreamInfo, stats: QueryStats,
         sizes: dict[int, int],
     ) -> Iterator[Sequence[ChangeRecord]]:
-        """The records of ``query`` in runs (a message's, or what is left of it), queries
-        that fail retried from the last position given, without what was given there."""
+        """The records of ``query`` in runs (a message's, or what is left of it), read in
+        consecutive windows until the partition ends (module docstring); a query that
+        fails is retried from the last position given, without what was given there."""
+        token = query.partition_token
+        what = f"the change stream query of partition {token or INITIAL_PARTITION_TOKEN}"
+        # The widest window one query may span; RESOURCE_EXHAUSTED halves a window.
+        widest = _MUTABLE_WINDOW_NS if info.partition_mode == "MUTABLE_KEY_RANGE" else MAX_NS
         start = query.start
+        end = min(query.end, start + min(widest, self._width))
         last: int | None = None  # position of the last record given
         at_last: set[tuple[str, str, str]] = set()  # identities given at ``last``
         seen: set[tuple[str, str, str]] = set()  # while re-reading: those of the failed read
         resume: int | None = None  # while re-reading: drop what is at or before this
         failed = 0  # failures in a row without progress
         streak_began = 0.0  # when the first of them began, on the policy's clock
-        end = query.end
+        # The root query's records (the first partitions) come in one window; a partition
+        # ends at its ChildPartitionsRecord or PartitionEndRecord.
+        ended = token is None
         while True:
             progressed = False
             began = self.retry.clock()
             try:
                 for records in self._query(
-                    info, query.partition_token, start, end, query.heartbeat_millis, stats,
-                    sizes,
+                    info, token, start, end, query.heartbeat_millis, stats, sizes
                 ):
                     if not records:
                         continue
                     tail = record_position(records[-1])
+                    given: Sequence[ChangeRecord]
                     if resume is None and tail < end:
                         # The usual case: all of the message, given as it is (positions
                         # never decrease in a partition, and the server starts at start).
@@ -587,6 +596,9 @@ class SpannerChangeStreamClient:
                         if not given:
                             continue
                         tail = record_position(given[-1])
+                    if not ended:
+                        given, ended = _through_end(given)
+                        tail = record_position(given[-1])
                     # A query fails between messages only: what a run gives at its last
                     # position joins ``at_last`` once, not record by record.
                     if tail != last:
@@ -595,26 +607,50 @@ class SpannerChangeStreamClient:
                     at_last.update(_identities_at_end(given, tail))
                     progressed = True
                     yield given
-                return
+                    if ended and token is not None:
+                        return  # nothing of the partition follows its end
             except Exception as exc:
                 stats.error(exc)
                 if progressed or failed == 0:
                     # A stream that made progress failed just now, not when it began.
                     streak_began = self.retry.clock() if progressed else began
                     failed = 0
-                failed += 1
-                token = query.partition_token or INITIAL_PARTITION_TOKEN
-                what = f"the change stream query of partition {token}"
-                if not self._retry_after(exc, failed, streak_began, what):
-                    translated = self._translate(exc, query)
-                    if translated is exc:
-                        raise
-                    raise translated from exc
                 if last is not None:
                     start = resume = last
                     # what was yielded at ``last`` by every read so far (``at_last``
                     # grows while ``last`` holds)
                     seen = set(at_last)
+                narrower = self._narrower(exc, start, end, what)
+                if narrower is not None:
+                    end = narrower
+                    continue
+                failed += 1
+                if not self._retry_after(exc, failed, streak_began, what):
+                    translated = self._translate(exc, query)
+                    if translated is exc:
+                        raise
+                    raise translated from exc
+                continue
+            if ended or end >= query.end:
+                return
+            # This window is read: the next starts at its end, as wide again (at most).
+            self._width = max(self._width, end - start)
+            width = min(widest, 2 * (end - start))
+            start, end = end, min(query.end, end + width)
+            resume, seen, failed = None, set(), 0
+
+    def _narrower(self, exc: Exception, start: int, end: int, what: str) -> int | None:
+        """After RESOURCE_EXHAUSTED on the window ``[start, end)``, the end of one half as
+        wide (not narrower than :data:`NARROWEST_WINDOW_NS`), remembered for this client's
+        next reads; None for any other error, or a window that cannot narrow."""
+        if status_name(exc) != "RESOURCE_EXHAUSTED" or end - start <= NARROWEST_WINDOW_NS:
+            return None
+        width = max(NARROWEST_WINDOW_NS, (end - start) // 2)
+        self._width = width
+        _log.info("%s asked for more than the server holds at once (%s); reading windows "
+                  "of %.3f s", what, error_text(exc), width / 1e9)
+        self.retry.sleep(self.retry.delay(1))
+        return start + width
 
     def _translate(self, exc: Exception, query: ChangeStreamQuery | None) -> Exception:
         """A cdcflow error naming the fix for a permanent Spanner error."""

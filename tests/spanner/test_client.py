@@ -584,6 +584,83 @@ def test_mutable_key_range_reads_30_minute_windows_until_the_partition_ends(
     assert all(function in q.sql for q in scripted.queries)
 
 
+class _Roomy(ScriptedTransport):
+    """Refuses, with RESOURCE_EXHAUSTED, a change stream query whose window holds more
+    than ``room`` records (as the emulator does past 128 MB), after ``given`` messages."""
+
+    def __init__(self, records: list[ChangeRecord], room: int, given: int = 0) -> None:
+        super().__init__(records)
+        self.room, self.given = room, given
+        self.refused = 0
+
+    def execute_streaming_sql(
+        self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
+        idle: float | None = None,
+    ) -> Iterator[Any]:
+        answer = super().execute_streaming_sql(sql, params, priority=priority,
+                                               timeout=timeout, idle=idle)
+        if "READ_" not in sql:
+            return answer
+        q = self.queries[-1]
+        held = sum(q.start <= record_position(r) <= (q.end or q.start) for r in self.records)
+        if held <= self.room:
+            return answer
+        self.refused += 1
+        return self._refuse(answer)
+
+    def _refuse(self, answer: Iterator[Any]) -> Iterator[Any]:
+        for _ in range(self.given):
+            yield next(answer)
+        raise gexc.ResourceExhausted("Out of memory for MemoryAccountant")
+
+
+@pytest.mark.parametrize("given", [0, 1])
+def test_a_refused_window_is_read_in_narrower_windows_without_a_failed_attempt(
+    given: int,
+) -> None:
+    second = 10**9
+    t = Timestamp.parse("2024-05-01T12:00:00Z").ns
+    records: list[ChangeRecord] = [_data(i, t + i * second // 10, f"x{i}") for i in range(100)]
+    end = ChildPartitionsRecord("tok", t + 11 * second, "00000100", [])
+    past = _data(101, t + 12 * second, "late")  # after the partition's end: never read
+    sleeps: list[float] = []
+    # one attempt: a refusal that narrows the window is not a failed attempt
+    client = SpannerChangeStreamClient(
+        "projects/p/instances/i/databases/d", retry=RetryPolicy(attempts=1, sleep=sleeps.append)
+    )
+    roomy = _Roomy([*records, end, past], room=12, given=given)
+    client.transport = roomy
+    got = list(client.read(ChangeStreamQuery("S", "tok", t, t + 60 * second)))
+    assert got == [*records, end]
+    assert roomy.refused >= 3 and len(sleeps) == roomy.refused
+    windows = [(q.start, q.end) for q in roomy.queries if "READ_" in q.sql]
+    # from the slice's start, no window begins past the partition's end
+    assert windows[0][0] == t
+    assert all(start <= record_position(end) for start, _ in windows)
+    # a read window (not refused) is followed by the next one at its end, twice as wide
+    answered = [(a, b) for a, b in windows if b is not None and
+                sum(a <= record_position(r) <= b for r in records) <= 12]
+    assert any((b + 1, b + 1 + 2 * (b + 1 - a) - 1) in windows for a, b in answered)
+    # the client's next read starts at the widest window it saw answered: no refusal
+    roomy.refused = 0
+    again = list(client.read(ChangeStreamQuery("S", "tok", t, t + second)))
+    assert again == records[:10]
+    assert roomy.refused == 0
+
+
+def test_a_window_that_cannot_narrow_fails_as_any_refusal_with_its_advice() -> None:
+    t = Timestamp.parse("2024-05-01T12:00:00Z").ns
+    # all at one commit timestamp: no window narrower than a millisecond holds less
+    records: list[ChangeRecord] = [_data(i, t, f"x{i}") for i in range(20)]
+    client = SpannerChangeStreamClient(
+        "projects/p/instances/i/databases/d",
+        retry=RetryPolicy(attempts=2, sleep=lambda s: None),
+    )
+    client.transport = _Roomy(records, room=5)
+    with pytest.raises(TransientError, match=r"after 2 attempts .*RESOURCE_EXHAUSTED"):
+        list(client.read(ChangeStreamQuery("S", "tok", t, t + 10**9)))
+
+
 # --- caching and pickling -------------------------------------------------------------------
 
 
@@ -699,7 +776,7 @@ class _Exploding:
 
 
 @pytest.mark.parametrize(("error", "advice"), [
-    (lambda: gexc.ResourceExhausted("Query result too large"), "lower max_batch_span"),
+    (lambda: gexc.ResourceExhausted("Query result too large"), "out of capacity or quota"),
     (lambda: gexc.ServiceUnavailable("connection reset"), "check the network path"),
 ])
 def test_spent_retries_name_the_fix_for_their_status(
