@@ -47,22 +47,26 @@ from cdcflow.transforms import (
     ReadPartition,
     Sink,
     WriteFiles,
-    WriteTables,
     plugin,
 )
 
 if TYPE_CHECKING:
     from cdcflow.spanner.lookup import LookupRows
+    from cdcflow.transforms import WriteTables
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    # Loaded on first use, so `import cdcflow` loads no Google library.
+    # Loaded on first use, so `import cdcflow` loads no Google library and no pyarrow.
     if name == "LookupRows":
         from cdcflow.spanner.lookup import LookupRows
 
         return LookupRows
+    if name == "WriteTables":
+        from cdcflow import transforms
+
+        return transforms.WriteTables
     msg = f"module 'cdcflow' has no attribute {name!r}"
     raise AttributeError(msg)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import cdcflow
 import cdcflow.transforms
@@ -21,10 +22,30 @@ def test_facade_exports_the_dsl() -> None:
     assert cdcflow.__version__ == "0.1.0"
 
 
-def test_import_does_not_load_spark_or_the_spanner_client() -> None:
-    code = (
-        "import sys, cdcflow; "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'pyspark', 'google', 'grpc'}))"
-    )
+def _loaded_after(code: str) -> list[str]:
+    heavy = "{'pyspark', 'google', 'grpc', 'pyarrow', 'fsspec'}"
+    code += f"; import sys; print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    return list(eval(out.stdout.strip()))
+
+
+def test_import_does_not_load_spark_the_spanner_client_or_pyarrow() -> None:
+    assert _loaded_after("import cdcflow") == []
+def test_a_run_without_typed_rows_does_not_load_pyarrow(tmp_path: Path) -> None:
+    pipeline = (
+        "import cdcflow as cf, cdcflow.testing as t; "
+        "s = t.ScriptedChangeStream('Orders', origin=10**18); "
+        "s.write('Orders', {'id': 1}, 'INSERT', {'total': 5}, at=10**18 + 1000); "
+        "p = cf.Pipeline('x'); "
+        "p | cf.ReadChangeStream(stream='Orders', start_at=10**18, end_at=10**18 + 10**9, "
+        "client=s) | cf.Map(lambda r: {'t': r.table_name}) "
+        f"| cf.WriteFiles({str(tmp_path)!r}, format='jsonl'); "
+        "t.run(p)"
+    )
+    assert _loaded_after(pipeline) == []
+    assert [f.suffix for f in tmp_path.glob("*.jsonl")] == [".jsonl"]
+
+
+def test_typed_rows_load_pyarrow_on_first_use() -> None:
+    assert _loaded_after("import cdcflow; cdcflow.WriteTables") == ["fsspec", "pyarrow"]
+    assert _loaded_after("from cdcflow.transforms import Rows") == ["pyarrow"]

@@ -2,22 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from cdcflow.errors import PluginError
 from cdcflow.transforms.base import BatchStep, DoFn, ParDo, PTransform, Sink
 from cdcflow.transforms.consume import Consume, Consumed, idempotency_key
 from cdcflow.transforms.core import Filter, FlatMap, Map
-from cdcflow.transforms.rows import Rows
-from cdcflow.transforms.schemas import SchemaChange, SchemaChanges
 from cdcflow.transforms.sinks import Collect, Print, WriteFiles
 from cdcflow.transforms.source import DetectPartitions, ReadChangeStream, ReadPartition
-from cdcflow.transforms.tables import WriteTables
 from cdcflow.transforms.transactions import (
     GroupTransactions,
     IncompleteTransactionError,
     Transaction,
 )
+
+if TYPE_CHECKING:
+    from cdcflow.transforms.rows import Rows
+    from cdcflow.transforms.schemas import SchemaChange, SchemaChanges
+    from cdcflow.transforms.tables import WriteTables
+
+# Typed rows need pyarrow: these load it on first use, so a pipeline without them never
+# does (about 40 MB of a process's memory).
+_LAZY = {
+    "Rows": "cdcflow.transforms.rows",
+    "SchemaChange": "cdcflow.transforms.schemas",
+    "SchemaChanges": "cdcflow.transforms.schemas",
+    "WriteTables": "cdcflow.transforms.tables",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module 'cdcflow.transforms' has no attribute {name!r}"
+        raise AttributeError(msg)
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "BatchStep",

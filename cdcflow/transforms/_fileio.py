@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import IO, Any, NoReturn
 
@@ -24,6 +27,7 @@ import attrs
 import orjson
 
 from cdcflow.errors import SinkError, SinkIOError
+from cdcflow.processes import process_alive
 from cdcflow.serialize import dumps_line, to_json_dict
 from cdcflow.transforms.base import WriterContext
 
@@ -486,4 +490,41 @@ class ParquetWriter(_FileWriter):
         self._remove_temp()
 
 
+#: Local files of WriteTables: ``<PREFIX><pid>-...``, so a run can remove what a run that
+#: died left behind (spilled rows, task spool files), which nothing will read again.
+PREFIX = "cdcflow-tables-"
 
+
+def local_prefix(pid: int | None = None, prefix: str = PREFIX) -> str:
+    """The start of a local file's name: ``<prefix><pid>-``, ``pid`` the driver's process
+    (this one by default) that reads or removes the file, so :func:`sweep` knows whose it
+    is; a task in a Spark worker names its spool files after the driver, not itself."""
+    return f"{prefix}{os.getpid() if pid is None else pid}-"
+
+
+def sweep(directory: str | None, prefix: str = PREFIX) -> int:
+    """Remove what dead processes of this host left in ``directory`` (the temporary
+    directory when None) under names ``<prefix><pid>-...``: spill directories, and task
+    spool files (``.spool``), both named after the driver that would read them (see
+    :func:`local_prefix`). Returns how many entries it removed."""
+    directory = directory or tempfile.gettempdir()
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        m = re.match(rf"{re.escape(prefix)}(\d+)-", entry.name)
+        if m is None or process_alive(int(m.group(1))):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            elif entry.name.endswith(".spool"):
+                os.remove(entry.path)
+            else:
+                continue
+        except OSError:
+            continue
+        removed += 1
+    return removed

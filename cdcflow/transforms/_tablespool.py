@@ -14,9 +14,6 @@ import collections
 import contextlib
 import logging
 import os
-import re
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,7 +25,6 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from cdcflow.errors import SinkError, SinkIOError
-from cdcflow.processes import process_alive
 from cdcflow.transforms._tablebuild import rfc3339
 from cdcflow.transforms._tablerows import Schema
 
@@ -231,44 +227,6 @@ class OpenFile:
                 os.remove(self._path)
 
 
-#: Local files of WriteTables: ``<PREFIX><pid>-...``, so a run can remove what a run that
-#: died left behind (spilled rows, task spool files), which nothing will read again.
-PREFIX = "cdcflow-tables-"
-
-
-def local_prefix(pid: int | None = None, prefix: str = PREFIX) -> str:
-    """The start of a local file's name: ``<prefix><pid>-``, ``pid`` the driver's process
-    (this one by default) that reads or removes the file, so :func:`sweep` knows whose it
-    is; a task in a Spark worker names its spool files after the driver, not itself."""
-    return f"{prefix}{os.getpid() if pid is None else pid}-"
-
-
-def sweep(directory: str | None, prefix: str = PREFIX) -> int:
-    """Remove what dead processes of this host left in ``directory`` (the temporary
-    directory when None) under names ``<prefix><pid>-...``: spill directories, and task
-    spool files (``.spool``), both named after the driver that would read them (see
-    :func:`local_prefix`). Returns how many entries it removed."""
-    directory = directory or tempfile.gettempdir()
-    removed = 0
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return 0
-    for entry in entries:
-        m = re.match(rf"{re.escape(prefix)}(\d+)-", entry.name)
-        if m is None or process_alive(int(m.group(1))):
-            continue
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            elif entry.name.endswith(".spool"):
-                os.remove(entry.path)
-            else:
-                continue
-        except OSError:
-            continue
-        removed += 1
-    return removed
 
 
 

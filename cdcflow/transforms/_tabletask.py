@@ -20,10 +20,10 @@ import attrs
 from cdcflow.errors import SinkError, SinkIOError
 from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.sizes import payload_size
+from cdcflow.transforms._fileio import local_prefix
 from cdcflow.transforms._tablebuild import Mods, record_batch
 from cdcflow.transforms._tablejsonl import jsonl_lines
 from cdcflow.transforms._tablerows import Column, Format, RowStyle, Schema, Unit, columns_of
-from cdcflow.transforms._tablespool import local_prefix
 
 __all__ = ["TaskRows", "Writer"]
 

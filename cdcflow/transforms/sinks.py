@@ -22,7 +22,7 @@ import orjson
 
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.serialize import to_json_value
-from cdcflow.transforms._tablespool import local_prefix, sweep
+from cdcflow.transforms._fileio import local_prefix, sweep
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 from cdcflow.transforms.files import WriteFiles, WrittenFile
 

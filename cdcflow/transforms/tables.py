@@ -77,7 +77,7 @@ from cdcflow.errors import (
     SinkSetupError,
 )
 from cdcflow.model import DataChangeRecord, Timestamp
-from cdcflow.transforms._fileio import create_exclusive
+from cdcflow.transforms._fileio import create_exclusive, local_prefix, sweep
 from cdcflow.transforms._tablebuild import conform
 from cdcflow.transforms._tableread import file_schema, table_schema
 from cdcflow.transforms._tablerows import Format, RowStyle, Schema, Unit
@@ -88,10 +88,8 @@ from cdcflow.transforms._tablespool import (
     Uploader,
     Usage,
     encode,
-    local_prefix,
     storage_cause,
     storage_errors,
-    sweep,
 )
 from cdcflow.transforms._tabletask import Group, TaskRows, Writer, next_version
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext

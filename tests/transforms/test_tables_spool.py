@@ -165,7 +165,7 @@ def test_a_run_removes_what_dead_runs_left_in_its_local_directories(tmp_path: An
     import subprocess
     import sys
 
-    from cdcflow.transforms._tablespool import PREFIX
+    from cdcflow.transforms._fileio import PREFIX
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -193,7 +193,7 @@ def test_a_task_names_its_spool_file_after_the_driver(root: str, tmp_path: Any) 
     import pickle
     import tempfile
 
-    from cdcflow.transforms._tablespool import PREFIX
+    from cdcflow.transforms._fileio import PREFIX
 
     sink = WriteTables(f"memory://{root}", spool_size="1KiB", flush_interval="1h")
     sink.setup(SinkContext("p", "WriteTables", "/"))
