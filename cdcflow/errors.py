@@ -13,6 +13,7 @@ from __future__ import annotations
 
 __all__ = [
     "BatchAbandoned",
+    "BatchInterrupted",
     "BrokenCall",
     "CdcflowError",
     "ChangeStreamError",
@@ -197,6 +198,12 @@ class WriterFailed(SinkError):
 class WriterStopped(TransientError):
     """A writer retrying failed calls gave its batch up because the run was asked to stop
     (a signal, ``--for``): the batch is not committed, and the next run replays it."""
+
+
+class BatchInterrupted(TransientError):
+    """The runner cancelled a batch still running a grace period after the run was asked
+    to stop, because its tasks cannot see the stop (Spark executors): the batch is not
+    committed, and the next run replays it."""
 
 
 class SinkIOError(TransientError):

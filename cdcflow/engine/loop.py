@@ -214,8 +214,15 @@ class Engine:
         self._stop.wait(seconds)
 
     def request_stop(self) -> None:
-        """Stop after the current batch commits (safe from any thread or signal handler)."""
+        """Stop after the current batch commits (safe from any thread or signal handler).
+
+        A runner whose tasks cannot see the stop (Spark executors) is told, so that it can
+        cut a batch short that does not end (its optional ``interrupt()``)."""
+        first = not self._stop.is_set()
         self._stop.set()
+        interrupt = getattr(self.runner, "interrupt", None)
+        if first and interrupt is not None:
+            interrupt()
 
     stop = request_stop
 

@@ -135,6 +135,11 @@ class Runner(Protocol):
     Optionally ``abandon()``: what the engine calls instead of waiting in ``close`` when a
     run aborts (a second Ctrl-C): cancel what is queued, wait for no running task (one may
     never return). ``close`` is still called after it.
+
+    Optionally ``interrupt()``: what the engine calls when the run is asked to stop (once),
+    for a runner whose tasks cannot see the stop: it may cancel a batch that still runs
+    after a grace period, ``run_tasks`` then raising
+    :class:`~cdcflow.errors.BatchInterrupted` (the batch is replayed next run).
     """
 
     name: str

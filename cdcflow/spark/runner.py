@@ -44,6 +44,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from cdcflow.errors import (
+    BatchInterrupted,
     CdcflowError,
     ChangeStreamError,
     ConfigurationError,
@@ -299,6 +300,12 @@ class SparkRunner:
     Every Spark job of a run is in one job group (:attr:`job_group`), whichever thread
     submits it: the group set on the thread that opened the run, else ``cdcflow-<name>``.
     ``sparkContext.cancelJobGroup(runner.job_group)`` cancels the run's jobs.
+
+    Executors cannot see a stop request, so :meth:`interrupt` (called by the engine when
+    the run is asked to stop) cancels the batch still running ``stop_grace`` seconds later
+    (a task retrying calls to a downstream that is down, say): ``run_tasks`` then raises
+    :class:`~cdcflow.errors.BatchInterrupted`, the run ends as stopped, and the next run
+    replays the batch.
     """
 
     name = "spark"
@@ -309,10 +316,19 @@ class SparkRunner:
         conf: Mapping[str, str] | None = None,
         *,
         tasks_per_core: int = 2,
+        stop_grace: float = 10.0,
     ) -> None:
         if tasks_per_core < 1:
             msg = f"SparkRunner(tasks_per_core={tasks_per_core}): use 1 or more"
             raise ValueError(msg)
+        if not stop_grace >= 0:
+            msg = f"SparkRunner(stop_grace={stop_grace}): use 0 seconds or more"
+            raise ValueError(msg)
+        self.stop_grace = stop_grace
+        self._jobs = 0  # Spark jobs running now (a batch, and one read ahead)
+        self._cancelled = False  # interrupt() cancelled the run's jobs
+        self._grace: threading.Timer | None = None
+        self._lock = threading.RLock()  # interrupt() may run in a signal handler
         self.master = master
         self.conf: dict[str, str] = dict(conf or {})
         self.tasks_per_core = tasks_per_core
@@ -439,15 +455,23 @@ class SparkRunner:
         before = {key: sc.getLocalProperty(key) for key in _JOB_PROPERTIES}
         sc.setJobGroup(self.job_group, f"cdcflow: {len(tasks)} tasks in {n} Spark tasks")
         rdd = sc.parallelize(elements, n).mapPartitions(functools.partial(_run_partition, bc))
+        with self._lock:
+            self._jobs += 1
         try:
             collected: list[tuple[int, bool, bytes]] = rdd.collect()
         except Exception as exc:
+            if self._cancelled:
+                msg = (f"the batch was still running {self.stop_grace:g}s after the stop "
+                       "request, so its Spark job was cancelled")
+                raise BatchInterrupted(msg) from None
             if _jvm_gone(exc):
                 msg = (f"Spark's JVM is gone ({type(exc).__name__}: {exc}): it was killed, "
                        "or ran out of memory (raise spark.driver.memory with --conf)")
                 raise SparkTaskError(msg) from None
             raise self._task_error(exc, tasks, groups) from exc
         finally:
+            with self._lock:
+                self._jobs -= 1
             with contextlib.suppress(Exception):  # (not when the JVM is gone)
                 for key, value in before.items():
                     sc.setLocalProperty(key, value)
@@ -496,7 +520,31 @@ class SparkRunner:
         )
         return SparkTaskError(msg)
 
+    def interrupt(self) -> None:
+        """The run was asked to stop: cancel its Spark jobs still running ``stop_grace``
+        seconds from now (see the class docstring)."""
+        with self._lock:
+            if self._grace is not None or self._session is None:
+                return
+            self._grace = threading.Timer(self.stop_grace, self._cancel)
+            self._grace.daemon = True
+            self._grace.start()
+
+    def _cancel(self) -> None:
+        with self._lock:
+            if self._jobs == 0 or self._session is None:
+                return
+            self._cancelled = True
+            session = self._session
+        _log.warning("the batch is still running %gs after the stop request: cancelling its "
+                     "Spark job (the next run replays it)", self.stop_grace)
+        with contextlib.suppress(Exception):  # the session may be stopping
+            session.sparkContext.cancelJobGroup(self.job_group)
+
     def close(self) -> None:
+        with self._lock:
+            if self._grace is not None:
+                self._grace.cancel()
         for bc in self._broadcasts.values():
             # the session may already be gone; nothing to release then
             with contextlib.suppress(Exception):

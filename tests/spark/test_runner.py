@@ -556,3 +556,69 @@ def test_a_killed_jvm_ends_the_run_in_one_line(tmp_path: Path) -> None:
     assert run.returncode == 1, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("cdcflow: error: Spark's JVM is gone")
     assert "py4j" not in err and "/cdcflow/" not in err, err[-3000:]  # no traceback of ours
+
+
+CONSUME_DOWN = """
+import os
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+T0 = 10**18
+stream = ScriptedChangeStream("Orders", partitions=1, origin=T0)
+for i in range(5):
+    stream.write("Orders", {"id": i}, "INSERT", {"total": i}, at=T0 + (i + 1) * 10**8)
+CALLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls")
+
+
+def send(record):
+    with open(CALLS, "a") as f:
+        f.write(f"{record.mods[0].keys['id']} {os.environ.get('DOWN', '')}\\n")
+    if os.environ.get("DOWN"):
+        raise ConnectionError("API down")
+
+
+def on_error(error, element, partition, attempt):  # the README's handler
+    return cf.Retry(after=2 ** attempt) if attempt <= 5 else cf.Stop()
+
+
+pipeline = cf.Pipeline("notify")
+(pipeline
+ | cf.DetectPartitions(stream="Orders", start_at=T0, end_at=T0 + 10**9, client=stream)
+ | cf.ReadPartition()
+ | cf.Consume(send, on_error=cf.ErrorPolicy(handler=on_error)))
+"""
+
+
+def test_one_sigterm_cancels_a_spark_batch_whose_consume_calls_are_being_retried(
+    tmp_path: Path,
+) -> None:
+    """Executors cannot see a stop: the batch still running stop_grace after a SIGTERM
+    (Consume retrying a downstream that is down, a minute in all) is cancelled, the run
+    exits 130 as stopped, and the next run delivers every change."""
+    path = tmp_path / "notify.py"
+    path.write_text(CONSUME_DOWN)
+    calls = tmp_path / "calls"
+    command = [sys.executable, "-m", "cdcflow", "run", str(path), "--runner", "spark",
+               "--metadata", f"sqlite:///{tmp_path / 'm.db'}", "--set", "stop_grace=2"]
+    first = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             text=True, env={**os.environ, "DOWN": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not calls.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert calls.exists()  # the first call failed
+        first.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        _, err = first.communicate(timeout=60)
+        took = time.monotonic() - began
+    finally:
+        first.kill()
+    assert first.returncode == 130, err
+    assert 2 <= took < 20, (took, err)
+    assert "cancelling its Spark job" in err and "the next run replays it" in err
+    assert "Traceback" not in err
+    calls.unlink()
+    second = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                            env={k: v for k, v in os.environ.items() if k != "DOWN"})
+    assert second.returncode == 0, second.stderr
+    assert sorted(calls.read_text().split()) == ["0", "1", "2", "3", "4"]
