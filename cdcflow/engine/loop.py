@@ -315,10 +315,14 @@ class Engine:
                     # waits (a storage that does not answer) gives up: the next run writes
                     # again what is not durable yet, as after a crash.
                     self.listener.on_batches_done(summary)
-                    with _abandon_on_signal():
+                    with _abandon_on_signal("the staged output was being made durable",
+                                            "the next run writes again what is not "
+                                            "durable yet"):
                         self._final_flush(staged)
                 finally:
-                    self._owner.release()
+                    with _abandon_on_signal("the lease was being released",
+                                            "the lease lapses by itself"):
+                        self._owner.release()
                 if self._owner.lost is not None:
                     raise self._owner.lost
             except KeyboardInterrupt:  # an abort: the runner waits for no running task
@@ -643,14 +647,14 @@ def _handling(
 
 
 @contextmanager
-def _abandon_on_signal() -> Iterator[None]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt (after a warning) while the block runs:
-    for the final flush, when no batch is left to stop after (see :func:`_handling`: the
-    CLI's Ctrl-C handler is replaced too)."""
+def _abandon_on_signal(doing: str, then: str) -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (after a warning saying what was being
+    done and what follows) while the block runs: for the final flush and the lease's
+    release, when no batch is left to stop after (see :func:`_handling`: the CLI's Ctrl-C
+    handler is replaced too)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        _log.warning("signal %d while the staged output was being made durable: stopping "
-                     "now; the next run writes again what is not durable yet", signum)
+        _log.warning("signal %d while %s: stopping now; %s", signum, doing, then)
         raise KeyboardInterrupt
 
     with _handling(handler, ours_too=True):

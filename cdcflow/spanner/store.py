@@ -49,7 +49,8 @@ predicate is :func:`~cdcflow.spanner.retry.is_transient` (ABORTED, which the emu
 answers to any overlapping transactions, UNAVAILABLE, DEADLINE_EXCEEDED,
 RESOURCE_EXHAUSTED); every RPC has a deadline of ``call_timeout`` seconds (the lease's
 operations: ``LEASE_CALL_TIMEOUT``, so that a dead connection is replaced before the lease
-lapses) and none of the stock client's own retries. When the policy gives up, or on a
+lapses) and none of the stock client's own retries; a lease renewal or release retries for
+at most ``LEASE_RETRY_DEADLINE``. When the policy gives up, or on a
 permanent error, the operation raises :class:`~cdcflow.errors.StoreError`.
 
 A retried write may follow an attempt whose outcome is unknown (it committed, but the
@@ -68,8 +69,10 @@ judges a lease's expiry by the same clock. google-cloud-spanner is imported lazi
 from __future__ import annotations
 
 import contextlib
+import math
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -120,10 +123,27 @@ DEFAULT_CALL_TIMEOUT = 30.0
 #: renewed every third of its time to live (10 s of the default 30 s) must notice a dead
 #: connection and go out on a new one before it lapses, not after ``call_timeout``.
 LEASE_CALL_TIMEOUT = 5.0
+#: How long a lease renewal or release retries (at most; the store's policy may be
+#: shorter): a renewal that fails is tried again at the next heartbeat, and a release that
+#: fails leaves the lease to lapse by itself. Neither keeps a run that ends waiting on a
+#: store that does not answer for the policy's whole deadline.
+LEASE_RETRY_DEADLINE = 10.0
 #: Mutations one transaction may use (Spanner allows 80,000 per commit).
 DEFAULT_MUTATION_BUDGET = limits.DEFAULT_MUTATION_BUDGET
 
 _T = TypeVar("_T")
+
+# Set while this thread renews or releases a lease (LEASE_RETRY_DEADLINE applies).
+_LEASE_OP = threading.local()
+
+
+@contextlib.contextmanager
+def _lease_op() -> Iterator[None]:
+    _LEASE_OP.active = True
+    try:
+        yield
+    finally:
+        _LEASE_OP.active = False
 
 
 
@@ -210,7 +230,11 @@ class SpannerStore:
         retry_if: Callable[[BaseException], bool] = schema.transient, fix: str = "",
     ) -> _T:
         """``fn()`` under the store's retry policy (see :mod:`._store_retry`)."""
-        return self._retries.call(self.retry, what, fn, retry_if=retry_if, fix=fix)
+        policy = self.retry
+        if getattr(_LEASE_OP, "active", False):
+            deadline = min(LEASE_RETRY_DEADLINE, self.retry.deadline or math.inf)
+            policy = attrs.evolve(policy, deadline=deadline)
+        return self._retries.call(policy, what, fn, retry_if=retry_if, fix=fix)
 
     # -- connection and schema ---------------------------------------------------------
 
@@ -573,13 +597,13 @@ class SpannerStore:
 
     def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease:
         """Extend ``lease`` by ``ttl_ns``; FencedError when it is no longer current."""
-        with schema.call_deadline(LEASE_CALL_TIMEOUT):
+        with schema.call_deadline(LEASE_CALL_TIMEOUT), _lease_op():
             return self._transact("renewing the lease", steps.renew_lease, pipeline, lease,
                                   ttl_ns)
 
     def release_lease(self, pipeline: str, lease: Lease) -> None:
         """End ``lease`` (expiry 0, token kept) if it is current; else do nothing."""
-        with schema.call_deadline(LEASE_CALL_TIMEOUT):
+        with schema.call_deadline(LEASE_CALL_TIMEOUT), _lease_op():
             self._transact("releasing the lease", steps.release_lease, pipeline, lease)
 
     def set_source(self, pipeline: str, source: str) -> None:

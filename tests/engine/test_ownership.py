@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -213,3 +214,48 @@ def test_a_changed_source_warns_or_with_strict_refuses(
     with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):
         _engine(_pipeline(_stream(), cf.Collect(), end=5), store, strict=True).run()
     assert not [r for r in caplog.records if "source changed" in r.getMessage()]
+
+
+_SLOW_RELEASE = """
+import sys, time
+import cdcflow as cf
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.metadata import MemoryStore
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.testing import ScriptedChangeStream
+
+
+class SlowRelease(MemoryStore):  # a store that stopped answering as the run ends
+    def release_lease(self, pipeline, lease):
+        print("releasing", flush=True)
+        time.sleep(60)
+
+
+T0 = 10**18
+stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+p = cf.Pipeline("slow-release")
+(p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 10**9, client=stream)
+ | cf.ReadPartition() | cf.Collect())
+try:
+    Engine(p, SlowRelease(), InMemoryRunner(), RunOptions(batch_interval=0)).run()
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_a_signal_while_the_lease_is_released_stops_with_a_warning() -> None:
+    """The run's end waits on a store that does not answer to release the lease: a SIGTERM
+    stops it at once with a warning (the lease lapses by itself), not Python's default
+    death by signal without a word."""
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_RELEASE], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "releasing"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "signal 15 while the lease was being released: stopping now; the lease lapses " \
+           "by itself" in err

@@ -228,3 +228,33 @@ def test_rpcs_of_a_bounded_database_fail_instead_of_retrying_on_their_own(
     for failed in (read.value, stream.value, commit.value):
         assert isinstance(failed.error, ServiceUnavailable) and transient(failed)
     assert time.monotonic() - began < 10
+
+
+@pytest.mark.emulator
+def test_a_lease_renewal_or_release_retries_for_at_most_the_lease_retry_deadline(
+    started: SpannerStore,
+) -> None:
+    """A store that does not answer: the run's end does not wait the policy's 120 s for
+    the lease's release (it lapses by itself), nor a renewal (the next beat tries again)."""
+    from cdcflow.spanner.store import LEASE_RETRY_DEADLINE
+
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    started.retry = RetryPolicy(attempts=10_000, initial=1.0, maximum=1.0, deadline=120.0,
+                                sleep=sleep, clock=lambda: now[0])
+    lease = started.acquire_lease("p", "me", "run-1", 30 * 10**9)
+    failing = Failing(started, "run_in_transaction", times=10**6)
+    for op in (lambda: started.renew_lease("p", lease, 30 * 10**9),
+               lambda: started.release_lease("p", lease)):
+        now[0] = 0.0
+        with pytest.raises(StoreError, match="lease kept failing"):
+            op()
+        assert now[0] <= LEASE_RETRY_DEADLINE
+    calls = failing.calls
+    now[0] = 0.0
+    with pytest.raises(StoreError, match="committing the batch kept failing"):
+        started.commit_batch("p", 1, [PartitionUpdate("a", 100)], [])
+    assert now[0] > 100 and failing.calls - calls > 50  # the policy's own deadline
