@@ -36,6 +36,7 @@ from cdcflow.transforms._tablerows import (
     RowStyle,
     Schema,
     convert,
+    decimal_text,
     json_form,
 )
 
@@ -49,7 +50,7 @@ _NATIVE: dict[str, tuple[type, ...]] = {"INT64": (int,), "FLOAT64": _FLOAT, "FLO
 def _default(value: Any) -> Any:
     # Values a column-wise form did not reach (a Decimal in a STRING column, say).
     if isinstance(value, Decimal):
-        return str(value)
+        return decimal_text(value)
     if isinstance(value, bytes):
         return base64.b64encode(value).decode()
     if isinstance(value, datetime):
@@ -97,7 +98,7 @@ def _forms(mods: Mods, columns: Sequence[Column], table: str,
             if not all(v is None or v.__class__ is str for v in vals):
                 fixes.append((c.name, converted(vals, c, table, convert)))
         elif code == "NUMERIC":
-            fixes.append((c.name, _texts(vals, str)))
+            fixes.append((c.name, _texts(vals, decimal_text)))
         elif code == "BYTES":
             fixes.append((c.name, _texts(vals, _b64)))
         else:

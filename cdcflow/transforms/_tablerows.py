@@ -237,7 +237,15 @@ def convert(value: Any, type_: Any) -> Any:
         items = orjson.loads(value) if isinstance(value, str | bytes) else value
         element = type_.get("array_element_type", {"code": "STRING"})
         return [convert(v, element) for v in items]
+    if isinstance(value, Decimal):  # a PostgreSQL NUMERIC, written as text
+        return decimal_text(value)
     return value if isinstance(value, str) else str(value)
+
+
+def decimal_text(value: Any) -> str:
+    """A NUMERIC as the change stream writes it: positional notation (``0.000000001``),
+    never an exponent (``str(Decimal)`` gives ``1E-9``)."""
+    return format(value, "f") if isinstance(value, Decimal) else str(value)
 
 
 def json_form(value: Any, type_: Any) -> Any:
@@ -260,7 +268,7 @@ def json_form(value: Any, type_: Any) -> Any:
     if code == "BYTES":
         return base64.b64encode(value).decode()
     if code == "NUMERIC":
-        return str(value)
+        return decimal_text(value)
     if code == "DATE":
         return value.isoformat()
     if code in ("FLOAT64", "FLOAT32"):  # NaN and infinities as Spanner's JSON texts them
@@ -333,7 +341,7 @@ def _debezium(record: DataChangeRecord, mod: Mod, values: _Values, ts: Any) -> d
 def json_value(value: Any) -> Any:
     """orjson's ``default`` for a jsonl row: decimals as text, bytes as base64."""
     if isinstance(value, Decimal):
-        return str(value)
+        return decimal_text(value)
     if isinstance(value, bytes):
         return base64.b64encode(value).decode()
     msg = f"cannot write {type(value).__name__} as JSON"

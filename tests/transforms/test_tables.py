@@ -424,3 +424,26 @@ def test_a_task_on_another_machine_sends_its_rows_inline(
     ids = duckdb.connect().sql(
         f"SELECT id FROM read_parquet('{tmp_path}/T/part-*') ORDER BY id").fetchall()
     assert [i for (i,) in ids] == list(range(100))
+
+
+@pytest.mark.parametrize("format", ["jsonl", "csv", "parquet"])
+def test_small_numerics_are_written_without_an_exponent(tmp_path: Path, format: str) -> None:
+    """NUMERIC as the change stream writes it (``str(Decimal)`` would give ``1E-9``): text
+    in JSON lines, nine decimals in CSV, and a PostgreSQL NUMERIC's text in every format."""
+    sink = _sink(str(tmp_path), format=format, flush_interval="1h")
+    pg = {"code": "NUMERIC", "type_annotation": "PG_NUMERIC"}
+    extra = {"n": ({"code": "NUMERIC"}, Decimal("-1E-9")), "m": ({"code": "NUMERIC"},
+             Decimal("1E-7")), "pg": (pg, Decimal("-1E-9"))}
+    _commit(sink, 1, [_record("T", 1, extra=extra)])
+    sink.flush()
+    (f,) = (tmp_path / "T").glob("part-*")
+    text = f.read_text(errors="replace") if format != "parquet" else ""
+    if format == "jsonl":
+        row = json.loads(text)
+        assert (row["n"], row["m"], row["pg"]) == ("-0.000000001", "0.0000001", "-0.000000001")
+    elif format == "csv":
+        assert "-0.000000001" in text and "0.000000100" in text and "E-" not in text
+    else:
+        table = ds.dataset(tmp_path / "T", format="parquet").to_table()
+        assert table["pg"].to_pylist() == ["-0.000000001"]
+        assert table["n"].to_pylist() == [Decimal("-1E-9")]
