@@ -145,6 +145,10 @@ class _Manifest:
         return cls(str(doc["pipeline"]), str(doc["sink"]), int(doc["batch"]), files)
 
 
+# A URL (s3://bucket/x, file:///x), not a path: WriteFiles would make a directory of it.
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 class WriteFiles(Sink[Any, WrittenFile]):
     """Writes each batch to files under ``path``, exactly once per batch.
 
@@ -218,6 +222,10 @@ class WriteFiles(Sink[Any, WrittenFile]):
         path = os.fspath(path)
         if not path:
             msg = "WriteFiles needs a directory path, e.g. WriteFiles('out/orders')"
+            raise PipelineDefinitionError(msg)
+        if _URL.match(path):
+            msg = (f"WriteFiles({path!r}): WriteFiles writes to a local or shared directory; "
+                   "for object storage use WriteTables (s3://, gs://, ...), or give a path")
             raise PipelineDefinitionError(msg)
         if format not in _FORMATS:
             msg = f"WriteFiles(format={format!r}): use one of {', '.join(_FORMATS)}"

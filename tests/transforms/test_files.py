@@ -214,6 +214,11 @@ def test_invalid_arguments() -> None:
         WriteFiles("x", prefix="a/b")
     with pytest.raises(PipelineDefinitionError, match="directory path"):
         WriteFiles("")
+    # a URL is not a directory (it used to become ./s3:/lake/x): object storage is WriteTables'
+    for url in ("s3://lake/x", "gs://b/x", "file:///tmp/x"):
+        with pytest.raises(PipelineDefinitionError, match="use WriteTables"):
+            WriteFiles(url)
+    assert WriteFiles("out/s3:x").path == "out/s3:x"  # a colon in a path is a path
 
 
 def test_the_new_errors_take_their_bases() -> None:
