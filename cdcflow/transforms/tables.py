@@ -97,6 +97,9 @@ from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 __all__ = ["TaskRows", "WriteTables", "file_schema", "parse_size", "table_schema"]
 
 _log = logging.getLogger("cdcflow.sinks")
+#: The longest a commit waits for uploads to drain a full spool before it raises
+#: SinkIOError (the engine retries the batch, which waits again).
+FULL_SPOOL_WAIT = 600.0
 
 
 def _never() -> bool:
@@ -156,9 +159,11 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     thread, in cut order, so a slow store does not stall reading: ``commit`` waits only
     when memory and disk together pass ``spool_memory + spool_disk``, until the uploads
     drain the spool to half of that. A storage failure during an upload is retried with
-    backoff (the file stays spooled and the durable mark does not pass it); ``commit``
-    raises :class:`~cdcflow.errors.SinkIOError` (the batch is retried) only while it must
-    wait.
+    backoff (the file stays spooled and the durable mark does not pass it), so during an
+    outage a full spool makes ``commit`` wait until uploads succeed again: the spool stays
+    in bounds and reading waits behind it. ``commit`` raises
+    :class:`~cdcflow.errors.SinkIOError` (the batch is retried, and waits again) when the
+    run is asked to stop meanwhile or after ``FULL_SPOOL_WAIT`` seconds.
     """
 
     def __init__(
@@ -495,7 +500,10 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def commit(self, batch_id: int, messages: Sequence[TaskRows]) -> None:
         """Stage ``batch_id`` (skipped at or below the durable batch, and per key at or below
         the key's last file); cut the files that are due; keep the spool in bounds."""
-        if batch_id <= self.durable_batch() or batch_id <= self._staged_through:
+        if batch_id <= self.durable_batch():
+            return
+        if batch_id <= self._staged_through:  # a retry, after this commit raised: the
+            self._bound(batch_id)  # spool is checked again, so its bound holds
             return
         self._checkpoint("stage", batch_id)
         # The plan, from the groups' heads (no rows): a key whose file holding the batch
@@ -684,14 +692,22 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                                              key=lambda o: -(o.memory + o.disk))][:max(
                                                  1, len(self._open) // 2)], batch_id,
                       "spool")
-        # Until the uploads drained the spool to the target, fail, or have nothing left to
-        # upload (what the open files hold then stays: waiting longer would not free it).
-        uploads.wait(lambda: self._memory() + self._disk() <= target
-                     or (uploads.error is not None and uploads.failures >= 3)
-                     or (not uploads.queue and not uploads.busy()), timeout=600)
-        if uploads.error is not None and self._memory() + self._disk() > limit:
-            msg = (f"WriteTables: the spool is full ({limit} bytes) while uploads fail "
-                   f"({uploads.error}); raise spool_disk or fix the storage")
+        # Until the uploads drained the spool to the target, or have nothing left to upload
+        # (what the open files hold then stays: waiting longer would not free it). Failing
+        # uploads are retried until the storage is back, so the commit (and reading behind
+        # it) waits out an outage with the spool in bounds; uploads that fail for good
+        # raise here, and a stop request ends the wait.
+        if uploads.error is not None:
+            _log.warning("WriteTables: the spool is full (%d bytes) while uploads to %s fail "
+                         "(%s): commits wait until they succeed again", limit, self.url,
+                         storage_cause(uploads.error))
+        drained = uploads.wait(lambda: self._memory() + self._disk() <= target
+                               or (not uploads.queue and not uploads.busy())
+                               or self._stopping(), timeout=FULL_SPOOL_WAIT)
+        if self._memory() + self._disk() > limit and (not drained or self._stopping()):
+            cause = "" if uploads.error is None else f" while uploads fail ({uploads.error})"
+            msg = (f"WriteTables: the spool is full ({limit} bytes){cause}; raise "
+                   "spool_disk or fix the storage")
             raise SinkIOError(msg)
 
     def _open_memory(self) -> int:
