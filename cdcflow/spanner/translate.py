@@ -3,7 +3,10 @@ lost session, an unreachable server and an error's text."""
 
 from __future__ import annotations
 
-from cdcflow.errors import ChangeStreamError, StreamNotFoundError
+import os
+import re
+
+from cdcflow.errors import ChangeStreamError, ConfigurationError, StreamNotFoundError
 from cdcflow.model import Timestamp
 from cdcflow.spanner.retry import status_name
 from cdcflow.stream import ChangeStreamQuery
@@ -11,6 +14,8 @@ from cdcflow.stream import ChangeStreamQuery
 __all__ = ["error_text", "session_gone", "translate", "unreachable"]
 
 _READER_ROLE = "roles/spanner.databaseReader"
+# What gRPC says when an HTTP server that is not Spanner answered (a wrong host:port).
+_HTTP_STATUS = re.compile(r"Received http2 header with status: (\d+)")
 
 
 def translate(exc: Exception, database: str, query: ChangeStreamQuery | None) -> Exception:
@@ -20,6 +25,12 @@ def translate(exc: Exception, database: str, query: ChangeStreamQuery | None) ->
         return exc  # not an RPC error (cdcflow's own, or a bug): keep it as it is
     text = error_text(exc)
     stream = query.stream if query is not None else "?"
+    if (http := _HTTP_STATUS.search(text)) is not None:
+        host = os.environ.get("SPANNER_EMULATOR_HOST")
+        where = f"SPANNER_EMULATOR_HOST={host}" if host else "the Spanner endpoint"
+        msg = (f"{where} answered as a web server, not Spanner (HTTP status {http.group(1)}): "
+               "fix the host:port")
+        return ConfigurationError(msg)
     if status == "PERMISSION_DENIED":
         msg = (
             f"permission denied reading {database}: grant the caller {_READER_ROLE} "

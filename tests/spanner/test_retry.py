@@ -160,3 +160,27 @@ def test_metadata_queries_retry_under_the_same_policy() -> None:
     with pytest.raises(TransientError, match=r"after 4 attempts \(UNAVAILABLE"):
         client.describe_stream("S")
     assert down.metadata_calls == 4 and len(clock.slept) == 3
+
+
+@pytest.mark.parametrize("emulator", ["10.0.0.9:9010", None])
+def test_a_web_server_at_the_endpoint_is_a_configuration_error(
+    emulator: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host:port where an HTTP server that is not Spanner answers (gRPC: UNIMPLEMENTED,
+    'Received http2 header with status: 404'): one line naming the setting, exit 2."""
+    from cdcflow.errors import ConfigurationError
+    from cdcflow.spanner.translate import translate
+
+    if emulator is None:
+        monkeypatch.delenv("SPANNER_EMULATOR_HOST", raising=False)
+    else:
+        monkeypatch.setenv("SPANNER_EMULATOR_HOST", emulator)
+    error = gexc.MethodNotImplemented(
+        "Received http2 header with status: 404. This usually indicates that the "
+        "'api_endpoint' configuration in ClientOptions is incorrect"
+    )
+    translated = translate(error, "projects/p/instances/i/databases/d", None)
+    assert isinstance(translated, ConfigurationError)
+    where = f"SPANNER_EMULATOR_HOST={emulator}" if emulator else "the Spanner endpoint"
+    assert str(translated) == (f"{where} answered as a web server, not Spanner (HTTP status "
+                               "404): fix the host:port")
