@@ -129,7 +129,7 @@ def _render_one(
         out.append(
             f"  pending batch  {pending.batch_id}: {len(pending.slices)} slices up to "
             f"{_stamp(pending.end)}, planned {_ago(pending.planned_at, now_ns)} ago "
-            + ("(the running run is committing it)" if run is not None and run["alive"]
+            + ("(the running run is reading or committing it)" if run is not None and run["alive"]
                else "(the next run replays it)")
         )
     # the furthest behind first (those hold the low watermark), stuck ones before them
