@@ -134,7 +134,8 @@ def test_document_and_text_at_a_fixed_time(store_url: str) -> None:
         owner.acquire(takeover=False)
         try:
             text = render_status(store, "live")
-            assert "pending batch  7: " in text and "(the running run is reading or committing it)" in text
+            assert "pending batch  7: " in text
+            assert "(the running run is reading or committing it)" in text
         finally:
             owner.release()
         with pytest.raises(UserInputError, match=r"no pipeline named 'nope'.*done, live"):

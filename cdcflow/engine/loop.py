@@ -566,6 +566,8 @@ class Engine:
         the batch again, as after a crash."""
         if not self._stop.is_set():
             return False
+        if isinstance(exc, FencedError) and self._owner is not None and self._owner.lost:
+            return True  # the lease was lost (said when found): the run ends with that
         _log.warning("the store failed after the stop request (%s); stopping without "
                      "retrying it: the next run takes batch %d up again", exc, batch_id)
         return True

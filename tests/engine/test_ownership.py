@@ -114,6 +114,26 @@ def test_a_takeover_fences_the_running_driver_out() -> None:
     assert set(values) == set(range(40))
 
 
+def test_a_driver_that_finds_its_lease_lost_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The old driver's heartbeat finds the lease taken (an error, once): its next store
+    call is fenced, and the run ends with that error, not with a warning blaming a stop
+    request nobody made."""
+    store = MemoryStore()
+    old = _engine(_pipeline(_stream(), cf.Collect(), slow=0.05), store, lease_ttl=0.3)
+    thread, errors = _in_thread(old)
+    _wait_for_lease(store)
+    time.sleep(0.3)
+    with caplog.at_level(logging.INFO, logger="cdcflow"):
+        _engine(_pipeline(_stream(), cf.Collect()), store, takeover=True).run()
+        thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], FencedError)
+    assert "after the stop request" not in caplog.text
+    lost = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lost) == 1 and "no longer current" in lost[0].getMessage()
+
+
 def test_a_crashed_run_on_this_host_is_taken_over_at_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
