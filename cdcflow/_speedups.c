@@ -22,7 +22,8 @@
  * non_finite(value): cdcflow.serialize's check for a float that is not finite inside a
  * value (its dicts, lists and tuples; anything else is asked of a Python callable), and
  * json_default(value), its orjson default for the two types every change record holds
- * (a Timestamp's cached RFC 3339 text, a Decimal's text; anything else goes to Python).
+ * (a Timestamp's cached RFC 3339 text, a Decimal's positional text; anything else goes to
+ * Python).
  *
  * Thread-safe under the GIL: between calls it keeps only what the configure functions set
  * and two caches (column names, the last timestamp), each read and replaced while holding
@@ -956,7 +957,8 @@ static PyObject *configure_walk(PyObject *self, PyObject *args) {
 }
 
 /* orjson's default for the JSON writer: a Timestamp's RFC 3339 text when it has it cached
- * (decoders set it from the wire), a Decimal's text, else what the Python default says. */
+ * (decoders set it from the wire), a Decimal's positional text, else what the Python default
+ * says. */
 static PyObject *json_default(PyObject *self, PyObject *value) {
     (void)self;
     if (g_default == NULL) {
@@ -964,7 +966,14 @@ static PyObject *json_default(PyObject *self, PyObject *value) {
         return NULL;
     }
     PyObject *kind = (PyObject *)Py_TYPE(value);
-    if (kind == g_ser_decimal) return PyObject_Str(value);
+    if (kind == g_ser_decimal) {
+        /* positional notation, as Spanner writes NUMERIC: format(d, "f"), never str(d),
+         * which writes 1E-9 */
+        static PyObject *positional = NULL;
+        if (positional == NULL && (positional = PyUnicode_InternFromString("f")) == NULL)
+            return NULL;
+        return PyObject_Format(value, positional);
+    }
     if (kind == g_ser_timestamp) {
         PyObject *text = Py_TYPE(g_ser_text)->tp_descr_get(g_ser_text, value, kind);
         if (text == NULL) {

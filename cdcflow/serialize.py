@@ -3,7 +3,8 @@
 :func:`to_json_dict` turns an element into a dict of plain JSON values; :func:`dumps_line`
 makes one JSONL line of it. Conversions: :class:`~cdcflow.model.Timestamp` and other
 datetimes -> RFC 3339 text with nine fractional digits (UTC); ``date``/``time`` -> ISO text;
-``Decimal`` -> text (Spanner NUMERIC keeps its precision); ``bytes`` -> base64 text (as
+``Decimal`` -> positional text, never an exponent (``0.000000001``, as Spanner writes
+NUMERIC: it keeps its precision); ``bytes`` -> base64 text (as
 Spanner's JSON does for BYTES); floats that are not finite -> ``"NaN"``, ``"Infinity"``,
 ``"-Infinity"`` (Spanner's JSON for them; JSON has no such numbers); enums -> their
 value; tuples and lists -> lists; sets -> sorted lists; attrs/dataclass instances and
@@ -69,6 +70,12 @@ def _struct_dict(value: Any) -> dict[str, Any]:
     return {name: to_json_value(getattr(value, name)) for name in _field_names(type(value))}
 
 
+def decimal_text(value: Any) -> str:
+    """A Decimal as Spanner writes NUMERIC: positional notation (``0.000000001``), never an
+    exponent (``str(Decimal)`` gives ``1E-9``)."""
+    return format(value, "f") if isinstance(value, Decimal) else str(value)
+
+
 def to_json_value(value: Any) -> Any:
     """Convert ``value`` to plain JSON values (see the module docstring for the rules)."""
     if isinstance(value, _SCALARS) and not isinstance(value, enum.Enum):
@@ -88,7 +95,7 @@ def to_json_value(value: Any) -> Any:
     if isinstance(value, date | time):
         return value.isoformat()
     if isinstance(value, Decimal):
-        return str(value)
+        return decimal_text(value)
     if isinstance(value, bytes | bytearray | memoryview):
         return base64.b64encode(bytes(value)).decode("ascii")
     if isinstance(value, set | frozenset):
@@ -128,14 +135,14 @@ _OPTIONS = (orjson.OPT_APPEND_NEWLINE | orjson.OPT_PASSTHROUGH_DATETIME
             | orjson.OPT_PASSTHROUGH_DATACLASS)
 
 
-def _default_python(value: Any, str_: type = str) -> Any:
+def _default_python(value: Any) -> Any:
     kind = type(value)
     # The two that every change record holds, first and without a call each: a
     # Timestamp's text is usually cached already (decoders set it from the wire)
     if kind is Timestamp:
         return value._text or value.rfc3339()
     if kind is Decimal:
-        return str_(value)
+        return decimal_text(value)
     if attrs.has(kind):
         # its fields as they are: orjson writes them, calling back here for what it cannot
         return {name: getattr(value, name) for name in _field_names(kind)}

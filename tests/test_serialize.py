@@ -151,6 +151,7 @@ class _Point:
     {"ts": Timestamp.parse("2024-05-01T12:00:00.000000001Z"), "naive": datetime(2024, 5, 1),
      "aware": datetime(2024, 5, 1, tzinfo=UTC), "day": date(2024, 2, 29)},
     {"d": Decimal("12345678901234567890.123456789"), "nan": Decimal("NaN"), "b": b"\x00\xff",
+     "tiny": Decimal("-1E-9"), "sci": Decimal("1.5E+3"),
      "ba": bytearray(b"ab"), "set": {3, 1, 2}, "tuple": (1, "a"), "enum": _Color.RED,
      "enum2": _Color.PRICE},
     {"point": _Point(float("nan"), datetime(2024, 1, 1, tzinfo=UTC)), "key": {1: "int key"}},
@@ -169,6 +170,15 @@ def test_dumps_line_writes_what_the_rules_say(element: object) -> None:
             dumps_line(element)
         return
     assert dumps_line(element) == expected
+
+
+def test_decimals_are_positional_text_as_spanner_writes_numeric() -> None:
+    values = {"tiny": Decimal("-1E-9"), "small": Decimal("1E-7"), "sci": Decimal("1.5E+3"),
+              "scale": Decimal("1.50"), "nan": Decimal("NaN")}
+    expected = {"tiny": "-0.000000001", "small": "0.0000001", "sci": "1500",
+                "scale": "1.50", "nan": "NaN"}
+    assert to_json_dict(values) == expected
+    assert orjson.loads(dumps_line(values)) == expected  # the compiled default too
 
 
 # --- the non-finite check, compiled and in Python ----------------------------------------

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cdcflow.model import Timestamp
+from cdcflow.serialize import decimal_text
 from cdcflow.transforms._tablebuild import (
     NO_BEFORE,
     Mods,
@@ -36,7 +37,6 @@ from cdcflow.transforms._tablerows import (
     RowStyle,
     Schema,
     convert,
-    decimal_text,
     json_form,
 )
 

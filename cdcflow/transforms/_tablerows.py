@@ -23,7 +23,7 @@ import pyarrow as pa
 from cdcflow.durations import parse_time
 from cdcflow.errors import SinkError
 from cdcflow.model import DataChangeRecord, Mod, Timestamp
-from cdcflow.serialize import to_json_value
+from cdcflow.serialize import decimal_text, to_json_value
 
 __all__: list[str] = []
 
@@ -240,12 +240,6 @@ def convert(value: Any, type_: Any) -> Any:
     if isinstance(value, Decimal):  # a PostgreSQL NUMERIC, written as text
         return decimal_text(value)
     return value if isinstance(value, str) else str(value)
-
-
-def decimal_text(value: Any) -> str:
-    """A NUMERIC as the change stream writes it: positional notation (``0.000000001``),
-    never an exponent (``str(Decimal)`` gives ``1E-9``)."""
-    return format(value, "f") if isinstance(value, Decimal) else str(value)
 
 
 def json_form(value: Any, type_: Any) -> Any:
