@@ -5,6 +5,11 @@ the client library's own retries. A failure being retried is logged at once and 
 30 s while failures go on (an outage would otherwise show only as stuck partitions), and
 the store's recovery once. While the run using the store is stopping, a failure is not
 retried: a stop during an outage ends the run instead of waiting out the policy's deadline.
+Nor is a call that does not answer waited for (a stalled connection, until its
+``call_timeout``): while a run uses the store, each attempt runs on a thread of its own,
+and once the run is stopping the caller gives an attempt :data:`STOP_PATIENCE` seconds
+more, then fails it. The attempt may still land; every store write is safe to repeat and
+its outcome is read back by the next run, as after a crash.
 """
 
 from __future__ import annotations
@@ -26,6 +31,50 @@ _T = TypeVar("_T")
 _log = logging.getLogger("cdcflow.spanner")
 #: Seconds between two warnings of a store that keeps failing.
 WARN_EVERY = 30.0
+#: Seconds a call may go on after the run was asked to stop before it is given up.
+STOP_PATIENCE = 2.0
+
+
+class _Abandoned(Exception):
+    """A call given up after the stop request (it did not answer in time)."""
+
+
+def _abandonable(fn: Callable[[], _T], stopping: Callable[[], bool]) -> Callable[[], _T]:
+    """``fn`` run on a thread of its own (with this thread's RPC deadline), waited for
+    until it ends, or until ``STOP_PATIENCE`` seconds after ``stopping()`` turned True:
+    then :class:`_Abandoned` (the thread goes on until its call's deadline)."""
+
+    def attempt() -> _T:
+        outcome: list[tuple[bool, object]] = []
+        done = threading.Event()
+        shorter = schema.current_call_deadline()
+
+        def run() -> None:
+            try:
+                if shorter is None:
+                    outcome.append((True, fn()))
+                else:
+                    with schema.call_deadline(shorter):
+                        outcome.append((True, fn()))
+            except BaseException as exc:  # raised in the caller's thread
+                outcome.append((False, exc))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="cdcflow-store-call", daemon=True).start()
+        stopped_at: float | None = None
+        while not done.wait(0.1):
+            if stopped_at is None and stopping():
+                stopped_at = time.monotonic()
+            if stopped_at is not None and time.monotonic() - stopped_at > STOP_PATIENCE:
+                raise _Abandoned
+        ok, value = outcome[0]
+        if not ok:
+            assert isinstance(value, BaseException)
+            raise value
+        return value  # type: ignore[return-value]
+
+    return attempt
 
 
 def _text(exc: BaseException) -> str:
@@ -73,10 +122,17 @@ class StoreRetries:
         def worth_it(exc: BaseException) -> bool:
             return retry_if(exc) and not (stopping is not None and stopping())
 
+        if stopping is not None:
+            fn = _abandonable(fn, stopping)
         try:
             result = policy.call(fn, retry_if=worth_it, on_retry=retried)
         except (GoogleAPICallError, schema.BrokenCall) as e:
             raise self._error(e, what, failed, retry_if, fix) from e
+        except _Abandoned:
+            msg = (f"the Spanner store {self.url}: {what} did not answer within "
+                   f"{STOP_PATIENCE:g}s of the stop request; given up (the next run reads "
+                   "what it left)")
+            raise StoreError(msg) from None
         if self._warned_at is not None:
             with self._lock:
                 recovered, self._warned_at = self._warned_at is not None, None

@@ -249,6 +249,12 @@ class _Stream:
 _SHORTER = threading.local()
 
 
+def current_call_deadline() -> float | None:
+    """The shorter RPC deadline :func:`call_deadline` set for this thread, if any."""
+    seconds: float | None = getattr(_SHORTER, "seconds", None)
+    return seconds
+
+
 @contextlib.contextmanager
 def call_deadline(seconds: float) -> Iterator[None]:
     """The store RPCs this thread makes inside the block get a deadline of at most

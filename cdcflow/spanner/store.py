@@ -50,7 +50,9 @@ answers to any overlapping transactions, UNAVAILABLE, DEADLINE_EXCEEDED,
 RESOURCE_EXHAUSTED); every RPC has a deadline of ``call_timeout`` seconds (the lease's
 operations: ``LEASE_CALL_TIMEOUT``, so that a dead connection is replaced before the lease
 lapses) and none of the stock client's own retries; a lease renewal or release retries for
-at most ``LEASE_RETRY_DEADLINE``. When the policy gives up, or on a
+at most ``LEASE_RETRY_DEADLINE``. Once the run using the store is stopping, a failed call
+is not retried and a call that does not answer is given up after ``STOP_PATIENCE``
+(:mod:`cdcflow.spanner._store_retry`). When the policy gives up, or on a
 permanent error, the operation raises :class:`~cdcflow.errors.StoreError`.
 
 A retried write may follow an attempt whose outcome is unknown (it committed, but the

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from google.api_core.exceptions import Aborted, PermissionDenied, ServiceUnavailable
+from google.api_core.exceptions import (
+    Aborted,
+    DeadlineExceeded,
+    PermissionDenied,
+    ServiceUnavailable,
+)
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.errors import StoreError
@@ -258,3 +264,48 @@ def test_a_lease_renewal_or_release_retries_for_at_most_the_lease_retry_deadline
     with pytest.raises(StoreError, match="committing the batch kept failing"):
         started.commit_batch("p", 1, [PartitionUpdate("a", 100)], [])
     assert now[0] > 100 and failing.calls - calls > 50  # the policy's own deadline
+
+
+class _Stalled:
+    """One method of the store's Database that does not answer for ``seconds`` (a stalled
+    connection: open, silent), then fails as its deadline would."""
+
+    def __init__(self, store: SpannerStore, method: str, seconds: float) -> None:
+        self.db = store._database()
+        self.seconds = seconds
+        setattr(self.db, method, self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.seconds)
+        raise DeadlineExceeded("stalled")
+
+
+@pytest.mark.emulator
+def test_a_stop_gives_up_a_store_call_that_does_not_answer(started: SpannerStore) -> None:
+    """A supervisor's SIGTERM while the store stalls: the call in flight is not waited for
+    until its call_timeout (30 s): STOP_PATIENCE after the stop it fails with a StoreError
+    (the engine then ends the run as stopped)."""
+    from cdcflow.spanner._store_retry import STOP_PATIENCE
+
+    stopping = threading.Event()
+    started.set_stopping(stopping.is_set)
+    _Stalled(started, "run_in_transaction", seconds=20)
+    failed: list[BaseException] = []
+
+    def commit() -> None:
+        try:
+            started.commit_batch("p", 1, [PartitionUpdate("a", 100)], [])
+        except BaseException as exc:
+            failed.append(exc)
+
+    worker = threading.Thread(target=commit)
+    worker.start()
+    time.sleep(0.5)
+    stopped = time.monotonic()
+    stopping.set()
+    worker.join(timeout=10)
+    took = time.monotonic() - stopped
+    assert not worker.is_alive() and len(failed) == 1
+    assert isinstance(failed[0], StoreError)
+    assert "did not answer within 2s of the stop request" in str(failed[0])
+    assert STOP_PATIENCE <= took < STOP_PATIENCE + 1.5
