@@ -35,14 +35,12 @@ WARN_EVERY = 30.0
 STOP_PATIENCE = 2.0
 
 
-class _Abandoned(Exception):
-    """A call given up after the stop request (it did not answer in time)."""
-
-
-def _abandonable(fn: Callable[[], _T], stopping: Callable[[], bool]) -> Callable[[], _T]:
+def _abandonable(
+    fn: Callable[[], _T], stopping: Callable[[], bool], given_up: str
+) -> Callable[[], _T]:
     """``fn`` run on a thread of its own (with this thread's RPC deadline), waited for
     until it ends, or until ``STOP_PATIENCE`` seconds after ``stopping()`` turned True:
-    then :class:`_Abandoned` (the thread goes on until its call's deadline)."""
+    then StoreError(``given_up``) (the thread goes on until its call's deadline)."""
 
     def attempt() -> _T:
         outcome: list[tuple[bool, object]] = []
@@ -67,7 +65,7 @@ def _abandonable(fn: Callable[[], _T], stopping: Callable[[], bool]) -> Callable
             if stopped_at is None and stopping():
                 stopped_at = time.monotonic()
             if stopped_at is not None and time.monotonic() - stopped_at > STOP_PATIENCE:
-                raise _Abandoned
+                raise StoreError(given_up)
         ok, value = outcome[0]
         if not ok:
             assert isinstance(value, BaseException)
@@ -122,17 +120,15 @@ class StoreRetries:
         def worth_it(exc: BaseException) -> bool:
             return retry_if(exc) and not (stopping is not None and stopping())
 
-        if stopping is not None:
-            fn = _abandonable(fn, stopping)
+        if stopping is not None:  # (a StoreError is never retried)
+            fn = _abandonable(fn, stopping, (
+                f"the Spanner store {self.url}: {what} did not answer within "
+                f"{STOP_PATIENCE:g}s of the stop request; given up (the next run reads what "
+                "it left)"))
         try:
             result = policy.call(fn, retry_if=worth_it, on_retry=retried)
         except (GoogleAPICallError, schema.BrokenCall) as e:
             raise self._error(e, what, failed, retry_if, fix) from e
-        except _Abandoned:
-            msg = (f"the Spanner store {self.url}: {what} did not answer within "
-                   f"{STOP_PATIENCE:g}s of the stop request; given up (the next run reads "
-                   "what it left)")
-            raise StoreError(msg) from None
         if self._warned_at is not None:
             with self._lock:
                 recovered, self._warned_at = self._warned_at is not None, None
