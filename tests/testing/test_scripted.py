@@ -190,9 +190,9 @@ def test_a_stalled_partition_answers_once_its_time_has_passed_in_every_copy() ->
     s = ScriptedChangeStream("S", partitions=2, origin=T0)
     for i in range(4):
         s.write("T", i, at=T0 + 10 + i)
+    began = time.monotonic()  # before the stall's deadline is set: it counts from there
     s.stall("p0", 0.4, after=T0 + 5)
     copy = pickle.loads(cloudpickle.dumps(s))  # a task's copy stalls until the same moment
-    began = time.monotonic()
     assert read(copy, "p0", T0, T0 + 5) == read(s, "p0", T0, T0 + 5)  # before `after`: at once
     other = data(read(s, "p1", T0 + 5, T0 + 100))  # another partition: at once
     assert time.monotonic() - began < 0.3
