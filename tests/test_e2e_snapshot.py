@@ -188,7 +188,9 @@ def test_a_snapshot_split_into_key_ranges_killed_after_some_committed_reads_the_
     finally:
         workload.stop()
     assert code == 0 and summary["reason"] == "end reached"
-    assert workload.committed[-1].commit_ns < end
+    # the workload wrote inside the window (on a slow machine its last commits may fall past
+    # end: the comparison below reads the database at end, so they are outside it)
+    assert any(t.commit_ns < end for t in workload.committed)
 
     records = [json.loads(line) for f in sorted((tmp_path / "out").glob("*.jsonl"))
                for line in f.read_text().splitlines()]
