@@ -43,19 +43,20 @@ def _abandonable(
     then StoreError(``given_up``) (the thread goes on until its call's deadline)."""
 
     def attempt() -> _T:
-        outcome: list[tuple[bool, object]] = []
+        results: list[_T] = []
+        errors: list[BaseException] = []
         done = threading.Event()
         shorter = schema.current_call_deadline()
 
         def run() -> None:
             try:
                 if shorter is None:
-                    outcome.append((True, fn()))
+                    results.append(fn())
                 else:
                     with schema.call_deadline(shorter):
-                        outcome.append((True, fn()))
+                        results.append(fn())
             except BaseException as exc:  # raised in the caller's thread
-                outcome.append((False, exc))
+                errors.append(exc)
             finally:
                 done.set()
 
@@ -66,11 +67,9 @@ def _abandonable(
                 stopped_at = time.monotonic()
             if stopped_at is not None and time.monotonic() - stopped_at > STOP_PATIENCE:
                 raise StoreError(given_up)
-        ok, value = outcome[0]
-        if not ok:
-            assert isinstance(value, BaseException)
-            raise value
-        return value  # type: ignore[return-value]
+        if errors:
+            raise errors[0]
+        return results[0]
 
     return attempt
 
