@@ -200,7 +200,7 @@ class Batches:
             return
         waiting = self.idle.waiting(projected, now)
         nxt, transitions = plan_batch(projected, now, self._span_ns, plan.batch_id + 1, waiting,
-                                      self.snapshot_slices)
+                                      self.snapshot_slices, self.idle.quiet(projected))
         if not nxt.slices:
             return
         nxt = attrs.evolve(nxt, planned_at=now)

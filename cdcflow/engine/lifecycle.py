@@ -117,6 +117,7 @@ def plan_batch(
     batch_id: int,
     waiting: Collection[str] = frozenset(),
     max_snapshot_slices: int | None = None,
+    quiet: Collection[str] = frozenset(),
 ) -> tuple[BatchPlan, dict[str, PartitionState]]:
     """Plan batch ``batch_id``: its slices, and the state transitions to write with it.
 
@@ -131,9 +132,13 @@ def plan_batch(
     watermark; the engine waits instead of writing it.
 
     Partitions in ``waiting`` (idle ones the engine reads less often) get no slice this
-    batch; a ready CREATED partition always starts. At most ``max_snapshot_slices``
-    snapshot partitions get a slice (None: all), the first in (start, token) order; the
-    others keep their state for a later batch.
+    batch; a ready CREATED partition always starts. Partitions in ``quiet`` (idle ones:
+    their last slice held no data; ``waiting`` is among them) do not bound ``T``: the low
+    watermark it is taken from is the other partitions' (``T = now_ns`` when every
+    unfinished partition is quiet), so a span shorter than the idle wait never holds busy
+    partitions back, and a quiet partition reads from its watermark to ``T`` when due. At
+    most ``max_snapshot_slices`` snapshot partitions get a slice (None: all), the first in
+    (start, token) order; the others keep their state for a later batch.
 
     Slices are ordered by (start, token) so a plan is deterministic.
     """
@@ -143,7 +148,11 @@ def plan_batch(
     if max_snapshot_slices is not None and max_snapshot_slices < 1:
         msg = f"max_snapshot_slices must be 1 or more (or None), got {max_snapshot_slices}"
         raise ValueError(msg)
-    batch_end = min(now_ns, low_watermark(partitions) + max_span_ns)
+    bounding = [p for p in partitions if p.token not in quiet] if quiet else partitions
+    if quiet and all(p.state == _FINISHED for p in bounding):
+        batch_end = now_ns  # every partition that may still read is quiet
+    else:
+        batch_end = min(now_ns, low_watermark(bounding) + max_span_ns)
     ready = {p.token for p in ready_partitions(partitions)}
     slices: list[Slice] = []
     transitions: dict[str, PartitionState] = {}

@@ -502,7 +502,7 @@ class Engine:
                 span = int(opts.max_batch_span * _NS)
                 waiting = run.idle.waiting(parts, now)
                 plan, transitions = plan_batch(parts, now, span, next_id, waiting,
-                                               run.snapshot_slices)
+                                               run.snapshot_slices, run.idle.quiet(parts))
                 if not plan.slices and not transitions:
                     # Nothing can advance yet: the clock has not passed the low watermark,
                     # or every partition is idle and waiting for its next read. (A plan

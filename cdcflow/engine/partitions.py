@@ -12,7 +12,10 @@ random part of up to half of it, so partitions that went idle together (ten thou
 them, started by one batch) spread their reads over the batches instead of all coming due
 in one. A partition that is not read keeps its watermark, so the pipeline's resolved
 (low) watermark lags the clock by at most ``max_delay`` plus one batch more than it would
-otherwise.
+otherwise. An idle partition does not bound a batch's end either: the batch reads at most
+``max_batch_span`` past the other partitions' low watermark, so a span shorter than the
+wait never holds busy partitions back, and an idle partition, once due, reads from its
+watermark to the batch end (at most its wait plus the span of changes).
 
 Only IMMUTABLE_KEY_RANGE streams skip idle partitions: there a key lives in one partition
 at a time and moves only to its children, which wait for their parents, so reading one
@@ -129,6 +132,18 @@ class IdleSchedule:
         return {
             p.token for p in partitions
             if p.state == PartitionState.RUNNING and due.get(p.token, 0) > now_ns
+        }
+
+    def quiet(self, partitions: Sequence[PartitionMetadata]) -> set[str]:
+        """Tokens of RUNNING partitions whose last slice held no data, near the clock (the
+        ones :meth:`waiting` may hold back, due or not): they do not bound a batch's end
+        (:func:`~cdcflow.engine.lifecycle.plan_batch`)."""
+        if self.max_ns <= 0:
+            return set()
+        streak = self._streak
+        return {
+            p.token for p in partitions
+            if p.state == PartitionState.RUNNING and streak.get(p.token, 0) > 0
         }
 
     def read(self, results: Sequence[TaskResult], now_ns: int, planned_ns: int | None = None

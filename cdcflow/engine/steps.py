@@ -22,7 +22,8 @@ elements and watermark, and gives the same outputs: exactly once, as for any oth
 Both runners fold on the driver. A shuffle (Spark) would need the same state persisted per
 key and the same determinism; on the driver the fold is exact and simple, and its cost is
 bounded by what is incomplete: a step keeps only what the low watermark has not passed yet,
-at most ``max_batch_span`` of changes.
+at most ``max_batch_span`` of changes (plus an idle partition's wait, see
+:mod:`cdcflow.engine.partitions`).
 
 A staging sink (two-stage ack) downstream of a step is refused: its recovery re-delivers
 committed batches, which would need each step's state as of the batch before, and the

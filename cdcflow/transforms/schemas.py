@@ -99,7 +99,7 @@ class SchemaChanges(BatchStep[DataChangeRecord, "DataChangeRecord | SchemaChange
 
     Apply it to ReadPartition's records (``ReadChangeStream(...) | SchemaChanges()``).
     Records wait until the low watermark passes them, so output lags the batch by up to
-    ``max_batch_span``.
+    ``max_batch_span`` (plus an idle partition's wait, ``idle_read_interval``).
     """
 
     def initial_state(self) -> _State:

@@ -85,7 +85,8 @@ class GroupTransactions(BatchStep[DataChangeRecord, Transaction, _State]):
 
     Apply it to ReadPartition's records (``ReadChangeStream(...) | GroupTransactions()``).
     A transaction is held until the low watermark passes its commit timestamp, so output
-    lags the batch by up to ``max_batch_span``; the state holds only such transactions.
+    lags the batch by up to ``max_batch_span`` (plus an idle partition's wait for its next
+    read, ``idle_read_interval``); the state holds only such transactions.
     """
 
     def __init__(self) -> None:

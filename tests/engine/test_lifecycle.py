@@ -108,6 +108,28 @@ def test_plan_batch_keeps_partitions_that_start_after_t_created() -> None:
     assert transitions == {}
 
 
+def test_an_idle_partition_that_waits_does_not_hold_the_batch_end_back() -> None:
+    # "b" is idle and not due for a read; its watermark is further behind the clock than
+    # the span. The batch end follows the partitions read, so "a" is read up to the clock
+    # (bounding T by b's watermark would leave "a" nothing to read until b is due).
+    parts = [part("root", F, 0, 10), part("a", R, 10, 990), part("b", R, 10, 700)]
+    plan, _ = plan_batch(parts, 1_000, 50, 1, waiting={"b"}, quiet={"b"})
+    assert plan.end == 1_000 and plan.slices == (Slice("a", 990, 1_000),)
+    # Once due, b reads from its watermark to the batch end (its slice is longer than the
+    # span: it held no data, and may hold at most its idle wait's worth).
+    plan, _ = plan_batch(parts, 1_000, 50, 2, quiet={"b"})
+    assert plan.end == 1_000
+    assert plan.slices == (Slice("a", 990, 1_000), Slice("b", 700, 1_000))
+    # Every partition quiet: they read up to the clock; every one waiting: nothing to plan.
+    plan, _ = plan_batch(parts, 1_000, 50, 3, quiet={"a", "b"})
+    assert plan.slices == (Slice("a", 990, 1_000), Slice("b", 700, 1_000))
+    plan, transitions = plan_batch(parts, 1_000, 50, 4, waiting={"a", "b"}, quiet={"a", "b"})
+    assert plan.slices == () and transitions == {}
+    # A partition that is not quiet bounds T as before: b lags with data to read.
+    plan, _ = plan_batch(parts, 1_000, 50, 5)
+    assert plan.end == 750 and plan.slices == (Slice("b", 700, 750),)
+
+
 def test_plan_batch_is_empty_before_the_clock_reaches_the_watermark() -> None:
     plan, transitions = plan_batch([part("a", R, 0, 500)], 400, 100, 1)
     assert plan.slices == () and transitions == {}

@@ -145,3 +145,26 @@ def test_mutable_streams_read_every_partition_every_batch() -> None:
     stream.write("T", 1, "INSERT", {"v": 1}, at=origin + S // 10)
     slices = _follow(stream, 1.5, MemoryStore(), idle=1.0)
     assert all(n == 3 for n in slices[1:-1])
+
+
+def test_idle_partitions_never_hold_a_busy_one_back_with_a_short_span() -> None:
+    # A span shorter than the idle wait: were the batch end bounded by the idle partitions'
+    # watermarks (which lag up to their wait), the busy one would read nothing until they
+    # came due, its changes up to that wait late.
+    origin = time.time_ns()
+    stream = ScriptedChangeStream("S", partitions=4, origin=origin)
+    for i in range(30):  # one key: one busy partition, three idle ones
+        stream.write("T", 1, "UPDATE", {"v": i}, at=origin + S // 2 + i * S // 10)
+    def lag(record: Any) -> tuple[int, float]:  # the value, and how late it was read
+        return record.mods[0].new_values["v"], (time.time_ns() - record.commit_timestamp.ns) / S
+
+    out: cf.Collect[tuple[int, float]] = cf.Collect()
+    p = cf.Pipeline("busy")
+    (p | cf.DetectPartitions(stream="S", start_at=origin, end_at=origin + 4 * S, client=stream)
+     | cf.ReadPartition(heartbeat="100ms") | cf.Map(lag) | out)
+    opts = RunOptions(batch_interval=0.05, max_batch_span=0.2, idle_read_interval=3.0)
+    summary = Engine(p, MemoryStore(), InMemoryRunner(workers=2), opts).run()
+    assert summary.reason == "end reached"
+    assert [v for v, _ in out.items] == list(range(30))
+    lags = [late for _, late in out.items]
+    assert max(lags) < 1.0, sorted(lags)[-5:]
