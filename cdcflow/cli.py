@@ -25,10 +25,16 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from cdcflow import __version__
-from cdcflow.durations import parse_duration
+from cdcflow.durations import parse_duration, parse_size
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine
-from cdcflow.errors import CdcflowError, StoreURLError, UsageError, UserInputError
+from cdcflow.errors import (
+    CdcflowError,
+    PipelineDefinitionError,
+    StoreURLError,
+    UsageError,
+    UserInputError,
+)
 from cdcflow.launch import (
     LATENCY_PRESETS,
     OptionSpec,
@@ -262,11 +268,13 @@ def _convert(key: str, text: str, spec: OptionSpec) -> Any:
             return _WORDS[word]
         if spec.kind == "duration":
             return parse_duration(text)
+        if spec.kind == "size":
+            return parse_size(text)
         if spec.kind == "float":
             return float(text)
         if spec.kind == "int":
             return int(text)
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, PipelineDefinitionError):
         msg = f"--set {key}={text}: {key} takes {spec.describe()}"
         raise UserInputError(msg) from None
     return text

@@ -33,11 +33,11 @@ from typing import Any, Literal
 import attrs
 
 from cdcflow.dag import Dag
-from cdcflow.durations import parse_duration
+from cdcflow.durations import parse_duration, parse_size
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.engine.runner import Runner
-from cdcflow.errors import CdcflowError, PluginError, UserInputError
+from cdcflow.errors import CdcflowError, PipelineDefinitionError, PluginError, UserInputError
 from cdcflow.metadata import open_store
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.metrics import MetricsServer, PipelineMetrics
@@ -66,7 +66,7 @@ RunnerFactory = Callable[..., Runner]
 
 #: The kind of value an option takes. ``duration``: seconds as a number, or text such as
 #: ``"30s"``; ``any``: passed through unchecked (e.g. the Spark runner's ``conf`` mapping).
-OptionKind = Literal["duration", "int", "float", "bool", "text", "any"]
+OptionKind = Literal["duration", "size", "int", "float", "bool", "text", "any"]
 
 # Options that exist but are not worth listing in "valid keys": the CLI sets base_dir itself.
 _UNLISTED = frozenset({"base_dir"})
@@ -88,7 +88,8 @@ class OptionSpec:
     def describe(self) -> str:
         """What the option takes, for error messages: ``"a duration such as 30s"``."""
         want = {
-            "duration": "a duration such as 30s", "int": "a whole number",
+            "duration": "a duration such as 30s", "size": "a size such as 64MiB",
+            "int": "a whole number",
             "float": "a number", "bool": "true or false", "text": "text", "any": "a value",
         }[self.kind]
         return f"{want} or none" if self.optional and self.kind != "any" else want
@@ -174,6 +175,7 @@ def option_specs(factory: RunnerFactory | None) -> dict[str, OptionSpec]:
     hints = _hints(RunOptions)
     for field in attrs.fields(RunOptions):
         kind, optional = _classify(hints.get(field.name), field.default, durations=True)
+        kind = field.metadata.get("kind", kind)
         specs[field.name] = OptionSpec(field.name, kind, optional, "run")
     if factory is None:
         return specs
@@ -203,6 +205,11 @@ def coerce_option(spec: OptionSpec, value: Any) -> Any:
     ok = kind == "any"
     if kind == "duration" and isinstance(value, timedelta):
         return value.total_seconds()
+    if kind == "size" and isinstance(value, str | int) and not isinstance(value, bool):
+        try:
+            return parse_size(value, f"{spec.name}=...")
+        except PipelineDefinitionError as e:
+            raise UserInputError(str(e)) from None
     if kind == "duration" and isinstance(value, str):
         try:
             return parse_duration(value)

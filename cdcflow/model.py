@@ -574,10 +574,11 @@ class BatchRecord:
 
 
 #: The names a batch log entry's ``stats`` may hold: seconds of the batch's phases before
-#: its store commit, its bytes read, and its elements retried, skipped and dead-lettered.
+#: its store commit, its bytes read, its elements retried, skipped and dead-lettered, and
+#: the span the batches after it were paced to (ns; see :mod:`cdcflow.engine.pacing`).
 BATCH_STATS = (
     "plan_seconds", "execute_seconds", "sink_commit_seconds", "bytes", "retries", "skipped",
-    "dead_lettered",
+    "dead_lettered", "next_span_ns",
 )
 
 

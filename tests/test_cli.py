@@ -203,6 +203,8 @@ def test_bad_set_value(tmp_path: Path) -> None:
     path = write(tmp_path, VALID)
     assert_usage_error(cdcflow("run", str(path), "--set", "max_batch_span=soon"),
                        "max_batch_span takes a duration")
+    assert_usage_error(cdcflow("run", str(path), "--set", "max_task_bytes=big"),
+                       "max_task_bytes takes a size such as 64MiB or none")
 
 
 def test_values_are_checked_where_pipeline_run_checks_them(tmp_path: Path) -> None:

@@ -117,6 +117,9 @@ def test_unknown_option_lists_the_valid_keys() -> None:
         ({"gc_ttl": "inf"}, "not a duration"),
         ({"lease_ttl": float("inf")}, "lease_ttl takes a duration"),
         ({"batch_interval": "99999h"}, r"batch_interval must be at most a day \(86400 s\)"),
+        ({"max_task_bytes": "lots"}, "max_task_bytes='lots' is not a size; write e.g. 64MiB"),
+        ({"max_task_bytes": 1.5}, "max_task_bytes takes a size such as 64MiB or none"),
+        ({"max_task_bytes": 0}, "RunOptions.max_task_bytes must be 1 byte or more"),
     ],
 )
 def test_bad_values_name_what_the_option_takes(options: dict[str, object], fragment: str) -> None:
@@ -130,6 +133,9 @@ def test_option_specs_come_from_run_options_and_the_runner_signature() -> None:
     assert specs["duration"] == OptionSpec("duration", "duration", True, "run")
     assert specs["max_batches"] == OptionSpec("max_batches", "int", True, "run")
     assert specs["reset"] == OptionSpec("reset", "bool", False, "run")
+    assert specs["max_task_bytes"] == OptionSpec("max_task_bytes", "size", True, "run")
+    assert split_options({"max_task_bytes": "64MiB"}, None, "memory")[0].max_task_bytes \
+        == 64 << 20
     assert specs["workers"] == OptionSpec("workers", "int", True, "runner")
     spark = option_specs(runner_factory("spark"))
     assert spark["master"] == OptionSpec("master", "text", True, "runner")

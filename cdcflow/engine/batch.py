@@ -55,6 +55,7 @@ from cdcflow.engine.lifecycle import (
     plan_batch,
 )
 from cdcflow.engine.listener import BatchStats, EngineListener
+from cdcflow.engine.pacing import Pacer
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.runner import Runner, Task, TaskResult, outcome, settle
 from cdcflow.engine.steps import BatchSteps, Folded
@@ -100,7 +101,7 @@ class Batches:
         self, *, name: str, store: MetadataStore, runner: Runner, listener: EngineListener,
         clock: Callable[[], int], fence: Callable[[], int], retry: RetryPolicy,
         view: PartitionView, idle: IdleSchedule, steps: BatchSteps, staged: StagedSinks,
-        sinks: Mapping[str, Sink[Any, Any]], program_bytes: bytes, span_ns: int, gc_ttl_ns: int,
+        sinks: Mapping[str, Sink[Any, Any]], program_bytes: bytes, pacer: Pacer, gc_ttl_ns: int,
         snapshot_slices: int | None = None, stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.name = name
@@ -119,7 +120,8 @@ class Batches:
         self._staged = staged
         self._sinks = dict(sinks)
         self._program = program_bytes
-        self._span_ns = span_ns
+        #: The span of the batches this run plans (max_batch_span, paced by what tasks read).
+        self.pacer = pacer
         #: Most snapshot partitions a batch reads (the source's snapshot_tasks_per_batch).
         self.snapshot_slices = snapshot_slices
         self._gc_ttl_ns = gc_ttl_ns
@@ -199,8 +201,8 @@ class Batches:
         if all_finished(projected):
             return
         waiting = self.idle.waiting(projected, now)
-        nxt, transitions = plan_batch(projected, now, self._span_ns, plan.batch_id + 1, waiting,
-                                      self.snapshot_slices, self.idle.quiet(projected))
+        nxt, transitions = plan_batch(projected, now, self.pacer.span_ns, plan.batch_id + 1,
+                                      waiting, self.snapshot_slices, self.idle.quiet(projected))
         if not nxt.slices:
             return
         nxt = attrs.evolve(nxt, planned_at=now)
@@ -257,6 +259,7 @@ class Batches:
             now = self._clock()
             if not idle_noted:
                 self.idle.read(done, now, plan.planned_at or None)
+                self.pacer.observe(plan, done)
                 idle_noted = True
             if first_attempt and read_ahead is not None and read_ahead():
                 self._read_ahead(plan, done, now)
@@ -285,7 +288,7 @@ class Batches:
             self.name, plan.batch_id, list(outcome.updates), list(outcome.children),
             outcome.records, fence=self._fence(), durable=self._staged.marks(),
             state=None if folded is None else folded.state,
-            stats=_log_stats(phases, size, counters),
+            stats=_log_stats(phases, size, counters, self.pacer.span_ns),
         )
         if folded is not None:
             self._steps.committed(folded)
@@ -478,13 +481,15 @@ def _is_transient(exc: BaseException) -> bool:
 
 
 def _log_stats(
-    phases: Mapping[str, float], size: int, counters: Mapping[str, int]
+    phases: Mapping[str, float], size: int, counters: Mapping[str, int], next_span_ns: int
 ) -> dict[str, float]:
     """What the batch log keeps of a batch (``cdcflow.model.BATCH_STATS``): the phases
-    before the store commit, bytes read, and the error policy's counts."""
+    before the store commit, bytes read, the error policy's counts, and the span the next
+    batch is paced to (a restart goes on from it)."""
     stats = {f"{phase}_seconds": phases[phase] for phase in ("plan", "execute", "sink_commit")
              if phase in phases}
     stats["bytes"] = size
     for name in ("retries", "skipped", "dead_lettered"):
         stats[name] = counters.get(name, 0)
+    stats["next_span_ns"] = next_span_ns
     return stats

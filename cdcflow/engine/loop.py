@@ -44,7 +44,7 @@ import cloudpickle
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.dag import Dag
-from cdcflow.durations import is_relative_time
+from cdcflow.durations import is_relative_time, parse_size
 from cdcflow.engine.batch import Batches
 from cdcflow.engine.durability import StagedSinks
 from cdcflow.engine.guard import RunGuard, guarding
@@ -56,6 +56,7 @@ from cdcflow.engine.lifecycle import (
 )
 from cdcflow.engine.listener import EngineListener, RunSummary
 from cdcflow.engine.ownership import Ownership
+from cdcflow.engine.pacing import Pacer
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.quota import quota_limit
 from cdcflow.engine.resume import resume_source
@@ -106,6 +107,23 @@ def _interval(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> Non
         raise ValueError(msg)
 
 
+#: The bytes a task of a paced batch aims to read (``RunOptions.max_task_bytes``).
+DEFAULT_TASK_BYTES = 128 << 20
+
+
+def _task_bytes(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        size = parse_size(value, "RunOptions.max_task_bytes=...")
+    except PipelineDefinitionError as e:
+        raise ValueError(str(e)) from None
+    if size < 1:
+        msg = f"RunOptions.max_task_bytes must be 1 byte or more, or None; got {value!r}"
+        raise ValueError(msg)
+    return size
+
+
 def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and (value <= 0 or not math.isfinite(value)):
         msg = f"RunOptions.{attribute.name} must be more than 0 (and finite), got {value}"
@@ -139,6 +157,9 @@ class RunOptions:
     ``pipelined``: while the run lags the clock (catching up), read the next batch while
     the current one's sinks and store commit (:mod:`cdcflow.engine.batch`; exactly once
     all the same). False runs one batch at a time.
+    ``max_task_bytes``: pace the span of batches so that the busiest task reads about this
+    many bytes (a size such as ``"64MiB"`` or a number; None: every batch spans
+    ``max_batch_span``; see :mod:`cdcflow.engine.pacing`).
     """
 
     batch_interval: float = attrs.field(default=1.0, validator=_interval)
@@ -155,6 +176,9 @@ class RunOptions:
     idle_read_interval: float = attrs.field(default=5.0, validator=_non_negative)
     strict: bool = False
     pipelined: bool = True
+    max_task_bytes: int | None = attrs.field(
+        default=DEFAULT_TASK_BYTES, converter=_task_bytes, metadata={"kind": "size"}
+    )
 
 
 class Engine:
@@ -285,7 +309,8 @@ class Engine:
                             view=PartitionView(self.store, name, end_cap), idle=idle,
                             steps=steps, staged=staged, sinks=sinks,
                             program_bytes=program_bytes,
-                            span_ns=int(opts.max_batch_span * _NS),
+                            pacer=Pacer.resume(int(opts.max_batch_span * _NS),
+                                               opts.max_task_bytes, self.store.batches(name, 4)),
                             gc_ttl_ns=int(opts.gc_ttl * _NS),
                             snapshot_slices=program.source.snapshot_tasks_per_batch,
                             stopping=self._stop.is_set,
@@ -499,9 +524,8 @@ class Engine:
                 if all_finished(parts):
                     reason = "end reached"
                     break
-                span = int(opts.max_batch_span * _NS)
                 waiting = run.idle.waiting(parts, now)
-                plan, transitions = plan_batch(parts, now, span, next_id, waiting,
+                plan, transitions = plan_batch(parts, now, run.pacer.span_ns, next_id, waiting,
                                                run.snapshot_slices, run.idle.quiet(parts))
                 if not plan.slices and not transitions:
                     # Nothing can advance yet: the clock has not passed the low watermark,

@@ -157,7 +157,8 @@ def test_nothing_is_read_ahead_when_caught_up_with_the_clock(
             tx.write("T", i % 5, "UPDATE", {"i": i})
     sink = SlowCollect(tmp_path / "live.log", delay=0.05)
     p = cf.Pipeline("live")
-    p | DetectPartitions(stream="S", start_at="-1s", client=s) | ReadPartition() | sink
+    # Starts within the first batch's span (paced: 1 s), so every batch is caught up.
+    p | DetectPartitions(stream="S", start_at="-500ms", client=s) | ReadPartition() | sink
     summary = run(runner, p, max_batches=6, batch_interval=0.1, max_batch_span=10.0)
     assert summary.batches == 6
     overlapped, followed = read_while_committing(sink, tmp_path / "live.log")

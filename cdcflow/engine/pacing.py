@@ -1,0 +1,85 @@
+"""How much commit time a batch plans: its span, paced by what tasks read.
+
+:func:`~cdcflow.engine.lifecycle.plan_batch` ends a batch at ``T = min(now, low watermark +
+span)``. Without ``max_task_bytes`` the span is ``max_batch_span``. With it the span follows
+the data, so that the busiest task of a batch reads about ``max_task_bytes``: after each
+batch the next span is ``max_task_bytes`` over the fastest rate a task read at (its bytes
+over the commit time its slice covered), at most twice the span before it, never more than
+``max_batch_span`` nor less than a millisecond. A pipeline's first batch spans one second
+(or ``max_batch_span``, if shorter); the batch log keeps the span each batch left for the
+next, and a run goes on from the last one, so a run that crashed and resumed plans the
+same batches as one that did not.
+
+Why the span and not a cut inside a task: every partition of a batch is read up to the same
+end T, which keeps a key's changes in order where keys move between live partitions
+(MUTABLE_KEY_RANGE streams, the emulator), and a replay re-reads exactly the slices of its
+plan. Bounding T bounds a batch (the work its replay repeats after a crash, the files it
+writes, the time to its commit) with both rules intact. A batch that runs longer than the
+interval between crashes would never commit; paced, a backlog of large changes commits in
+batches of about ``max_task_bytes`` a task. The bound is an aim, not a cap: a span holds
+what was committed in it (one commit timestamp is never split), and the rate can change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cdcflow.engine.runner import TaskResult
+from cdcflow.model import BatchPlan, BatchRecord, is_snapshot_token
+
+__all__ = ["FIRST_SPAN_NS", "MIN_SPAN_NS", "Pacer"]
+
+_NS = 1_000_000_000
+#: The span a run starts at when ``max_task_bytes`` is set.
+FIRST_SPAN_NS = _NS
+#: The shortest span a paced batch plans.
+MIN_SPAN_NS = 1_000_000
+
+
+class Pacer:
+    """The span of the next batch (see the module docstring); ``max_bytes`` None keeps it at
+    ``max_span_ns``."""
+
+    def __init__(self, max_span_ns: int, max_bytes: int | None = None,
+                 span_ns: int | None = None) -> None:
+        if max_span_ns <= 0:
+            msg = f"max_span_ns must be positive, got {max_span_ns}"
+            raise ValueError(msg)
+        if max_bytes is not None and max_bytes < 1:
+            msg = f"max_bytes must be 1 or more (or None), got {max_bytes}"
+            raise ValueError(msg)
+        self.max_span_ns = max_span_ns
+        self.max_bytes = max_bytes
+        if max_bytes is None:
+            self.span_ns = max_span_ns
+        else:
+            first = FIRST_SPAN_NS if span_ns is None else max(MIN_SPAN_NS, span_ns)
+            self.span_ns = min(max_span_ns, first)
+
+    @classmethod
+    def resume(cls, max_span_ns: int, max_bytes: int | None, log: Sequence[BatchRecord]
+               ) -> Pacer:
+        """The pacer of a run whose pipeline has the batch ``log`` (newest first): it goes
+        on from the span the newest committed batch left (a first batch's span without)."""
+        for entry in log:
+            if entry.committed_at is not None:
+                left = entry.stats.get("next_span_ns")
+                return cls(max_span_ns, max_bytes, None if left is None else int(left))
+        return cls(max_span_ns, max_bytes)
+
+    def observe(self, plan: BatchPlan, results: Sequence[TaskResult]) -> None:
+        """Set the next span from what ``plan``'s tasks read (``results``). Snapshot tasks
+        (a table's rows, not commit time) do not count."""
+        if self.max_bytes is None:
+            return
+        starts = {s.token: s.start for s in plan.slices if not is_snapshot_token(s.token)}
+        read, covered = 0, 1  # the fastest task's bytes and commit time (ns)
+        for r in results:
+            start = starts.get(r.token)
+            if start is not None and r.position > start and r.bytes * covered > read * (
+                r.position - start
+            ):
+                read, covered = r.bytes, r.position - start
+        grown = 2 * self.span_ns
+        span = grown if read == 0 else min(grown, self.max_bytes * covered // read)
+        self.span_ns = min(self.max_span_ns, max(MIN_SPAN_NS, span))

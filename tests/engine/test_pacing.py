@@ -1,0 +1,115 @@
+"""Paced batches: the span follows what tasks read, so a batch's busiest task reads about
+``max_task_bytes`` (cdcflow.engine.pacing)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+import cdcflow as cf
+from cdcflow.engine.listener import BatchStats, EngineListener
+from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.pacing import FIRST_SPAN_NS, MIN_SPAN_NS, Pacer
+from cdcflow.engine.runner import TaskResult
+from cdcflow.metadata import MemoryStore
+from cdcflow.model import BatchPlan, BatchRecord, Slice, snapshot_token
+from cdcflow.runners.in_memory import InMemoryRunner
+from cdcflow.testing import ScriptedChangeStream
+
+S = 1_000_000_000
+MiB = 1 << 20
+
+
+def _batch(slices: list[tuple[str, int, int, int]]) -> tuple[BatchPlan, list[TaskResult]]:
+    """A plan of (token, start, end) slices and results that read ``bytes`` to the end."""
+    plan = BatchPlan(1, max(e for _, _, e, _ in slices), [Slice(t, s, e) for t, s, e, _ in slices])
+    results = [TaskResult(token=t, position=e, ended=False, bytes=n) for t, _, e, n in slices]
+    return plan, results
+
+
+def test_without_a_budget_every_batch_spans_max_batch_span() -> None:
+    pacer = Pacer(10 * S)
+    assert pacer.span_ns == 10 * S
+    pacer.observe(*_batch([("a", 0, S, 10**12)]))
+    assert pacer.span_ns == 10 * S
+
+
+def test_the_span_follows_the_fastest_task_within_twice_the_last_and_max_span() -> None:
+    pacer = Pacer(10 * S, 8 * MiB)
+    assert pacer.span_ns == FIRST_SPAN_NS
+    # 32 MiB in one second in the busiest task: a quarter second holds 8 MiB.
+    pacer.observe(*_batch([("a", 0, S, 32 * MiB), ("b", 0, S, MiB)]))
+    assert pacer.span_ns == S // 4
+    # A slower batch lets it grow, at most twice per batch, up to max_batch_span.
+    pacer.observe(*_batch([("a", 0, S // 4, 1024)]))
+    assert pacer.span_ns == S // 2
+    for _ in range(10):
+        pacer.observe(*_batch([("a", 0, S, 0)]))
+    assert pacer.span_ns == 10 * S
+    # A huge commit in one timestamp: never below the shortest span.
+    pacer.observe(*_batch([("a", 0, 10, 10**12)]))
+    assert pacer.span_ns == MIN_SPAN_NS
+    # A table's snapshot is no commit time: it does not count.
+    pacer.observe(*_batch([(snapshot_token("T"), 0, 1, 10**12)]))
+    assert pacer.span_ns == 2 * MIN_SPAN_NS
+
+
+def test_a_run_goes_on_from_the_span_the_last_committed_batch_left() -> None:
+    def entry(batch_id: int, committed: bool, **stats: float) -> BatchRecord:
+        return BatchRecord(batch_id, 0, 0, 1 if committed else None, 1, stats=stats)
+
+    log = [entry(9, False), entry(8, True, next_span_ns=3 * S), entry(7, True, next_span_ns=S)]
+    assert Pacer.resume(10 * S, MiB, log).span_ns == 3 * S
+    assert Pacer.resume(2 * S, MiB, log).span_ns == 2 * S  # max_batch_span lowered since
+    assert Pacer.resume(10 * S, MiB, [entry(8, True)]).span_ns == FIRST_SPAN_NS  # older log
+    assert Pacer.resume(10 * S, MiB, []).span_ns == FIRST_SPAN_NS
+    assert Pacer.resume(10 * S, None, log).span_ns == 10 * S
+
+
+def test_max_task_bytes_takes_sizes() -> None:
+    assert RunOptions(max_task_bytes="64MiB").max_task_bytes == 64 * MiB
+    assert RunOptions(max_task_bytes=None).max_task_bytes is None
+    with pytest.raises(ValueError, match="max_task_bytes='lots' is not a size"):
+        RunOptions(max_task_bytes="lots")
+    with pytest.raises(ValueError, match="1 byte or more"):
+        RunOptions(max_task_bytes=0)
+
+
+class _Bytes(EngineListener):
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self.batches.append(stats.bytes)
+
+
+def _backlog(max_task_bytes: int | None) -> tuple[list[int], int]:
+    """A backlog of 400 changes of about 64 KiB, 10 ms apart: (bytes per batch, changes)."""
+    origin = time.time_ns() - 60 * S
+    stream = ScriptedChangeStream("S", origin=origin)
+    for i in range(400):
+        stream.write("T", i, "INSERT", {"blob": "x" * 65_536}, at=origin + S + i * S // 100)
+    out: cf.Collect[Any] = cf.Collect()
+    p = cf.Pipeline("paced")
+    (p | cf.DetectPartitions(stream="S", start_at=origin, end_at=origin + 6 * S, client=stream)
+     | cf.ReadPartition() | out)
+    listener = _Bytes()
+    opts = RunOptions(max_task_bytes=max_task_bytes, batch_interval=0)
+    summary = Engine(p, MemoryStore(), InMemoryRunner(workers=1), opts, listener).run()
+    assert summary.reason == "end reached"
+    keys = sorted(r.mods[0].keys["id"] for r in out.items)
+    assert keys == list(range(400))  # each once
+    return listener.batches, len(out.items)
+
+
+def test_a_backlog_of_large_changes_commits_in_batches_of_about_max_task_bytes() -> None:
+    paced, _ = _backlog(2 * MiB)
+    # Batch 1 reads the root partition; batch 2 spans two seconds (1 s of changes, 6.3 MiB),
+    # which makes batch 3 twice the aim (its changes are twice as dense); the span then
+    # follows the rate.
+    assert paced[1] > 6 * MiB and paced[2] < 4.1 * MiB, paced
+    assert 2 * MiB * 0.9 < max(paced[3:-1]) < 2 * MiB * 1.1, paced
+    unpaced, _ = _backlog(None)
+    assert max(unpaced) > 20 * MiB, unpaced  # one 10 s span: the whole backlog
