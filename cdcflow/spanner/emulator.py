@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -80,14 +79,28 @@ def find_emulator_binary() -> Path:
     raise EmulatorNotFoundError(msg)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: on Linux, get SIGTERM when the parent dies, so a killed
-    test session or demo never leaves an emulator behind."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+#: Starts the emulator so that it gets SIGTERM when this process dies (Linux's
+#: PR_SET_PDEATHSIG, which lasts across exec), so a killed test session or demo never leaves
+#: an emulator behind. It runs in a fresh interpreter: code run between fork and exec in a
+#: process with threads (a ``preexec_fn``) may find a lock held by a thread that the fork
+#: did not copy, and abort (SIGABRT) or hang before the emulator starts.
+_TRAMPOLINE = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+def _with_parent(args: Sequence[str]) -> list[str]:
+    """``args`` started so that the process ends with this one (see ``_TRAMPOLINE``)."""
+    if not sys.platform.startswith("linux"):
+        return list(args)
+    return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *args]
 
 
 def free_port() -> int:
@@ -135,6 +148,7 @@ class Emulator:
         self.project = project
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
+        self._keep_log = False  # an error named the log: it outlives the emulator
         self._client: Any = None
 
     @property
@@ -149,7 +163,12 @@ class Emulator:
 
     @property
     def log_path(self) -> str | None:
-        return self._log.name if self._log is not None else None
+        """The emulator's log file. It is removed when the emulator stops, unless an error
+        named it."""
+        if self._log is None:
+            return None
+        self._keep_log = True
+        return str(self._log.name)
 
     def start(self, timeout: float = 60.0, attempts: int = 3) -> Emulator:
         """Start the process and wait until it answers. A process that exits at start (its
@@ -164,6 +183,8 @@ class Emulator:
             if attempt >= attempts:
                 raise CdcflowError(died)
             attempt += 1
+            self._keep_log = False  # nobody reads what this attempt said
+            self._drop_log()
             if self._own_port:
                 self.port = free_port()
 
@@ -185,8 +206,8 @@ class Emulator:
             prefix="spanner-emulator-", suffix=".log", delete=False
         )
         self._proc = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            _with_parent(args), stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
         )
 
     def _wait_ready(self, timeout: float) -> str | None:
@@ -285,8 +306,16 @@ class Emulator:
                 self._proc.kill()
                 self._proc.wait(10)
         self._proc = None
+        self._drop_log()
+
+    def _drop_log(self) -> None:
+        """Close the log; remove it unless an error named it."""
         if self._log is not None:
             self._log.close()
+            if not self._keep_log:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._log.name)
+            self._log = None
 
     def __enter__(self) -> Emulator:
         return self.start() if self._proc is None else self

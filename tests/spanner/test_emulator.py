@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +39,10 @@ def test_start_serve_and_stop() -> None:
         with db.snapshot() as snap:
             assert list(snap.execute_sql("SELECT 1")) == [[1]]
         port = emu.port
+        log = Path(emu._log.name)
+        assert log.exists()
     assert not _listening(port)
+    assert not log.exists()  # nothing named it: it goes with the emulator
 
 
 @pytest.mark.emulator
@@ -71,9 +77,12 @@ def test_binary_that_exits_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     fake.chmod(0o755)
     monkeypatch.setenv("CDCFLOW_SPANNER_EMULATOR", str(fake))
     emu = Emulator()
-    with pytest.raises(Exception, match="exited with code 3"):
+    with pytest.raises(Exception, match="exited with code 3") as failed:
         emu.start(timeout=10)
     emu.stop()
+    named = str(failed.value).rsplit("see its log ", 1)[1]
+    assert Path(named).exists()  # the error named it: it stays
+    Path(named).unlink()
     runs = tmp_path / "runs"
     emu = Emulator()
     with pytest.raises(Exception, match="exited with code 3"):
@@ -104,3 +113,29 @@ def test_a_binary_that_aborts_once_at_start_is_started_again(
         assert emu.port != first  # a port of its own choosing: a fresh one
     finally:
         emu.stop()
+
+
+@pytest.mark.emulator
+def test_an_emulator_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
+    # A killed test session or demo never leaves an emulator behind (and starting it runs
+    # no code between fork and exec in a process with threads, which could abort it).
+    script = (
+        "import sys, threading, time\n"
+        "from cdcflow.spanner.emulator import Emulator\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "emu = Emulator().start()\n"
+        "print(emu._proc.pid, emu.port, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid, port = (int(v) for v in parent.stdout.readline().split())
+    assert _listening(port)
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert b"emulator_main" in f.read()  # the trampoline became the emulator
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _listening(port):
+        time.sleep(0.1)
+    assert not _listening(port)
