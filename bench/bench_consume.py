@@ -128,7 +128,7 @@ def run_pipeline(records: int, keys: int, call_s: float, max_inflight: int) -> R
     pipeline = Pipeline("bench-consume")
     source = DetectPartitions(stream="S", start_at=_T0, end_at=end, client=stream)
     pipeline | source | ReadPartition() | consume
-    options = RunOptions(batch_interval=0, max_batch_span=3600)
+    options = RunOptions(batch_interval=0, max_batch_span=3600, max_task_bytes=None)
     began = time.perf_counter()
     Engine(pipeline, MemoryStore(), InMemoryRunner(workers=2), options).run()
     seconds = time.perf_counter() - began

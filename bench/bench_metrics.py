@@ -82,7 +82,8 @@ def run_once(
         began = time.perf_counter()
         try:
             run_pipeline(pipeline, "memory", "memory://", listener=listener, workers=1,
-                         batch_interval=0, max_batch_span=_SPAN_S / batches, **extra)
+                         batch_interval=0, max_batch_span=_SPAN_S / batches,
+                         max_task_bytes=None, **extra)
         finally:
             took = time.perf_counter() - began
             scraper.stop.set()
@@ -118,7 +119,7 @@ def listener_cost(stream: ScriptedChangeStream, batches: int) -> tuple[float, fl
     with tempfile.TemporaryDirectory(prefix="cdcflow-bench-metrics-") as out:
         run_pipeline(data_pipeline("bench-metrics-cost", stream, end, out), "memory",
                      "memory://", listener=Recorder(), workers=1, batch_interval=0,
-                     max_batch_span=_SPAN_S / batches)
+                     max_batch_span=_SPAN_S / batches, max_task_bytes=None)
     metrics = PipelineMetrics("bench")
     repeat = 200
     began = time.perf_counter()

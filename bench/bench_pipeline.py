@@ -165,7 +165,8 @@ def _run_once(shape: str, n: int) -> tuple[int, float]:
     with tempfile.TemporaryDirectory(prefix="cdcflow-bench-pipeline-") as out:
         pipeline, count = _pipeline(shape, n, out)
         batches = _Batches()
-        options = RunOptions(batch_interval=0, max_batch_span=3600.0, pipelined=False)
+        options = RunOptions(batch_interval=0, max_batch_span=3600.0, pipelined=False,
+                             max_task_bytes=None)
         Engine(pipeline, MemoryStore(), InMemoryRunner(workers=1), options, batches).run()
         data = [b for b in batches.batches if b.records]
         if len(data) != 1 or data[0].records != n:

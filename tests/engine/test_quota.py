@@ -229,7 +229,9 @@ def _traced_run(p: cf.Pipeline, quota: int, listener: EngineListener | None = No
     try:
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        opts = RunOptions(batch_interval=0, max_batch_span=3600.0, batch_retries=0)
+        # One batch holds the whole backlog (no pacing): the quota alone bounds what is held.
+        opts = RunOptions(batch_interval=0, max_batch_span=3600.0, batch_retries=0,
+                          max_task_bytes=None)
         Engine(p, MemoryStore(), InMemoryRunner(workers=4), opts, listener=listener).run()
         return tracemalloc.get_traced_memory()[1] - base
     finally:
