@@ -11,7 +11,7 @@ import pytest
 import cdcflow as cf
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.engine.pacing import FIRST_SPAN_NS, MIN_SPAN_NS, Pacer
+from cdcflow.engine.pacing import MIN_SPAN_NS, Pacer
 from cdcflow.engine.runner import TaskResult
 from cdcflow.metadata import MemoryStore
 from cdcflow.model import BatchPlan, BatchRecord, Slice, snapshot_token
@@ -38,7 +38,7 @@ def test_without_a_budget_every_batch_spans_max_batch_span() -> None:
 
 def test_the_span_follows_the_fastest_task_within_twice_the_last_and_max_span() -> None:
     pacer = Pacer(10 * S, 8 * MiB)
-    assert pacer.span_ns == FIRST_SPAN_NS
+    assert pacer.span_ns == 10 * S
     # 32 MiB in one second in the busiest task: a quarter second holds 8 MiB.
     pacer.observe(*_batch([("a", 0, S, 32 * MiB), ("b", 0, S, MiB)]))
     assert pacer.span_ns == S // 4
@@ -63,8 +63,8 @@ def test_a_run_goes_on_from_the_span_the_last_committed_batch_left() -> None:
     log = [entry(9, False), entry(8, True, next_span_ns=3 * S), entry(7, True, next_span_ns=S)]
     assert Pacer.resume(10 * S, MiB, log).span_ns == 3 * S
     assert Pacer.resume(2 * S, MiB, log).span_ns == 2 * S  # max_batch_span lowered since
-    assert Pacer.resume(10 * S, MiB, [entry(8, True)]).span_ns == FIRST_SPAN_NS  # older log
-    assert Pacer.resume(10 * S, MiB, []).span_ns == FIRST_SPAN_NS
+    assert Pacer.resume(10 * S, MiB, [entry(8, True)]).span_ns == 10 * S  # an older log
+    assert Pacer.resume(10 * S, MiB, []).span_ns == 10 * S
     assert Pacer.resume(10 * S, None, log).span_ns == 10 * S
 
 
@@ -96,7 +96,7 @@ def _backlog(max_task_bytes: int | None) -> tuple[list[int], int]:
     (p | cf.DetectPartitions(stream="S", start_at=origin, end_at=origin + 6 * S, client=stream)
      | cf.ReadPartition() | out)
     listener = _Bytes()
-    opts = RunOptions(max_task_bytes=max_task_bytes, batch_interval=0)
+    opts = RunOptions(max_task_bytes=max_task_bytes, max_batch_span=2.0, batch_interval=0)
     summary = Engine(p, MemoryStore(), InMemoryRunner(workers=1), opts, listener).run()
     assert summary.reason == "end reached"
     keys = sorted(r.mods[0].keys["id"] for r in out.items)
@@ -106,10 +106,10 @@ def _backlog(max_task_bytes: int | None) -> tuple[list[int], int]:
 
 def test_a_backlog_of_large_changes_commits_in_batches_of_about_max_task_bytes() -> None:
     paced, _ = _backlog(2 * MiB)
-    # Batch 1 reads the root partition; batch 2 spans two seconds (1 s of changes, 6.3 MiB),
-    # which makes batch 3 twice the aim (its changes are twice as dense); the span then
-    # follows the rate.
+    # Batch 1 reads the root partition; batch 2 spans max_batch_span, two seconds (1 s of
+    # changes, 6.3 MiB), which makes batch 3 twice the aim (its changes are twice as dense);
+    # the span then follows the rate.
     assert paced[1] > 6 * MiB and paced[2] < 4.1 * MiB, paced
     assert 2 * MiB * 0.9 < max(paced[3:-1]) < 2 * MiB * 1.1, paced
     unpaced, _ = _backlog(None)
-    assert max(unpaced) > 20 * MiB, unpaced  # one 10 s span: the whole backlog
+    assert max(unpaced) > 12 * MiB, unpaced  # a 2 s span of changes: 12.6 MiB

@@ -152,13 +152,12 @@ def test_nothing_is_read_ahead_when_caught_up_with_the_clock(
 ) -> None:
     now = time.time_ns()
     s = ScriptedChangeStream("S", origin=now - 60 * S)
-    for i in range(40):  # changes at the clock, so every batch has some
-        with s.transaction(at=now + i * 50_000_000) as tx:
+    for i in range(60):  # changes at the clock for 9 s, so every batch has some
+        with s.transaction(at=now + i * 150_000_000) as tx:
             tx.write("T", i % 5, "UPDATE", {"i": i})
     sink = SlowCollect(tmp_path / "live.log", delay=0.05)
     p = cf.Pipeline("live")
-    # Starts within the first batch's span (paced: 1 s), so every batch is caught up.
-    p | DetectPartitions(stream="S", start_at="-500ms", client=s) | ReadPartition() | sink
+    p | DetectPartitions(stream="S", start_at="-1s", client=s) | ReadPartition() | sink
     summary = run(runner, p, max_batches=6, batch_interval=0.1, max_batch_span=10.0)
     assert summary.batches == 6
     overlapped, followed = read_while_committing(sink, tmp_path / "live.log")
