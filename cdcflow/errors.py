@@ -126,6 +126,11 @@ class ChangeStreamError(CdcflowError):
     """Reading the change stream failed for a reason that retrying will not fix."""
 
 
+class MissingColumnError(ChangeStreamError):
+    """A read as of a past timestamp named a column the table did not have then (added by a
+    later ``ALTER TABLE``)."""
+
+
 class DecodeError(ChangeStreamError, ValueError):
     """A change stream row that does not have a shape cdcflow knows (upgrade cdcflow).
 

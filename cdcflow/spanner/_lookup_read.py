@@ -17,7 +17,12 @@ from typing import Any
 import attrs
 
 from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import ChangeStreamError, ConfigurationError, TransientError
+from cdcflow.errors import (
+    ChangeStreamError,
+    ConfigurationError,
+    MissingColumnError,
+    TransientError,
+)
 from cdcflow.model import Timestamp
 from cdcflow.spanner._lookup_rows import Key, TableColumns, unhashable
 from cdcflow.spanner.decode import plain_value
@@ -186,14 +191,17 @@ class Reader:
                 )
                 raise ChangeStreamError(msg) from exc
             msg = f"{what} on {self.database} failed ({status}: {text})"
+            if status == "NOT_FOUND" and "column not found" in text.lower():
+                raise MissingColumnError(msg) from exc
             raise ChangeStreamError(msg) from exc
 
     # -- schema ----------------------------------------------------------------------------
 
-    def _sql(self, sql: str, params: Mapping[str, Param]) -> list[list[Any]]:
+    def _sql(self, sql: str, params: Mapping[str, Param], at: int | None = None
+             ) -> list[list[Any]]:
         def once() -> list[list[Any]]:
             responses = self.transport.execute_streaming_sql(
-                sql, params, priority=self.priority, timeout=self.call_timeout
+                sql, params, priority=self.priority, timeout=self.call_timeout, read_at=at
             )
             return [row for _, row in assemble_rows(responses)]
 
@@ -215,8 +223,9 @@ class Reader:
         schema, _, name = table.rpartition(".")
         return schema or ("public" if self.dialect() == "POSTGRESQL" else ""), name
 
-    def table_columns(self, table: str) -> TableColumns:
-        """The table's columns, primary key and generated columns from information_schema.
+    def table_columns(self, table: str, at: int | None = None) -> TableColumns:
+        """The table's columns, primary key and generated columns from information_schema:
+        now, or as they were at ``at`` (ns; a stale read sees the schema of its time).
 
         Raises ConfigurationError when the table does not exist."""
         postgres = self.dialect() == "POSTGRESQL"
@@ -228,11 +237,11 @@ class Reader:
         params: dict[str, Param] = {"p1": ("STRING", schema), "p2": ("STRING", name)}
         columns = self._sql(
             f"SELECT column_name, is_generated FROM information_schema.columns WHERE {where} "
-            "ORDER BY ordinal_position", params,
+            "ORDER BY ordinal_position", params, at,
         )
         key = self._sql(
             f"SELECT column_name FROM information_schema.index_columns WHERE {where} "
-            "AND index_name = 'PRIMARY_KEY' ORDER BY ordinal_position", params,
+            "AND index_name = 'PRIMARY_KEY' ORDER BY ordinal_position", params, at,
         )
         if not columns or not key:
             msg = (

@@ -52,7 +52,7 @@ from typing import Any
 import attrs
 
 from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import ConfigurationError
+from cdcflow.errors import ConfigurationError, MissingColumnError
 from cdcflow.model import ColumnType, DataChangeRecord
 from cdcflow.spanner._lookup_read import PRIORITIES, Reader, StreamColumns, cached_reader
 from cdcflow.spanner._lookup_rows import (
@@ -199,9 +199,12 @@ class _LookupFn(DoFn[DataChangeRecord, DataChangeRecord]):
         needed = keys_to_read(records, info.key, values)
         base: dict[Key, Row] = {}
         if needed or any(c not in types for c in selected):
-            rows, read_types = reader.read_at(
-                table, selected, needed, records[0].commit_timestamp.ns, "bundle"
-            )
+            try:
+                rows, read_types = reader.read_at(
+                    table, selected, needed, records[0].commit_timestamp.ns, "bundle"
+                )
+            except MissingColumnError:  # the table had fewer columns then (ALTER TABLE)
+                return self._read_each(reader, table, info, selected, records)
             types.update(read_types)
             base = self._rows(info, selected, rows, types, typed=self.typed)
         out: list[DataChangeRecord | None] = []
@@ -238,17 +241,25 @@ class _LookupFn(DoFn[DataChangeRecord, DataChangeRecord]):
             if record.mod_type != "DELETE":
                 keys = groups.setdefault(record.commit_timestamp.ns, set())
                 keys.update(key_tuple(m.keys, info.key) for m in record.mods)
-        found: dict[int, tuple[dict[Key, Row], dict[str, Any]]] = {}
+        found: dict[int, tuple[TableColumns, tuple[str, ...], dict[Key, Row], dict[str, Any]]] = {}
         for ns, keys in groups.items():
-            read, types = reader.read_at(table, selected, sorted(keys, key=repr), ns, "commit")
-            found[ns] = (self._rows(info, selected, read, types, typed=False), types)
+            at, columns = info, tuple(selected)
+            try:
+                read, types = reader.read_at(table, columns, sorted(keys, key=repr), ns, "commit")
+            except MissingColumnError:
+                # A column added since: read the columns the table had then (its rows then
+                # had no such column, so they come out without it).
+                at = reader.table_columns(table, ns)
+                columns = tuple(c for c in selected if c in at.columns)
+                read, types = reader.read_at(table, columns, sorted(keys, key=repr), ns, "commit")
+            found[ns] = (at, columns, self._rows(at, columns, read, types, typed=False), types)
         out = []
         for record in records:
             if record.mod_type == "DELETE":
                 out.append(record)
                 continue
-            rows, types = found[record.commit_timestamp.ns]
-            result = looked_up(record, info, selected, rows, types)
+            at, columns, rows, types = found[record.commit_timestamp.ns]
+            result = looked_up(record, at, columns, rows, types)
             if self.typed:
                 # The stream's records hold typed values (the reader's default): so do these.
                 convert = decoders(result.column_types)

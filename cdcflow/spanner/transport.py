@@ -207,11 +207,12 @@ class GrpcTransport:
 
     def execute_streaming_sql(
         self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
-        idle: float | None = None,
+        idle: float | None = None, read_at: int | None = None,
     ) -> Iterator[Any]:
+        """The query's partial result sets: a strong read, or one as of ``read_at`` (ns)."""
         api = self._spanner_api()
         self._connection.deadline(timeout)
-        request = _request(self.session(), sql, params, priority)
+        request = _request(self.session(), sql, params, priority, read_at)
         try:
             yield from self._stream(api, request, timeout, idle)
         except Exception as exc:
@@ -322,7 +323,9 @@ def _stalled(idle: float | None) -> Exception:
     return DeadlineExceeded(message)  # type: ignore[no-untyped-call]
 
 
-def _request(session: str, sql: str, params: Mapping[str, Param], priority: str) -> Any:
+def _request(session: str, sql: str, params: Mapping[str, Param], priority: str,
+             read_at: int | None = None) -> Any:
+    """A single-use read-only query: strong, or as of ``read_at`` (ns since the epoch)."""
     from google.cloud.spanner_v1.types import ExecuteSqlRequest, RequestOptions, Type
     from google.protobuf.struct_pb2 import NULL_VALUE, Struct
 
@@ -334,12 +337,16 @@ def _request(session: str, sql: str, params: Mapping[str, Param], priority: str)
         else:
             struct.fields[name].string_value = value
         types[name] = Type(code=code)
+    bound: dict[str, Any] = {"strong": True}
+    if read_at is not None:
+        seconds, nanos = divmod(read_at, 1_000_000_000)
+        bound = {"read_timestamp": {"seconds": seconds, "nanos": nanos}}
     return ExecuteSqlRequest(
         session=session,
         sql=sql,
         params=struct,
         param_types=types,
-        transaction={"single_use": {"read_only": {"strong": True}}},
+        transaction={"single_use": {"read_only": bound}},
         request_options=RequestOptions(priority=_PRIORITIES[priority]),
     )
 
