@@ -265,6 +265,9 @@ _log = logging.getLogger("cdcflow.sinks")
 PERMANENT_TRIES = 8
 #: While uploads fail, a warning at the first failure and then every this many seconds.
 WARN_EVERY = 30.0
+#: An upload that has not finished after this many seconds is named in a warning (then
+#: every WARN_EVERY seconds while it lasts): a storage that does not answer fails no call.
+SLOW_UPLOAD = 15.0
 
 
 def storage_cause(exc: BaseException) -> BaseException:
@@ -285,7 +288,9 @@ class Uploader:
     ``put(cut)`` uploads one file and raises SinkIOError (or one of :func:`storage_errors`)
     on a storage failure: the cut stays at the head of the queue and is retried with
     backoff, and ``error`` says why until it succeeds; a warning names the failure at once
-    and every :data:`WARN_EVERY` seconds while it lasts, and an INFO line the recovery. A
+    and every :data:`WARN_EVERY` seconds while it lasts, and an INFO line the recovery; an
+    upload that has not finished after :data:`SLOW_UPLOAD` seconds (a storage that does not
+    answer: no call fails) is named the same way, by a watch thread. A
     failure no retry mends (a missing bucket, a refused permission) stops the thread after
     :data:`PERMANENT_TRIES` tries in a row, as a SinkError naming ``where``. ``done(cut)``
     runs after each upload, outside the lock (the thread stays busy until it returns); a
@@ -310,6 +315,7 @@ class Uploader:
         self._fatal: BaseException | None = None
         self._stop = False
         self._active = False  # a cut is being uploaded (or its `done` is running)
+        self._began = 0.0  # monotonic time the upload in progress began
         self._thread: threading.Thread | None = None
 
     def submit(self, cut: Cut) -> None:
@@ -323,6 +329,8 @@ class Uploader:
                 self._thread = threading.Thread(target=self._run, name="cdcflow-uploads",
                                                 daemon=True)
                 self._thread.start()
+                threading.Thread(target=self._watch, name="cdcflow-uploads-watch",
+                                 daemon=True).start()
             self.lock.notify_all()
 
     def spill(self, directory: str, target: int) -> None:
@@ -370,7 +378,7 @@ class Uploader:
                     return
                 cut = self.queue[0]
                 self._active = True
-            began = time.monotonic()
+                self._began = began = time.monotonic()
             try:
                 self._put(cut)
             except storage_errors(SinkIOError) as exc:
@@ -443,6 +451,22 @@ class Uploader:
                 self.lock.wait(backoff)
         return min(backoff * 2, 5.0)
 
+    def running_for(self) -> float:
+        """Seconds the upload in progress has run (0 when none); call holding ``lock``."""
+        return time.monotonic() - self._began if self._active else 0.0
+
+    def _watch(self) -> None:
+        """Name an upload that does not finish (see the class docstring)."""
+        with self.lock:
+            while not self._stop and self._fatal is None:
+                self.lock.wait(1.0)
+                took, now = self.running_for(), time.monotonic()
+                if took >= SLOW_UPLOAD and now - self._warned >= WARN_EVERY:
+                    self._warned = now
+                    _log.warning("WriteTables: an upload to %s has not finished in %.0f s (does "
+                                 "the storage answer?); %d file(s) wait: they are not durable "
+                                 "until they are uploaded", self.where, took, len(self.queue))
+
     def _die(self, exc: BaseException) -> None:
         with self.lock:
             self._fatal = exc
@@ -461,4 +485,4 @@ class Uploader:
         if self._thread is not None:
             # an upload hanging on a storage that does not answer is abandoned (it is not
             # durable: the next run writes its rows again)
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=2)

@@ -100,6 +100,9 @@ _log = logging.getLogger("cdcflow.sinks")
 #: The longest a commit waits for uploads to drain a full spool before it raises
 #: SinkIOError (the engine retries the batch, which waits again).
 FULL_SPOOL_WAIT = 600.0
+#: Once the run is asked to stop, the longest its end waits for an upload that does not
+#: finish (the storage does not answer) before giving the uploads up.
+STOP_PATIENCE = 5.0
 
 
 def _never() -> bool:
@@ -770,7 +773,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def flush(self) -> None:
         """Write every open file and wait for the uploads (the run ends gracefully). When
         the run was asked to stop (a signal), failing uploads are not waited for: raises
-        SinkIOError once they failed twice in a row (the next run writes the rows again)."""
+        SinkIOError once they failed twice in a row, or an upload has not finished after
+        :data:`STOP_PATIENCE` seconds (a storage that does not answer fails no call); the
+        next run writes the rows again."""
         self._cut(list(self._open), self._staged_through, "flush")
         uploads = self._queue()
         with uploads.lock:
@@ -780,11 +785,13 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                       self.url)
 
         def given_up() -> bool:
-            return self._stopping() and uploads.error is not None and uploads.failures >= 2
+            failing = uploads.error is not None and uploads.failures >= 2
+            return self._stopping() and (failing or uploads.running_for() > STOP_PATIENCE)
 
         uploads.wait(lambda: (not uploads.queue and not uploads.busy()) or given_up())
         if uploads.queue or uploads.busy():
-            cause = None if uploads.error is None else storage_cause(uploads.error)
+            cause = ("no answer" if uploads.error is None
+                     else storage_cause(uploads.error))
             msg = (f"WriteTables: the run was asked to stop while uploads to {self.url} fail "
                    f"({cause}); {len(uploads.queue)} file(s) not durable")
             raise SinkIOError(msg)

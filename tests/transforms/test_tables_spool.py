@@ -38,6 +38,8 @@ class SlowMemory(MemoryFileSystem):
     protocol = "slowmem"
     failing = False
     uploads = 0
+    answering = threading.Event()  # cleared: uploads hang (a storage that does not answer)
+    answering.set()
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
@@ -53,6 +55,7 @@ class SlowMemory(MemoryFileSystem):
 
     def _slow(self) -> None:
         time.sleep(LATENCY)
+        SlowMemory.answering.wait(60)
         if SlowMemory.failing:
             msg = "injected: the store is down"
             raise OSError(msg)
@@ -509,3 +512,47 @@ def test_a_run_asked_to_stop_does_not_wait_for_failing_uploads(root: str) -> Non
         SlowMemory.failing = False
         sink.close()
     assert _ids(root) == []  # nothing of batch 1 in storage: the next run writes it
+
+
+def test_a_run_asked_to_stop_does_not_wait_for_uploads_that_get_no_answer(
+    root: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A storage that does not answer (a stopped server) fails no call: the hanging upload
+    is named in a warning, and once the run is asked to stop its end gives it up after
+    STOP_PATIENCE (it waited for the storage's own timeouts, minutes)."""
+    from cdcflow.transforms import _tablespool as spool
+    from cdcflow.transforms import tables
+
+    monkeypatch.setattr(spool, "SLOW_UPLOAD", 0.5)
+    monkeypatch.setattr(tables, "STOP_PATIENCE", 1.0)
+    stopping = threading.Event()
+    sink = WriteTables(f"slowmem://{root}", flush_interval="1h")
+    sink.setup(SinkContext("p", "WriteTables", "/", stopping=stopping.is_set))
+    _commit(sink, 1, _records(1, 60, tables=1))
+    SlowMemory.answering.clear()
+    try:
+        raised: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                sink.flush()
+            except SinkIOError as exc:
+                raised.append(exc)
+
+        with caplog.at_level(logging.WARNING, logger="cdcflow.sinks"):
+            flushed = threading.Thread(target=flush, daemon=True)
+            flushed.start()
+            flushed.join(2.0)
+            assert flushed.is_alive()  # no stop asked: it waits for the storage
+            assert any("an upload to slowmem://" in r.getMessage()
+                       and "has not finished in" in r.getMessage() for r in caplog.records)
+            began = time.monotonic()
+            stopping.set()
+            flushed.join(5.0)
+            assert not flushed.is_alive() and time.monotonic() - began < 3.0
+        (error,) = raised
+        assert re.search(r"asked to stop while uploads to slowmem://.* fail \(no answer\); "
+                         r"1 file\(s\) not durable", str(error))
+    finally:
+        SlowMemory.answering.set()
+        sink.close()
