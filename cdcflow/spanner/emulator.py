@@ -28,6 +28,7 @@ from cdcflow.errors import CdcflowError, ConfigurationError, EmulatorNotFoundErr
 __all__ = [
     "Emulator",
     "EmulatorNotFoundError",
+    "check_port_free",
     "emulator_client",
     "find_emulator_binary",
     "free_port",
@@ -111,6 +112,20 @@ def free_port() -> int:
         return port
 
 
+def check_port_free(port: int) -> None:
+    """Raise ConfigurationError unless ``port`` can be bound on 127.0.0.1: the emulator
+    would fail to bind it and exit, or (another emulator: gRPC reuses ports) share it,
+    each client then reaching one or the other at random."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed port's TIME_WAIT
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            msg = (f"port {port} on 127.0.0.1 is taken ({e.strerror}); choose another port "
+                   "(or none: a free one is chosen), or stop what listens there")
+            raise ConfigurationError(msg) from None
+
+
 def emulator_client(host: str, project: str = "test-project") -> Any:
     """A google-cloud-spanner Client talking to the emulator at ``host`` (``127.0.0.1:PORT``)."""
     from google.auth.credentials import AnonymousCredentials
@@ -174,6 +189,8 @@ class Emulator:
         """Start the process and wait until it answers. A process that exits at start (its
         port was taken meanwhile, or the binary aborted) is started again, up to
         ``attempts`` times in all, on a new free port unless the port was given."""
+        if not self._own_port:
+            check_port_free(self.port)
         attempt = 1
         while True:
             self._spawn()

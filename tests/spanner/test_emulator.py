@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cdcflow.errors import ConfigurationError
 from cdcflow.spanner.emulator import (
     Emulator,
     EmulatorNotFoundError,
@@ -139,3 +140,14 @@ def test_an_emulator_ends_with_the_process_that_started_it(tmp_path: Path) -> No
     while time.monotonic() < deadline and _listening(port):
         time.sleep(0.1)
     assert not _listening(port)
+
+
+def test_a_port_that_is_taken_is_refused_before_the_emulator_starts() -> None:
+    # The emulator would fail to bind it and exit (a listener), or bind it beside another
+    # emulator (gRPC reuses ports): clients would reach either at random.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigurationError, match=f"port {port} on 127.0.0.1 is taken"):
+            Emulator(port=port).start()
