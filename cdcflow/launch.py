@@ -282,6 +282,10 @@ def make_runner(
         except Exception as e:  # a plugin's own failure to start
             msg = f"the {runner} runner could not be made: {type(e).__name__}: {e}"
             raise PluginError(msg) from e
+        if not isinstance(built, Runner):
+            msg = (f"the {runner} runner plugin made {type(built).__name__}, not a Runner "
+                   "(an object with name/open/run_tasks/close); fix the plugin")
+            raise PluginError(msg)
         return built, run_options
     if not isinstance(runner, Runner):
         msg = (

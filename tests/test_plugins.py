@@ -34,10 +34,12 @@ map_as_sink = {_MODULE}:Upper
 [cdcflow.runners]
 raising = {_MODULE}:RaisingRunner
 number = {_MODULE}:NUMBER
+not_a_runner = {_MODULE}:NotARunner
 
 [cdcflow.metadata]
 bare = {_MODULE}:Bare
 raising = {_MODULE}:RaisingStore
+odd = {_MODULE}:OddStore
 """
 
 _SOURCE = """
@@ -77,6 +79,16 @@ class RaisingStore:
     @classmethod
     def from_url(cls, url):
         raise ConnectionError("store host down")
+
+
+class NotARunner:
+    pass
+
+
+class OddStore:
+    @classmethod
+    def from_url(cls, url):
+        return object()
 """
 
 
@@ -185,6 +197,12 @@ def test_runner_and_store_plugins_that_cannot_start_name_the_problem(fake_dist: 
     with pytest.raises(StoreSetupError, match="raising://x could not be opened: "
                                               "ConnectionError: store host down"):
         open_store("raising://x")
+    # what a plugin makes must be what it stands for (else an AttributeError mid-run)
+    with pytest.raises(PluginError, match="not_a_runner runner plugin made NotARunner, not a "
+                                          "Runner"):
+        make_runner("not_a_runner", {})
+    with pytest.raises(PluginError, match=r"returned object, not a MetadataStore"):
+        open_store("odd://x")
 
 
 def test_a_name_two_packages_register_is_refused(fake_dist: Path) -> None:

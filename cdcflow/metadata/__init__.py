@@ -67,4 +67,9 @@ def open_store(url: str) -> MetadataStore:
     except Exception as e:  # the plugin's own failure to open
         msg = f"the metadata store {url} could not be opened: {type(e).__name__}: {e}"
         raise StoreSetupError(msg) from e
+    if not isinstance(store, MetadataStore):
+        msg = (f"the metadata store plugin {scheme!r}: {cls!r}.from_url({url!r}) returned "
+               f"{type(store).__name__}, not a MetadataStore (the methods of "
+               "cdcflow.metadata.base.MetadataStore); fix the plugin")
+        raise PluginError(msg)
     return store
