@@ -618,10 +618,21 @@ def _leave_busy_threads(code: int, grace: float = 2.0) -> None:
         os._exit(code)
 
 
+def _term_as_interrupt() -> None:
+    """SIGTERM ends the command as Ctrl-C does (one line, exit 130) until a run handles it
+    (the engine's graceful stop takes over where this is in place), instead of killing
+    the process with no word (exit 143) while a pipeline loads or a runner starts."""
+    with contextlib.suppress(ValueError):  # not the main thread: signals are not ours
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     own_process = argv is None  # the process's own command line: it may end the process
     argv = list(sys.argv[1:] if argv is None else argv)
+    if own_process:
+        _term_as_interrupt()
     debug = "--debug" in argv or os.environ.get("CDCFLOW_DEBUG", "") not in ("", "0")
     # Known before parsing, so that a usage error is reported in the format asked for.
     log_format = "json" if any(

@@ -806,3 +806,32 @@ def test_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
                            f"metrics port {port} is in use")
     assert_usage_error(cdcflow("run", str(path), "--metrics-port", "http"), "not a port")
     assert_usage_error(cdcflow("run", str(path), "--stuck-after", "soon"), "--stuck-after")
+
+
+SLOW_TO_LOAD = """
+import sys, time
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+print("loading", flush=True)
+time.sleep(20)  # a pipeline module that takes long to import (or a runner that starts slowly)
+pipeline = cf.Pipeline("slow")
+pipeline | cf.DetectPartitions(stream="S", client=ScriptedChangeStream("S")) | cf.Print()
+"""
+
+
+def test_a_sigterm_before_the_run_starts_ends_it_in_one_line(tmp_path: Path) -> None:
+    """A supervisor's SIGTERM while the pipeline loads (or Spark starts: 15-20 s) used to
+    kill the process with no word (exit 143); it ends it as Ctrl-C does."""
+    path = write(tmp_path, SLOW_TO_LOAD)
+    proc = subprocess.Popen([sys.executable, "-m", "cdcflow", "run", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "loading\n"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err

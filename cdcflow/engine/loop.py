@@ -659,9 +659,11 @@ def _handling(
         return
 
     def replaceable(sig: signal.Signals) -> bool:
+        # Python's SIGINT handler is the default one; the CLI's SIGTERM raises the same
+        # KeyboardInterrupt until a run handles it.
         found = signal.getsignal(sig)
-        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-        return found is default or (ours_too and getattr(found, "cdcflow_stop_handler", False))
+        default = found is signal.default_int_handler or found is signal.SIG_DFL
+        return default or (ours_too and getattr(found, "cdcflow_stop_handler", False))
 
     previous = {sig: signal.signal(sig, handler)
                 for sig in (signal.SIGINT, signal.SIGTERM) if replaceable(sig)}
