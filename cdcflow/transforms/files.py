@@ -269,6 +269,10 @@ class WriteFiles(Sink[Any, WrittenFile]):
             msg = (f"WriteFiles cannot create {self.directory}: {exc.strerror or exc}; "
                    "choose a writable path")
             raise SinkSetupError(msg) from exc
+        if not os.access(self.directory, os.W_OK | os.X_OK):  # also a read-only mount
+            msg = (f"WriteFiles cannot write in {self.directory} (a read-only filesystem or "
+                   "no permission); choose a writable path")
+            raise SinkSetupError(msg)
         self._sweep_watermark_temps()
 
     def _sweep_watermark_temps(self) -> None:

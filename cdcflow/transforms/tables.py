@@ -286,6 +286,10 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                 self._fs.makedirs(self._root, exist_ok=True)
         except storage_errors(SinkIOError, ValueError, ImportError) as exc:
             raise self._setup_error(exc) from exc
+        if "file" in _protocols(self._fs) and not os.access(self._root, os.W_OK | os.X_OK):
+            msg = (f"WriteTables cannot write in {self._root} (a read-only filesystem or no "
+                   "permission); choose a writable path")
+            raise SinkSetupError(msg)
         # Claimed when first asked for its durable batch (the engine asks right after it has
         # checked the pipeline's sinks against each other): a pipeline refused at start
         # leaves no claim behind.

@@ -30,6 +30,7 @@ from cdcflow.model import HeartbeatRecord, Timestamp
 from cdcflow.transforms.base import Sink, SinkContext, WriterContext
 from cdcflow.transforms.files import _label_scope
 from cdcflow.transforms.sinks import WriteFiles, WrittenFile
+from cdcflow.transforms.tables import WriteTables
 
 
 def _wctx(
@@ -429,6 +430,30 @@ def test_a_directory_that_cannot_be_made_is_a_setup_error(tmp_path: Path) -> Non
     with pytest.raises(SinkSetupError, match=r"WriteFiles cannot create .*afile/out: Not a "
                                              r"directory; choose a writable path"):
         sink.setup(SinkContext(pipeline="p", sink_label="out", base_dir=str(tmp_path)))
+
+
+def test_a_directory_it_cannot_write_in_is_a_setup_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An existing directory on a read-only mount (or without permission) is refused at
+    setup (exit 2), not at the first commit as a storage failure (exit 1)."""
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    if os.access(out, os.W_OK):  # root: permissions do not stop it (a read-only mount would)
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, *a, **kw: (
+            os.fspath(p) != str(out) and real(p, mode, *a, **kw)))
+    try:
+        with pytest.raises(SinkSetupError, match=r"WriteFiles cannot write in .*/ro \(a "
+                                                 r"read-only filesystem or no permission\)"):
+            WriteFiles(out).setup(SinkContext(pipeline="p", sink_label="out",
+                                              base_dir=str(tmp_path)))
+        with pytest.raises(SinkSetupError, match=r"WriteTables cannot write in .*/ro"):
+            WriteTables(str(out)).setup(SinkContext(pipeline="p", sink_label="t",
+                                                    base_dir=str(tmp_path)))
+    finally:
+        out.chmod(0o755)
 
 
 def test_output_location_needs_setup_for_a_relative_path() -> None:
