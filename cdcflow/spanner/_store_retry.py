@@ -162,8 +162,11 @@ class StoreRetries:
                 return
             self._warned_at = now
         cause = exc.error if isinstance(exc, schema.BrokenCall) else exc
-        deadline = policy.deadline
-        _log.warning("the Spanner store %s: %s failed (%s: %.200s); retrying%s", self.url,
-                     what, status_name(cause) or type(cause).__name__,
-                     " ".join(_text(exc).split()),
-                     f" for up to {deadline:.0f}s" if deadline is not None else "")
+        # What bounds the retries: a failure that comes at once (a refused connection) runs
+        # out of attempts long before the deadline.
+        bounds = [f"{policy.attempts} attempts"]
+        if policy.deadline is not None:
+            bounds.append(f"{policy.deadline:.0f}s")
+        _log.warning("the Spanner store %s: %s failed (%s: %.200s); retrying (at most %s)",
+                     self.url, what, status_name(cause) or type(cause).__name__,
+                     " ".join(_text(exc).split()), " or ".join(bounds))

@@ -176,8 +176,8 @@ def test_an_outage_is_logged_at_once_then_every_30s_and_its_end_once(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1  # 20 failures within 30 s: one warning
     assert warnings[0].startswith(f"the Spanner store {started.url}: committing the batch "
-                                  "failed (UNAVAILABLE: connection reset); retrying for up to "
-                                  "120s")
+                                  "failed (UNAVAILABLE: connection reset); retrying (at most "
+                                  "50 attempts or 120s)")
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert infos == [f"the Spanner store {started.url} answers again"]
 
