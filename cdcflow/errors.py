@@ -26,6 +26,7 @@ __all__ = [
     "LeaseExpiredError",
     "LeaseHeldError",
     "LostProgressError",
+    "MissingColumnError",
     "OutputConflictError",
     "PipelineDefinitionError",
     "PipelineFileError",
@@ -37,6 +38,7 @@ __all__ = [
     "SinkIOError",
     "SinkSetupError",
     "SparkTaskError",
+    "StartTooEarlyError",
     "StoreError",
     "StoreSetupError",
     "StoreURLError",
@@ -124,6 +126,12 @@ class LostProgressError(UserInputError):
 
 class ChangeStreamError(CdcflowError):
     """Reading the change stream failed for a reason that retrying will not fix."""
+
+
+class StartTooEarlyError(ChangeStreamError, UserInputError):
+    """The start of a read is before what the change stream holds (before its creation, or
+    past its retention period): bad input (exit 2), fixed by a later ``start_at`` or a
+    reset."""
 
 
 class MissingColumnError(ChangeStreamError):

@@ -6,7 +6,12 @@ from __future__ import annotations
 import os
 import re
 
-from cdcflow.errors import ChangeStreamError, ConfigurationError, StreamNotFoundError
+from cdcflow.errors import (
+    ChangeStreamError,
+    ConfigurationError,
+    StartTooEarlyError,
+    StreamNotFoundError,
+)
 from cdcflow.model import Timestamp
 from cdcflow.spanner.retry import status_name
 from cdcflow.stream import ChangeStreamQuery
@@ -67,7 +72,7 @@ def translate(exc: Exception, database: str, query: ChangeStreamQuery | None) ->
             f"stream's retention_period; reset the pipeline if its stored position is too "
             f"old ({text})"
         )
-        return ChangeStreamError(msg)
+        return StartTooEarlyError(msg)
     if "partition_token is invalid" in text:
         msg = (
             f"partition token does not belong to change stream {stream!r}: the stored "

@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 from google.api_core import exceptions as gexc
 
-from cdcflow.errors import ChangeStreamError, StreamNotFoundError, TransientError
+from cdcflow.errors import (
+    ChangeStreamError,
+    StreamNotFoundError,
+    TransientError,
+    UserInputError,
+)
 from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     ChangeRecord,
@@ -356,8 +361,9 @@ def test_start_before_retention(
     now = Timestamp.now().ns
     long_ago = now - 3 * 86_400 * 10**9
     before = r"is before what change stream .OrdersStream. holds .*start later .start_at=.now."
-    with pytest.raises(ChangeStreamError, match=before):
+    with pytest.raises(ChangeStreamError, match=before) as err:
         list(client.read(ChangeStreamQuery("OrdersStream", None, long_ago, now)))
+    assert isinstance(err.value, UserInputError)  # bad input: the CLI exits 2
 
 
 def test_foreign_partition_token(
