@@ -136,7 +136,7 @@ def runner_factory(name: str) -> RunnerFactory:
 # -- options -----------------------------------------------------------------------------
 
 
-def _classify(hint: Any, default: Any, *, durations: bool) -> tuple[OptionKind, bool]:
+def _classify(hint: Any, default: Any) -> tuple[OptionKind, bool]:
     """(kind, optional) of a type hint; falls back to the default's type without one."""
     if hint is None:
         if default is None or default is inspect.Parameter.empty:
@@ -152,8 +152,9 @@ def _classify(hint: Any, default: Any, *, durations: bool) -> tuple[OptionKind, 
     elif members == {int}:
         kind = "int"
     elif members and members <= {int, float}:
-        # RunOptions says "durations are seconds": its float fields are all durations.
-        kind = "duration" if durations else "float"
+        # Durations are seconds: the float options of RunOptions and of the runners (a
+        # runner's stop_grace) are all durations, given as "10s" or 10.
+        kind = "duration"
     elif members == {str}:
         kind = "text"
     return kind, optional
@@ -174,7 +175,7 @@ def option_specs(factory: RunnerFactory | None) -> dict[str, OptionSpec]:
     specs: dict[str, OptionSpec] = {}
     hints = _hints(RunOptions)
     for field in attrs.fields(RunOptions):
-        kind, optional = _classify(hints.get(field.name), field.default, durations=True)
+        kind, optional = _classify(hints.get(field.name), field.default)
         kind = field.metadata.get("kind", kind)
         specs[field.name] = OptionSpec(field.name, kind, optional, "run")
     if factory is None:
@@ -188,7 +189,7 @@ def option_specs(factory: RunnerFactory | None) -> dict[str, OptionSpec]:
     for name, p in params.items():
         if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or name in specs:
             continue
-        kind, optional = _classify(hints.get(name), p.default, durations=False)
+        kind, optional = _classify(hints.get(name), p.default)
         specs[name] = OptionSpec(name, kind, optional, "runner")
     return specs
 

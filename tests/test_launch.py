@@ -139,6 +139,9 @@ def test_option_specs_come_from_run_options_and_the_runner_signature() -> None:
     assert specs["workers"] == OptionSpec("workers", "int", True, "runner")
     spark = option_specs(runner_factory("spark"))
     assert spark["master"] == OptionSpec("master", "text", True, "runner")
+    # a runner's float options are seconds, as RunOptions' are: "10s" or 10
+    assert spark["stop_grace"] == OptionSpec("stop_grace", "duration", False, "runner")
+    assert coerce_option(spark["stop_grace"], "2s") == 2.0
     assert spark["conf"].kind == "any"
     assert "workers" not in spark
     assert set(option_specs(None)) == {f.name for f in attrs.fields(RunOptions)}

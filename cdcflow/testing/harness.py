@@ -46,6 +46,10 @@ def run(pipeline: Dag, *, listener: EngineListener | None = None, **options: Any
     clock until it passes ``end_at``, in many small batches; a ScriptedChangeStream scripted
     in the past runs as fast as it reads.
     """
+    if not isinstance(pipeline, Dag):
+        msg = (f"cdcflow.testing.run takes a Pipeline, got {type(pipeline).__name__} "
+               f"{pipeline!r}: pass the cf.Pipeline your steps were added to")
+        raise UserInputError(msg)
     fixed = [key for key in _FIXED if key in options]
     if fixed:
         msg = (
