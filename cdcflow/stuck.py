@@ -181,11 +181,15 @@ class StuckDetector:
     def seed(self, positions: Iterable[tuple[str, int]], now_ns: int) -> None:
         """Start watching partitions not observed yet, at these (token, watermark) positions:
         the slices of a batch planned before any commit (a run whose first batch hangs has
-        no stored partitions to observe). Their heartbeat is taken as the largest known."""
+        no stored partitions to observe). Their heartbeat is taken as the largest known. A
+        partition watched since it was CREATED is RUNNING once a batch reads it."""
         with self._lock:
             heartbeat = max((t.heartbeat_millis for t in self._tracks.values()), default=1000)
             for token, watermark in positions:
-                if token not in self._tracks and not is_snapshot_token(token):
+                track = self._tracks.get(token)
+                if track is not None and track.state == PartitionState.CREATED:
+                    track.state = PartitionState.RUNNING
+                if track is None and not is_snapshot_token(token):
                     self._tracks[token] = _Track(
                         watermark, now_ns, PartitionState.RUNNING, heartbeat
                     )

@@ -198,3 +198,18 @@ def test_no_partition_is_stuck_while_the_final_flush_waits(
                            duration="1s", idle_read_interval=0)
     assert summary.reason == "duration"
     assert not [r.getMessage() for r in caplog.records if "has not advanced" in r.getMessage()]
+
+
+def test_a_created_partition_a_batch_reads_is_reported_as_running(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    watch = StuckWatch(StuckDetector(5), clock=clock)
+    watch.on_start("born", "memory", "memory://")
+    watch.on_partitions([part("child", NOW - S, "CREATED")], clock.t)  # stored as CREATED
+    watch.on_planned(BatchPlan(2, NOW, (Slice("child", NOW - S, NOW),)), False)  # read now
+    clock.t += 6 * S
+    with caplog.at_level(logging.WARNING):
+        (stuck,) = watch.check()
+    assert stuck.state == PartitionState.RUNNING
+    assert "partition child (running) has not advanced" in caplog.text
