@@ -67,6 +67,17 @@ def load_plugin(group: str, name: str) -> Any:
         raise PluginError(msg) from e
 
 
+def _misfit(group: str, obj: Any) -> str | None:
+    """Why ``obj``, loaded from an entry point of ``group``, cannot be what the group holds
+    (None when it can): every group holds something to call (a class or factory), and a
+    metadata store a class with ``from_url``."""
+    if group.endswith(".metadata"):
+        if not callable(getattr(obj, "from_url", None)):
+            return f"{obj!r} has no from_url(url) classmethod"
+        return None
+    return None if callable(obj) else f"{obj!r} is not a class or factory"
+
+
 def list_plugins(load: bool = True) -> list[PluginInfo]:
     """Every registered plugin; with ``load``, each is imported and failures are reported
     in ``error`` (and warned about) instead of raised."""
@@ -81,9 +92,10 @@ def list_plugins(load: bool = True) -> list[PluginInfo]:
                 error = f"{ep.name!r} is also registered as {', '.join(sorted(others))}"
             if load and error is None:
                 try:
-                    ep.load()
+                    error = _misfit(group, ep.load())
                 except Exception as e:
                     error = f"{type(e).__name__}: {e}"
+                if error is not None:
                     warnings.warn(f"cdcflow plugin {ep.name!r} ({ep.value}) is broken: {error}",
                                   stacklevel=2)
             out.append(PluginInfo(group, ep.name, ep.value, dist, error))

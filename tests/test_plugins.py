@@ -6,6 +6,7 @@ tmp_path and puts tmp_path on sys.path, which is how an installed package is fou
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 import warnings
@@ -113,14 +114,22 @@ def test_available_lists_registered_names(fake_dist: Path) -> None:
 
 
 def test_list_plugins_warns_about_a_broken_plugin_instead_of_crashing(fake_dist: Path) -> None:
-    with pytest.warns(UserWarning, match=r"plugin 'broken' .*is broken: ModuleNotFoundError"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         infos = list_plugins()
+    said = [str(w.message) for w in caught]
+    assert any(re.search(r"plugin 'broken' .*is broken: ModuleNotFoundError", s) for s in said)
+    assert any("plugin 'number' (_cdcflow_fake_plugin:NUMBER) is broken" in s for s in said)
     ours = {(i.group, i.name): i for i in infos if i.distribution == "cdcflow-fake-plugin"}
     broken = ours["cdcflow.sinks", "broken"]
     assert broken.error is not None and "_cdcflow_no_such_module" in broken.error
     assert broken.value == "_cdcflow_no_such_module:Nope"
     assert ours["cdcflow.sinks", "lines"].error is None
     assert ours["cdcflow.transforms", "upper"].error is None
+    # what loads but cannot be what its group holds is listed as broken too
+    assert ours["cdcflow.runners", "number"].error == "42 is not a class or factory"
+    assert "has no from_url(url) classmethod" in str(ours["cdcflow.metadata", "bare"].error)
+    assert ours["cdcflow.metadata", "raising"].error is None
 
 
 def test_list_plugins_without_loading_does_not_import(fake_dist: Path) -> None:
