@@ -481,45 +481,15 @@ def test_failing_uploads_are_named_and_a_lasting_failure_stops_them(
     uploads.close()
 
 
-def test_a_run_asked_to_stop_does_not_wait_for_failing_uploads(root: str) -> None:
-    """The run's end waits for the uploads; once the run was asked to stop (a signal),
-    uploads that keep failing are given up: the rows are written again by the next run."""
-    stopping = threading.Event()
-    sink = WriteTables(f"slowmem://{root}", flush_interval="1h")
-    sink.setup(SinkContext("p", "WriteTables", "/", stopping=stopping.is_set))
-    _commit(sink, 1, _records(1, 60, tables=1))
-    SlowMemory.failing = True
-    try:
-        raised: list[BaseException] = []
-
-        def flush() -> None:
-            try:
-                sink.flush()
-            except SinkIOError as exc:
-                raised.append(exc)
-
-        flushed = threading.Thread(target=flush, daemon=True)
-        flushed.start()
-        flushed.join(2.0)
-        assert flushed.is_alive()  # no stop asked: it waits for the storage
-        stopping.set()
-        flushed.join(5.0)
-        assert not flushed.is_alive()
-        (error,) = raised
-        assert re.search(r"asked to stop while uploads to slowmem://.* fail \(injected: the "
-                         r"store is down\); 1 file\(s\) not durable", str(error))
-    finally:
-        SlowMemory.failing = False
-        sink.close()
-    assert _ids(root) == []  # nothing of batch 1 in storage: the next run writes it
-
-
-def test_a_run_asked_to_stop_does_not_wait_for_uploads_that_get_no_answer(
-    root: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("outage", ["failing", "silent"])
+def test_a_run_asked_to_stop_does_not_wait_for_uploads_that_fail_or_get_no_answer(
+    root: str, outage: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A storage that does not answer (a stopped server) fails no call: the hanging upload
-    is named in a warning, and once the run is asked to stop its end gives it up after
-    STOP_PATIENCE (it waited for the storage's own timeouts, minutes)."""
+    """The run's end waits for the uploads; once the run was asked to stop (a signal),
+    uploads that keep failing are given up: the rows are written again by the next run. A
+    storage that does not answer (a stopped server) fails no call: the hanging upload is
+    named in a warning, and a stopping run gives it up after STOP_PATIENCE (it waited for
+    the storage's own timeouts, minutes)."""
     from cdcflow.transforms import _tablespool as spool
     from cdcflow.transforms import tables
 
@@ -529,7 +499,10 @@ def test_a_run_asked_to_stop_does_not_wait_for_uploads_that_get_no_answer(
     sink = WriteTables(f"slowmem://{root}", flush_interval="1h")
     sink.setup(SinkContext("p", "WriteTables", "/", stopping=stopping.is_set))
     _commit(sink, 1, _records(1, 60, tables=1))
-    SlowMemory.answering.clear()
+    if outage == "failing":
+        SlowMemory.failing = True
+    else:
+        SlowMemory.answering.clear()
     try:
         raised: list[BaseException] = []
 
@@ -544,15 +517,21 @@ def test_a_run_asked_to_stop_does_not_wait_for_uploads_that_get_no_answer(
             flushed.start()
             flushed.join(2.0)
             assert flushed.is_alive()  # no stop asked: it waits for the storage
-            assert any("an upload to slowmem://" in r.getMessage()
-                       and "has not finished in" in r.getMessage() for r in caplog.records)
+            said = " ".join(r.getMessage() for r in caplog.records)
+            named = (r"an upload to slowmem://\S+ has not finished in" if outage == "silent"
+                     else r"uploads to slowmem://\S+ fail \(OSError: injected")
+            assert re.search(named, said), said
             began = time.monotonic()
             stopping.set()
             flushed.join(5.0)
             assert not flushed.is_alive() and time.monotonic() - began < 3.0
         (error,) = raised
-        assert re.search(r"asked to stop while uploads to slowmem://.* fail \(no answer\); "
+        cause = r"injected: the store is down" if outage == "failing" else "no answer"
+        assert re.search(rf"asked to stop while uploads to slowmem://.* fail \({cause}\); "
                          r"1 file\(s\) not durable", str(error))
     finally:
+        SlowMemory.failing = False
         SlowMemory.answering.set()
         sink.close()
+    if outage == "failing":
+        assert _ids(root) == []  # nothing of batch 1 in storage: the next run writes it
