@@ -7,9 +7,12 @@ Names in the output directory (``<d>``):
   committed files, one per (batch, partition) that had output. Stable across replays and
   readable; the naming scope ``<d>/<prefix>-*.<format>`` is what
   :meth:`WriteFiles.output_location` returns.
-- ``.<final name>.<label scope>.<sha1 of the task attempt, 16 hex>.tmp``: a task attempt's
-  file until the batch commits. The label scope is the sink's label made file-safe plus a
-  digest of the label, so two sinks never share a temporary name, even in one directory.
+- ``_cdcflow/tmp/<batch id, 10 digits>/.<final name>.<label scope>.<sha1 of the task
+  attempt, 16 hex>.tmp``: a task attempt's file until the batch commits, in a directory of
+  its batch (so a commit looks only at its own batch's temporary files, whatever the
+  output directory holds; the commit removes the directory once it is empty). The label
+  scope is the sink's label made file-safe plus a digest of the label, so two sinks never
+  share a temporary name, even in one directory.
 - ``_cdcflow/<prefix>.<format>/batch-<batch id>.json``: the batch's manifest — the pipeline,
   the sink's label, and per committed file the slice (partition token, slice start, slice
   end) it came from. Keyed by the naming scope, not the label: whoever writes these final
@@ -62,6 +65,7 @@ __all__ = ["WriteFiles", "WrittenFile"]
 
 _FORMATS = ("jsonl", "parquet")
 _MANIFESTS = "_cdcflow"
+_TEMPS = "tmp"  # under _MANIFESTS: a directory per batch of the task attempts' files
 _MANIFEST_VERSION = 1
 _MANIFEST_NAME = re.compile(r"batch-(\d{10,})\.json")
 _OWNER = "owner.json"
@@ -172,7 +176,8 @@ class WriteFiles(Sink[Any, WrittenFile]):
        crash between the two, visible files no manifest claims, which the run's own
        replay could not tell from another run's.
     3. Rename each temporary file to its final name (atomic per file).
-    4. Delete the batch's temporary files left by failed attempts; fsync the directory.
+    4. Delete the batch's temporary files left by failed attempts (and their directory);
+       fsync the directory.
 
     Two WriteFiles sinks may share a directory when their naming scopes
     (``prefix`` and ``format``) differ, e.g. a jsonl and a parquet sink, or a dead-letter
@@ -323,18 +328,32 @@ class WriteFiles(Sink[Any, WrittenFile]):
         final = self.final_name(ctx.batch_id, ctx.partition_token)
         return f".{final}.{_label_scope(ctx.sink_label)}.{_digest(ctx.attempt)}.tmp"
 
+    def _temp_dir(self, batch_id: int) -> str:
+        """Where the task attempts of ``batch_id`` write (see the module docstring)."""
+        return os.path.join(self._dir(), _MANIFESTS, _TEMPS, f"{batch_id:010d}")
+
     def _temps(self, batch_id: int) -> list[str]:
-        """This sink's temporary files of ``batch_id`` (every attempt's, spill files too)."""
+        """This sink's temporary files of ``batch_id`` (every attempt's, spill files too):
+        one listing of the batch's own directory."""
         _, label = self._identity()
         pattern = re.compile(
             re.escape(f".{self.prefix}-{batch_id:010d}-") + "[0-9a-f]{16}"
             + re.escape(f".{self.format}.{_label_scope(label)}.") + r"[0-9a-f]{16}\.tmp"
             + r"(?:\.\d+\.spill)?"  # a Parquet writer's spilled rows
         )
-        directory = self._dir()
+        directory = self._temp_dir(batch_id)
         with storage("list", directory):
             names = _listdir(directory)
         return [os.path.join(directory, n) for n in names if pattern.fullmatch(n)]
+
+    def _drop_temps(self, batch_id: int, known: Sequence[str] = ()) -> None:
+        """Delete the batch's temporary files (``known`` ones and any other attempt's),
+        then its directory once no sink has a file left there."""
+        for temp in {*known, *self._temps(batch_id)}:
+            with storage("delete", temp), contextlib.suppress(FileNotFoundError):
+                os.remove(temp)
+        with contextlib.suppress(OSError):  # another sink's files, or already gone
+            os.rmdir(self._temp_dir(batch_id))
 
     def _manifest_dir(self) -> str:
         return os.path.join(self._dir(), _MANIFESTS, f"{self.prefix}.{self.format}")
@@ -454,7 +473,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
     def open_writer(self, ctx: WriterContext) -> SinkWriter[Any, WrittenFile]:
         directory = self._dir()
         final = os.path.join(directory, self.final_name(ctx.batch_id, ctx.partition_token))
-        temp = os.path.join(directory, self.temp_name(ctx))
+        temp = os.path.join(self._temp_dir(ctx.batch_id), self.temp_name(ctx))
         if self.format == "parquet":
             return ParquetWriter(temp, final, ctx, self.fsync)
         return JsonlWriter(temp, final, ctx, self.fsync)
@@ -484,9 +503,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
             for message in pending:
                 self._rename(batch_id, message)
         # 4. leftovers of failed attempts; durable renames
-        for stray in self._temps(batch_id):
-            with storage("delete", stray), contextlib.suppress(FileNotFoundError):
-                os.remove(stray)
+        self._drop_temps(batch_id)
         if self.fsync and messages:
             with storage("sync", directory):
                 fsync_dir(directory)
@@ -585,11 +602,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
     def abort(self, batch_id: int, messages: Sequence[WrittenFile]) -> None:
         """Delete the batch's temporary files of this sink; committed files and manifests
         are left alone."""
-        temps = {m.temp for m in messages}
-        temps.update(self._temps(batch_id))
-        for temp in temps:
-            with storage("delete", temp), contextlib.suppress(FileNotFoundError):
-                os.remove(temp)
+        self._drop_temps(batch_id, [m.temp for m in messages])
 
     def on_watermark(self, watermark_ns: int) -> None:
         """Atomically write ``_watermark.json``; a smaller value than the last is ignored."""

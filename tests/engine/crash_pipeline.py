@@ -131,7 +131,11 @@ class AheadFiles(WriteFiles):
         staged = f".part-{batch_id + 1:010d}-"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if any(n.startswith(staged) and n.endswith(".tmp") for n in os.listdir(self.path)):
+            try:
+                names = os.listdir(self._temp_dir(batch_id + 1))
+            except FileNotFoundError:
+                names = []
+            if any(n.startswith(staged) and n.endswith(".tmp") for n in names):
                 print("ahead", flush=True)
                 break
             time.sleep(0.001)

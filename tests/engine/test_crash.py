@@ -96,7 +96,9 @@ def test_killed_runs_resume_without_loss_or_duplicates(
         for r in expected
     )
     assert got == want  # nothing lost, nothing repeated
-    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    # no task attempt's file is left, nor the directories of their batches
+    assert not [f for _, _, files in os.walk(out) for f in files if ".tmp" in f]
+    assert not os.listdir(os.path.join(out, "_cdcflow", "tmp"))
 
 
 @pytest.mark.parametrize(

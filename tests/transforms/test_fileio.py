@@ -64,6 +64,13 @@ def _sink(
     return sink
 
 
+def _temps_of(sink: WriteFiles, batch_id: int = 1) -> Path:
+    """The directory where the task attempts of ``batch_id`` write (made)."""
+    temps = Path(sink._temp_dir(batch_id))
+    temps.mkdir(parents=True, exist_ok=True)
+    return temps
+
+
 def _everything(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
@@ -180,10 +187,10 @@ def test_a_parquet_writer_spills_chunks_and_writes_the_same_file(
     writer = spilled_sink.open_writer(_wctx(1, "tok"))
     for row in rows:
         writer.write(row)
-    spills = sorted(p.name for p in (tmp_path / "spilled").glob("*.spill"))
+    spills = sorted(p.name for p in _temps_of(spilled_sink).glob("*.spill"))
     assert len(spills) == 6  # 18 of the 20 rows went to disk, 3 at a time
     spilled = writer.close()
-    assert not list((tmp_path / "spilled").glob("*.spill"))  # close removes them
+    assert not list(_temps_of(spilled_sink).glob("*.spill"))  # close removes them
     spilled_sink.commit(1, [spilled])
     (a,), (b,) = (list((tmp_path / d).glob("part-*.parquet")) for d in ("whole", "spilled"))
     expected = pq.read_table(a)
@@ -210,7 +217,7 @@ def test_a_parquet_writer_spills_by_bytes_as_well_as_by_rows(tmp_path: Path) -> 
         writer.write({"id": i, "text": f"{i}{big}"})
         held.append(writer._columns.bytes)  # type: ignore[attr-defined]
     assert max(held) < SPILL_BYTES + (2 << 20)
-    assert len(list((tmp_path / "big").glob("*.spill"))) == 40 * len(big) // SPILL_BYTES
+    assert len(list(_temps_of(sink).glob("*.spill"))) == 40 * len(big) // SPILL_BYTES
     sink.commit(1, [writer.close()])
     (path,) = (tmp_path / "big").glob("part-*.parquet")
     table = pq.read_table(path)
@@ -242,19 +249,21 @@ def test_spill_files_of_an_aborted_or_crashed_writer_are_swept(
 ) -> None:
     monkeypatch.setattr("cdcflow.transforms._fileio.SPILL_ROWS", 2)
     sink = _sink(tmp_path, format="parquet")
+    temps = _temps_of(sink)
     aborted = sink.open_writer(_wctx(1, "tok", "a1"))
     for row in _rows_in_chunks(5):
         aborted.write(row)
-    assert len(list(tmp_path.glob("*.spill"))) == 2
+    assert len(list(temps.glob("*.spill"))) == 2
     aborted.abort()
-    assert not list(tmp_path.glob("*.spill"))
+    assert not list(temps.glob("*.spill"))
     crashed = sink.open_writer(_wctx(1, "tok", "a2"))  # a task that died mid-slice
     for row in _rows_in_chunks(5):
         crashed.write(row)
-    assert len(list(tmp_path.glob("*.spill"))) == 2
+    assert len(list(temps.glob("*.spill"))) == 2
     retried = _run_task(sink, 1, "tok", _rows_in_chunks(5), "a3")
     sink.commit(1, [retried])
-    assert not list(tmp_path.glob(".*"))  # the commit swept every attempt's leftovers
+    # the commit swept every attempt's leftovers, and their batch's directory
+    assert not temps.exists() and not list(tmp_path.glob(".*"))
     assert len(pq.read_table(next(tmp_path.glob("part-*.parquet")))) == 5
 
 
@@ -296,7 +305,8 @@ needs_dev_full = pytest.mark.skipif(not os.path.exists(_FULL), reason="needs Lin
 def test_a_full_disk_under_a_jsonl_writer_is_a_sink_io_error(tmp_path: Path) -> None:
     sink = _sink(tmp_path)
     ctx = _wctx(1, "tok")
-    os.symlink(_FULL, tmp_path / sink.temp_name(ctx))
+    temps = _temps_of(sink)
+    os.symlink(_FULL, temps / sink.temp_name(ctx))
     writer = sink.open_writer(ctx)
     writer.write({"id": 1})  # buffered: the disk is hit when the file is flushed
     with pytest.raises(SinkIOError, match=r"No space left on device.*retried with backoff") as info:
@@ -306,7 +316,7 @@ def test_a_full_disk_under_a_jsonl_writer_is_a_sink_io_error(tmp_path: Path) -> 
     # a write large enough to reach the disk fails at once, and the writer stays failed, so a
     # retry of the element cannot commit a file with a torn line
     ctx = _wctx(1, "tok", "second")
-    os.symlink(_FULL, tmp_path / sink.temp_name(ctx))
+    os.symlink(_FULL, temps / sink.temp_name(ctx))
     writer = sink.open_writer(ctx)
     with pytest.raises(SinkIOError, match="No space left"):
         writer.write({"blob": "x" * 1_000_000})
@@ -315,14 +325,14 @@ def test_a_full_disk_under_a_jsonl_writer_is_a_sink_io_error(tmp_path: Path) -> 
     with pytest.raises(SinkIOError, match="No space left"):
         writer.close()
     writer.abort()
-    assert not os.path.lexists(tmp_path / sink.temp_name(ctx))
+    assert not os.path.lexists(temps / sink.temp_name(ctx))
 
 
 @needs_dev_full
 def test_a_full_disk_under_a_parquet_writer_is_a_sink_io_error(tmp_path: Path) -> None:
     sink = _sink(tmp_path, format="parquet")
     ctx = _wctx(1, "tok")
-    os.symlink(_FULL, tmp_path / sink.temp_name(ctx))
+    os.symlink(_FULL, _temps_of(sink) / sink.temp_name(ctx))
     writer = sink.open_writer(ctx)
     writer.write({"id": 1, "payload": "x" * 100_000})
     with pytest.raises(SinkIOError, match=r"No space left on device.*retried with backoff"):
@@ -362,3 +372,28 @@ def test_a_read_only_directory_is_a_sink_io_error(tmp_path: Path) -> None:
             sink.commit(1, [message])
     finally:
         out.chmod(0o700)
+
+
+def test_a_commit_does_not_list_the_output_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit looks for failed attempts' files in its batch's own directory only: listing
+    the output directory made every commit cost more as output piled up (127 ms a commit
+    beside 260,000 files, 1.9 ms in an empty directory)."""
+    from cdcflow.transforms import files
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in range(200):  # output of earlier batches, or anything else
+        (out / f"part-{i:010d}-0000000000000000.jsonl").write_text("")
+    sink = _sink(out)
+    sink.last_committed_batch()  # what the engine asks at start (lists it, once)
+    listed: list[str] = []
+    real = files._listdir
+    monkeypatch.setattr(files, "_listdir", lambda d: listed.append(d) or real(d))
+    for batch in range(201, 204):
+        sink.commit(batch, [_run_task(sink, batch, "tok", [{"id": batch}], "a")])
+        sink.abort(batch + 100, [])
+    assert listed and str(out) not in listed
+    assert all(d.startswith(str(out / "_cdcflow" / "tmp")) for d in listed), listed
+    assert not (out / "_cdcflow" / "tmp").exists() or not os.listdir(out / "_cdcflow" / "tmp")
