@@ -34,6 +34,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -57,6 +58,7 @@ from cdcflow.errors import (
 )
 from cdcflow.logformat import WORKER_LOG_ENV, configure_worker_logging
 from cdcflow.model import Timestamp
+from cdcflow.processes import process_alive
 from cdcflow.spark._quiet import quiet_jvm_death
 
 __all__ = [
@@ -283,6 +285,23 @@ def _cause_text(exc: BaseException) -> str:
 _JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
 
 
+#: The runner's own directory under the system's temporary one (its log4j2 settings), named
+#: after the driver's process id: a driver that was killed leaves it, and the next start
+#: on this host removes it.
+_LOG_DIR_PREFIX = "cdcflow-spark-"
+_LOG_DIR = re.compile(re.escape(_LOG_DIR_PREFIX) + r"(\d+)-[A-Za-z0-9_]+")
+
+
+def _sweep_log_dirs() -> None:
+    """Remove the runner directories that drivers no longer alive left behind."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            m = _LOG_DIR.fullmatch(name)
+            if m is not None and not process_alive(int(m.group(1))):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 class SparkRunner:
     """Runs each batch as one Spark job.
 
@@ -419,7 +438,8 @@ class SparkRunner:
 
     def _quiet_log_config(self) -> str:
         if self._log_dir is None:
-            self._log_dir = tempfile.TemporaryDirectory(prefix="cdcflow-spark-")
+            _sweep_log_dirs()
+            self._log_dir = tempfile.TemporaryDirectory(prefix=f"{_LOG_DIR_PREFIX}{os.getpid()}-")
         path = os.path.join(self._log_dir.name, "log4j2.properties")
         with open(path, "w", encoding="utf-8") as f:
             f.write(_QUIET_LOG4J2)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -622,3 +624,22 @@ def test_one_sigterm_cancels_a_spark_batch_whose_consume_calls_are_being_retried
                             env={k: v for k, v in os.environ.items() if k != "DOWN"})
     assert second.returncode == 0, second.stderr
     assert sorted(calls.read_text().split()) == ["0", "1", "2", "3", "4"]
+
+
+def test_a_killed_drivers_runner_directory_is_removed_by_the_next_start() -> None:
+    from cdcflow.spark.runner import _sweep_log_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    root = Path(tempfile.gettempdir())
+    dead = root / f"cdcflow-spark-{gone.pid}-abc123"
+    live = root / f"cdcflow-spark-{os.getpid()}-def456"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "log4j2.properties").write_text("")
+    try:
+        _sweep_log_dirs()
+        assert not dead.exists() and live.exists()
+    finally:
+        shutil.rmtree(dead, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
