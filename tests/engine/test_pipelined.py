@@ -216,8 +216,17 @@ def wait_for_staged(directory: Path, batch_id: int) -> None:
 
 
 def staged(directory: Path, batch_id: int) -> list[str]:
-    return [n for n in os.listdir(directory)
-            if n.startswith(f".part-{batch_id:010d}-") and n.endswith(".tmp")]
+    """The task attempts' files of ``batch_id`` (in the directory of its batch)."""
+    try:
+        names = os.listdir(directory / "_cdcflow" / "tmp" / f"{batch_id:010d}")
+    except FileNotFoundError:
+        return []
+    return [n for n in names if n.startswith(f".part-{batch_id:010d}-") and n.endswith(".tmp")]
+
+
+def temps_left(directory: Path) -> list[str]:
+    """Every task attempt's file left anywhere under ``directory``."""
+    return [f for _, _, names in os.walk(directory) for f in names if ".tmp" in f]
 
 
 def files(directory: Path) -> dict[str, bytes]:
@@ -242,7 +251,7 @@ def test_a_failed_sink_commit_drops_the_batch_read_ahead(
     summary = run(runner, pipeline(s, FailingFiles(out, 0, SinkError("unused"))), store)
     assert summary.reason == "end reached"
     assert files(out) == files(clean)
-    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    assert not temps_left(out)
     store.close()
 
 
@@ -256,7 +265,7 @@ def test_a_transient_sink_failure_retries_the_batch_after_dropping_the_next(
     summary = run(runner, pipeline(s, failing), batch_retries=1, retry_backoff=0.0)
     assert summary.reason == "end reached"
     assert files(out) == files(clean)
-    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    assert not temps_left(out)
 
 
 class StopDuring(EngineListener):
