@@ -283,11 +283,13 @@ class Engine:
         if stopping_hook is not None:
             stopping_hook(self._stop.is_set)
         try:
-            # The runner starts first: Spark forks its JVM launcher, and a fork after this
-            # process has opened gRPC clients (the store's, the stream check's) can kill the
-            # child before it execs.
-            self.runner.open(name)
             try:
+                # The runner starts first: Spark forks its JVM launcher, and a fork after this
+                # process has opened gRPC clients (the store's, the stream check's) can kill
+                # the child before it execs. A signal waits until it has started (the close
+                # below then stops it): one that interrupts Spark's start leaves a JVM behind.
+                with _deferred_signals("the runner starts"):
+                    self.runner.open(name)
                 info = make_client(program.source).describe_stream(program.source.stream)
                 if (info.partition_mode == "IMMUTABLE_KEY_RANGE"  # see engine.partitions
                         and info.keys_follow_lineage):
@@ -672,6 +674,28 @@ def _handling(
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextmanager
+def _deferred_signals(doing: str) -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends, then raise KeyboardInterrupt (a second
+    one raises at once): for a block a signal must not cut short, such as Spark's start (an
+    interrupted JVM launch leaves the JVM running with no parent to end it). Where an
+    application handles the signals itself, its handlers stay (see :func:`_handling`)."""
+    got: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if got:
+            _log.warning("signal %d again while %s: aborting", signum, doing)
+            raise KeyboardInterrupt
+        got.append(signum)
+        _log.warning("signal %d while %s: stopping once that is done (again to abort now)",
+                     signum, doing)
+
+    with _handling(handler, ours_too=True):
+        yield
+    if got:
+        raise KeyboardInterrupt
 
 
 @contextmanager

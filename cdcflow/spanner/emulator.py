@@ -116,6 +116,9 @@ def check_port_free(port: int) -> None:
     """Raise ConfigurationError unless ``port`` can be bound on 127.0.0.1: the emulator
     would fail to bind it and exit, or (another emulator: gRPC reuses ports) share it,
     each client then reaching one or the other at random."""
+    if not 0 < port < 65536:
+        msg = f"{port} is not a TCP port: choose one from 1 to 65535 (or none: a free one)"
+        raise ConfigurationError(msg)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed port's TIME_WAIT
         try:

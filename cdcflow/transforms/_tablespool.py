@@ -461,11 +461,12 @@ class Uploader:
             while not self._stop and self._fatal is None:
                 self.lock.wait(1.0)
                 took, now = self.running_for(), time.monotonic()
-                if took >= SLOW_UPLOAD and now - self._warned >= WARN_EVERY:
+                if took >= SLOW_UPLOAD and now - self._warned >= WARN_EVERY and self.queue:
                     self._warned = now
-                    _log.warning("WriteTables: an upload to %s has not finished in %.0f s (does "
-                                 "the storage answer?); %d file(s) wait: they are not durable "
-                                 "until they are uploaded", self.where, took, len(self.queue))
+                    _log.warning("WriteTables: the upload of %s to %s has not finished in %.0f s "
+                                 "(does the storage answer?); %d file(s) wait: they are not "
+                                 "durable until they are uploaded", self.queue[0].name,
+                                 self.where, took, len(self.queue))
 
     def _die(self, exc: BaseException) -> None:
         with self.lock:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -558,3 +560,33 @@ def test_sigterm_stops_after_the_batch_and_a_second_one_aborts(runner: Runner) -
     with pytest.raises(KeyboardInterrupt):
         run(runner, pipeline(s, Collect()), MemoryStore(), Signal(2))
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+
+
+def test_a_signal_while_the_runner_starts_waits_for_it_then_closes_it() -> None:
+    """Spark's start cut short by a signal left its JVM running with no parent: a signal
+    waits until the runner has started, then the run ends (KeyboardInterrupt: exit 130)
+    and the runner is closed."""
+    from cdcflow.runners.in_memory import InMemoryRunner
+
+    class SlowStart(InMemoryRunner):
+        opened = closed = False
+
+        def open(self, app_name: str) -> None:
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            time.sleep(1.0)  # a session that takes its time to start
+            super().open(app_name)
+            self.opened = True
+
+        def close(self) -> None:
+            super().close()
+            self.closed = True
+
+    runner = SlowStart(workers=1)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as the CLI has it
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Engine(pipeline(churn_stream(writes=5), Collect()), MemoryStore(), runner,
+                   RunOptions(batch_interval=0)).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert runner.opened and runner.closed

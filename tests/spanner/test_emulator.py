@@ -151,3 +151,5 @@ def test_a_port_that_is_taken_is_refused_before_the_emulator_starts() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(ConfigurationError, match=f"port {port} on 127.0.0.1 is taken"):
             Emulator(port=port).start()
+    with pytest.raises(ConfigurationError, match="70000 is not a TCP port"):
+        Emulator(port=70000).start()

@@ -518,7 +518,8 @@ def test_a_run_asked_to_stop_does_not_wait_for_uploads_that_fail_or_get_no_answe
             flushed.join(2.0)
             assert flushed.is_alive()  # no stop asked: it waits for the storage
             said = " ".join(r.getMessage() for r in caplog.records)
-            named = (r"an upload to slowmem://\S+ has not finished in" if outage == "silent"
+            named = (r"the upload of \S+ to slowmem://\S+ has not finished in"
+                     if outage == "silent"
                      else r"uploads to slowmem://\S+ fail \(OSError: injected")
             assert re.search(named, said), said
             began = time.monotonic()
