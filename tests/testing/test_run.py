@@ -129,3 +129,8 @@ def test_options_are_checked_like_pipeline_run() -> None:
 def test_an_invalid_pipeline_fails_before_the_end_check() -> None:
     with pytest.raises(PipelineDefinitionError, match="is empty"):
         cdcflow.testing.run(cf.Pipeline("empty"))
+
+
+def test_what_is_not_a_pipeline_is_named() -> None:
+    with pytest.raises(UserInputError, match="takes a Pipeline, got str 'x'"):
+        cdcflow.testing.run("x")  # type: ignore[arg-type]
