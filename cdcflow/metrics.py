@@ -39,6 +39,8 @@ Metrics (type; labels besides ``pipeline``):
   ``cdcflow_inflight_bytes_limit`` (gauge: that quota, ``max_inflight_bytes``),
   ``cdcflow_quota_waits_total`` and ``cdcflow_quota_wait_seconds_total`` (counters: reads
   that waited for room in the quota, and how long);
+- ``cdcflow_batch_span_seconds`` (gauge: the span of commit time the next batch plans,
+  ``max_batch_span`` paced by ``max_task_bytes``);
 - ``cdcflow_sink_<name>{sink}``: what each sink reports after a batch (``Sink.metrics()``;
   a counter for a name ending in ``_total``, else a gauge), e.g. WriteTables' files cut by
   reason, uploads, spool bytes and durable batch.
@@ -161,6 +163,7 @@ class PipelineMetrics(EngineListener):
         self._batch_retries: Counter[str] = Counter()  # by error class
         self._inflight_bytes = 0
         self._inflight_limit = 0
+        self._span_ns = 0
         self._last_batch_ns: int | None = None
         # From the last on_partitions: watermarks of the partitions that are not FINISHED.
         self._watermarks: tuple[tuple[str, int], ...] = ()
@@ -182,6 +185,7 @@ class PipelineMetrics(EngineListener):
             for key in ("retries", "skipped", "dead_lettered", "quota_waits", "quota_wait_us"):
                 counts[key] += task.get(key, 0)
             self._inflight_bytes = task.get("inflight_bytes_peak", 0)
+            self._span_ns = stats.next_span_ns
             self._inflight_limit = task.get("inflight_bytes_limit", self._inflight_limit)
             for kind, us_key in _QUERY_HISTOGRAMS.items():
                 self._queries[kind].total += task.get(us_key, 0) / 1e6
@@ -251,6 +255,7 @@ class PipelineMetrics(EngineListener):
             batch_retries = dict(self._batch_retries)
             inflight_bytes = self._inflight_bytes
             inflight_limit = self._inflight_limit
+            span_ns = self._span_ns
             last_batch, watermarks = self._last_batch_ns, self._watermarks
             low, done = self._low, self._done
         p = ["pipeline"]
@@ -372,6 +377,9 @@ class PipelineMetrics(EngineListener):
                       "(max_inflight, max_inflight_bytes).", counts["quota_waits"])
         yield counter("cdcflow_quota_wait_seconds", "Seconds reads waited for in-flight room.",
                       counts["quota_wait_us"] / 1e6)
+        yield gauge("cdcflow_batch_span_seconds", "The span of commit time the next batch "
+                    "plans (max_batch_span, paced by max_task_bytes; 0 before the first "
+                    "batch).", span_ns / 1e9)
         stuck = self.detector.stuck() if self.detector is not None else []
         yield gauge("cdcflow_stuck_partitions",
                     "Partitions whose watermark has not advanced for stuck_after.", len(stuck))

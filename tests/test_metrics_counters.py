@@ -148,6 +148,8 @@ def test_query_counters_travel_in_task_results_to_the_scrape() -> None:
     assert v("cdcflow_inflight_bytes") == 0  # max_inflight 1: nothing in flight
     assert v("cdcflow_inflight_bytes_limit") == 256 << 20  # the default quota
     assert v("cdcflow_quota_waits_total") == 0
+    # a few KB a batch: the span doubles up to max_batch_span and stays there
+    assert v("cdcflow_batch_span_seconds") == 2.0
 
 
 def _slow(record: Any) -> Any:

@@ -321,6 +321,7 @@ class Batches:
             counters=dict(counters),
             commit_times=tuple(t for r in results for t in r.commit_times),
             sinks_committed_at=sinks_committed_at, sink_metrics=_sink_metrics(self._sinks),
+            next_span_ns=self.pacer.span_ns,
         )
 
     def deliver(

@@ -74,6 +74,8 @@ class BatchStats:
     sinks_committed_at: int = 0
     #: what each sink reports after the batch (``Sink.metrics()``), by sink label
     sink_metrics: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict)
+    #: the span of commit time the next batch plans (see cdcflow.engine.pacing)
+    next_span_ns: int = 0
 
 
 @attrs.frozen
