@@ -270,8 +270,6 @@ def _convert(key: str, text: str, spec: OptionSpec) -> Any:
             return parse_duration(text)
         if spec.kind == "size":
             return parse_size(text)
-        if spec.kind == "float":
-            return float(text)
         if spec.kind == "int":
             return int(text)
     except (KeyError, ValueError, PipelineDefinitionError):

@@ -65,8 +65,9 @@ __all__ = [
 RunnerFactory = Callable[..., Runner]
 
 #: The kind of value an option takes. ``duration``: seconds as a number, or text such as
-#: ``"30s"``; ``any``: passed through unchecked (e.g. the Spark runner's ``conf`` mapping).
-OptionKind = Literal["duration", "size", "int", "float", "bool", "text", "any"]
+#: ``"30s"`` (every float option is one); ``size``: bytes as a number, or text such as
+#: ``"64MiB"``; ``any``: passed through unchecked (e.g. the Spark runner's ``conf`` mapping).
+OptionKind = Literal["duration", "size", "int", "bool", "text", "any"]
 
 # Options that exist but are not worth listing in "valid keys": the CLI sets base_dir itself.
 _UNLISTED = frozenset({"base_dir"})
@@ -89,8 +90,7 @@ class OptionSpec:
         """What the option takes, for error messages: ``"a duration such as 30s"``."""
         want = {
             "duration": "a duration such as 30s", "size": "a size such as 64MiB",
-            "int": "a whole number",
-            "float": "a number", "bool": "true or false", "text": "text", "any": "a value",
+            "int": "a whole number", "bool": "true or false", "text": "text", "any": "a value",
         }[self.kind]
         return f"{want} or none" if self.optional and self.kind != "any" else want
 
@@ -217,7 +217,7 @@ def coerce_option(spec: OptionSpec, value: Any) -> Any:
         except ValueError as e:
             msg = f"{spec.name}={value!r}: {e}"
             raise UserInputError(msg) from None
-    if kind in ("duration", "float"):
+    if kind == "duration":
         ok = (isinstance(value, int | float) and not isinstance(value, bool)
               and math.isfinite(value))
         value = float(value) if ok else value
