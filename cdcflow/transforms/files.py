@@ -13,10 +13,11 @@ Names in the output directory (``<d>``):
   output directory holds; the commit removes the directory once it is empty). The label
   scope is the sink's label made file-safe plus a digest of the label, so two sinks never
   share a temporary name, even in one directory.
-- ``_cdcflow/<prefix>.<format>/batch-<batch id>.json``: the batch's manifest — the pipeline,
-  the sink's label, and per committed file the slice (partition token, slice start, slice
-  end) it came from. Keyed by the naming scope, not the label: whoever writes these final
-  names checks the same manifests.
+- ``_cdcflow/<prefix>.<format>/batch-<batch id>.json``: the manifest of the newest batch
+  that had files — the pipeline, the sink's label, and per committed file the slice
+  (partition token, slice start, slice end) it came from. Keyed by the naming scope, not
+  the label: whoever writes these final names checks the same manifests. Older manifests
+  are deleted once a newer one is written (see :meth:`WriteFiles.commit`).
 - ``_cdcflow/owner.json``: the pipeline whose output the directory holds
   (``{"pipeline": name}``), claimed with an exclusive create by the first pipeline that
   asks for its committed batches (or commits) there; a sink of another pipeline is
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -62,6 +64,8 @@ from cdcflow.transforms._fileio import (
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
 __all__ = ["WriteFiles", "WrittenFile"]
+
+_log = logging.getLogger("cdcflow.sinks")
 
 _FORMATS = ("jsonl", "parquet")
 _MANIFESTS = "_cdcflow"
@@ -177,7 +181,11 @@ class WriteFiles(Sink[Any, WrittenFile]):
        replay could not tell from another run's.
     3. Rename each temporary file to its final name (atomic per file).
     4. Delete the batch's temporary files left by failed attempts (and their directory);
-       fsync the directory.
+       fsync the directory; delete the manifests of earlier batches. Only the newest one
+       is ever read again: a replay reads its own batch's, and the engine commits batch N
+       in a sink only after the store has committed N-1, so the batch a crash leaves
+       pending is always the newest; the owner inference and :meth:`owned_batch` read the
+       newest. So the directory holds one manifest, not one per batch for ever.
 
     Two WriteFiles sinks may share a directory when their naming scopes
     (``prefix`` and ``format``) differ, e.g. a jsonl and a parquet sink, or a dead-letter
@@ -253,6 +261,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
         self._last_watermark: int | None = None
         self._claimed = False
         self._owned_before = False
+        self._manifests: set[int] | None = None  # the scope's manifest batch ids, once listed
 
     def describe_params(self) -> str:
         return f"{self.path} ({self.format})"
@@ -268,6 +277,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
         # refused at start leaves no claim behind.
         self._claimed = False
         self._owned_before = False
+        self._manifests = None
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
@@ -385,10 +395,10 @@ class WriteFiles(Sink[Any, WrittenFile]):
         for directory, pattern in places:
             with storage("list", directory):
                 names = _listdir(directory)
-            for name in names:
-                match = pattern.fullmatch(name)
-                if match:
-                    best = max(best, int(match.group(1)))
+            found = {int(m.group(1)) for m in map(pattern.fullmatch, names) if m}
+            if pattern is _MANIFEST_NAME:
+                self._manifests = found  # what the next commit prunes
+            best = max([best, *found])
         return best
 
     def _owner_path(self) -> str:
@@ -502,11 +512,13 @@ class WriteFiles(Sink[Any, WrittenFile]):
             # 3. the renames
             for message in pending:
                 self._rename(batch_id, message)
-        # 4. leftovers of failed attempts; durable renames
+        # 4. leftovers of failed attempts; durable renames; earlier manifests
         self._drop_temps(batch_id)
         if self.fsync and messages:
             with storage("sync", directory):
                 fsync_dir(directory)
+        if messages:
+            self._prune_manifests(batch_id)
 
     def _conflict(self, batch_id: int, why: str) -> OutputConflictError:
         msg = (
@@ -571,6 +583,29 @@ class WriteFiles(Sink[Any, WrittenFile]):
             except FileNotFoundError:
                 if not os.path.exists(message.final):
                     raise
+
+    def _prune_manifests(self, newest: int) -> None:
+        """Delete the scope's manifests of batches before ``newest``, whose manifest is
+        written (step 4 of :meth:`commit`): one listing per run, then the previous
+        commit's by name. Best effort: the batch is committed whatever happens here, and
+        a manifest that cannot be deleted now is tried again at the next commit."""
+        if self._manifests is None:
+            try:
+                names = _listdir(self._manifest_dir())
+            except OSError:
+                return
+            self._manifests = {int(m.group(1)) for m in map(_MANIFEST_NAME.fullmatch, names) if m}
+        for batch in sorted(b for b in self._manifests if b < newest):
+            try:
+                os.remove(self._manifest_path(batch))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                _log.warning("WriteFiles %s: cannot delete the old manifest of batch %d: %s",
+                             self._dir(), batch, exc.strerror or exc)
+                continue
+            self._manifests.discard(batch)
+        self._manifests.add(newest)
 
     def _manifest_path(self, batch_id: int) -> str:
         return os.path.join(self._manifest_dir(), f"batch-{batch_id:010d}.json")

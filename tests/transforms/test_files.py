@@ -246,7 +246,7 @@ def test_a_second_run_with_a_fresh_store_refuses_and_overwrites_nothing(tmp_path
     out = tmp_path / "out"
     _two_batches(out)
     before = _committed(out)
-    assert len(before) == 6  # two files, two manifests, the owner, the watermark
+    assert len(before) == 5  # two files, the newest manifest, the owner, the watermark
     # The same pipeline with a new store: batch ids start over at 1, its slices elsewhere.
     second = _sink(out)
     message = _run_task(second, 1, "root", [{"id": 1, "run": "second"}], "y", start=500, end=510)
@@ -265,13 +265,15 @@ def test_a_second_run_with_a_fresh_store_refuses_and_overwrites_nothing(tmp_path
     second.commit(3, [_run_task(second, 3, "root", [{"id": 3, "run": "second"}], "y",
                                 start=500, end=510)])
     assert [r["run"] for r in _jsonl(out)] == ["first", "first", "second"]
-    assert {n: h for n, h in _committed(out).items() if n in before} == before
+    after = _committed(out)
+    assert {n: after[n] for n in before if not n.startswith("_cdcflow/")} == {
+        n: h for n, h in before.items() if not n.startswith("_cdcflow/")}
 
 
 @pytest.mark.parametrize(
     ("change", "why"),
     [
-        ({"start": 5}, r"part-0000000001-\w+\.jsonl came from partition 'root' slice \["),
+        ({"start": 15}, r"part-0000000002-\w+\.jsonl came from partition 'root' slice \["),
         ({"token": "other"}, "its files come from other partitions"),
         ({"pipeline": "another"}, "holds the output of pipeline 'p', not 'another'"),
         ({"label": "dead-letter"}, "by sink 'out' of pipeline 'p'"),
@@ -285,10 +287,11 @@ def test_a_commit_unlike_the_batch_manifest_is_refused(
     before = _committed(out)
     label = change.get("label", "out")
     sink = _sink(out, pipeline=change.get("pipeline", "p"), label=label)
-    message = _run_task(sink, 1, change.get("token", "root"), [{"id": 9}], "z", label=label,
-                        start=change.get("start", 0), end=10)
+    # batch 2, the newest: the batch a crash can leave pending, whose manifest is kept
+    message = _run_task(sink, 2, change.get("token", "root"), [{"id": 9}], "z", label=label,
+                        start=change.get("start", 10), end=20)
     with pytest.raises(OutputConflictError, match=why):
-        sink.commit(1, [message])
+        sink.commit(2, [message])
     assert _committed(out) == before
 
 
@@ -335,6 +338,60 @@ def test_a_replay_completes_a_commit_that_failed_after_its_manifest(
     crashed.commit(4, batch(crashed, "replay"))  # the engine's replay: same slices
     assert _committed(out) == _committed(tmp_path / "clean")
     assert [n for n in _everything(out) if n.startswith(".")] == []
+
+
+def _manifests(out: Path) -> list[str]:
+    return sorted(os.listdir(out / "_cdcflow" / "part.jsonl"))
+
+
+def test_the_directory_keeps_only_the_newest_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One manifest per batch for ever was 86,400 files a day at 1 s batches, listed at every
+    start; only the newest is ever read again (see WriteFiles.commit, step 4)."""
+    out = tmp_path / "out"
+    old = _sink(out)  # a version that kept every manifest
+    monkeypatch.setattr(WriteFiles, "_prune_manifests", lambda self, newest: None)
+    for batch in range(1, 5):
+        old.commit(batch, [_run_task(old, batch, "root", [{"id": batch}], "a")])
+    assert len(_manifests(out)) == 4
+    monkeypatch.undo()
+    sink = _sink(out)  # the next run: one listing at start, then each commit by name
+    assert (sink.owned_batch(), sink.last_committed_batch()) == (4, 4)
+    for batch in (5, 6, 9):  # a batch without files writes none, and keeps the last
+        sink.commit(batch, [_run_task(sink, batch, "root", [{"id": batch}], "a")])
+        assert _manifests(out) == [f"batch-{batch:010d}.json"]
+        sink.commit(batch + 1, [])
+        assert _manifests(out) == [f"batch-{batch:010d}.json"]
+    # what the newest manifest is read for still works: a replay of the newest batch, and
+    # the batches a later run finds
+    sink.commit(9, [_run_task(sink, 9, "root", [{"id": 9}], "replay")])
+    again = _sink(out)
+    assert (again.owned_batch(), again.last_committed_batch()) == (9, 9)
+    assert [r["id"] for r in _jsonl(out)] == [1, 2, 3, 4, 5, 6, 9]
+
+
+def test_a_manifest_that_cannot_be_deleted_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    sink = _sink(out)
+    sink.commit(1, [_run_task(sink, 1, "root", [{"id": 1}], "a")])
+    real_remove = os.remove
+
+    def remove(path: Any) -> None:
+        if os.path.basename(path).startswith("batch-"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        real_remove(path)
+
+    monkeypatch.setattr(os, "remove", remove)
+    sink.commit(2, [_run_task(sink, 2, "root", [{"id": 2}], "a")])  # committed all the same
+    assert "cannot delete the old manifest of batch 1: Permission denied" in caplog.text
+    assert _manifests(out) == ["batch-0000000001.json", "batch-0000000002.json"]
+    monkeypatch.undo()
+    sink.commit(3, [_run_task(sink, 3, "root", [{"id": 3}], "a")])
+    assert _manifests(out) == ["batch-0000000003.json"]
+    assert [r["id"] for r in _jsonl(out)] == [1, 2, 3]
 
 
 def test_last_committed_batch_counts_manifests_and_older_files(tmp_path: Path) -> None:
