@@ -5,11 +5,15 @@ A package registers under one of the groups in ``GROUPS``, e.g. in its pyproject
     [project.entry-points."cdcflow.sinks"]
     kafka = "my_pkg.sinks:KafkaSink"
 
-A plugin that fails to import gives a warning, not a crash.
+A plugin that fails to import gives a warning, not a crash. The names cdcflow registers
+itself (the ``memory`` and ``spark`` runners, the ``memory``, ``sqlite`` and ``spanner``
+stores) are its own: another package's entry point under one of them is ignored, with a
+warning, and ``cdcflow plugins`` lists it as broken.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -20,7 +24,12 @@ from cdcflow.errors import PluginError
 
 __all__ = ["GROUPS", "PluginInfo", "available", "list_plugins", "load_plugin"]
 
+_log = logging.getLogger("cdcflow.plugins")
+
 GROUPS = ("cdcflow.transforms", "cdcflow.sinks", "cdcflow.runners", "cdcflow.metadata")
+#: What a group's entry points make, for messages.
+_KINDS = {"cdcflow.transforms": "transform", "cdcflow.sinks": "sink",
+          "cdcflow.runners": "runner", "cdcflow.metadata": "metadata store"}
 
 
 @attrs.frozen
@@ -48,12 +57,31 @@ def _dist(ep: EntryPoint) -> str:
     return ep.dist.name if ep.dist is not None else "?"
 
 
+#: The distribution whose entry points are cdcflow's own.
+_OWN = "cdcflow"
+
+
+def _shadowing(ep: EntryPoint, registered: list[EntryPoint]) -> str | None:
+    """Why ``ep`` is ignored (it takes a name cdcflow registers itself), or None."""
+    if _dist(ep) == _OWN or not any(
+            o.name == ep.name and _dist(o) == _OWN for o in registered):
+        return None
+    return (f"{ep.name!r} is the name of cdcflow's own {_KINDS[ep.group]}, so "
+            f"this entry point of {_dist(ep)} is ignored: register it under another name")
+
+
 def load_plugin(group: str, name: str) -> Any:
     """The object registered as ``name`` under ``group``; PluginError names what exists."""
-    eps = [ep for ep in _entry_points(group) if ep.name == name]
+    registered = _entry_points(group)
+    eps = [ep for ep in registered if ep.name == name]
+    for ep in eps:
+        why = _shadowing(ep, registered)
+        if why is not None:
+            _log.warning("plugin %s: %s", ep.value, why)
+    eps = [ep for ep in eps if _shadowing(ep, registered) is None]
     if not eps:
         names = ", ".join(available(group)) or "none"
-        msg = f"no {group.split('.')[1][:-1]} named {name!r} is installed (installed: {names})"
+        msg = f"no {_KINDS[group]} named {name!r} is installed (installed: {names})"
         raise PluginError(msg)
     if len({ep.value for ep in eps}) > 1:
         which = "; ".join(sorted({f"{_dist(ep)} ({ep.value})" for ep in eps}))
@@ -86,9 +114,10 @@ def list_plugins(load: bool = True) -> list[PluginInfo]:
         registered = _entry_points(group)
         for ep in registered:
             dist = _dist(ep)
-            error = None
-            others = {o.value for o in registered if o.name == ep.name} - {ep.value}
-            if others:
+            error = _shadowing(ep, registered)
+            others = {o.value for o in registered if o.name == ep.name
+                      and _shadowing(o, registered) is None} - {ep.value}
+            if error is None and others:
                 error = f"{ep.name!r} is also registered as {', '.join(sorted(others))}"
             if load and error is None:
                 try:

@@ -226,3 +226,39 @@ def test_a_name_two_packages_register_is_refused(fake_dist: Path) -> None:
         load_plugin("cdcflow.transforms", "upper")
     listed = [p for p in list_plugins(load=False) if p.name == "upper"]
     assert len(listed) == 2 and all("also registered as" in (p.error or "") for p in listed)
+
+
+def test_a_package_cannot_take_a_name_of_cdcflow_s_own(
+    fake_dist: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plugin under a built-in name (``memory``, ``sqlite``) is ignored with a warning
+    and listed as broken; the built-in keeps working (before, the runner refused to start
+    and asked to uninstall cdcflow, while the store silently ignored the plugin)."""
+    from cdcflow.launch import make_runner
+    from cdcflow.metadata import open_store
+    from cdcflow.metadata.sqlite import SQLiteStore
+    from cdcflow.runners.in_memory import InMemoryRunner
+
+    other = fake_dist / "cdcflow_squatter-0.1.dist-info"
+    other.mkdir()
+    (other / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: cdcflow-squatter\nVersion: 0.1\n")
+    (other / "entry_points.txt").write_text(
+        f"[cdcflow.runners]\nmemory = {_MODULE}:NotARunner\n"
+        f"[cdcflow.metadata]\nsqlite = {_MODULE}:RaisingStore\n")
+    why = r"'memory' is the name of cdcflow's own runner, so this entry point of " \
+          r"cdcflow-squatter is ignored: register it under another name"
+    assert load_plugin("cdcflow.runners", "memory") is InMemoryRunner
+    assert re.search(why, caplog.text)
+    caplog.clear()
+    assert isinstance(make_runner("memory", {})[0], InMemoryRunner)
+    assert re.search(why, caplog.text)
+    assert isinstance(open_store(f"sqlite:///{fake_dist / 's.db'}"), SQLiteStore)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        listed = {(p.group, p.name, p.distribution): p.error for p in list_plugins()}
+    assert listed["cdcflow.runners", "memory", "cdcflow"] is None
+    assert listed["cdcflow.metadata", "sqlite", "cdcflow"] is None
+    assert re.search(why, listed["cdcflow.runners", "memory", "cdcflow-squatter"] or "")
+    assert "cdcflow's own metadata store" in (
+        listed["cdcflow.metadata", "sqlite", "cdcflow-squatter"] or "")
