@@ -584,6 +584,10 @@ def _one_line(error: BaseException) -> str:
     return "; ".join([text, *(" ".join(n.split()) for n in notes)])
 
 
+class _Unexpected(Exception):
+    """An error that is not cdcflow's, as its one line."""
+
+
 def _fail(error: BaseException, log_format: str) -> None:
     """The one line an error ends the command with: plain, or a JSON log object."""
     if log_format == "json":
@@ -651,6 +655,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         _fail(e, log_format)
+        return EXIT_ERROR
+    except Exception as e:  # the pipeline's own code, a plugin's, or a defect of cdcflow
+        if debug:
+            raise
+        _fail(_Unexpected(f"{type(e).__name__}: {_one_line(e)}; --debug shows the traceback"),
+              log_format)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("\ncdcflow: interrupted", file=sys.stderr)

@@ -134,6 +134,83 @@ def test_a_function_that_cannot_be_pickled_is_named_in_one_line(tmp_path: Path) 
                        "cannot pickle '_thread.lock' object", "setup()")
 
 
+_USER_CODE = """
+import threading
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+T0 = 1_700_000_000 * 10**9
+stream = ScriptedChangeStream("Orders", origin=T0)
+stream.write("Orders", {{"id": 1}}, "INSERT", {{"v": 1}}, at=T0 + 1000)
+
+
+class NeedsRedis(cf.DoFn):
+    def setup(self):
+        raise ImportError("needs redis: pip install redis")
+
+    def process(self, element):
+        yield element
+
+
+class LockWriter:
+    def write(self, element):
+        pass
+
+    def close(self):
+        return threading.Lock()
+
+    def abort(self):
+        pass
+
+
+class LockSink(cf.Sink):
+    def open_writer(self, ctx):
+        return LockWriter()
+
+    def commit(self, batch_id, messages):
+        pass
+
+
+class OldSink(cf.Sink):
+    def open_writer(self):
+        return LockWriter()
+
+    def commit(self, batch_id, messages):
+        pass
+
+
+pipeline = cf.Pipeline("usercode")
+(pipeline | cf.ReadChangeStream(stream="Orders", start_at=T0, end_at=T0 + 5000, client=stream)
+ | {step})
+"""
+
+
+@pytest.mark.parametrize(("step", "fragments"), [
+    ('"enrich" >> cf.ParDo(NeedsRedis()) | cf.Collect()',
+     ("ImportError: needs redis: pip install redis; in setup() of step 'enrich'",)),
+    ('"out" >> OldSink()',
+     ("TypeError: OldSink.open_writer() takes 1 positional argument but 2 were given; "
+      "in open_writer() of sink 'out'",)),
+    ('"out" >> LockSink()',
+     ("TypeError: cannot pickle '_thread.lock' object; the value the writer of sink 'out' "
+      "returned from close() cannot be pickled",)),
+])
+def test_an_error_in_the_pipeline_s_own_code_is_one_line_naming_where(
+    tmp_path: Path, step: str, fragments: tuple[str, ...]
+) -> None:
+    path = write(tmp_path, _USER_CODE.format(step=step))
+    done = cdcflow("run", str(path), "--metadata", "memory://", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("cdcflow: error: ") and last.endswith("--debug shows the traceback")
+    assert "was not committed" in last
+    for fragment in fragments:
+        assert fragment in last
+    debug = cdcflow("run", str(path), "--metadata", "memory://", "--debug", cwd=tmp_path)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
 def test_missing_file(tmp_path: Path) -> None:
     assert_usage_error(cdcflow("run", str(tmp_path / "nope.py")), "not found")
 

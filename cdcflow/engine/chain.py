@@ -33,13 +33,14 @@ User functions and sink writes run under the pipeline's
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import pickle
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -51,6 +52,7 @@ from cdcflow.engine.program import TaskProgram
 from cdcflow.engine.quota import ByteQuota, process_quota, quota_limit
 from cdcflow.engine.runner import ChildSeen, Task, TaskResult
 from cdcflow.errors import (
+    CdcflowError,
     FencedError,
     LeaseExpiredError,
     PipelineDefinitionError,
@@ -149,7 +151,7 @@ class Chain:
         self._policy = program.policy
         self._attempt = uuid.uuid4().hex  # unique per execution: retries write elsewhere
         self._writers: dict[str, SinkWriter[Any, Any]] = {}
-        self._set_up: list[ParDo[Any, Any]] = []
+        self._set_up: list[tuple[str, ParDo[Any, Any]]] = []  # (label, step)
         self._started = False
         self._skipped = 0
         self._retries = 0
@@ -356,10 +358,11 @@ class Chain:
             return
         self._started = True
         # DoFn.setup runs once per task, before the first element, on this thread.
-        for node in self._nodes.values():
+        for label, node in self._nodes.items():
             if isinstance(node, ParDo):
-                node.fn.setup()
-                self._set_up.append(node)
+                with _user_code(f"in setup() of step {label!r}"):
+                    node.fn.setup()
+                self._set_up.append((label, node))
         if self._line is not None:  # a DoFn may make its function in setup
             for step in self._line.steps:
                 step.function = step.fn.as_function()
@@ -701,7 +704,13 @@ class Chain:
             sink = self._nodes[label]
             assert isinstance(sink, Sink)
             sl = self._task.slice
-            writer = sink.open_writer(WriterContext(
+            with _user_code(f"in open_writer() of sink {label!r}"):
+                writer = self._open_writer(label, sink, sl)
+            self._writers[label] = writer
+        return writer
+
+    def _open_writer(self, label: str, sink: Sink[Any, Any], sl: Any) -> SinkWriter[Any, Any]:
+        return sink.open_writer(WriterContext(
                 pipeline=self._program.pipeline, sink_label=label, batch_id=self._task.batch_id,
                 partition_token=sl.token, slice_start=sl.start, slice_end=sl.end,
                 attempt=self._attempt, guard=guard_for(self._program.pipeline),
@@ -710,8 +719,6 @@ class Chain:
                 hold=self._quota.take, let_go=self._quota.release,
                 stopping=stopping_for(self._program.pipeline),
             ))
-            self._writers[label] = writer
-        return writer
 
     # -- ending -----------------------------------------------------------------------------
 
@@ -724,15 +731,17 @@ class Chain:
         self._shutdown()
         self._give_back_all()
         teardown, self._set_up = self._set_up, []
-        for node in teardown:
-            node.fn.teardown()
+        for label, node in teardown:
+            with _user_code(f"in teardown() of step {label!r}"):
+                node.fn.teardown()
         messages: dict[str, Any] = {}
         dead = self._program.dead_letter_label
         # the dead-letter sink closes last: a writer that skips elements itself (Consume)
         # hands them over as it closes
         for label in sorted(self._writers, key=lambda label: label == dead):
             writer = self._writers.pop(label)
-            messages[label] = writer.close()
+            with _user_code(f"in close() of the writer of sink {label!r}"):
+                messages[label] = writer.close()
             # a writer with an error policy of its own (Consume) counts what it did
             counted = getattr(writer, "policy_counters", None)
             if counted is not None:
@@ -743,7 +752,8 @@ class Chain:
             if skipped is not None and label != dead:
                 self._dead_letter(label, skipped())
         if dead is not None and dead in self._writers:
-            messages[dead] = self._writers.pop(dead).close()
+            with _user_code(f"in close() of the writer of sink {dead!r}"):
+                messages[dead] = self._writers.pop(dead).close()
         return messages
 
     def _dead_letter(self, label: str, skipped: list[tuple[Any, str]]) -> None:
@@ -763,7 +773,7 @@ class Chain:
         self._bundle, self._bundle_bytes = [], 0  # its bytes are in _held: given back below
         self._shutdown()
         self._give_back_all()
-        for node in self._set_up:
+        for _, node in self._set_up:
             try:
                 node.fn.teardown()
             except Exception:
@@ -832,6 +842,20 @@ class Chain:
             sink_messages=dict(messages), records=records, bytes=size, counters=counts,
             commit_times=commit_times, step_inputs=self.step_inputs(),
         )
+
+
+@contextlib.contextmanager
+def _user_code(where: str) -> Iterator[None]:
+    """Name where an error of a pipeline's own code (or a plugin's) came from, as a note
+    the one-line error report carries: ``where`` is e.g. "in setup() of step 'enrich'".
+    cdcflow's own errors name their place already."""
+    try:
+        yield
+    except CdcflowError:
+        raise
+    except Exception as exc:
+        exc.add_note(where)
+        raise
 
 
 def _origin(record: Any) -> tuple[str, Any]:

@@ -108,8 +108,25 @@ def execute_task(program: bytes, task: bytes) -> bytes:
     if not isinstance(decoded, Task):
         msg = f"execute_task got {type(decoded).__name__}, not a Task"
         raise TypeError(msg)
-    result: bytes = cloudpickle.dumps(run_task(prog, decoded))
-    return result
+    result = run_task(prog, decoded)
+    try:
+        return cloudpickle.dumps(result)  # type: ignore[no-any-return]
+    except Exception as exc:  # a value of the pipeline's own that cannot travel
+        exc.add_note(_unpicklable(result))
+        raise
+
+
+def _unpicklable(result: TaskResult) -> str:
+    """Which part of ``result`` cannot be pickled, for the error report: a sink writer's
+    ``close()`` value (what Collect keeps are the elements themselves)."""
+    for label, message in result.sink_messages.items():
+        try:
+            cloudpickle.dumps(message)
+        except Exception:
+            return (f"the value the writer of sink {label!r} returned from close() cannot "
+                    "be pickled: it travels to the driver, so it must be picklable (for "
+                    "Collect: the elements it collects)")
+    return "the task's result cannot be pickled"
 
 
 def make_client(source: DetectPartitions) -> ChangeStreamClient:

@@ -196,7 +196,8 @@ def _run_partition(
             yield index, False, _pickle_error(exc)
             continue
         except Exception as exc:
-            msg = f"cdcflow task {index} failed: {type(exc).__name__}: {exc}"
+            notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
+            msg = f"cdcflow task {index} failed: {type(exc).__name__}: {exc}{notes}"
             if isinstance(exc, TransientError):
                 msg += f" [carried:{base64.b64encode(_pickle_transient(exc)).decode()}]"
             raise TaskAttemptError(msg) from exc

@@ -409,3 +409,30 @@ def test_a_quota_smaller_than_the_bundles_of_every_task_does_not_deadlock(
     if isinstance(runner, InMemoryRunner):
         stats = process_quota().stats()
         assert stats.peak <= limit and stats.used == 0
+
+
+class _NeedsRedis(DoFn[Any, Any]):
+    def setup(self) -> None:
+        raise ImportError("needs redis: pip install redis")
+
+    def process(self, element: Any) -> Iterable[Any]:
+        yield element
+
+
+def test_an_error_of_the_pipeline_s_own_code_names_where_under_every_runner(
+    runner: Runner,
+) -> None:
+    """What no error policy covers (here a DoFn's setup) names its place in a note that the
+    one-line report carries, on Spark as in memory."""
+    from cdcflow.errors import SparkTaskError
+
+    stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+    stream.write("T", 1, "INSERT", {"v": 1}, at=T0 + S)
+    p = cf.Pipeline("own-code")
+    (p | DetectPartitions(stream="S", start_at=T0, end_at=T0 + 3 * S, client=stream)
+     | ReadPartition() | "enrich" >> ParDo(_NeedsRedis()) | Collect())
+    with pytest.raises((ImportError, SparkTaskError)) as info:
+        run(runner, p)
+    text = " ".join([str(info.value), *getattr(info.value, "__notes__", ())])
+    assert "needs redis: pip install redis" in text
+    assert "in setup() of step 'enrich'" in text

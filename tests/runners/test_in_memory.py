@@ -78,8 +78,10 @@ def test_a_failing_task_raises_after_every_task_ended() -> None:
 def test_unpicklable_output_fails_as_it_would_on_spark() -> None:
     program = _program(Map(lambda r: threading.Lock()))  # the program itself pickles
     runner = InMemoryRunner(workers=1)
-    with pytest.raises(TypeError, match="pickle"):  # the task's result does not
+    with pytest.raises(TypeError, match="pickle") as info:  # the task's result does not
         runner.run_tasks(program, _tasks(["p0", "p1", "p2", "p3"]))
+    assert "the value the writer of sink 'Collect' returned from close() cannot be pickled" \
+        in info.value.__notes__[0]
 
 
 def test_workers_must_be_positive() -> None:
