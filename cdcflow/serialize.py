@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import json
 import math
 from collections.abc import Callable, Mapping
 from datetime import date, datetime, time
@@ -30,7 +31,7 @@ from cdcflow.compiled import speedups
 from cdcflow.errors import SinkError
 from cdcflow.model import Timestamp
 
-__all__ = ["dumps_line", "to_json_dict", "to_json_value"]
+__all__ = ["dumps_line", "json_dumps", "to_json_dict", "to_json_value"]
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -237,6 +238,34 @@ _non_finite: Callable[[Any], bool] = _compiled_walk() or _non_finite_python
 _default: Callable[[Any], Any] = _compiled_default() or _default_python
 
 
+def json_dumps(
+    value: Any, *, default: Callable[[Any], Any] | None = None, sort_keys: bool = False
+) -> bytes:
+    """``orjson.dumps(value)`` (compact, UTF-8), and the same text for a value holding an
+    integer past 64 bits, which orjson refuses: JSON has no bound, PostgreSQL's jsonb keeps
+    such integers, and the decoder gives them exactly. Other errors propagate."""
+    try:
+        return orjson.dumps(value, default=default,
+                            option=orjson.OPT_SORT_KEYS if sort_keys else 0)
+    except orjson.JSONEncodeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+    # orjson writes a float that is not finite as null; Python's json module would not
+    text = json.dumps(_finite(value), default=default, sort_keys=sort_keys,
+                      separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode()
+
+
+def _finite(value: Any) -> Any:
+    if value.__class__ is float:
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def dumps_line(element: Any) -> bytes:
     """One JSONL line (UTF-8, ending in a newline) for ``element`` (see :func:`to_json_dict`)."""
     if isinstance(element, dict) or attrs.has(type(element)):
@@ -250,7 +279,7 @@ def dumps_line(element: Any) -> bytes:
             if b"null" not in line or not _non_finite(element):
                 return line
     try:
-        return orjson.dumps(to_json_dict(element), option=orjson.OPT_APPEND_NEWLINE)
-    except orjson.JSONEncodeError as exc:  # e.g. an int beyond 64 bits
+        return json_dumps(to_json_dict(element)) + b"\n"
+    except (orjson.JSONEncodeError, TypeError, ValueError) as exc:  # e.g. a key not a str
         msg = f"cannot encode {element!r:.80} as JSON ({exc}); map it to plain values with Map"
         raise SinkError(msg) from exc

@@ -103,8 +103,7 @@ def test_unsupported_values_name_the_fix() -> None:
         to_json_dict("just text")
     with pytest.raises(SinkError, match="str keys"):
         to_json_dict({(1, 2): 3})
-    with pytest.raises(SinkError, match="Map"):
-        dumps_line({"big": 1 << 70})
+    assert dumps_line({"big": 1 << 70}) == b'{"big":1180591620717411303424}\n'  # JSON allows it
 
 
 def test_typed_mod_values_of_every_spanner_type() -> None:
@@ -162,9 +161,11 @@ class _Point:
 ])
 def test_dumps_line_writes_what_the_rules_say(element: object) -> None:
     """dumps_line lets orjson walk the element; the line is the rules' own, byte for byte:
-    orjson.dumps(to_json_dict(element)) (or the same SinkError)."""
+    json_dumps(to_json_dict(element)) (or the same SinkError)."""
+    from cdcflow.serialize import json_dumps
+
     try:
-        expected = orjson.dumps(to_json_dict(element), option=orjson.OPT_APPEND_NEWLINE)
+        expected = json_dumps(to_json_dict(element)) + b"\n"
     except (SinkError, orjson.JSONEncodeError):
         with pytest.raises(SinkError):
             dumps_line(element)
@@ -258,3 +259,20 @@ def test_the_compiled_json_default_writes_what_python_writes() -> None:
         assert compiled(value) == serialize._default_python(value)
     assert dumps_line({"t": fresh, "n": Decimal("2.5")}) == (
         b'{"t":"2023-11-14T22:13:20.123456789Z","n":"2.5"}\n')
+
+
+def test_integers_past_64_bits_are_written_exactly() -> None:
+    """JSON has no bound on integers and PostgreSQL's jsonb keeps them: the decoder gives
+    them exactly, so every writer must too (orjson alone refuses them)."""
+    from cdcflow.serialize import json_dumps
+
+    value = {"b": 2**70, "a": [-(2**80), 1.5, float("nan"), "zoë"]}
+    assert json_dumps(value) == (
+        '{"b":1180591620717411303424,"a":[-1208925819614629174706176,1.5,null,"zoë"]}'.encode())
+    assert json_dumps(value, sort_keys=True).startswith(b'{"a":')
+    assert json_dumps({"n": 2**63}) == orjson.dumps({"n": 2**63})  # orjson's own range
+    with pytest.raises(TypeError):
+        json_dumps({"x": object()})
+    line = dumps_line({"js": {"big": 2**70}, "at": Timestamp.from_ns(1)})
+    assert orjson.loads(line)["at"] == "1970-01-01T00:00:00.000000001Z"
+    assert b'"big":1180591620717411303424' in line and line.endswith(b"\n")

@@ -43,6 +43,7 @@ from typing import Any
 import orjson
 
 from cdcflow.model import ColumnType, JsonString, Timestamp
+from cdcflow.serialize import json_dumps
 
 __all__ = [
     "Converter",
@@ -373,7 +374,7 @@ def _enc_json(value: Any) -> Any:
     # pass its JSON text ('"abc"') or a JsonString (what the decoder gives for one).
     if value.__class__ is str:
         return value
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    return json_dumps(value, sort_keys=True).decode()
 
 
 _ENCODERS: dict[str, Converter] = {

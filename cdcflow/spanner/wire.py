@@ -16,8 +16,6 @@ import base64
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import orjson
-
 from cdcflow.model import (
     ChangeRecord,
     ChildPartitionsRecord,
@@ -29,6 +27,7 @@ from cdcflow.model import (
     PartitionStartRecord,
     Timestamp,
 )
+from cdcflow.serialize import json_dumps
 from cdcflow.spanner.values import encode_values, encoders
 
 __all__ = [
@@ -142,7 +141,7 @@ def _v(x: Any) -> Any:
 
 
 def _json(x: Any) -> str:
-    return orjson.dumps(x, option=orjson.OPT_SORT_KEYS).decode()
+    return json_dumps(x, sort_keys=True).decode()
 
 
 def _wire_mods(record: DataChangeRecord) -> list[Mod]:

@@ -24,11 +24,10 @@ from collections.abc import Iterator
 from typing import IO, Any, NoReturn
 
 import attrs
-import orjson
 
 from cdcflow.errors import SinkError, SinkIOError
 from cdcflow.processes import process_alive
-from cdcflow.serialize import dumps_line, to_json_dict
+from cdcflow.serialize import dumps_line, json_dumps, to_json_dict
 from cdcflow.transforms.base import WriterContext
 
 __all__ = [
@@ -230,7 +229,7 @@ def parquet_row(element: Any) -> dict[str, Any]:
     row = to_json_dict(element)
     for key, value in row.items():
         if isinstance(value, dict | list):
-            row[key] = orjson.dumps(value).decode()
+            row[key] = json_dumps(value).decode()
     return row
 
 

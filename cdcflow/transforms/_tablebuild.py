@@ -20,12 +20,12 @@ from datetime import UTC, datetime
 from operator import attrgetter
 from typing import Any
 
-import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from cdcflow.errors import SinkError
 from cdcflow.model import DataChangeRecord, Timestamp
+from cdcflow.serialize import json_dumps
 from cdcflow.transforms._tablerows import (
     _DEBEZIUM_OP,
     Column,
@@ -230,7 +230,7 @@ def _texts(values: list[Any], c: Column, table: str) -> list[str | None]:
     forms: list[Any] = converted(values, c, table, json_form)
     if c.code == "BYTES":
         return forms
-    return [None if v is None else orjson.dumps(v).decode() for v in forms]
+    return [None if v is None else json_dumps(v).decode() for v in forms]
 
 
 def _needs_python(code: str, type_: Any, values: list[Any]) -> bool:

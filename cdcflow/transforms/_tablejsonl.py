@@ -14,7 +14,6 @@ import base64
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
-from functools import partial
 from math import isfinite
 from typing import Any
 
@@ -23,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cdcflow.model import Timestamp
-from cdcflow.serialize import decimal_text
+from cdcflow.serialize import decimal_text, json_dumps
 from cdcflow.transforms._tablebuild import (
     NO_BEFORE,
     Mods,
@@ -59,8 +58,11 @@ def _default(value: Any) -> Any:
     raise TypeError(msg)
 
 
-_DUMPS: Callable[[Any], bytes] = partial(orjson.dumps, default=_default,
-                                         option=orjson.OPT_APPEND_NEWLINE)
+def _dumps(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value, default=_default, option=orjson.OPT_APPEND_NEWLINE)
+    except orjson.JSONEncodeError:  # an integer past 64 bits: json_dumps writes it
+        return json_dumps(value, default=_default) + b"\n"
 
 
 def _texts(values: list[Any], to_text: Callable[[Any], str]) -> list[Any]:
@@ -123,7 +125,7 @@ def jsonl_lines(mods: Mods, schema: Schema, style: RowStyle) -> bytes:
                 for v, k, op, ts, txn, seq in zip(mods.values, mods.keys, mods.ops, commit,
                                                   mods.txn, mods.seq, strict=True)]
         _apply(rows, _forms(mods, schema.columns, table, mods.values))
-        return b"".join(map(_DUMPS, rows))
+        return b"".join(map(_dumps, rows))
     after: list[Any] = [None if op == "DELETE" else {**v, **k}
                         for op, v, k in zip(mods.ops, mods.values, mods.keys, strict=True)]
     before: list[Any] = [None if op in NO_BEFORE else {**v, **k}
@@ -131,7 +133,7 @@ def jsonl_lines(mods: Mods, schema: Schema, style: RowStyle) -> bytes:
     _apply(after, _forms(mods, schema.columns, table, mods.values))
     _apply(before, _forms(mods, schema.columns, table, mods.old))
     ms = pc.divide(mods.commit.cast(pa.int64()), 1_000_000).to_pylist()
-    return b"".join(map(_DUMPS, [
+    return b"".join(map(_dumps, [
         {"before": b, "after": a, "op": _DEBEZIUM_OP[op],
          "source": {"table": table, "commit_timestamp": ts, "transaction_id": txn,
                     "record_sequence": seq, "partition": part},

@@ -23,7 +23,7 @@ import pyarrow as pa
 from cdcflow.durations import parse_time
 from cdcflow.errors import SinkError
 from cdcflow.model import DataChangeRecord, Mod, Timestamp
-from cdcflow.serialize import decimal_text, to_json_value
+from cdcflow.serialize import decimal_text, json_dumps, to_json_value
 
 __all__: list[str] = []
 
@@ -232,7 +232,7 @@ def convert(value: Any, type_: Any) -> Any:
     if code == "TIMESTAMP":
         return timestamp_ns(value)
     if code == "JSON":  # a str is JSON text (a wire value); a JsonString is a JSON string
-        return value if value.__class__ is str else orjson.dumps(value).decode()
+        return value if value.__class__ is str else json_dumps(value).decode()
     if code == "ARRAY":
         items = orjson.loads(value) if isinstance(value, str | bytes) else value
         element = type_.get("array_element_type", {"code": "STRING"})

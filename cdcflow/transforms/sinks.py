@@ -18,10 +18,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, Generic, Literal, TypeVar
 
 import attrs
-import orjson
 
 from cdcflow.errors import PipelineDefinitionError
-from cdcflow.serialize import to_json_value
+from cdcflow.serialize import json_dumps, to_json_value
 from cdcflow.transforms._fileio import local_prefix, sweep
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 from cdcflow.transforms.files import WriteFiles, WrittenFile
@@ -109,7 +108,7 @@ class Collect(Sink[E, list[E]]):
 
 
 def _json_text(element: Any) -> str:
-    return orjson.dumps(to_json_value(element)).decode()
+    return json_dumps(to_json_value(element)).decode()
 
 
 #: Bytes of text a Print writer holds in memory before it spills its lines to local disk.

@@ -29,6 +29,7 @@ ROW: dict[str, Any] = {
     "naive": datetime(2024, 5, 1, 12, 0),  # taken as UTC
     "doc": {"a": [1, None], "b": "x"}, "tags": ["a", None, "b"], "nums": [1, 2.5],
     "nested": [[1], {"k": 2}], "empty": [], "nothing": None, "inf": math.inf,
+    "huge": {"n": 2**70, "m": [-(2**80)]},  # JSON integers past 64 bits stay exact
 }
 TYPES = {
     "id": {"code": "INT64"}, "qty": {"code": "INT64"}, "price": {"code": "FLOAT64"},
@@ -39,7 +40,7 @@ TYPES = {
     "nums": {"code": "ARRAY", "array_element_type": {"code": "FLOAT64"}},
     "nested": {"code": "JSON"},
     "empty": {"code": "ARRAY", "array_element_type": {"code": "STRING"}},
-    "nothing": {"code": "STRING"}, "inf": {"code": "FLOAT64"},
+    "nothing": {"code": "STRING"}, "inf": {"code": "FLOAT64"}, "huge": {"code": "JSON"},
 }
 
 

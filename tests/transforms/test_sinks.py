@@ -112,3 +112,39 @@ def test_collect_and_print_write_nowhere_of_their_own() -> None:
     for sink in (Collect(), Print()):
         assert sink.output_location() is None
         assert sink.last_committed_batch() == 0
+
+
+@pytest.mark.parametrize("sink", ["files-jsonl", "files-parquet", "tables-jsonl",
+                                  "tables-parquet", "tables-csv", "print"])
+def test_every_writer_keeps_json_integers_past_64_bits(
+    sink: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A JSON value holding 2**70 stopped every sink (orjson refuses such integers)."""
+    import cdcflow as cf
+    from cdcflow.testing import ScriptedChangeStream, run
+    from cdcflow.transforms import WriteTables
+
+    t0 = 1_700_000_000 * 10**9
+    stream = ScriptedChangeStream("S", origin=t0)
+    stream.write("Docs", {"id": 1}, "INSERT", {"js": {"big": 2**70, "l": [-(2**80)]}},
+                 at=t0 + 1000)
+    kind, _, form = sink.partition("-")
+    made: Any = {
+        "files": lambda: cf.WriteFiles(tmp_path / "out", format=form),
+        "tables": lambda: WriteTables(f"file://{tmp_path / 'out'}", format=form),
+        "print": lambda: cf.Print(),
+    }[kind]()
+    p = cf.Pipeline("big-ints")
+    (p | cf.ReadChangeStream(stream="S", start_at=t0, end_at=t0 + 5000, client=stream) | made)
+    assert run(p).records == 1
+    if kind == "print":
+        text = capsys.readouterr().out
+    elif form == "parquet":
+        import pyarrow.parquet as pq
+
+        (path,) = [f for f in (tmp_path / "out").rglob("*.parquet") if f.is_file()]
+        text = str(pq.read_table(path).to_pylist())
+    else:
+        (path,) = [f for f in (tmp_path / "out").rglob(f"*.{form}") if f.is_file()]
+        text = path.read_text()
+    assert "1180591620717411303424" in text and "-1208925819614629174706176" in text
