@@ -259,9 +259,13 @@ class Engine:
         name = pipeline.name
         first = TaskProgram.from_pipeline(pipeline)
         sinks = self._sinks([first, *BatchSteps(pipeline, first.step_labels).programs.values()])
+        # One run per pipeline: every write below carries this run's fencing token, and what
+        # reaches no store (a task's side effect, a sink's background upload) checks this.
+        guard = RunGuard(name, self._stop.is_set)
         for label, sink in sinks.items():
             sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir,
-                                   request_stop=self._sink_stop, stopping=self._stop.is_set))
+                                   request_stop=self._sink_stop, stopping=self._stop.is_set,
+                                   guard=guard.check))
         _check_locations(sinks)
         # Batch ids go on above any output a sink already holds (a lost or new store must
         # never make a sink reuse a batch id it committed before).
@@ -294,8 +298,6 @@ class Engine:
                 if (info.partition_mode == "IMMUTABLE_KEY_RANGE"  # see engine.partitions
                         and info.keys_follow_lineage):
                     idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval)
-                # One run per pipeline: every write below carries this run's fencing token.
-                guard = RunGuard(name, self._stop.is_set)
                 self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost, guard)
                 self._owner.acquire(opts.takeover)
                 try:
@@ -345,7 +347,8 @@ class Engine:
                     with _abandon_on_signal("the staged output was being made durable",
                                             "the next run writes again what is not "
                                             "durable yet"):
-                        self._final_flush(staged)
+                        if self._owner.lost is None:  # else the run that took over does
+                            self._final_flush(staged)
                 finally:
                     with _abandon_on_signal("the lease was being released",
                                             "the lease lapses by itself"):

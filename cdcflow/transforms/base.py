@@ -282,6 +282,12 @@ class SinkContext:
     ``stopping()`` is True once the run was asked to stop (a signal, a stop request): a
     staging sink whose ``flush`` at the run's end waits on a storage that fails may then
     give up with SinkIOError (what is not durable is written again by the next run).
+    ``guard()`` raises once this run may no longer act on the world: its lease ran out
+    (:class:`~cdcflow.errors.LeaseExpiredError`, transient: it holds again once renewed) or
+    another run took the pipeline over (the error that says so, for good). A sink that
+    writes on the driver outside ``commit`` (a staging sink's background uploads) checks it
+    before each write: the run that took over writes that output again, and a late write of
+    this run's would repeat it.
     """
 
     pipeline: str
@@ -289,6 +295,7 @@ class SinkContext:
     base_dir: str  # directory of the pipeline file; relative paths resolve against it
     request_stop: Callable[[str], None] = attrs.field(default=_no_stop, eq=False, repr=False)
     stopping: Callable[[], bool] = attrs.field(default=lambda: False, eq=False, repr=False)
+    guard: Callable[[], None] = attrs.field(default=lambda: None, eq=False, repr=False)
 
 
 @runtime_checkable

@@ -75,6 +75,7 @@ from cdcflow.errors import (
     SinkError,
     SinkIOError,
     SinkSetupError,
+    TransientError,
 )
 from cdcflow.model import DataChangeRecord, Timestamp
 from cdcflow.transforms._fileio import create_exclusive, local_prefix, sweep
@@ -107,6 +108,10 @@ STOP_PATIENCE = 5.0
 
 def _never() -> bool:
     return False
+
+
+def _free() -> None:
+    return None
 
 
 _PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
@@ -212,6 +217,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
 
     def _reset(self) -> None:
         self._stopping: Callable[[], bool] = _never
+        self._guard: Callable[[], None] = _free  # may this run still write (see setup)
         self._fs: Any = None
         self._root = ""
         self._stage_dir: str | None = None
@@ -234,7 +240,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._pipeline = ""  # the pipeline whose output the URL holds (set up by setup)
 
     _DRIVER_STATE = ("_fs", "_open", "_usage", "_flushed", "_schemas", "_uploads", "_made",
-                     "_stopping")
+                     "_stopping", "_guard")
 
     def __getstate__(self) -> dict[str, Any]:
         # Tasks need the configuration only; the driver's staging state stays on the driver.
@@ -247,7 +253,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self.__dict__.update(state)
         self._fs, self._open, self._flushed, self._schemas = None, {}, {}, {}
         self._uploads, self._made, self._usage = None, set(), Usage()
-        self._stopping = _never
+        self._stopping, self._guard = _never, _free
 
     def describe_params(self) -> str:
         return f"{self.url} ({self.format}, {self.rows})"
@@ -295,6 +301,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # leaves no claim behind.
         self._pipeline = ctx.pipeline
         self._stopping = ctx.stopping
+        self._guard = ctx.guard
         self._driver_host = socket.gethostname()
         self._driver_pid = os.getpid()
         if self.local_dir is not None:
@@ -745,7 +752,21 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
 
     def _upload(self, cut: Cut) -> None:
         """Runs on the upload thread: one file to storage."""
+        self._may_write()
         self._put(self._path(cut.key[0], cut.key[1], cut.name), data=cut.data, local=cut.local)
+
+    def _may_write(self) -> None:
+        """Before each upload: whether this run may still write (``SinkContext.guard``). A
+        run that another took over writes nothing more (the guard's error stops the upload
+        thread): the new run writes these rows again from the batches it replays, and a
+        late file of this run's would hold them twice. While the lease has run out (the
+        process was paused, the store did not answer the renewals) uploads wait, as on a
+        storage failure, until it is renewed."""
+        try:
+            self._guard()
+        except TransientError as exc:
+            msg = f"this run's lease ran out, so uploads wait until it is renewed ({exc})"
+            raise SinkIOError(msg) from exc
 
     def _uploaded(self, cut: Cut) -> None:
         """Runs on the upload thread after ``cut`` is in storage: the key's durable point,
@@ -761,6 +782,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             return
         self._checkpoint("uploaded", cut.batch_id)
         durable = self._mark()
+        self._may_write()
         self._put(self._path("_cdcflow", "durable.json"), self._mark_doc(durable))
         self._durable = max(self._durable or 0, durable)
         self._checkpoint("marked", cut.batch_id)

@@ -279,3 +279,34 @@ def test_a_signal_while_the_lease_is_released_stops_with_a_warning() -> None:
     assert proc.returncode == 130, err
     assert "signal 15 while the lease was being released: stopping now; the lease lapses " \
            "by itself" in err
+
+
+
+def test_a_run_taken_over_while_idle_does_not_flush_its_staged_output(tmp_path: Any) -> None:
+    """A run that another run took over (it was paused past its lease, say) must not make
+    its staged output durable on its way out: the run that took over replays those batches
+    into the same tables, so the old run's final flush held them twice."""
+    from cdcflow.transforms import WriteTables
+
+    now = time.time_ns()
+    stream = ScriptedChangeStream("S", partitions=1, origin=now - 3 * S)
+    for i in range(20):
+        stream.write("T", i, "INSERT", {"v": i}, at=now - 3 * S + i * S // 10)
+    p = cf.Pipeline("owned")
+    lake = tmp_path / "lake"
+    (p | cf.DetectPartitions(stream="S", start_at=now - 3 * S, client=stream)
+     | cf.ReadPartition() | WriteTables(f"file://{lake}", format="jsonl", flush_interval="1h"))
+    old = Engine(p, MemoryStore(), InMemoryRunner(workers=1),
+                 RunOptions(batch_interval=5.0, max_batch_span=10.0, lease_ttl=0.3))
+    store = old.store
+    thread, errors = _in_thread(old)
+    _wait_for_lease(store)
+    for _ in range(100):  # caught up: the changes are staged, and the run waits for more
+        if store.last_batch_id("owned") >= 2 and store.pending_plan("owned") is None:
+            break
+        time.sleep(0.05)
+    store.acquire_lease("owned", "elsewhere:1", "newer", 60 * S, replace=True)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], FencedError), errors
+    assert sorted(f.name for f in lake.rglob("part-*")) == []

@@ -447,3 +447,37 @@ def test_small_numerics_are_written_without_an_exponent(tmp_path: Path, format: 
         table = ds.dataset(tmp_path / "T", format="parquet").to_table()
         assert table["pg"].to_pylist() == ["-0.000000001"]
         assert table["n"].to_pylist() == [Decimal("-1E-9")]
+
+
+def test_uploads_wait_while_the_lease_ran_out_and_stop_once_taken_over(tmp_path: Path) -> None:
+    """``SinkContext.guard`` is checked before each upload: a run paused past its lease
+    uploads again once it is renewed, and a run another took over uploads nothing more
+    (that run replays these batches: a late file of this run's repeated their rows)."""
+    import threading
+
+    from cdcflow.errors import FencedError, LeaseExpiredError
+
+    failing: list[BaseException] = []
+
+    def guard() -> None:
+        if failing:
+            raise failing[0]
+
+    sink = WriteTables(str(tmp_path), format="jsonl", flush_interval="1h")
+    sink.setup(SinkContext("p", "WriteTables", "/", guard=guard))
+    _OPENED.append(sink)
+    fs = fsspec.filesystem("file")
+    _commit(sink, 1, [_record("T", 1)])
+    failing.append(LeaseExpiredError("the lease ran out"))
+    flushing = threading.Thread(target=sink.flush)
+    flushing.start()
+    time.sleep(0.5)
+    assert flushing.is_alive() and _parts(fs, str(tmp_path)) == []  # waits
+    failing.clear()  # renewed
+    flushing.join(timeout=10)
+    assert not flushing.is_alive() and len(_parts(fs, str(tmp_path))) == 1
+    _commit(sink, 2, [_record("T", 2)])
+    failing.append(FencedError("another run holds the pipeline now"))
+    with pytest.raises(FencedError):
+        sink.flush()
+    assert len(_parts(fs, str(tmp_path))) == 1
