@@ -584,20 +584,18 @@ def _one_line(error: BaseException) -> str:
     return "; ".join([text, *(" ".join(n.split()) for n in notes)])
 
 
-class _Unexpected(Exception):
-    """An error that is not cdcflow's, as its one line."""
-
-
-def _fail(error: BaseException, log_format: str) -> None:
-    """The one line an error ends the command with: plain, or a JSON log object."""
+def _fail(error: BaseException | str, log_format: str) -> None:
+    """The one line an error (or its text) ends the command with: plain, or a JSON log
+    object."""
+    text = error if isinstance(error, str) else _one_line(error)
     if log_format == "json":
         from cdcflow.progress import JsonFormatter
 
         record = logging.LogRecord("cdcflow.cli", logging.ERROR, __file__, 0, "%s",
-                                   (_one_line(error),), None)
+                                   (text,), None)
         print(JsonFormatter().format(record), file=sys.stderr)
     else:
-        print(f"cdcflow: error: {_one_line(error)}", file=sys.stderr)
+        print(f"cdcflow: error: {text}", file=sys.stderr)
 
 
 def _leave_busy_threads(code: int, grace: float = 2.0) -> None:
@@ -659,8 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # the pipeline's own code, a plugin's, or a defect of cdcflow
         if debug:
             raise
-        _fail(_Unexpected(f"{type(e).__name__}: {_one_line(e)}; --debug shows the traceback"),
-              log_format)
+        _fail(f"{type(e).__name__}: {_one_line(e)}; --debug shows the traceback", log_format)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("\ncdcflow: interrupted", file=sys.stderr)

@@ -28,6 +28,7 @@ __all__ = [
     "LostProgressError",
     "MissingColumnError",
     "OutputConflictError",
+    "OwedOutputError",
     "PipelineDefinitionError",
     "PipelineFileError",
     "PipelineStopped",
@@ -116,6 +117,14 @@ class OutputConflictError(UserInputError):
     Nothing was overwritten. The message names the place and the batch; write to a new
     path, resume with the metadata store that wrote the output, or delete it.
     """
+
+
+class OwedOutputError(UserInputError):
+    """A staging sink that is no longer in the pipeline had not made committed batches
+    durable yet, while a staging sink new to the pipeline appeared (a renamed label, most
+    likely): the new one would start at the last committed batch, and those batches would
+    be missing from that output for good. Give the old sink its label back and run once (a
+    graceful end makes its output durable), or start over with ``--reset``."""
 
 
 class LostProgressError(UserInputError):

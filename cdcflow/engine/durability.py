@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from cdcflow.errors import StoreError
+from cdcflow.errors import OwedOutputError, StoreError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import BatchPlan
 from cdcflow.transforms.base import Sink
@@ -57,6 +57,7 @@ class StagedSinks:
         through = self._committed_through()
         stored = self.store.durable_marks(self.pipeline)
         new = {label: through for label in self.sinks if label not in stored}
+        _check_owed(self.pipeline, stored, new, set(self.sinks), through)
         if new:
             self.store.mark_durable(self.pipeline, new, fence=self.fence())
         durable = {label: max(stored.get(label, through), _durable(s))
@@ -85,6 +86,27 @@ class StagedSinks:
         for sink in self.sinks.values():
             sink.flush()
         self.record()
+
+
+def _check_owed(pipeline: str, stored: Mapping[str, int], new: Mapping[str, int],
+                current: set[str], through: int) -> None:
+    """Refuse a staging sink new to the pipeline while one that left it is owed batches:
+    a renamed label would otherwise start at the last committed batch and leave the
+    batches its old label had staged out of the output for good (:class:`OwedOutputError`).
+    A sink that left and is owed nothing, or that comes back under its label (it gets what
+    it missed), is fine."""
+    owed = {label: mark for label, mark in stored.items()
+            if label not in current and mark < through}
+    if not new or not owed:
+        return
+    gone = ", ".join(f"{label!r} (batches {mark + 1}..{through})"
+                     for label, mark in sorted(owed.items()))
+    msg = (f"pipeline {pipeline!r}: sink {', '.join(map(repr, sorted(new)))} is new to the "
+           f"pipeline, while {gone} left it before those committed batches were durable in "
+           "its output; if you renamed a sink, give it its old label back and run once (a "
+           "graceful end makes its output durable), then rename it; to leave those batches "
+           "out, start over with --reset")
+    raise OwedOutputError(msg)
 
 
 def _durable(sink: Sink[Any, Any]) -> int:

@@ -121,10 +121,11 @@ def _stream() -> ScriptedChangeStream:
 
 
 def _run(runner: Runner, store_path: Path, sink: SegmentSink,
-         listener: EngineListener | None = None) -> Any:
+         listener: EngineListener | None = None, label: str = "SegmentSink") -> Any:
     p = cf.Pipeline("staged")
     (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 11 * S, client=_stream())
-     | cf.ReadPartition() | "v" >> cf.Map(lambda r: r.mods[0].new_values["v"]) | sink)
+     | cf.ReadPartition() | "v" >> cf.Map(lambda r: r.mods[0].new_values["v"])
+     | label >> sink)
     store = SQLiteStore(store_path)
     try:
         opts = RunOptions(batch_interval=0, max_batch_span=1.0)
@@ -165,6 +166,31 @@ def test_a_crash_after_the_store_commit_replays_only_what_was_not_durable(
     store.close()
     _run(runner, tmp_path / "s.db", SegmentSink(out, every=3))
     assert sorted(SegmentSink(out, 3).values()) == list(range(80))
+
+
+def test_a_renamed_staging_sink_that_was_owed_batches_is_refused(tmp_path: Path) -> None:
+    """A staging sink renamed after a crash would start at the last committed batch under
+    its new label, and the batches its old label had staged were lost for good (silently):
+    refused in one line, naming the way out; under its old label it gets them."""
+    from cdcflow.errors import OwedOutputError, UserInputError
+    from cdcflow.runners.in_memory import InMemoryRunner
+
+    out, db = tmp_path / "out", tmp_path / "s.db"
+    with pytest.raises(_Crash):
+        _run(InMemoryRunner(), db, SegmentSink(out, every=100), _CrashAfterStore(5))
+    assert SegmentSink(out, 100).values() == []  # five batches committed, none durable
+    with pytest.raises(OwedOutputError) as refused:
+        _run(InMemoryRunner(), db, SegmentSink(out, every=100), label="lake")
+    text = str(refused.value)
+    assert isinstance(refused.value, UserInputError) and "\n" not in text  # exit 2
+    assert "sink 'lake' is new to the pipeline, while 'SegmentSink' (batches 1..5) left it" \
+        in text
+    assert "give it its old label back and run once" in text and "--reset" in text
+    assert SegmentSink(out, 100).values() == []
+    _run(InMemoryRunner(), db, SegmentSink(out, every=100))  # its old label: all of it
+    assert sorted(SegmentSink(out, 100).values()) == list(range(80))
+    # owed nothing now (a graceful end made it durable): the rename goes through
+    assert _run(InMemoryRunner(), db, SegmentSink(out, every=100), label="lake").batches == 0
 
 
 def test_a_graceful_end_makes_everything_durable(tmp_path: Path) -> None:
