@@ -216,6 +216,7 @@ class Engine:
         )
         self._owner: Ownership | None = None
         self._sink_floor = 0
+        self._empty_sinks: list[str] = []
         self._sink_held = ("", 0)  # the sink whose own output reaches furthest, and where
         self._stop_reason = "interrupted"
 
@@ -269,9 +270,14 @@ class Engine:
         _check_locations(sinks)
         # Batch ids go on above any output a sink already holds (a lost or new store must
         # never make a sink reuse a batch id it committed before).
-        self._sink_floor = max((s.last_committed_batch() for s in sinks.values()), default=0)
+        committed = {label: s.last_committed_batch() for label, s in sinks.items()}
+        self._sink_floor = max(committed.values(), default=0)
         # ...and the output they know this pipeline committed (see _check_not_lost)
         owned = {label: s.owned_batch() for label, s in sinks.items()}
+        # sinks that write somewhere of their own and hold nothing there (see _first_run)
+        self._empty_sinks = [label for label, s in sinks.items()
+                             if s.output_location() is not None
+                             and committed[label] == 0 and owned[label] == 0]
         self._sink_held = max(owned.items(), key=lambda item: item[1], default=("", 0))
         # Built (and its chain pickled) after setup: tasks need what setup resolved, such as
         # WriteFiles' directory.
@@ -437,6 +443,12 @@ class Engine:
         stored_parts = self.store.partitions(name)
         now = self._clock()
         if stored_parts or self.store.pending_plan(name) is not None:
+            for label in self._empty_sinks:
+                _log.warning(
+                    "sink %r holds no output of pipeline %s, which resumes from stored "
+                    "progress: if the sink is new to the pipeline, it receives the changes "
+                    "from here on, not those committed before (to fill it from the start, "
+                    "run it in a pipeline of its own)", label, name)
             absolute = source.end_at is not None and not is_relative_time(source.end_at)
             return resume_source(self.store, name, definition,
                                  source.end_ns(now) if absolute else None,

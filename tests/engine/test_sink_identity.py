@@ -5,6 +5,7 @@ failure retried with backoff, not an element error."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,22 @@ def test_a_memory_store_starts_over_by_choice_without_a_refusal(tmp_path: Path) 
     lines = [line for f in (tmp_path / "out").glob("*.jsonl")
              for line in f.read_text().splitlines()]
     assert len(lines) == 2 * 30
+
+
+def test_a_sink_added_to_a_pipeline_with_progress_is_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sink added later takes the changes from then on: it was silent, and its
+    directory's _watermark.json then claimed all the changes below it."""
+    store = SQLiteStore(tmp_path / "s.db")
+    _run(_files(cf.Pipeline("grows"), "a" >> cf.WriteFiles("a")), store, tmp_path,
+         max_batches=2)
+    with caplog.at_level(logging.WARNING, logger="cdcflow"):
+        _run(_files(cf.Pipeline("grows"), "a" >> cf.WriteFiles("a"),
+                    "b" >> cf.WriteFiles("b")), store, tmp_path)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [m for m in said if "holds no output" in m] == [
+        "sink 'b' holds no output of pipeline grows, which resumes from stored progress: if "
+        "the sink is new to the pipeline, it receives the changes from here on, not those "
+        "committed before (to fill it from the start, run it in a pipeline of its own)"]
+    store.close()
