@@ -3,15 +3,17 @@
 A pipeline's stored progress belongs to the source definition it began with (database,
 stream, start_at, end_at, snapshot; :meth:`DetectPartitions.definition`). A run whose
 definition differs resumes the stored progress as it is and warns (``strict`` refuses),
-with one exception: **an earlier end_at**. An absolute ``end_at`` (RFC 3339 text, a
-datetime, nanoseconds) at or before the end the stored progress reads to (none: never) is
-applied: the new definition is stored with that end (``end_ns``, the exclusive end in
-nanoseconds), and from then on every partition ends there (:func:`end_cap`, applied by
-:class:`~cdcflow.engine.partitions.PartitionView`). Partitions already read past it finish
-at once; what was read past it stays delivered. A batch planned before the change is
-replayed as it was planned (output identity), so it may read past the new end. A *later*
-end_at cannot be applied: partitions that reached the stored end have finished, and the
-child partitions after it were never read.
+with two exceptions. **Another database or stream** is refused
+(:class:`~cdcflow.errors.PipelineDefinitionError`): the stored partitions are the old
+stream's, whose tokens the new one cannot read. **An earlier end_at**: an absolute
+``end_at`` (RFC 3339 text, a datetime, nanoseconds) at or before the end the stored
+progress reads to (none: never) is applied: the new definition is stored with that end
+(``end_ns``, the exclusive end in nanoseconds), and from then on every partition ends
+there (:func:`end_cap`, applied by :class:`~cdcflow.engine.partitions.PartitionView`).
+Partitions already read past it finish at once; what was read past it stays delivered. A
+batch planned before the change is replayed as it was planned (output identity), so it
+may read past the new end. A *later* end_at cannot be applied: partitions that reached
+the stored end have finished, and the child partitions after it were never read.
 """
 
 from __future__ import annotations
@@ -88,6 +90,12 @@ def resume_source(
     changed = sorted(k for k in set(given) | set(definition) if given.get(k) != definition.get(k))
     summary = ", ".join(f"{k} {given.get(k)!r} -> {definition.get(k)!r}" for k in changed)
     msg = f"pipeline {pipeline!r}: its source changed since its stored progress began ({summary}); "
+    if {"database", "stream"} & set(changed):
+        # the stored partitions are the old stream's: their tokens mean nothing to another
+        msg += ("the stored progress is another change stream's partitions, which this one "
+                "cannot read: run with --reset to start over with the new source, or give "
+                "the pipeline a new name")
+        raise PipelineDefinitionError(msg)
     if changed == ["end_at"]:
         # the end the stored progress reads to: one applied before, else the one the
         # pipeline began with, which every partition inherited

@@ -154,3 +154,20 @@ def test_an_unchanged_end_at_holds_to_the_nanosecond() -> None:
 def test_end_cap_is_the_end_applied_on_resume() -> None:
     assert end_cap({"end_at": "2023-11-14T22:13:20Z"}) is None  # as the pipeline began
     assert end_cap({"end_at": "2023-11-14T22:13:20Z", END_KEY: T0 + 1}) == T0 + 1
+
+
+def test_another_stream_cannot_resume_the_stored_progress() -> None:
+    """The stored partitions are the old stream's: reading them in another stream failed
+    later, with exit 1 or 2 depending on what the query said, after a warning that the
+    run resumes."""
+    stream, sink, store = _stream(), cf.Collect[DataChangeRecord](), MemoryStore()
+    _run(stream, sink, store, None, max_batches=1)
+    p = cf.Pipeline(NAME)
+    other = ScriptedChangeStream("S2", partitions=2, origin=T0)
+    p | cf.DetectPartitions(stream="S2", start_at=T0, client=other) | \
+        cf.ReadPartition() | sink
+    with pytest.raises(PipelineDefinitionError) as refused:
+        Engine(p, store, InMemoryRunner(), RunOptions(batch_interval=0, max_batches=1)).run()
+    text = str(refused.value)
+    assert "stream 'S' -> 'S2'" in text and "another change stream's partitions" in text
+    assert "--reset" in text and "\n" not in text
