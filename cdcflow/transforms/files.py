@@ -640,7 +640,11 @@ class WriteFiles(Sink[Any, WrittenFile]):
         self._drop_temps(batch_id, [m.temp for m in messages])
 
     def on_watermark(self, watermark_ns: int) -> None:
-        """Atomically write ``_watermark.json``; a smaller value than the last is ignored."""
+        """Atomically write ``_watermark.json``; a value no larger than the one there is
+        ignored (a run that starts over, with ``--reset`` or a ``memory://`` store, begins
+        below it, and what the file says still holds: the earlier output is there)."""
+        if self._last_watermark is None:
+            self._last_watermark = self._stored_watermark()
         if self._last_watermark is not None and watermark_ns <= self._last_watermark:
             return
         directory = self._dir()
@@ -651,3 +655,11 @@ class WriteFiles(Sink[Any, WrittenFile]):
         temp = os.path.join(directory, f"._watermark.json.{scope}.{os.getpid()}.tmp")
         write_atomic(os.path.join(directory, "_watermark.json"), temp, body, self.fsync)
         self._last_watermark = watermark_ns
+
+    def _stored_watermark(self) -> int | None:
+        """The ``ns`` of the directory's ``_watermark.json`` (None: none, or unreadable)."""
+        data = _read_if_there(os.path.join(self._dir(), "_watermark.json"))
+        try:
+            return None if data is None else int(orjson.loads(data)["ns"])
+        except (ValueError, KeyError, TypeError):
+            return None

@@ -536,3 +536,20 @@ def test_a_killed_runs_watermark_temp_file_is_removed_by_the_next_setup(tmp_path
     again = WriteFiles(out)
     again.setup(SinkContext(pipeline="p", sink_label="out", base_dir=str(tmp_path)))
     assert not left.exists() and live.exists()
+
+
+def test_the_watermark_file_never_moves_back_across_runs(tmp_path: Path) -> None:
+    """A run that starts over (--reset, a memory:// store) begins below the watermark an
+    earlier run wrote; the file keeps the larger value, which still holds (the earlier
+    output is there)."""
+    out = tmp_path / "out"
+
+    def stored() -> int:
+        return int(orjson.loads((out / "_watermark.json").read_bytes())["ns"])
+
+    _sink(out).on_watermark(100)
+    again = _sink(out)
+    again.on_watermark(50)
+    assert stored() == 100
+    again.on_watermark(150)
+    assert stored() == 150
