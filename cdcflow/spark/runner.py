@@ -125,6 +125,15 @@ appender.console.layout.type = PatternLayout
 appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
 """
 
+# A failed task: cdcflow names it and its cause in one line of its own, where Spark's
+# executor and scheduler print the Python traceback of every attempt (hundreds of lines).
+# Kept with --debug.
+_QUIET_TASK_FAILURES = """logger.executor.name = org.apache.spark.executor.Executor
+logger.executor.level = off
+logger.tasks.name = org.apache.spark.scheduler.TaskSetManager
+logger.tasks.level = off
+"""
+
 
 def local_master(master: str | None) -> str:
     """The master to use: ``local[*]`` by default, and a bare ``local``/``local[N]`` gets
@@ -442,8 +451,9 @@ class SparkRunner:
             _sweep_log_dirs()
             self._log_dir = tempfile.TemporaryDirectory(prefix=f"{_LOG_DIR_PREFIX}{os.getpid()}-")
         path = os.path.join(self._log_dir.name, "log4j2.properties")
+        debug = logging.getLogger("cdcflow").isEnabledFor(logging.DEBUG)
         with open(path, "w", encoding="utf-8") as f:
-            f.write(_QUIET_LOG4J2)
+            f.write(_QUIET_LOG4J2 if debug else _QUIET_LOG4J2 + _QUIET_TASK_FAILURES)
         return path
 
     def _broadcast(self, program: bytes) -> Any:
@@ -537,7 +547,8 @@ class SparkRunner:
             return carried
         msg = (
             f"Spark {which} failed{attempts}: {_cause_text(exc)}. Nothing of the batch was "
-            "committed; fix the cause (see the executor log) and run again to replay it"
+            "committed; fix the cause (the executor log has the traceback; with a local "
+            "master, --debug prints it) and run again to replay it"
         )
         return SparkTaskError(msg)
 

@@ -465,6 +465,45 @@ def test_a_master_spark_cannot_use_is_one_line_and_exit_2(tmp_path: Path) -> Non
     assert "Traceback" not in done.stderr
 
 
+def test_a_failing_task_is_one_line_not_every_attempt_s_traceback(tmp_path: Path) -> None:
+    """Spark's executor and scheduler printed the Python traceback of each of the four
+    attempts (about 230 lines) above cdcflow's own line; --debug still shows them."""
+    path = tmp_path / "p.py"
+    path.write_text(textwrap.dedent("""
+        import cdcflow as cf
+        from cdcflow.testing import ScriptedChangeStream
+
+        stream = ScriptedChangeStream("S", partitions=1, origin=10**18)
+        stream.write("T", 1, "INSERT", {"v": 1}, at=10**18 + 1000)
+
+        class NeedsRedis(cf.DoFn):
+            def setup(self):
+                raise ImportError("needs redis: pip install redis")
+
+            def process(self, element):
+                yield element
+
+        pipeline = cf.Pipeline("failing")
+        (pipeline | cf.DetectPartitions(stream="S", start_at=10**18, end_at=10**18 + 10**9,
+                                        client=stream)
+         | cf.ReadPartition() | "enrich" >> cf.ParDo(NeedsRedis()) | cf.Collect())
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "CDCFLOW_DEBUG"}
+    argv = [sys.executable, "-m", "cdcflow", "run", str(path), "--runner", "spark",
+            "--master", "local[2]", "--metadata", "memory://"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("cdcflow: error: Spark task 0 ") and "in setup() of step 'enrich'" \
+        in last and "--debug prints it" in last
+    assert "Traceback" not in done.stderr and "ERROR Executor" not in done.stderr
+    assert len(done.stderr.splitlines()) < 20, done.stderr[-3000:]
+    debug = subprocess.run([*argv[:3], "--debug", *argv[3:]], capture_output=True, text=True,
+                           timeout=180, env=env, cwd=tmp_path)
+    assert "ERROR Executor" in debug.stderr
+
+
 def test_executors_log_in_the_drivers_format(tmp_path: Path) -> None:
     """With --log-format json, what the executors' Python workers log (an element skipped)
     comes out as JSON lines naming the pipeline, as the driver's lines do."""
