@@ -41,6 +41,7 @@ __all__ = [
     "SparkTaskError",
     "StartTooEarlyError",
     "StoreError",
+    "StoreNotFoundError",
     "StoreSetupError",
     "StoreURLError",
     "StreamNotFoundError",
@@ -191,6 +192,14 @@ class StoreSetupError(StoreError, ConfigurationError):
     """A metadata store cannot be opened (a path that cannot be written, a file that is not
     a store, a server that does not answer, a database that does not exist); the message
     says what to check. Exit code 2."""
+
+
+class StoreNotFoundError(StoreSetupError):
+    """A store opened without creating anything (``open_store(url, create=False)``, as
+    ``cdcflow status`` does) is not there: no such file, instance or database, or a database
+    without the store's tables (another database, a wrong ``?table=``). Nothing was
+    created; the message says to check the URL, or to create the store (a run, or
+    ``cdcflow metadata init URL``). Exit code 2."""
 
 
 class WatermarkRegressionError(StoreError):

@@ -7,10 +7,16 @@
 ``cdcflow.metadata`` entry-point group, such as
 ``spanner://projects/P/instances/I/databases/D[?table=NAME]``. A plugin store class provides
 ``from_url(url) -> store``.
+
+Commands that only read (``cdcflow status``) open with ``create=False``: a store that is
+not there is reported (:class:`~cdcflow.errors.StoreNotFoundError`), never created. A
+plugin whose ``from_url`` takes a ``create`` keyword is given it; any other is opened with
+``from_url(url)`` as always.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
@@ -29,8 +35,26 @@ _SCHEME = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 _GROUP = "cdcflow.metadata"
 
 
-def open_store(url: str) -> MetadataStore:
+def _takes_create(from_url: Any) -> bool:
+    """Whether a plugin's ``from_url`` accepts ``create=`` (a parameter of that name)."""
+    try:
+        parameter = inspect.signature(from_url).parameters.get("create")
+    except (TypeError, ValueError):  # no signature to inspect: called as the contract says
+        return False
+    return parameter is not None and parameter.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def open_store(url: str, *, create: bool = True) -> MetadataStore:
     """Open the metadata store named by ``url``.
+
+    ``create=False`` opens only a store that is there, and changes nothing on the way: no
+    file, directory, instance, database, table or column is created or upgraded. A URL that
+    names no store raises :class:`~cdcflow.errors.StoreNotFoundError` (the Spanner store,
+    which connects on first use, raises it from its first operation); a store of an
+    earlier version raises :class:`~cdcflow.errors.StoreSetupError` naming the upgrade.
+    The memory store holds nothing to create. A plugin store is given ``create=False``
+    only when its ``from_url`` takes that keyword.
 
     Raises :class:`~cdcflow.errors.StoreURLError` for a malformed URL or an unknown scheme,
     with the valid forms in the message. Stores other than memory and SQLite are loaded
@@ -46,7 +70,7 @@ def open_store(url: str) -> MetadataStore:
     if scheme == "memory":
         return MemoryStore.from_url(url)
     if scheme == "sqlite":
-        return SQLiteStore.from_url(url)
+        return SQLiteStore.from_url(url, create=create)
     if scheme not in available(_GROUP):
         installed = ", ".join(sorted({"memory", "sqlite", *available(_GROUP)}))
         msg = (
@@ -61,7 +85,9 @@ def open_store(url: str) -> MetadataStore:
                "classmethod: a store plugin is opened with StoreClass.from_url(url)")
         raise PluginError(msg)
     try:
-        store: MetadataStore = from_url(url)
+        store: MetadataStore = (
+            from_url(url) if create or not _takes_create(from_url) else from_url(url, create=False)
+        )
     except CdcflowError:
         raise
     except Exception as e:  # the plugin's own failure to open

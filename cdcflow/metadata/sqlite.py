@@ -13,6 +13,10 @@ StoreSetupError. The store remembers which file it opened (device and inode): a 
 the file was deleted or replaced under it is refused (FencedError from ``renew_lease``, so a
 run stops within a third of its lease), instead of going on in a file no one else sees
 while a second run starts on a new one.
+
+Opened with ``create=False`` (``cdcflow status``), the store creates and changes nothing:
+a file that does not exist, or that holds no cdcflow store, raises StoreNotFoundError,
+and a store of an earlier version is not upgraded (StoreSetupError names the upgrade).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from urllib.parse import quote
 import attrs
 
 from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import FencedError, StoreError, StoreSetupError
+from cdcflow.errors import FencedError, StoreError, StoreNotFoundError, StoreSetupError
 from cdcflow.metadata import _rules
 from cdcflow.model import (
     BatchPlan,
@@ -189,7 +193,9 @@ class SQLiteStore:
     """A MetadataStore in one SQLite file; see the protocol for the contract.
 
     Thread-safe (one connection behind a lock). ``busy_timeout`` is how long a write waits
-    for another process's transaction before raising StoreError.
+    for another process's transaction before raising StoreError. ``create=False`` opens
+    only a file that holds a store of this version, creating and changing nothing (see the
+    module docstring).
     """
 
     def __init__(
@@ -199,19 +205,26 @@ class SQLiteStore:
         busy_timeout: float = 30.0,
         clock: Callable[[], int] = time.time_ns,
         batch_log_size: int = _rules.DEFAULT_BATCH_LOG_SIZE,
+        create: bool = True,
     ) -> None:
         self._path = Path(path).expanduser().absolute()
+        self._create = create
         self._clock = clock
         self._batch_log_size = _rules.check_log_size(batch_log_size)
         self._lock = threading.RLock()
         self._opening = True  # every failure until the store is open is a setup error
         self._wrote = False  # a write committed since: a refused write is no setup error
-        try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            msg = f"cannot create the directory of the SQLite store {self._path}: {e}; "
-            msg += "choose a writable location"
-            raise StoreSetupError(msg) from e
+        if not create:
+            if not self._path.is_file():
+                what = "it is a directory" if self._path.is_dir() else "no such file"
+                raise self._not_found(what)
+        else:
+            try:
+                self._path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                msg = f"cannot create the directory of the SQLite store {self._path}: {e}; "
+                msg += "choose a writable location"
+                raise StoreSetupError(msg) from e
         # A store this process cannot write is opened read-only: reads (cdcflow status)
         # work, and the first write says what to fix (StoreSetupError).
         self._read_only = _unwritable(self._path) if self._path.is_file() else None
@@ -234,10 +247,14 @@ class SQLiteStore:
 
     def _connect(self, busy_timeout: float) -> sqlite3.Connection:
         # isolation_level=None: transactions are begun and ended explicitly below.
-        if self._read_only is None:
+        if self._read_only is None and self._create:
             return sqlite3.connect(
                 self._path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
             )
+        if self._read_only is None:  # mode=rw: a file removed meanwhile is not made anew
+            return sqlite3.connect(f"file:{quote(str(self._path))}?mode=rw", uri=True,
+                                   timeout=busy_timeout, isolation_level=None,
+                                   check_same_thread=False)
         uri = f"file:{quote(str(self._path))}?mode=ro"
         conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout, isolation_level=None,
                                check_same_thread=False)
@@ -256,8 +273,12 @@ class SQLiteStore:
     def _setup(self, conn: sqlite3.Connection, busy_timeout: float) -> None:
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            if self._read_only is not None or not self._create:
+                self._check_existing(conn)
             if self._read_only is not None:
-                self._check_read_only(conn)
+                return
+            if not self._create:  # a store of this version is in WAL mode already
+                conn.execute("PRAGMA synchronous = FULL")
                 return
             # Switching to WAL does not wait on the busy timeout: two processes opening a
             # new file at once would see "database is locked". Retry it within the timeout.
@@ -290,20 +311,34 @@ class SQLiteStore:
             elif version > SCHEMA_VERSION:
                 raise self._newer(version)
 
-    def _check_read_only(self, conn: sqlite3.Connection) -> None:
-        """A read-only file must hold a store of this version already: it cannot be set up."""
+    def _check_existing(self, conn: sqlite3.Connection) -> None:
+        """A read-only file, or one opened with ``create=False``, must hold a store of this
+        version already: it is not set up or upgraded."""
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
         row = (conn.execute("SELECT MAX(version) FROM cdcflow_schema").fetchone()
                if "cdcflow_schema" in tables else None)
         version = row[0] if row else None
         if version is not None and version > SCHEMA_VERSION:
             raise self._newer(version)
+        if version != SCHEMA_VERSION and not self._create:
+            if version is None:
+                raise self._not_found("it has no cdcflow tables")
+            msg = (f"the SQLite store {self._path} has schema version {version}, which this "
+                   f"cdcflow upgrades in place when it writes: upgrade it with `cdcflow "
+                   f"metadata init {self.url}` (or a run of a pipeline), then try again")
+            raise StoreSetupError(msg)
         if version != SCHEMA_VERSION:
             what = "holds no cdcflow store" if version is None else (
                 f"has schema version {version}, which this cdcflow upgrades in place")
             msg = f"the SQLite store {self._path} {what}, but {self._read_only}; "
             msg += "make it writable, or point the URL at a writable location"
             raise StoreSetupError(msg)
+
+    def _not_found(self, why: str) -> StoreNotFoundError:
+        return StoreNotFoundError(
+            f"{self.url} holds no cdcflow metadata ({why}): check the URL, or run a pipeline "
+            f"(or `cdcflow metadata init {self.url}`) to create it"
+        )
 
     def _newer(self, version: int) -> StoreSetupError:
         return StoreSetupError(
@@ -354,9 +389,10 @@ class SQLiteStore:
         raise error(msg)
 
     @classmethod
-    def from_url(cls, url: str) -> SQLiteStore:
-        """``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db``."""
-        return cls(_parse_url(url))
+    def from_url(cls, url: str, *, create: bool = True) -> SQLiteStore:
+        """``sqlite:///relative/path.db`` or ``sqlite:////absolute/path.db``; ``create``:
+        as the constructor's."""
+        return cls(_parse_url(url), create=create)
 
     @property
     def url(self) -> str:

@@ -104,6 +104,31 @@ def test_other_schemes_come_from_the_plugin_registry(monkeypatch: pytest.MonkeyP
     assert _FakeStore.opened == ["fake://somewhere/db?table=T"]
 
 
+class _CarefulStore:
+    """A plugin store that creates what it lacks, unless opened with create=False."""
+
+    opened: list[tuple[str, bool]] = []
+
+    @classmethod
+    def from_url(cls, url: str, *, create: bool = True) -> MemoryStore:
+        cls.opened.append((url, create))
+        return MemoryStore()
+
+
+def test_create_false_reaches_only_the_plugins_that_take_it(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugins: dict[str, Any] = {"fake": _FakeStore, "careful": _CarefulStore}
+    monkeypatch.setattr(metadata, "available", lambda group: [*plugins, "memory", "sqlite"])
+    monkeypatch.setattr(metadata, "load_plugin", lambda group, name: plugins[name])
+    monkeypatch.setattr(_FakeStore, "opened", [])
+    open_store("careful://x", create=False)
+    open_store("careful://y")
+    open_store("fake://z", create=False)
+    assert _CarefulStore.opened == [("careful://x", False), ("careful://y", True)]
+    assert _FakeStore.opened == ["fake://z"]  # from_url(url), as the plugin contract says
+
+
 def test_a_broken_plugin_is_reported_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
     def load_plugin(group: str, name: str) -> Any:
         msg = f"plugin {name!r} failed to load: ImportError: no module"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cdcflow.errors import PlanConflictError, StoreError
+from cdcflow.errors import PlanConflictError, StoreError, StoreNotFoundError, StoreSetupError
 from cdcflow.metadata import SQLiteStore, open_store, sqlite_url
 from cdcflow.metadata.sqlite import SCHEMA_VERSION
 from cdcflow.model import MAX_NS, BatchPlan, PartitionMetadata, PartitionState, PartitionUpdate
@@ -221,3 +221,53 @@ def test_a_version_3_file_gets_the_batch_statistics_column(tmp_path: Path) -> No
     with sqlite3.connect(db) as raw:
         assert raw.execute("SELECT MAX(version) FROM cdcflow_schema").fetchone() == (
             SCHEMA_VERSION,)
+
+
+def _files(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_opening_without_create_creates_and_changes_nothing(tmp_path: Path) -> None:
+    # What `cdcflow status` opens: a mistyped URL, or another program's database, is
+    # reported, not made into a store.
+    missing = tmp_path / "no" / "such.db"
+    with pytest.raises(StoreNotFoundError, match=r"holds no cdcflow metadata \(no such file\)"
+                       r".*or `cdcflow metadata init sqlite:///.*/such.db`\) to create it"):
+        open_store(sqlite_url(missing), create=False)
+    with pytest.raises(StoreNotFoundError, match=r"\(it is a directory\)"):
+        SQLiteStore(tmp_path, create=False)
+    app = tmp_path / "app.db"
+    with sqlite3.connect(app) as raw:
+        raw.execute("CREATE TABLE users (id INTEGER PRIMARY KEY)")
+    raw.close()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    before = {p: p.read_bytes() for p in (app, empty)}
+    for path in (app, empty):
+        with pytest.raises(StoreNotFoundError, match=r"\(it has no cdcflow tables\): check"):
+            open_store(sqlite_url(path), create=False)
+    assert _files(tmp_path) == ["app.db", "empty.db"]  # no directory, no -wal, no -journal
+    assert {p: p.read_bytes() for p in (app, empty)} == before
+
+
+def test_opening_without_create_reads_a_store_and_does_not_upgrade_one(db: Path) -> None:
+    store = SQLiteStore(db)
+    store.insert_partitions(P, [part("a")])
+    store.close()
+    store = SQLiteStore(db, create=False)
+    try:
+        assert [p.token for p in store.partitions(P)] == ["a"] and store.pipelines() == [P]
+        assert store.insert_partitions(P, [part("b")]) == 1  # an open store is a store
+    finally:
+        store.close()
+    with sqlite3.connect(db) as raw:  # the file as version 3 wrote it
+        raw.execute("ALTER TABLE batches DROP COLUMN stats")
+        raw.execute("UPDATE cdcflow_schema SET version = 3")
+    raw.close()
+    with pytest.raises(StoreSetupError, match=r"schema version 3, .*upgrade it with `cdcflow "
+                       r"metadata init sqlite:///.*` \(or a run of a pipeline\)"):
+        SQLiteStore(db, create=False)
+    with sqlite3.connect(db) as raw:
+        assert raw.execute("SELECT MAX(version) FROM cdcflow_schema").fetchone() == (3,)
+        assert "stats" not in {row[1] for row in raw.execute("PRAGMA table_info(batches)")}
+    raw.close()
