@@ -10,7 +10,7 @@ are in :mod:`cdcflow.spanner._store_sql`. google-cloud-spanner is imported lazil
 Bounded RPCs. The stock client retries on its own: UNAVAILABLE commits for up to an hour,
 most other calls for 30 s, and streaming reads restart after UNAVAILABLE without bound or
 delay. The store retries with its one policy instead, so every RPC it makes here goes out
-with ``retry=None`` and a deadline (:func:`bound_rpcs`, :func:`database_exists`,
+with ``retry=None`` and a deadline (:func:`bound_rpcs`, :func:`missing_database`,
 :func:`ensure_schema`). Within :func:`call_deadline` a thread's RPCs get a shorter one:
 the lease's small transactions must notice a dead connection well before the lease lapses.
 """
@@ -51,14 +51,15 @@ __all__ = [
     "BrokenCall",
     "bound_rpcs",
     "data_connection",
-    "database_exists",
     "detect_dialect",
     "ensure_schema",
+    "missing_database",
     "opt_ns",
     "parse_spanner_url",
     "row_to_lease",
     "row_to_partition",
     "row_to_plan",
+    "schema_changes",
     "to_ns",
     "to_spanner",
     "transient",
@@ -132,20 +133,11 @@ def detect_dialect(db: Any) -> Dialect:
     return POSTGRESQL if rows and rows[0][0] == POSTGRESQL else GOOGLE_SQL
 
 
-def ensure_schema(
-    db: Any, admin_api: Any, database: str, sql: StoreSql, timeout: float
-) -> list[str]:
-    """Create or upgrade the store's tables and indexes; return what was created.
-
-    ``admin_api`` is the client's ``database_admin_api``; ``timeout`` bounds the schema
-    change request (waiting for the change to finish takes up to 300 s more). Tables that
-    exist must have the store's columns. A partition table of an earlier version (no
-    ``GcAfter``, its row deletion policy on ``FinishedAt``) gets the column and has its
-    policy moved to it, so the TTL no longer removes finished partitions a resumed run
-    needs; a batch log without ``Stats`` gets that column. Safe to run concurrently and to
-    retry: every statement is idempotent (``IF NOT EXISTS``, or replaces the policy with
-    the same one).
-    """
+def schema_changes(db: Any, database: str, sql: StoreSql) -> tuple[list[str], list[str]]:
+    """What :func:`ensure_schema` would do in ``db``, found by reading its information
+    schema only: the DDL statements, and the names of what they create (tables, indexes,
+    columns, the policy). Both are empty for a store of this version. A table that exists
+    without the store's columns raises StoreError (another table of that name)."""
     t = sql.tables
     with db.snapshot(multi_use=True) as snap:
         objects = {name: ttl for name, ttl in sql.schema_objects().run(snap)}
@@ -175,6 +167,24 @@ def ensure_schema(
     if t.batches in objects and "Stats" not in columns.get(t.batches, ()):
         statements.append(sql.add_batch_stats())
         changes.append(f"{t.batches}.Stats")
+    return statements, changes
+
+
+def ensure_schema(
+    db: Any, admin_api: Any, database: str, sql: StoreSql, timeout: float
+) -> list[str]:
+    """Create or upgrade the store's tables and indexes; return what was created.
+
+    ``admin_api`` is the client's ``database_admin_api``; ``timeout`` bounds the schema
+    change request (waiting for the change to finish takes up to 300 s more). Tables that
+    exist must have the store's columns. A partition table of an earlier version (no
+    ``GcAfter``, its row deletion policy on ``FinishedAt``) gets the column and has its
+    policy moved to it, so the TTL no longer removes finished partitions a resumed run
+    needs; a batch log without ``Stats`` gets that column (:func:`schema_changes`). Safe
+    to run concurrently and to retry: every statement is idempotent (``IF NOT EXISTS``, or
+    replaces the policy with the same one).
+    """
+    statements, changes = schema_changes(db, database, sql)
     if statements:
         operation = admin_api.update_database_ddl(
             request={"database": database, "statements": statements},
@@ -340,17 +350,19 @@ def use_session_pool_on_emulator() -> None:
         os.environ.setdefault("GOOGLE_CLOUD_SPANNER_MULTIPLEXED_SESSIONS_FOR_RW", "false")
 
 
-def database_exists(admin_api: Any, database: str, timeout: float) -> bool:
-    """Whether ``database`` exists: ``Database.exists()`` without its hour of retries."""
+def missing_database(admin_api: Any, database: str, timeout: float) -> str | None:
+    """None when ``database`` exists; else what is missing, ``"instance"`` or ``"database"``
+    (``Database.exists()`` without its hour of retries; the server's NotFound says which)."""
     from google.api_core.exceptions import NotFound
 
     try:
         admin_api.get_database_ddl(
             database=database, metadata=_routing(database), retry=None, timeout=timeout
         )
-    except NotFound:
-        return False
-    return True
+    except NotFound as e:
+        text = str(getattr(e, "message", "") or e).lower()
+        return "instance" if text.startswith("instance not found") else "database"
+    return None
 
 
 def to_spanner(ns: int) -> Any:

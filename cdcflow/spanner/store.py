@@ -4,7 +4,11 @@ URL: ``spanner://projects/P/instances/I/databases/D[?table=NAME]``. The database
 against the emulator (``SPANNER_EMULATOR_HOST`` set) a missing instance and database are
 created. GoogleSQL and PostgreSQL-dialect databases both work: the store reads the dialect
 from the database and speaks it (:mod:`cdcflow.spanner._store_sql`). Four tables are
-created on first use, or by :func:`init_store` (``cdcflow metadata init URL``):
+created on first use, or by :func:`init_store` (``cdcflow metadata init URL``); a store
+made with ``create=False`` (``cdcflow status``) creates and changes nothing, on the
+emulator too: its first operation raises StoreNotFoundError when the instance, the
+database or the tables are missing, and StoreSetupError when they are of an earlier
+version (``check_schema``).
 
 - ``NAME`` (default ``CdcflowPartitions``): Beam's PartitionMetadata columns keyed by
   ``(PipelineName, PartitionToken)``, commit-timestamp ``*At`` columns, Beam's two indexes
@@ -80,7 +84,7 @@ from typing import Any, TypeVar
 import attrs
 
 from cdcflow.backoff import RetryPolicy
-from cdcflow.errors import StoreError, StoreSetupError
+from cdcflow.errors import StoreError, StoreNotFoundError, StoreSetupError
 from cdcflow.metadata import _rules
 from cdcflow.model import (
     BatchPlan,
@@ -159,7 +163,8 @@ class SpannerStore:
     deadline of every RPC; ``mutation_budget`` bounds the mutations of every transaction
     (see the module docstring). ``aborted_attempts`` counts transaction attempts that
     Spanner aborted and this store retried; ``transactions`` counts the read-write
-    transactions it committed.
+    transactions it committed. ``create=False``: the store creates nothing (no instance,
+    database, table or column) and requires them all (see the module docstring).
     """
 
     def __init__(
@@ -172,6 +177,7 @@ class SpannerStore:
         retry: RetryPolicy = DEFAULT_RETRY,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         mutation_budget: int = DEFAULT_MUTATION_BUDGET,
+        create: bool = True,
     ) -> None:
         if not call_timeout > 0:
             msg = f"SpannerStore(call_timeout={call_timeout}): use a positive number of seconds"
@@ -192,6 +198,7 @@ class SpannerStore:
         self.retry = retry
         self.call_timeout = float(call_timeout)
         self.mutation_budget = limits.check_budget(mutation_budget)
+        self.create = create
         self.transactions = 0
         self._batch_log_size = _rules.check_log_size(batch_log_size)
         self._client = client
@@ -204,10 +211,11 @@ class SpannerStore:
         self._retries = StoreRetries(self.url)
 
     @classmethod
-    def from_url(cls, url: str) -> SpannerStore:
-        """``spanner://projects/P/instances/I/databases/D[?table=NAME]``."""
+    def from_url(cls, url: str, *, create: bool = True) -> SpannerStore:
+        """``spanner://projects/P/instances/I/databases/D[?table=NAME]``; ``create``: as the
+        constructor's."""
         path, table = parse_spanner_url(url)
-        return cls(path, table=table)
+        return cls(path, table=table, create=create)
 
     @property
     def url(self) -> str:
@@ -254,6 +262,8 @@ class SpannerStore:
             try:
                 self._db = self._retrying("connecting", self._open, retry_if=retry_if,
                                           fix="check the URL and access")
+            except StoreSetupError:
+                raise
             except StoreError as e:  # the first contact: the store cannot be used at all
                 cause = e.__cause__
                 if isinstance(cause, schema.BrokenCall):
@@ -273,9 +283,12 @@ class SpannerStore:
 
             self._client = spanner.Client(project=self._project, disable_builtin_metrics=True)
         db = self._client.instance(self._instance_id).database(self._database_id)
-        if not self._admin_call(
-            lambda admin: schema.database_exists(admin, self.database_path, self.call_timeout)
-        ):
+        missing = self._admin_call(
+            lambda admin: schema.missing_database(admin, self.database_path, self.call_timeout)
+        )
+        if missing is not None:
+            if not self.create:
+                raise self._not_found(missing)
             if emulator_host() is None:
                 msg = (
                     f"the Spanner database {self.database_path} does not exist; create it "
@@ -329,6 +342,24 @@ class SpannerStore:
             db.create().result(120)
         return db
 
+    def _not_found(self, missing: str) -> StoreNotFoundError:
+        """The error of a store made with ``create=False`` whose ``missing`` part (an
+        instance, a database, a table) is not there."""
+        if missing == "instance":
+            instance = self.database_path.rsplit("/databases/", 1)[0]
+            return StoreNotFoundError(
+                f"{self.url}: the Spanner instance {instance} does not exist (nothing was "
+                "created); check the URL")
+        if missing == "database":
+            return StoreNotFoundError(
+                f"{self.url}: the Spanner database {self.database_path} does not exist "
+                "(nothing was created); check the URL, or create the store with `cdcflow "
+                f"metadata init {self.url}` (or a run of a pipeline)")
+        return StoreNotFoundError(
+            f"{self.url} holds no cdcflow metadata (no table {missing}): check the URL and "
+            f"its table= prefix, or run a pipeline (or `cdcflow metadata init {self.url}`) to "
+            "create it")
+
     @property
     def dialect(self) -> Dialect:
         """The database's dialect, ``GOOGLE_STANDARD_SQL`` or ``POSTGRESQL`` (connects)."""
@@ -363,10 +394,34 @@ class SpannerStore:
         self._schema_ready = True
         return created
 
+    def check_schema(self) -> None:
+        """Make sure the tables and indexes exist as this version writes them, changing
+        nothing: StoreNotFoundError when the partition table is missing (the URL names
+        another database, or a ``?table=`` nothing was stored under), StoreSetupError
+        naming the upgrade when only parts are (tables of an earlier version)."""
+        db = self._database()
+        sql = self._statements()
+        _, lacking = self._retrying(
+            "reading the metadata tables",
+            lambda: schema.schema_changes(db, self.database_path, sql),
+            fix="the store needs permission to read the database's information schema",
+        )
+        if self.tables.partitions in lacking:
+            raise self._not_found(self.tables.partitions)
+        if lacking:
+            msg = (f"{self.url} holds cdcflow metadata of an earlier version, or in part (it "
+                   f"lacks {', '.join(lacking)}): complete it with `cdcflow metadata init "
+                   f"{self.url}` (or a run of a pipeline), then try again")
+            raise StoreSetupError(msg)
+        self._schema_ready = True
+
     def _ready(self) -> tuple[Any, StoreSql]:
         db = self._database()
         if not self._schema_ready:
-            self.ensure_schema()
+            if self.create:
+                self.ensure_schema()
+            else:
+                self.check_schema()
         return db, self._statements()
 
     # -- transactions and queries ------------------------------------------------------

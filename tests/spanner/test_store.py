@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from cdcflow.engine.lifecycle import gc_candidates
-from cdcflow.errors import FencedError, PlanConflictError, StoreError, StoreURLError
+from cdcflow.errors import (
+    FencedError,
+    PlanConflictError,
+    StoreError,
+    StoreNotFoundError,
+    StoreSetupError,
+    StoreURLError,
+)
 from cdcflow.keyrange import MAX_BOUND_CHARS, KeyRange, range_token, token_range
 from cdcflow.metadata import open_store
 from cdcflow.model import (
@@ -534,3 +542,68 @@ def test_a_missing_database_outside_the_emulator_names_the_fix(
     store = SpannerStore(path, client=emulator_client(spanner_emulator.host))
     with pytest.raises(StoreError, match="does not exist; create it"):
         store.partitions("p")
+
+
+def _ddl(spanner_emulator: Emulator, name: str) -> list[str]:
+    db = spanner_emulator.client().instance("test-instance").database(name)
+    db.reload()
+    return list(db.ddl_statements)
+
+
+def _refused(url: str, error: type[StoreError], says: str) -> None:
+    """A store opened with create=False refuses its first operation with ``error``."""
+    store = open_store(url, create=False)
+    try:
+        with pytest.raises(error, match=says):
+            store.pipelines()
+    finally:
+        store.close()
+
+
+@pytest.mark.emulator
+def test_a_store_opened_without_create_creates_nothing_on_the_emulator(
+    spanner_emulator: Emulator, name: str
+) -> None:
+    # What `cdcflow status` opens: a URL naming another database, a mistyped table prefix,
+    # an unknown instance or database is reported; the emulator's usual creation is not
+    # done either.
+    client = spanner_emulator.client()
+    instance = f"nowhere-{uuid.uuid4().hex[:8]}"
+    _refused(f"spanner://{spanner_emulator.database_path(name, instance)}", StoreNotFoundError,
+             f"the Spanner instance projects/{spanner_emulator.project}/instances/{instance} "
+             r"does not exist \(nothing was created\); check the URL")
+    assert not client.instance(instance).exists()
+    spanner_emulator.create_instance()
+    database = spanner_emulator.database_path(name)
+    _refused(f"spanner://{database}", StoreNotFoundError,
+             f"the Spanner database {database} does not exist .*`cdcflow metadata init ")
+    assert not client.instance("test-instance").database(name).exists()
+
+    spanner_emulator.create_database(  # an application's database
+        name, ["CREATE TABLE Orders (Id INT64 NOT NULL) PRIMARY KEY (Id)"])
+    before = _ddl(spanner_emulator, name)
+    for url, table in ((f"spanner://{database}", DEFAULT_TABLE),
+                       (f"spanner://{database}?table=Typo", "Typo")):
+        _refused(url, StoreNotFoundError,
+                 rf"holds no cdcflow metadata \(no table {table}\): check the URL and its "
+                 r"table= prefix, or run a pipeline \(or `cdcflow metadata init spanner://")
+    assert _ddl(spanner_emulator, name) == before
+
+    init_store(f"spanner://{database}?table=Meta")  # a store there: it opens and reads
+    store = open_store(f"spanner://{database}?table=Meta", create=False)
+    try:
+        assert store.pipelines() == [] and store.partitions("p") == []
+    finally:
+        store.close()
+
+
+@pytest.mark.emulator
+def test_a_store_opened_without_create_does_not_upgrade_an_earlier_version(
+    spanner_emulator: Emulator, name: str
+) -> None:
+    spanner_emulator.create_database(name, _PREVIOUS_SCHEMA)
+    before = _ddl(spanner_emulator, name)
+    _refused(f"spanner://{spanner_emulator.database_path(name)}?table=Meta", StoreSetupError,
+             r"holds cdcflow metadata of an earlier version, or in part \(it lacks "
+             r"Meta_Pipelines, .*Meta_Batches.Stats\): complete it with `cdcflow metadata init")
+    assert _ddl(spanner_emulator, name) == before
