@@ -494,12 +494,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         msg = "--watch needs a positive interval, such as 2s"
         raise UserInputError(msg)
     _check_url(url)
-    if url.startswith("sqlite:///"):
-        db = Path(url[len("sqlite:///"):].split("?", 1)[0])
-        if not db.exists():
-            msg = f"no state at {db}: run the pipeline first, or check --metadata"
-            raise UserInputError(msg)
-    store = open_store(url)
+    # A status reads: a URL naming no store (a typo, another database) is reported, never
+    # created (StoreNotFoundError).
+    store = open_store(url, create=False)
     try:
         stuck_after = args.stuck_after
         if args.json:

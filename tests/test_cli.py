@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from cdcflow.spanner.emulator import Emulator
+
 T0 = 1_700_000_000 * 10**9
 S = 10**9
 
@@ -415,9 +417,56 @@ def test_status_shows_partitions(
 
 def test_status_of_missing_sqlite_file(tmp_path: Path) -> None:
     assert_usage_error(cdcflow("status", "--metadata", f"sqlite:///{tmp_path}/none.db"),
-                       "no state at")
+                       f"sqlite:///{tmp_path}/none.db holds no cdcflow metadata (no such file)")
     assert_usage_error(cdcflow("status", str(tmp_path / "nope.py")),
                        f"no pipeline file {tmp_path / 'nope.py'}: give the pipeline's file")
+    pipe = write(tmp_path, VALID)  # never run: no .cdcflow/ beside it
+    assert_usage_error(cdcflow("status", str(pipe)), "holds no cdcflow metadata (no such file)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe.py"]
+
+
+def test_status_does_not_make_another_sqlite_database_a_store(tmp_path: Path) -> None:
+    import sqlite3
+
+    app = tmp_path / "app.db"
+    with sqlite3.connect(app) as raw:
+        raw.execute("CREATE TABLE users (id INTEGER PRIMARY KEY)")
+    raw.close()
+    before = app.read_bytes()
+    assert_usage_error(cdcflow("status", "--metadata", f"sqlite:///{app}"),
+                       "holds no cdcflow metadata (it has no cdcflow tables): check the URL",
+                       f"`cdcflow metadata init sqlite:///{app}`")
+    assert app.read_bytes() == before  # no tables, no switch to WAL
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]
+
+
+@pytest.mark.emulator
+def test_status_does_not_create_a_spanner_store(spanner_emulator: Emulator) -> None:
+    # An application's database, a mistyped table prefix, an unknown instance or database:
+    # one line, exit 2, and the emulator holds what it held.
+    client = spanner_emulator.client()
+    name, other = f"shop-{os.getpid()}", f"nope-{os.getpid()}"
+    spanner_emulator.create_database(
+        name, ["CREATE TABLE Orders (Id INT64 NOT NULL) PRIMARY KEY (Id)"])
+    try:
+        shop = f"spanner://{spanner_emulator.database_path(name)}"
+        nodb = spanner_emulator.database_path(other)
+        nope = spanner_emulator.database_path(other, other)
+        for url, says in (
+            (shop, "holds no cdcflow metadata (no table CdcflowPartitions): check the URL"),
+            (f"{shop}?table=Typo", "holds no cdcflow metadata (no table Typo)"),
+            (f"spanner://{nodb}", f"the Spanner database {nodb} does not exist"),
+            (f"spanner://{nope}", f"the Spanner instance {nope.split('/databases/')[0]} "
+                                  "does not exist"),
+        ):
+            assert_usage_error(cdcflow("status", "--metadata", url), says)
+        db = client.instance("test-instance").database(name)
+        db.reload()
+        assert len(db.ddl_statements) == 1
+        assert not client.instance("test-instance").database(other).exists()
+        assert not client.instance(other).exists()
+    finally:
+        client.instance("test-instance").database(name).drop()
 
 
 # -- emulator start ------------------------------------------------------------------------
