@@ -116,9 +116,11 @@ def test_retry_after_takes_seconds_or_durations_and_refuses_nonsense() -> None:
             Retry(bad)
 
 
-def test_dead_letter_needs_skip_unless_a_handler_decides() -> None:
-    with pytest.raises(ValueError, match="needs then='skip'"):
-        ErrorPolicy(dead_letter=Collect())
+def test_a_dead_letter_sink_goes_with_any_policy() -> None:
+    """then='stop' with a dead letter: what a Consume's own on_error skips still has a
+    place to go (it was refused, so a pipeline could not stop on its functions' errors and
+    keep its consumer's skipped elements)."""
+    assert ErrorPolicy(dead_letter=Collect()).then == "stop"
     policy = ErrorPolicy(dead_letter=Collect(), handler=lambda e, el, tok, n: Skip())
     assert policy.dead_letter is not None
 

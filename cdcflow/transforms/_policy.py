@@ -81,7 +81,10 @@ class ErrorPolicy:
     raises fails the task, and the batch is replayed by the next run. A handler that keeps
     answering Retry retries for ever.
 
-    Stopping never commits past the failed record.
+    Stopping never commits past the failed record. ``dead_letter`` receives every element
+    given up: by ``then="skip"``, a handler's :class:`Skip`, or a ``Consume`` whose own
+    ``on_error`` skips (so a pipeline may stop on its functions' errors and still keep what
+    its consumer skips).
     """
 
     retries: int = 3
@@ -113,9 +116,6 @@ class ErrorPolicy:
             msg = (f"ErrorPolicy(dead_letter={self.dead_letter!r}): pass a sink, e.g. "
                    "dead_letter=cf.WriteFiles('dead')")
             raise TypeError(msg)
-        if self.dead_letter is not None and self.then != "skip" and self.handler is None:
-            msg = "ErrorPolicy.dead_letter needs then='skip' (stopped elements are not skipped)"
-            raise ValueError(msg)
 
     def retry_policy(self) -> RetryPolicy:
         """The element retries as a :class:`~cdcflow.backoff.RetryPolicy`."""

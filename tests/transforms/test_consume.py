@@ -772,6 +772,13 @@ def test_without_a_policy_of_its_own_consume_follows_the_pipelines(
                   on_error=ErrorPolicy(retries=1, backoff=0.001, then="skip"))
     summary = _run(runner, s, own, policy=ErrorPolicy(then="skip", dead_letter=dead_too))
     assert summary.dead_lettered == len(bad) == len(dead_too.items)
+    # ...also when the pipeline stops on its functions' errors (then="stop")
+    dead_three = "dead" >> Collect[Any]()
+    assert isinstance(dead_three, Collect)
+    own = Consume(_Flaky(tmp_path / "seen3"), max_inflight=4, key=_row,
+                  on_error=ErrorPolicy(retries=1, backoff=0.001, then="skip"))
+    summary = _run(runner, s, own, policy=ErrorPolicy(then="stop", dead_letter=dead_three))
+    assert summary.dead_lettered == len(bad) == len(dead_three.items)
 
 
 class _CrashAfterSinks(EngineListener):
