@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from cdcflow.errors import BrokenCall, StoreError
+from cdcflow.errors import BrokenCall, StoreSetupError
 from cdcflow.metadata import _rules
 from cdcflow.model import (
     BatchPlan,
@@ -137,7 +137,8 @@ def schema_changes(db: Any, database: str, sql: StoreSql) -> tuple[list[str], li
     """What :func:`ensure_schema` would do in ``db``, found by reading its information
     schema only: the DDL statements, and the names of what they create (tables, indexes,
     columns, the policy). Both are empty for a store of this version. A table that exists
-    without the store's columns raises StoreError (another table of that name)."""
+    without the store's columns raises StoreSetupError (another table of that name: a
+    configuration to fix, exit 2)."""
     t = sql.tables
     with db.snapshot(multi_use=True) as snap:
         objects = {name: ttl for name, ttl in sql.schema_objects().run(snap)}
@@ -153,7 +154,7 @@ def schema_changes(db: Any, database: str, sql: StoreSql) -> tuple[list[str], li
                 f"table {name} in {database} is not a cdcflow metadata table (it has no "
                 f"column {', '.join(lacking)}); choose another table with ?table=NAME"
             )
-            raise StoreError(msg)
+            raise StoreSetupError(msg)
     statements = [ddl for name, ddl in sql.create().items() if name not in objects]
     changes = [name for name in sql.create() if name not in objects]
     if t.partitions in objects:

@@ -338,8 +338,9 @@ def test_a_foreign_table_of_the_same_name_is_refused(
         name, ["CREATE TABLE Orders (Id INT64 NOT NULL) PRIMARY KEY (Id)"]
     )
     store = stores(f"spanner://{spanner_emulator.database_path(name)}?table=Orders")
-    with pytest.raises(StoreError, match=r"not a cdcflow metadata table .*\?table=NAME"):
+    with pytest.raises(StoreError, match=r"not a cdcflow metadata table .*\?table=NAME") as info:
         store.partitions("p")
+    assert isinstance(info.value, StoreSetupError)  # a configuration to fix: exit 2
 
 
 @pytest.mark.emulator
