@@ -765,20 +765,15 @@ def test_without_a_policy_of_its_own_consume_follows_the_pipelines(
                and f.error.startswith("ValueError: bad")
                and f.partition_token == f.element.partition_token
                and f.commit_timestamp == f.element.commit_timestamp for f in dead.items)
-    # a policy of Consume's own skips to the pipeline's dead letter too
-    dead_too = "dead" >> Collect[Any]()
-    assert isinstance(dead_too, Collect)
-    own = Consume(_Flaky(tmp_path / "seen2"), max_inflight=4, key=_row,
-                  on_error=ErrorPolicy(retries=1, backoff=0.001, then="skip"))
-    summary = _run(runner, s, own, policy=ErrorPolicy(then="skip", dead_letter=dead_too))
-    assert summary.dead_lettered == len(bad) == len(dead_too.items)
-    # ...also when the pipeline stops on its functions' errors (then="stop")
-    dead_three = "dead" >> Collect[Any]()
-    assert isinstance(dead_three, Collect)
-    own = Consume(_Flaky(tmp_path / "seen3"), max_inflight=4, key=_row,
-                  on_error=ErrorPolicy(retries=1, backoff=0.001, then="skip"))
-    summary = _run(runner, s, own, policy=ErrorPolicy(then="stop", dead_letter=dead_three))
-    assert summary.dead_lettered == len(bad) == len(dead_three.items)
+    # a policy of Consume's own skips to the pipeline's dead letter too, also when the
+    # pipeline stops on its functions' errors (then="stop")
+    for then in ("skip", "stop"):
+        dead_too = "dead" >> Collect[Any]()
+        assert isinstance(dead_too, Collect)
+        own = Consume(_Flaky(tmp_path / f"seen-{then}"), max_inflight=4, key=_row,
+                      on_error=ErrorPolicy(retries=1, backoff=0.001, then="skip"))
+        summary = _run(runner, s, own, policy=ErrorPolicy(then=then, dead_letter=dead_too))
+        assert summary.dead_lettered == len(bad) == len(dead_too.items)
 
 
 class _CrashAfterSinks(EngineListener):
