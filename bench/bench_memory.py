@@ -97,7 +97,10 @@ def _child(mb: int, quota_mb: int, sink_name: str) -> dict[str, Any]:
     from cdcflow.engine.loop import Engine, RunOptions
     from cdcflow.engine.quota import process_quota
     from cdcflow.metadata import MemoryStore
+    from cdcflow.processes import limit_malloc_arenas
     from cdcflow.runners.in_memory import InMemoryRunner
+
+    limit_malloc_arenas()  # as `cdcflow run` does
     from cdcflow.transforms import (
         Consume,
         DetectPartitions,

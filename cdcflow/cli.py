@@ -43,6 +43,7 @@ from cdcflow.launch import (
     run_pipeline,
     runner_factory,
 )
+from cdcflow.processes import limit_malloc_arenas
 from cdcflow.progress import LOG_FORMATS, LiveProgress
 
 __all__ = [
@@ -630,6 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if own_process:
         _term_as_interrupt()
+        limit_malloc_arenas()
     debug = "--debug" in argv or os.environ.get("CDCFLOW_DEBUG", "") not in ("", "0")
     # Known before parsing, so that a usage error is reported in the format asked for.
     log_format = "json" if any(

@@ -1,11 +1,41 @@
-"""Whether a process of this host still lives: what the lease's same-host check and the
-sweeps of files a dead run left behind ask."""
+"""This host's processes: whether one still lives (what the lease's same-host check and
+the sweeps of files a dead run left behind ask), and the memory allocator of cdcflow's own
+processes (:func:`limit_malloc_arenas`)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import platform
 
-__all__ = ["process_alive"]
+__all__ = ["MALLOC_ARENAS", "limit_malloc_arenas", "process_alive"]
+
+#: The malloc arenas of a process cdcflow starts (glibc), unless ``MALLOC_ARENA_MAX`` says.
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas at ``arenas`` in this process (True when set): call it
+    before threads start, in a process cdcflow owns (the command line, Spark's Python
+    workers), never from a library call inside someone else's program.
+
+    glibc gives each thread that allocates at once its own arena, up to eight per core,
+    and memory freed in one is not reused by another: a run's threads (tasks, readers
+    ahead, uploads) passing large records between them kept memory resident for nothing.
+    Measured with ``cdcflow run`` on the emulator, 400 changes of 1 MB into a slow sink:
+    peak RSS 169-228 MB against 225-264 MB at an 8 MiB byte quota (four runs each),
+    166-171 MB against 194-219 MB at 32 MiB; a 100,000-change catch-up took 1.73-1.81 s
+    against 1.82-2.00 s. ``MALLOC_ARENA_MAX`` in the environment wins; elsewhere than
+    glibc, nothing is done."""
+    if os.environ.get("MALLOC_ARENA_MAX") or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
 
 
 def process_alive(pid: int) -> bool:

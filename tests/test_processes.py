@@ -4,9 +4,13 @@ one that is gone."""
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
+import sys
 import time
+
+import pytest
 
 from cdcflow.processes import process_alive
 
@@ -26,3 +30,15 @@ def test_a_killed_process_its_parent_has_not_reaped_is_not_alive() -> None:
         child.wait()
     assert not process_alive(child.pid)
     assert process_alive(os.getpid())
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_malloc_arenas_are_capped_unless_the_environment_says() -> None:
+    code = "from cdcflow.processes import limit_malloc_arenas as f; print(f())"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, check=True)
+    assert done.stdout.strip() == "True"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "MALLOC_ARENA_MAX": "4"}, check=True)
+    assert done.stdout.strip() == "False"  # the user's own setting stands

@@ -16,6 +16,8 @@ from typing import Any
 
 from pyspark import daemon as _daemon
 
+from cdcflow.processes import limit_malloc_arenas
+
 __all__ = ["main", "worker"]
 
 _worker = _daemon.worker
@@ -41,6 +43,7 @@ def _preload() -> None:
 
 
 def main() -> None:
+    limit_malloc_arenas()  # the workers it forks inherit it
     _preload()
     _daemon.worker = worker  # manager() looks it up in its module at every task
     _daemon.manager()
