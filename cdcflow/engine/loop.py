@@ -59,7 +59,7 @@ from cdcflow.engine.ownership import Ownership
 from cdcflow.engine.pacing import Pacer
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.quota import quota_limit
-from cdcflow.engine.resume import resume_source
+from cdcflow.engine.resume import resume_source, source_of_record, stored_source
 from cdcflow.engine.runner import Runner
 from cdcflow.engine.snapshot import snapshot_partitions
 from cdcflow.engine.steps import BatchSteps
@@ -309,7 +309,8 @@ class Engine:
                 try:
                     staged = StagedSinks(self.store, name, sinks, lambda: self._fence)
 
-                    def make_batches(end_cap: int | None) -> Batches:
+                    def make_batches(end_cap: int | None, code: bytes = program_bytes
+                                     ) -> Batches:
                         return Batches(
                             name=name, store=self.store, runner=self.runner,
                             listener=self.listener, clock=self._clock,
@@ -318,7 +319,7 @@ class Engine:
                             # (it owns the pipeline), so a batch reads nothing from the store.
                             view=PartitionView(self.store, name, end_cap), idle=idle,
                             steps=steps, staged=staged, sinks=sinks,
-                            program_bytes=program_bytes,
+                            program_bytes=code,
                             pacer=Pacer.resume(int(opts.max_batch_span * _NS),
                                                opts.max_task_bytes, self.store.batches(name, 4)),
                             gc_ttl_ns=int(opts.gc_ttl * _NS),
@@ -327,8 +328,12 @@ class Engine:
                         )
 
                     if opts.reset:
+                        # what the old progress owes is read from the stream it was made on
+                        old = source_of_record(program.source, stored_source(self.store, name))
+                        settling = (None if old is None else
+                                    cloudpickle.dumps(attrs.evolve(program, source=old)))
                         with guarding(guard):
-                            self._settle(make_batches(None), staged)
+                            self._settle(make_batches(None, settling or program_bytes), staged)
                         # The store keeps the batch id floor, so batch ids go on from before
                         # the reset and sinks that name output by batch id never reuse one.
                         self.store.reset(name)

@@ -18,6 +18,7 @@ the stored end have finished, and the child partitions after it were never read.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -28,8 +29,12 @@ import attrs
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import MAX_NS, PartitionMetadata, Timestamp
+from cdcflow.transforms.source import DetectPartitions
 
-__all__ = ["END_KEY", "capped", "end_cap", "resume_source", "stored_partitions", "stored_source"]
+__all__ = [
+    "END_KEY", "capped", "end_cap", "resume_source", "source_of_record", "stored_partitions",
+    "stored_source",
+]
 
 _log = logging.getLogger("cdcflow.engine")
 
@@ -58,6 +63,24 @@ def stored_source(store: MetadataStore, pipeline: str) -> dict[str, Any] | None:
     stored)."""
     text = store.source(pipeline)
     return None if text is None else dict(json.loads(text))
+
+
+def source_of_record(source: DetectPartitions, stored: Definition | None
+                     ) -> DetectPartitions | None:
+    """``source`` reading the database and stream of the ``stored`` definition, when they
+    differ from its own (None when they do not, or when the stored source was a client
+    object, which cannot be made again): what a reset reads the old progress's owed
+    batches with, since their partition tokens are that stream's."""
+    if stored is None:
+        return None
+    database, stream = stored.get("database"), stored.get("stream")
+    if (database, stream) == (source.database, source.stream) or source.client is not None:
+        return None
+    if not isinstance(database, str) or not isinstance(stream, str) or database.startswith("<"):
+        return None
+    old = copy.copy(source)
+    old.database, old.stream = database, stream
+    return old
 
 
 def stored_partitions(

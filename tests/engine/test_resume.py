@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 import cdcflow as cf
-from cdcflow.engine.listener import RunSummary
+from cdcflow.engine.listener import EngineListener, RunSummary
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.engine.resume import END_KEY, end_cap
 from cdcflow.engine.runner import Runner
@@ -171,3 +172,55 @@ def test_another_stream_cannot_resume_the_stored_progress() -> None:
     text = str(refused.value)
     assert "stream 'S' -> 'S2'" in text and "another change stream's partitions" in text
     assert "--reset" in text and "\n" not in text
+
+
+class _CrashOnData(EngineListener):
+    """Stands for the process dying right after the store committed a batch with records
+    (a BaseException: nothing in the engine catches it)."""
+
+    def on_batch(self, stats: Any) -> None:
+        if stats.records:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.emulator
+def test_a_reset_to_another_stream_first_delivers_what_the_old_one_owed(
+    spanner_emulator: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batches the old progress owes a staging sink are read again from the stream
+    they were made on: read from the new stream (the run's), every one failed on a
+    partition token of another stream, and the reset went on without them."""
+    from cdcflow.transforms import WriteTables
+
+    monkeypatch.setenv("SPANNER_EMULATOR_HOST", spanner_emulator.host)
+    db = spanner_emulator.create_database("resetsource", [
+        "CREATE TABLE T (Id INT64 NOT NULL, V INT64) PRIMARY KEY (Id)",
+        "CREATE CHANGE STREAM A FOR T", "CREATE CHANGE STREAM B FOR T"])
+    path = spanner_emulator.database_path("resetsource")
+    start = Timestamp.now()
+    for i in range(20):
+        with db.batch() as batch:
+            batch.insert("T", ("Id", "V"), [(i, i)])
+    end = Timestamp.now()
+    lake = tmp_path / "lake"
+    store = SQLiteStore(tmp_path / "s.db")
+
+    def run(stream: str, begin: Timestamp, until: Timestamp,
+            listener: EngineListener | None = None, **options: Any) -> Any:
+        p = cf.Pipeline("resetsource")
+        (p | cf.DetectPartitions(database=path, stream=stream, start_at=str(begin),
+                                 end_at=str(until))
+         | cf.ReadPartition() | "lake" >> WriteTables(f"file://{lake}", format="jsonl",
+                                                      flush_interval="1h"))
+        opts = RunOptions(batch_interval=0, **options)
+        return Engine(p, store, InMemoryRunner(), opts, listener).run()
+
+    with pytest.raises(KeyboardInterrupt):  # committed in the store, staged in the sink
+        run("A", start, end, _CrashOnData())
+    assert not list(lake.rglob("part-*"))
+    later = Timestamp.now()
+    run("B", later, Timestamp.from_ns(later.ns + 10**9), reset=True)
+    ids = sorted(json.loads(line)["Id"] for f in lake.rglob("part-*")
+                 for line in f.read_text().splitlines())
+    assert ids == list(range(20))
+    store.close()
