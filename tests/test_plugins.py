@@ -41,6 +41,7 @@ not_a_runner = {_MODULE}:NotARunner
 bare = {_MODULE}:Bare
 raising = {_MODULE}:RaisingStore
 odd = {_MODULE}:OddStore
+failing = {_MODULE}:FailingStore
 """
 
 _SOURCE = """
@@ -90,6 +91,18 @@ class OddStore:
     @classmethod
     def from_url(cls, url):
         return object()
+
+
+from cdcflow.metadata import MemoryStore
+
+
+class FailingStore(MemoryStore):
+    @classmethod
+    def from_url(cls, url):
+        return cls()
+
+    def commit_batch(self, *args, **kwargs):
+        raise RuntimeError("boom")
 """
 
 
@@ -262,3 +275,27 @@ def test_a_package_cannot_take_a_name_of_cdcflow_s_own(
     assert re.search(why, listed["cdcflow.runners", "memory", "cdcflow-squatter"] or "")
     assert "cdcflow's own metadata store" in (
         listed["cdcflow.metadata", "sqlite", "cdcflow-squatter"] or "")
+
+
+def test_a_store_plugin_s_own_error_names_the_store_and_the_method(fake_dist: Path) -> None:
+    """It said only ``RuntimeError: boom``; the store is used as it is otherwise."""
+    import cdcflow as cf
+    from cdcflow.engine.loop import Engine, RunOptions
+    from cdcflow.metadata import MemoryStore, open_store
+    from cdcflow.metadata.base import MetadataStore
+    from cdcflow.runners.in_memory import InMemoryRunner
+    from cdcflow.testing import ScriptedChangeStream
+
+    store = open_store("failing://x")
+    assert isinstance(store, MetadataStore) and store.pipelines() == []
+    assert isinstance(open_store("memory://"), MemoryStore)  # cdcflow's own: as it is
+    t0 = 10**18
+    stream = ScriptedChangeStream("S", partitions=1, origin=t0)
+    stream.write("T", 1, "INSERT", {"v": 1}, at=t0 + 1000)
+    p = cf.Pipeline("plugged")
+    (p | cf.DetectPartitions(stream="S", start_at=t0, end_at=t0 + 10**9, client=stream)
+     | cf.ReadPartition() | cf.Collect())
+    with pytest.raises(RuntimeError, match="boom") as info:
+        Engine(p, store, InMemoryRunner(), RunOptions(batch_interval=0)).run()
+    assert "in commit_batch() of the failing:// metadata store (a plugin)" in \
+        info.value.__notes__

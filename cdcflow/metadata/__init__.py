@@ -16,9 +16,10 @@ plugin whose ``from_url`` takes a ``create`` keyword is given it; any other is o
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
-from typing import Any
+from typing import Any, cast
 
 from cdcflow.errors import CdcflowError, PluginError, StoreSetupError, StoreURLError
 from cdcflow.metadata._rules import URL_FORMS
@@ -98,4 +99,37 @@ def open_store(url: str, *, create: bool = True) -> MetadataStore:
                f"{type(store).__name__}, not a MetadataStore (the methods of "
                "cdcflow.metadata.base.MetadataStore); fix the plugin")
         raise PluginError(msg)
-    return store
+    if type(store).__module__.split(".")[0] == "cdcflow":
+        return store
+    return cast(MetadataStore, _PluginStore(store, scheme))
+
+
+class _PluginStore:
+    """A third-party store whose own errors say where they came from: what a method raises
+    that is not cdcflow's carries the note ``in <method>() of the <scheme>:// metadata
+    store (a plugin)``, which the one-line error report shows. Everything else is the
+    store's own."""
+
+    def __init__(self, store: Any, scheme: str) -> None:
+        self._store = store
+        self._where = f"of the {scheme}:// metadata store (a plugin)"
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._store, name)
+        if not callable(value):
+            return value
+
+        @functools.wraps(value)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return value(*args, **kwargs)
+            except CdcflowError:
+                raise
+            except Exception as exc:
+                exc.add_note(f"in {name}() {self._where}")
+                raise
+
+        return call
+
+    def __repr__(self) -> str:
+        return repr(self._store)
