@@ -448,7 +448,8 @@ class Engine:
         stored_parts = self.store.partitions(name)
         now = self._clock()
         if stored_parts or self.store.pending_plan(name) is not None:
-            for label in self._empty_sinks:
+            staging = self.store.durable_marks(name)  # known to the pipeline already
+            for label in (s for s in self._empty_sinks if s not in staging):
                 _log.warning(
                     "sink %r holds no output of pipeline %s, which resumes from stored "
                     "progress: if the sink is new to the pipeline, it receives the changes "

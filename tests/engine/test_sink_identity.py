@@ -184,3 +184,29 @@ def test_a_sink_added_to_a_pipeline_with_progress_is_named_in_a_warning(
         "the sink is new to the pipeline, it receives the changes from here on, not those "
         "committed before (to fill it from the start, run it in a pipeline of its own)"]
     store.close()
+
+
+def test_a_staging_sink_that_holds_nothing_yet_is_not_called_new(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A WriteTables sink whose output is all staged (none uploaded before a crash) holds
+    nothing, but the store knows it: no warning (it came after every crash)."""
+    from cdcflow.transforms import WriteTables
+
+    store = SQLiteStore(tmp_path / "s.db")
+
+    def staged() -> cf.Pipeline:
+        p = cf.Pipeline("staged")
+        (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 7 * S, client=_stream())
+         | cf.ReadPartition() | "lake" >> WriteTables(f"file://{tmp_path / 'lake'}",
+                                                      format="jsonl", flush_interval="1h"))
+        return p
+
+    _run(staged(), store, tmp_path, max_batches=2)
+    for f in (tmp_path / "lake").rglob("part-*"):
+        f.unlink()  # as if the run had died before its first upload
+    (tmp_path / "lake" / "_cdcflow" / "durable.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="cdcflow"):
+        _run(staged(), store, tmp_path, max_batches=1)
+    assert not [r for r in caplog.records if "holds no output" in r.getMessage()]
+    store.close()
