@@ -368,17 +368,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     pipeline.validate()
     path, _ = split_target(args.file)
     base = path.resolve().parent
+    # JSON logs are for machines: no status line drawn between them. Configured before
+    # the runner's plugin loads, so that what loading it says is a log line like others.
+    progress = make_progress(sys.stderr, live=False if args.log_format == "json" else None)
+    configure_logging(
+        debug=args.debug, progress=progress, format=args.log_format, pipeline=pipeline.name
+    )
     factory = runner_factory(args.runner)
     options = _run_options(args, option_specs(factory), args.runner, base)
     for flag in ("metrics_port", "metrics_host", "stuck_after"):
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
     url = args.metadata or default_store_url(base)  # state next to the file, not the cwd
-    # JSON logs are for machines: no status line drawn between them.
-    progress = make_progress(sys.stderr, live=False if args.log_format == "json" else None)
-    configure_logging(
-        debug=args.debug, progress=progress, format=args.log_format, pipeline=pipeline.name
-    )
 
     def show_metrics(metrics_url: str) -> None:
         if isinstance(progress, LiveProgress):

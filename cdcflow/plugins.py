@@ -22,7 +22,7 @@ import attrs
 
 from cdcflow.errors import PluginError
 
-__all__ = ["GROUPS", "PluginInfo", "available", "list_plugins", "load_plugin"]
+__all__ = ["GROUPS", "PluginInfo", "available", "list_plugins", "load_plugin", "warn_shadowed"]
 
 _log = logging.getLogger("cdcflow.plugins")
 
@@ -70,15 +70,27 @@ def _shadowing(ep: EntryPoint, registered: list[EntryPoint]) -> str | None:
             f"this entry point of {_dist(ep)} is ignored: register it under another name")
 
 
+_warned: set[tuple[str, str]] = set()  # (group, entry point) said to be ignored
+
+
+def warn_shadowed(group: str, name: str) -> list[EntryPoint]:
+    """Warn (once per process) about another package's entry point under ``name``, a name
+    of cdcflow's own under ``group``; the entry points under ``name`` that count."""
+    registered = _entry_points(group)
+    counted = []
+    for ep in (ep for ep in registered if ep.name == name):
+        why = _shadowing(ep, registered)
+        if why is None:
+            counted.append(ep)
+        elif (group, ep.value) not in _warned:
+            _warned.add((group, ep.value))
+            _log.warning("plugin %s: %s", ep.value, why)
+    return counted
+
+
 def load_plugin(group: str, name: str) -> Any:
     """The object registered as ``name`` under ``group``; PluginError names what exists."""
-    registered = _entry_points(group)
-    eps = [ep for ep in registered if ep.name == name]
-    for ep in eps:
-        why = _shadowing(ep, registered)
-        if why is not None:
-            _log.warning("plugin %s: %s", ep.value, why)
-    eps = [ep for ep in eps if _shadowing(ep, registered) is None]
+    eps = warn_shadowed(group, name)
     if not eps:
         names = ", ".join(available(group)) or "none"
         msg = f"no {_KINDS[group]} named {name!r} is installed (installed: {names})"

@@ -26,7 +26,7 @@ from cdcflow.metadata._rules import URL_FORMS
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.metadata.memory import MemoryStore
 from cdcflow.metadata.sqlite import SQLiteStore, sqlite_url
-from cdcflow.plugins import available, load_plugin
+from cdcflow.plugins import available, load_plugin, warn_shadowed
 
 __all__ = [
     "URL_FORMS", "MemoryStore", "MetadataStore", "SQLiteStore", "open_store", "sqlite_url",
@@ -68,6 +68,8 @@ def open_store(url: str, *, create: bool = True) -> MetadataStore:
         raise StoreURLError(msg)
     url = url.strip()
     scheme = m.group(1)
+    if scheme in ("memory", "sqlite"):
+        warn_shadowed(_GROUP, scheme)  # another package's store of that name is not used
     if scheme == "memory":
         return MemoryStore.from_url(url)
     if scheme == "sqlite":
