@@ -302,3 +302,36 @@ def test_a_store_plugin_s_own_error_names_the_store_and_the_method(fake_dist: Pa
         Engine(p, store, InMemoryRunner(), RunOptions(batch_interval=0)).run()
     assert "in commit_batch() of the failing:// metadata store (a plugin)" in \
         info.value.__notes__
+
+
+def test_the_ignored_entry_point_is_one_log_line_of_a_run(fake_dist: Path) -> None:
+    """It was a bare line before logging was set up and a log line after: twice, and not
+    JSON under --log-format json."""
+    import json
+    import os
+    import subprocess
+
+    other = fake_dist / "cdcflow_squatter-0.1.dist-info"
+    other.mkdir()
+    (other / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: cdcflow-squatter\nVersion: 0.1\n")
+    (other / "entry_points.txt").write_text(f"[cdcflow.runners]\nmemory = {_MODULE}:NotARunner\n")
+    (fake_dist / "p.py").write_text(textwrap.dedent("""
+        import cdcflow as cf
+        from cdcflow.testing import ScriptedChangeStream
+
+        stream = ScriptedChangeStream("S", partitions=1, origin=10**18)
+        pipeline = cf.Pipeline("squatted")
+        (pipeline | cf.DetectPartitions(stream="S", start_at=10**18, end_at=10**18 + 10**9,
+                                        client=stream)
+         | cf.ReadPartition() | cf.Collect())
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(fake_dist), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run(
+        [sys.executable, "-m", "cdcflow", "--log-format", "json", "run", str(fake_dist / "p.py"),
+         "--metadata", "memory://"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
+    said = [r["message"] for r in lines if "cdcflow-squatter is ignored" in r["message"]]
+    assert len(said) == 1 and said[0].startswith("plugin _cdcflow_fake_plugin:NotARunner: ")
