@@ -626,6 +626,16 @@ def _term_as_interrupt() -> None:
             signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
+def _command_logging(debug: bool, log_format: str) -> None:
+    """Log lines in ``log_format`` from the start of a command, warnings only (``run``
+    sets its own up once its pipeline is loaded); with ``debug``, everything."""
+    from cdcflow.progress import configure_logging
+
+    configure_logging(debug=debug, format="json" if log_format == "json" else "plain")
+    if not debug:
+        logging.getLogger("cdcflow").setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     own_process = argv is None  # the process's own command line: it may end the process
@@ -642,6 +652,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.debug = debug or args.debug
+        if own_process:  # what any command logs is a line of the format asked for
+            _command_logging(args.debug, log_format)
         code: int = args.func(args)
         return code
     except UserInputError as e:

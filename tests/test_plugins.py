@@ -335,3 +335,16 @@ def test_the_ignored_entry_point_is_one_log_line_of_a_run(fake_dist: Path) -> No
     lines = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
     said = [r["message"] for r in lines if "cdcflow-squatter is ignored" in r["message"]]
     assert len(said) == 1 and said[0].startswith("plugin _cdcflow_fake_plugin:NotARunner: ")
+    # a command that runs no pipeline logs in the format asked for too
+    from cdcflow.metadata import SQLiteStore
+
+    (other / "entry_points.txt").write_text(f"[cdcflow.metadata]\nsqlite = {_MODULE}:Bare\n")
+    SQLiteStore(fake_dist / "s.db").close()
+    done = subprocess.run(
+        [sys.executable, "-m", "cdcflow", "--log-format", "json", "status", "--metadata",
+         f"sqlite:///{fake_dist / 's.db'}"], capture_output=True, text=True, env=env,
+        timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [r["level"] for r in lines if "cdcflow-squatter is ignored" in r["message"]] == [
+        "WARNING"]

@@ -217,6 +217,7 @@ class Engine:
         self._owner: Ownership | None = None
         self._sink_floor = 0
         self._empty_sinks: list[str] = []
+        self._joining: list[str] = []  # of those, the ones to name as the run goes on
         self._sink_held = ("", 0)  # the sink whose own output reaches furthest, and where
         self._stop_reason = "interrupted"
 
@@ -340,7 +341,8 @@ class Engine:
                     batches = make_batches(self._first_run(program))
                     try:
                         with guarding(guard):
-                            batches.restore_staged()
+                            batches.restore_staged()  # may refuse a renamed staging sink
+                        self._warn_joining()
                         steps.load(self.store)
                         self.listener.on_start(name, self.runner.name, self.store.url)
                         with self._signals(), self._time_limit(), _settled_heap(), \
@@ -449,12 +451,7 @@ class Engine:
         now = self._clock()
         if stored_parts or self.store.pending_plan(name) is not None:
             staging = self.store.durable_marks(name)  # known to the pipeline already
-            for label in (s for s in self._empty_sinks if s not in staging):
-                _log.warning(
-                    "sink %r holds no output of pipeline %s, which resumes from stored "
-                    "progress: if the sink is new to the pipeline, it receives the changes "
-                    "from here on, not those committed before (to fill it from the start, "
-                    "run it in a pipeline of its own)", label, name)
+            self._joining = [s for s in self._empty_sinks if s not in staging]
             absolute = source.end_at is not None and not is_relative_time(source.end_at)
             return resume_source(self.store, name, definition,
                                  source.end_ns(now) if absolute else None,
@@ -481,6 +478,16 @@ class Engine:
         _log.info("pipeline %s starts reading at %s%s", name, Timestamp.from_ns(start),
                   f" after a snapshot of {len(snapshots)} tables" if snapshots else "")
         return None
+
+    def _warn_joining(self) -> None:
+        """Name the sinks that hold nothing of a resuming pipeline's output (see
+        :meth:`_first_run`): said once the run goes on, not before a refusal."""
+        for label in self._joining:
+            _log.warning(
+                "sink %r holds no output of pipeline %s, which resumes from stored "
+                "progress: if the sink is new to the pipeline, it receives the changes "
+                "from here on, not those committed before (to fill it from the start, "
+                "run it in a pipeline of its own)", label, self.pipeline.name)
 
     def _check_not_lost(self) -> None:
         """A pipeline starting afresh in this store, while a sink holds output of batches

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 
 from cdcflow.engine.guard import RunGuard
-from cdcflow.errors import CdcflowError, FencedError
+from cdcflow.errors import CdcflowError, FencedError, describe
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import Lease, Timestamp
 from cdcflow.processes import process_alive
@@ -144,7 +144,8 @@ class Ownership:
         if self._lease is not None and self.lost is None:
             try:
                 self.store.release_lease(self.pipeline, self._lease)
-            except Exception as e:  # a cdcflow error names its cause: no traceback
+            except Exception as e:  # one line; a plugin's traceback with --debug
+                cause = str(e) if isinstance(e, CdcflowError) else describe(e)
                 _log.warning("could not release the lease of %s (%s); it lapses by itself "
-                             "%.0fs after its last renewal", self.pipeline, e, self.ttl_ns / _NS,
-                             exc_info=not isinstance(e, CdcflowError))
+                             "%.0fs after its last renewal", self.pipeline, cause,
+                             self.ttl_ns / _NS, exc_info=_log.isEnabledFor(logging.DEBUG))

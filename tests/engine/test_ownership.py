@@ -310,3 +310,19 @@ def test_a_run_taken_over_while_idle_does_not_flush_its_staged_output(tmp_path: 
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], FencedError), errors
     assert sorted(f.name for f in lake.rglob("part-*")) == []
+
+
+def test_a_lease_that_cannot_be_released_is_one_warning_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store plugin's error there came with its traceback, without --debug."""
+
+    class Sticky(MemoryStore):
+        def release_lease(self, pipeline: str, lease: Lease) -> None:
+            raise RuntimeError("boom in release_lease")
+
+    with caplog.at_level(logging.INFO, logger="cdcflow"):
+        _engine(_pipeline(_stream(), cf.Collect(), end=2), Sticky()).run()
+    (said,) = [r for r in caplog.records if "could not release the lease" in r.getMessage()]
+    assert "(RuntimeError: boom in release_lease)" in said.getMessage()
+    assert not said.exc_info  # no traceback without --debug

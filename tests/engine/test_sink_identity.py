@@ -210,3 +210,34 @@ def test_a_staging_sink_that_holds_nothing_yet_is_not_called_new(
         _run(staged(), store, tmp_path, max_batches=1)
     assert not [r for r in caplog.records if "holds no output" in r.getMessage()]
     store.close()
+
+
+def test_a_renamed_staging_sink_is_refused_without_being_called_new(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The refusal came after a warning that the sink would take the changes from here
+    on: two lines saying opposite things."""
+    from cdcflow.engine.listener import EngineListener
+    from cdcflow.errors import OwedOutputError
+    from cdcflow.transforms import WriteTables
+
+    class Crash(EngineListener):
+        def on_batch(self, stats: Any) -> None:
+            if stats.records:
+                raise KeyboardInterrupt
+
+    def staged(label: str) -> cf.Pipeline:
+        p = cf.Pipeline("renamed")
+        (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 7 * S, client=_stream())
+         | cf.ReadPartition() | label >> WriteTables(f"file://{tmp_path / 'lake'}",
+                                                     format="jsonl", flush_interval="1h"))
+        return p
+
+    store = SQLiteStore(tmp_path / "s.db")
+    opts = RunOptions(batch_interval=0, max_batch_span=1.0, base_dir=str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        Engine(staged("lake"), store, InMemoryRunner(workers=2), opts, Crash()).run()
+    with caplog.at_level(logging.WARNING, logger="cdcflow"), pytest.raises(OwedOutputError):
+        _run(staged("lake2"), store, tmp_path)
+    assert not [r for r in caplog.records if "holds no output" in r.getMessage()]
+    store.close()
