@@ -711,14 +711,14 @@ class Chain:
 
     def _open_writer(self, label: str, sink: Sink[Any, Any], sl: Any) -> SinkWriter[Any, Any]:
         return sink.open_writer(WriterContext(
-                pipeline=self._program.pipeline, sink_label=label, batch_id=self._task.batch_id,
-                partition_token=sl.token, slice_start=sl.start, slice_end=sl.end,
-                attempt=self._attempt, guard=guard_for(self._program.pipeline),
-                error_policy=self._policy,
-                dead_letter=self._program.dead_letter_label is not None,
-                hold=self._quota.take, let_go=self._quota.release,
-                stopping=stopping_for(self._program.pipeline),
-            ))
+            pipeline=self._program.pipeline, sink_label=label, batch_id=self._task.batch_id,
+            partition_token=sl.token, slice_start=sl.start, slice_end=sl.end,
+            attempt=self._attempt, guard=guard_for(self._program.pipeline),
+            error_policy=self._policy,
+            dead_letter=self._program.dead_letter_label is not None,
+            hold=self._quota.take, let_go=self._quota.release,
+            stopping=stopping_for(self._program.pipeline),
+        ))
 
     # -- ending -----------------------------------------------------------------------------
 
