@@ -295,9 +295,9 @@ def _cause_text(exc: BaseException) -> str:
 _JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
 
 
-#: The runner's own directory under the system's temporary one (its log4j2 settings), named
-#: after the driver's process id: a driver that was killed leaves it, and the next start
-#: on this host removes it.
+#: The runner's own directory under the system's temporary one (its log4j2 settings, and for
+#: a JVM it starts Spark's scratch space, ``spark.local.dir``), named after the driver's
+#: process id: a driver that was killed leaves it, and the next start on this host removes it.
 _LOG_DIR_PREFIX = "cdcflow-spark-"
 _LOG_DIR = re.compile(re.escape(_LOG_DIR_PREFIX) + r"(\d+)-[A-Za-z0-9_]+")
 
@@ -437,6 +437,9 @@ class SparkRunner:
                 option = f"-Dlog4j2.configurationFile=file:{log_file}"
                 settings["spark.driver.extraJavaOptions"] = option
                 settings["spark.executor.extraJavaOptions"] = option
+                # Spark's scratch space (blockmgr-*, spark-*) in the runner's own directory:
+                # a driver that is killed leaves it, and the next start on this host sweeps it
+                settings["spark.local.dir"] = os.path.join(self._runner_dir(), "local")
         for key in submitted:
             if key != "spark.master":
                 settings.pop(key, None)
@@ -446,11 +449,16 @@ class SparkRunner:
         _log.debug("Spark settings: %s", settings)
         return settings
 
-    def _quiet_log_config(self) -> str:
+    def _runner_dir(self) -> str:
+        """This runner's directory (see ``_LOG_DIR_PREFIX``), made on first use after the
+        ones of drivers no longer alive are swept."""
         if self._log_dir is None:
             _sweep_log_dirs()
             self._log_dir = tempfile.TemporaryDirectory(prefix=f"{_LOG_DIR_PREFIX}{os.getpid()}-")
-        path = os.path.join(self._log_dir.name, "log4j2.properties")
+        return self._log_dir.name
+
+    def _quiet_log_config(self) -> str:
+        path = os.path.join(self._runner_dir(), "log4j2.properties")
         debug = logging.getLogger("cdcflow").isEnabledFor(logging.DEBUG)
         with open(path, "w", encoding="utf-8") as f:
             f.write(_QUIET_LOG4J2 if debug else _QUIET_LOG4J2 + _QUIET_TASK_FAILURES)

@@ -682,3 +682,17 @@ def test_a_killed_drivers_runner_directory_is_removed_by_the_next_start() -> Non
     finally:
         shutil.rmtree(dead, ignore_errors=True)
         shutil.rmtree(live, ignore_errors=True)
+
+
+def test_spark_s_scratch_space_is_in_the_runner_s_directory(spark: Any) -> None:
+    """blockmgr-* and spark-* directories went to the system's temporary directory, where
+    every killed driver left its own (about 190 of them on this machine after a day of
+    crash tests): inside the runner's directory the next start sweeps them."""
+    local = spark.sparkContext.getConf().get("spark.local.dir")
+    root = Path(tempfile.gettempdir())
+    assert Path(local).parent.parent == root
+    assert Path(local).parent.name.startswith(f"cdcflow-spark-{os.getpid()}-")
+    assert any(p.name.startswith("blockmgr-") for p in Path(local).iterdir())
+    # the user's own setting wins
+    runner = SparkRunner("local[2]", conf={"spark.local.dir": "/var/tmp/mine"})
+    assert runner._settings("x")["spark.local.dir"] == "/var/tmp/mine"
