@@ -450,7 +450,8 @@ class Engine:
         stored_parts = self.store.partitions(name)
         now = self._clock()
         if stored_parts or self.store.pending_plan(name) is not None:
-            staging = self.store.durable_marks(name)  # known to the pipeline already
+            # known to the pipeline already (read only when there is a sink to ask about)
+            staging = self.store.durable_marks(name) if self._empty_sinks else {}
             self._joining = [s for s in self._empty_sinks if s not in staging]
             absolute = source.end_at is not None and not is_relative_time(source.end_at)
             return resume_source(self.store, name, definition,
