@@ -9,8 +9,9 @@ adds. One partition, one slice, one task, the in-memory runner with one worker: 
 Printed side by side:
 
 * ``decode only``: the reader's decoder over the messages, every record made and dropped
-  (with the heap as the engine keeps it while batches run: what existed before is frozen
-  out of the collector's full collections, see ``cdcflow.engine.loop``);
+  (with the collector as the engine sets it while batches run: what existed before is
+  frozen out of full collections, and young collections are rarer; see
+  ``cdcflow.processes.settled_heap``);
 * ``Read -> count``: the whole run with a sink that counts records (the engine, the task,
   the chain, the byte quota);
 * ``Read -> Map``: with a Map that makes each record a row dict (what a user's pipeline
@@ -26,7 +27,6 @@ decode-only rate. ``python -m bench.bench_pipeline [--records N] [--rounds R]``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import tempfile
 import time
@@ -48,6 +48,7 @@ from cdcflow.model import (
     Timestamp,
 )
 from cdcflow.pipeline import Pipeline
+from cdcflow.processes import settled_heap
 from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.spanner import wire
 from cdcflow.transforms import DetectPartitions, Map, ReadPartition, Sink, WriteFiles
@@ -213,17 +214,14 @@ def run(n: int, rounds: int = 5) -> list[Result]:
     # Rounds interleave the readers, so that a busy moment of the machine falls on all of
     # them alike; each keeps its best round.
     for _ in range(rounds):
-        # as the engine does while batches run (engine.loop): what exists before stays out
-        # of full collections, so that both sides pay the collector alike
-        gc.freeze()
-        try:
+        # the collector as the engine sets it while batches run (processes.settled_heap),
+        # so that both sides pay it alike
+        with settled_heap():
             began = time.perf_counter()
             if _decode_only(messages) != n:
                 msg = "the decoder did not give every record; the benchmark is invalid"
                 raise AssertionError(msg)
             best["decode only"] = min(best["decode only"], time.perf_counter() - began)
-        finally:
-            gc.unfreeze()
         for name, shape in shapes:
             best[name] = min(best[name], _run_once(shape, n)[1])
     return [Result(name, n, seconds) for name, seconds in best.items()]

@@ -42,3 +42,30 @@ def test_malloc_arenas_are_capped_unless_the_environment_says() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**env, "MALLOC_ARENA_MAX": "4"}, check=True)
     assert done.stdout.strip() == "False"  # the user's own setting stands
+
+
+def test_the_heap_settles_while_batches_run_and_is_given_back() -> None:
+    import gc
+
+    from cdcflow.processes import YOUNG_COLLECTION_THRESHOLD, settled_heap
+
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        kept = [object() for _ in range(3)]
+        assert gc.get_freeze_count() == 0
+        with settled_heap():
+            assert gc.get_threshold() == (YOUNG_COLLECTION_THRESHOLD, 10, 10)
+            assert gc.get_freeze_count() > 0  # what existed before is frozen
+        assert gc.get_threshold() == (700, 10, 10)
+        assert gc.get_freeze_count() == 0
+        del kept
+        gc.set_threshold(0)  # a collector the program turned off stays off
+        with settled_heap():
+            assert gc.get_threshold()[0] == 0
+        gc.set_threshold(50_000, 10, 10)  # a larger threshold the program chose is kept
+        with settled_heap():
+            assert gc.get_threshold()[0] == 50_000
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()

@@ -26,7 +26,6 @@ idempotent sink commits the output is exactly once. Steps 2 and 3 live in
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -80,6 +79,7 @@ from cdcflow.model import (
     PartitionState,
     Timestamp,
 )
+from cdcflow.processes import settled_heap
 from cdcflow.transforms.base import Sink, SinkContext
 
 __all__ = ["Engine", "RunOptions"]
@@ -345,7 +345,7 @@ class Engine:
                         self._warn_joining()
                         steps.load(self.store)
                         self.listener.on_start(name, self.runner.name, self.store.url)
-                        with self._signals(), self._time_limit(), _settled_heap(), \
+                        with self._signals(), self._time_limit(), settled_heap(), \
                                 guarding(guard):
                             summary = self._loop(batches)
                     except KeyboardInterrupt:  # an abort: waits for nothing
@@ -740,20 +740,6 @@ def _abandon_on_signal(doing: str, then: str) -> Iterator[None]:
 
     with _handling(handler, ours_too=True):
         yield
-
-
-@contextmanager
-def _settled_heap() -> Iterator[None]:
-    """While the batches run, what was set up before them (modules, clients, the program,
-    the store) sits in the collector's permanent generation: a full collection, which the
-    records a run makes trigger every few tens of thousands, then walks only the run's own
-    objects instead of every object of the process (tens of milliseconds each time). Given
-    back to the collector when the run ends."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _check_locations(sinks: dict[str, Sink[Any, Any]]) -> None:

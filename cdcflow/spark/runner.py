@@ -58,7 +58,7 @@ from cdcflow.errors import (
 )
 from cdcflow.logformat import WORKER_LOG_ENV, configure_worker_logging
 from cdcflow.model import Timestamp
-from cdcflow.processes import process_alive
+from cdcflow.processes import process_alive, settle_collector
 from cdcflow.spark._quiet import quiet_jvm_death
 
 __all__ = [
@@ -213,9 +213,10 @@ def _run_partition(
         yield index, True, result
     # A reused PySpark worker runs a full gc.collect() after every task; with the cached
     # program and client in the heap that costs up to a second per task. Collecting the
-    # task's garbage now and freezing what survives keeps those collections small.
+    # task's garbage now and freezing what survives keeps those collections small (and
+    # the next task's young collections rare, as on the driver).
     gc.collect()
-    gc.freeze()
+    settle_collector()
 
 
 def _pickle_error(exc: BaseException) -> bytes:

@@ -590,3 +590,29 @@ def test_a_signal_while_the_runner_starts_waits_for_it_then_closes_it() -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert runner.opened and runner.closed
+
+
+def test_the_collector_is_settled_while_batches_run_and_given_back(runner: Runner) -> None:
+    import gc
+
+    from cdcflow.processes import YOUNG_COLLECTION_THRESHOLD
+
+    class Thresholds(EngineListener):
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def on_batch(self, stats: BatchStats) -> None:
+            self.seen.append(gc.get_threshold()[0])
+
+    before = gc.get_threshold()
+    gc.set_threshold(700, *before[1:])
+    try:
+        listener = Thresholds()
+        out = Collect()
+        run(runner, pipeline(churn_stream(writes=30), out), listener=listener)
+        assert listener.seen and set(listener.seen) == {YOUNG_COLLECTION_THRESHOLD}
+        assert gc.get_threshold()[0] == 700
+        assert gc.get_freeze_count() == 0
+        assert len(out.items) > 0
+    finally:
+        gc.set_threshold(*before)
