@@ -25,6 +25,7 @@ __all__ = [
     "IncompleteTransactionError",
     "LeaseExpiredError",
     "LeaseHeldError",
+    "LeaseLapsedError",
     "LostProgressError",
     "MissingColumnError",
     "OutputConflictError",
@@ -291,6 +292,12 @@ class LeaseHeldError(UserInputError):
 class FencedError(StoreError):
     """A plan, commit or lease renewal carried a fencing token that is no longer current:
     another run took the pipeline over. Nothing was written."""
+
+
+class LeaseLapsedError(StoreError):
+    """The store kept failing to renew this run's lease until a whole lease had passed
+    since it ran out: another run may own the pipeline by now, so this one stops (what it
+    staged is made durable by the next run, as after a crash)."""
 
 
 class LeaseExpiredError(TransientError):

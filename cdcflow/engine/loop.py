@@ -227,8 +227,9 @@ class Engine:
         self._stop_reason = reason
         self.request_stop()
 
-    def _lost(self, error: FencedError) -> None:
-        """Another run took the pipeline over: stop (its writes are fenced out anyway)."""
+    def _lost(self, error: StoreError) -> None:
+        """Another run took the pipeline over (its writes are fenced out anyway), or the
+        lease could not be renewed for too long: stop."""
         self.request_stop()
 
     @property

@@ -16,6 +16,12 @@ Either way only that exact lease is replaced, so two runs racing to take over ca
 both win. If another run takes over while this one runs, the heartbeat notices
 (:class:`~cdcflow.errors.FencedError`) and asks the engine to stop; a write that races
 the heartbeat is refused by the store all the same.
+
+A store that keeps failing the renewals (while its other calls may still work) is given a
+whole lease past the lease's end on this process's clock; then the run stops
+(:class:`~cdcflow.errors.LeaseLapsedError`), as it would had another run taken over: its
+side effects wait for a lease it does not have (:mod:`cdcflow.engine.guard`), so going
+on would only pile up output that is never made durable.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import uuid
 from collections.abc import Callable
 
 from cdcflow.engine.guard import RunGuard
-from cdcflow.errors import CdcflowError, FencedError, describe
+from cdcflow.errors import CdcflowError, FencedError, LeaseLapsedError, StoreError, describe
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import Lease, Timestamp
 from cdcflow.processes import process_alive
@@ -54,13 +60,14 @@ class Ownership:
 
     ``ttl`` seconds: how long the lease holds without a heartbeat; it is renewed every
     ``ttl / 3``. ``on_lost`` is called (from the heartbeat thread) once another run took
-    the pipeline over. ``guard`` learns how long the lease holds on this process's clock,
-    and that it was lost (:mod:`cdcflow.engine.guard`).
+    the pipeline over, or the renewals failed for a whole ``ttl`` past the lease's end.
+    ``guard`` learns how long the lease holds on this process's clock, and that it was
+    lost (:mod:`cdcflow.engine.guard`).
     """
 
     def __init__(
         self, store: MetadataStore, pipeline: str, ttl: float,
-        on_lost: Callable[[FencedError], None], guard: RunGuard | None = None,
+        on_lost: Callable[[StoreError], None], guard: RunGuard | None = None,
     ) -> None:
         self.store = store
         self.pipeline = pipeline
@@ -72,7 +79,7 @@ class Ownership:
         self._lease: Lease | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.lost: FencedError | None = None
+        self.lost: StoreError | None = None  # FencedError, or LeaseLapsedError
 
     @property
     def token(self) -> int:
@@ -115,26 +122,44 @@ class Ownership:
         return self._lease
 
     def _heartbeat(self) -> None:
-        interval = self.ttl_ns / _NS / 3
-        while not self._stop.wait(interval):
+        ttl = self.ttl_ns / _NS
+        held_until = time.monotonic() + ttl  # the lease's end on this process's clock
+        while not self._stop.wait(ttl / 3):
             lease = self._lease
             assert lease is not None
             try:
                 began = time.monotonic()
                 self._lease = self.store.renew_lease(self.pipeline, lease, self.ttl_ns)
-                self.guard.hold_until(began + self.ttl_ns / _NS, self.ttl_ns / _NS)
+                held_until = began + ttl
+                self.guard.hold_until(held_until, ttl)
             except FencedError as e:
-                self.lost = e
-                self.guard.revoke(e)
-                _log.error("%s", e)
-                self._on_lost(e)
+                self._lose(e)
                 return
             except Exception as e:  # a store hiccup: the next beat tries again
-                left = (lease.expires_at - Timestamp.now().ns) / _NS
-                when = (f"it lapses in {left:.0f}s" if left > 0 else
-                        f"it lapsed {-left:.0f}s ago: another run may take the pipeline over")
-                _log.warning("renewing the lease of %s failed (%s: %s); %s",
-                             self.pipeline, type(e).__name__, e, when)
+                lapsed = time.monotonic() - held_until
+                cause = str(e) if isinstance(e, CdcflowError) else describe(e)
+                if lapsed >= ttl:
+                    lost = LeaseLapsedError(
+                        f"the lease of pipeline {self.pipeline} could not be renewed: it ran "
+                        f"out {lapsed:.0f}s ago and the store still fails ({cause}); "
+                        "stopping, as another run may own the pipeline now: check the "
+                        "metadata store, then run again"
+                    )
+                    lost.__cause__ = e
+                    self._lose(lost)
+                    return
+                when = (f"it lapses in {-lapsed:.0f}s" if lapsed < 0 else
+                        f"it lapsed {lapsed:.0f}s ago: another run may take the pipeline "
+                        f"over; this run stops if it cannot renew it within "
+                        f"{ttl - lapsed:.0f}s")
+                _log.warning("renewing the lease of %s failed (%s); %s",
+                             self.pipeline, cause, when)
+
+    def _lose(self, error: StoreError) -> None:
+        self.lost = error
+        self.guard.revoke(error)
+        _log.error("%s", error)
+        self._on_lost(error)
 
     def release(self) -> None:
         """Stop renewing and give the lease back (a later run takes it at once)."""

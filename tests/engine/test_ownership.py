@@ -326,3 +326,37 @@ def test_a_lease_that_cannot_be_released_is_one_warning_line(
     (said,) = [r for r in caplog.records if "could not release the lease" in r.getMessage()]
     assert "(RuntimeError: boom in release_lease)" in said.getMessage()
     assert not said.exc_info  # no traceback without --debug
+
+
+def test_a_run_whose_lease_cannot_be_renewed_stops_a_lease_after_it_ran_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store (a plugin) whose renewals keep failing while its other calls work: the
+    run went on for ever, its side effects waiting for a lease it did not have. It now
+    stops once a whole lease has passed since the lease ran out, in one error line."""
+    from cdcflow.errors import LeaseLapsedError
+
+    class NoRenewal(MemoryStore):
+        def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease:
+            raise RuntimeError("boom in renew_lease")
+
+    now = time.time_ns()
+    stream = ScriptedChangeStream("S", partitions=1, origin=now - 3 * S)
+    for i in range(20):
+        stream.write("T", i, "INSERT", {"v": i}, at=now - 3 * S + i * S // 10)
+    p = cf.Pipeline("owned")
+    (p | cf.DetectPartitions(stream="S", start_at=now - 3 * S, client=stream)  # no end
+     | cf.ReadPartition() | cf.Collect())
+    engine = Engine(p, NoRenewal(), InMemoryRunner(workers=1),
+                    RunOptions(batch_interval=0.1, max_batch_span=1.0, lease_ttl=0.6))
+    with caplog.at_level(logging.INFO, logger="cdcflow"):
+        thread, errors = _in_thread(engine)
+        thread.join(timeout=30)
+    assert not thread.is_alive(), "the run went on without its lease"
+    assert len(errors) == 1 and isinstance(errors[0], LeaseLapsedError), errors
+    assert "boom in renew_lease" in str(errors[0])
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+              and "renewing the lease" in r.getMessage()]
+    assert warned and all("RuntimeError: boom in renew_lease" in w for w in warned)
+    (said,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "could not be renewed" in said.getMessage()
