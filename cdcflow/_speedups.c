@@ -967,8 +967,15 @@ static PyObject *json_default(PyObject *self, PyObject *value) {
     }
     PyObject *kind = (PyObject *)Py_TYPE(value);
     if (kind == g_ser_decimal) {
-        /* positional notation, as Spanner writes NUMERIC: format(d, "f"), never str(d),
-         * which writes 1E-9 */
+        /* positional notation, as Spanner writes NUMERIC: format(d, "f"). str(d) is the
+         * same text unless it has an exponent (1E-9, 1.5E+3), and a quarter of the cost */
+        PyObject *text = PyObject_Str(value);
+        if (text == NULL) return NULL;
+        Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+        if (PyUnicode_FindChar(text, 'E', 0, n, 1) == -1
+                && PyUnicode_FindChar(text, 'e', 0, n, 1) == -1)
+            return text;
+        Py_DECREF(text);
         static PyObject *positional = NULL;
         if (positional == NULL && (positional = PyUnicode_InternFromString("f")) == NULL)
             return NULL;

@@ -182,6 +182,29 @@ def test_decimals_are_positional_text_as_spanner_writes_numeric() -> None:
     assert orjson.loads(dumps_line(values)) == expected  # the compiled default too
 
 
+@settings(max_examples=2000, deadline=None)
+@given(st.decimals(allow_nan=True, allow_infinity=True)
+       | st.builds(Decimal, st.from_regex(r"-?[0-9]{1,30}(\.[0-9]{0,30})?([eE][-+]?[0-9]{1,3})?",
+                                          fullmatch=True)))
+def test_decimal_text_is_positional_whatever_the_exponent(value: Decimal) -> None:
+    """The text is format(d, "f") (str(d) where that is the same text, which is cheaper),
+    by the Python rules and by the compiled default alike, under either exponent letter."""
+    import decimal
+
+    from cdcflow.serialize import decimal_text
+
+    expected = format(value, "f")
+    assert decimal_text(value) == expected
+    compiled = serialize._compiled_default()
+    if compiled is not None:
+        assert compiled(value) == expected
+    with decimal.localcontext() as ctx:
+        ctx.capitals = 0  # str() then writes 1.5e+3
+        assert decimal_text(value) == expected
+        if compiled is not None:
+            assert compiled(value) == expected
+
+
 # --- the non-finite check, compiled and in Python ----------------------------------------
 
 
