@@ -9,7 +9,8 @@ baseline RSS (after imports), its peak RSS (VmHWM), and the quota's own peak of 
 bytes. Target: peak RSS <= quota + 200 MB for a 1 GB backlog.
 
 Then the same backlog at a 32 MiB quota goes into sinks that keep elements after
-``write``: WriteFiles (Parquet: a file per task, its rows spilled past 2 MiB),
+``write``: WriteFiles (Parquet: a file per task, its rows spilled past 2 MiB, less when
+more writers are open in the process; with 4 tasks, then 8 and 16),
 ``Consume(max_inflight=16)`` (a 1 ms call: its queue stays charged to the quota) and
 WriteTables (Parquet on local disk, ``spool_memory=32MiB``: its memory is the quota plus
 its spool, so that line prints peak RSS - quota - spool_memory). Each counts what it wrote
@@ -89,18 +90,20 @@ def _row(record: Any) -> dict[str, Any]:
     return {"id": record.mods[0].keys["id"], "body": record.mods[0].new_values["body"]}
 
 
-def _child(mb: int, quota_mb: int, sink_name: str) -> dict[str, Any]:
-    """One run in this process into ``sink_name`` (slow, files, consume, tables); what it
-    measured."""
+def _child(mb: int, quota_mb: int, sink_name: str, tasks: int = _PARTITIONS
+           ) -> dict[str, Any]:
+    """One run in this process into ``sink_name`` (slow, files, consume, tables), over
+    ``tasks`` partitions read by as many workers; what it measured."""
     import cdcflow as cf
     from bench._backlog import LazyBacklog
     from cdcflow.engine.loop import Engine, RunOptions
     from cdcflow.engine.quota import process_quota
     from cdcflow.metadata import MemoryStore
-    from cdcflow.processes import limit_malloc_arenas
+    from cdcflow.processes import choose_arrow_pool, limit_malloc_arenas
     from cdcflow.runners.in_memory import InMemoryRunner
 
     limit_malloc_arenas()  # as `cdcflow run` does
+    choose_arrow_pool()
     from cdcflow.transforms import (
         Consume,
         DetectPartitions,
@@ -121,9 +124,9 @@ def _child(mb: int, quota_mb: int, sink_name: str) -> dict[str, Any]:
         def commit(self, batch_id: int, messages: Sequence[int]) -> None:
             self.count += sum(messages)
 
-    records = max(1, mb * _MB // (_PAYLOAD * _PARTITIONS))
+    records = max(1, mb * _MB // (_PAYLOAD * tasks))
     origin = 1_704_067_200 * _S
-    backlog = LazyBacklog("Backlog", partitions=_PARTITIONS, records=records,
+    backlog = LazyBacklog("Backlog", partitions=tasks, records=records,
                           payload=_PAYLOAD, origin=origin, span_ns=60 * _S)
     out = tempfile.mkdtemp(prefix="cdcflow-bench-memory-")
     sink: Any = {
@@ -143,7 +146,7 @@ def _child(mb: int, quota_mb: int, sink_name: str) -> dict[str, Any]:
     began = time.monotonic()
     # one batch per partition slice: the whole backlog is one slice of each partition
     opts = RunOptions(batch_interval=0, max_batch_span=3600.0)
-    Engine(p, MemoryStore(), InMemoryRunner(workers=_PARTITIONS), opts).run()
+    Engine(p, MemoryStore(), InMemoryRunner(workers=tasks), opts).run()
     stats = process_quota().stats()
     if sink_name in ("tables", "files"):
         import pyarrow.dataset as ds
@@ -156,7 +159,7 @@ def _child(mb: int, quota_mb: int, sink_name: str) -> dict[str, Any]:
         count = sink.count
     shutil.rmtree(out, ignore_errors=True)
     return {
-        "records": count, "expected": records * _PARTITIONS,
+        "records": count, "expected": records * tasks,
         "backlog": backlog.total_bytes, "quota": stats.limit, "quota_peak": stats.peak,
         "waits": stats.waits, "base_rss": base, "peak_rss": _rss("VmHWM"),
         "seconds": time.monotonic() - began,
@@ -171,9 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quotas", default="256,32,8", help="quotas in MiB, one run each")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--sink", default="slow", help=argparse.SUPPRESS)
+    parser.add_argument("--tasks", type=int, default=_PARTITIONS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(_child(args.mb, args.child, args.sink)))
+        print(json.dumps(_child(args.mb, args.child, args.sink, args.tasks)))
         return
     print(f"bench_memory: a slow sink (1 ms per element) facing a {args.mb} MiB backlog "
           f"({_PARTITIONS} partitions, {_PAYLOAD >> 10} KiB records, "
@@ -194,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
               f"MB (base {r['base_rss'] / 1e6:.0f} MB), RSS - quota {over:.0f} MB, "
               f"{r['records']} in {r['seconds']:.1f} s  target: <= 200 MB  {verdict}",
               flush=True)
+    for tasks in (8, 16):  # the Parquet writers of a process share one spill budget
+        r = _run(args.mb, 32, "--sink", "files", "--tasks", str(tasks))
+        over, verdict = _judged(r)
+        print(f"  WriteFiles (parquet), {tasks} tasks, quota {r['quota'] / _MB:.0f} MiB: peak "
+              f"RSS {r['peak_rss'] / 1e6:.0f} MB, RSS - quota {over:.0f} MB, {r['records']} "
+              f"in {r['seconds']:.1f} s  target: <= 200 MB  {verdict}", flush=True)
     r = _run(args.mb, 32, "--sink", "tables")
     over, verdict = _judged(r, _SPOOL_MEMORY)
     print(f"  WriteTables (parquet, spool_memory {_SPOOL_MEMORY >> 20} MiB), quota "

@@ -43,7 +43,7 @@ from cdcflow.launch import (
     run_pipeline,
     runner_factory,
 )
-from cdcflow.processes import limit_malloc_arenas
+from cdcflow.processes import choose_arrow_pool, limit_malloc_arenas
 from cdcflow.progress import LOG_FORMATS, LiveProgress
 
 __all__ = [
@@ -643,6 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if own_process:
         _term_as_interrupt()
         limit_malloc_arenas()
+        choose_arrow_pool()
     debug = "--debug" in argv or os.environ.get("CDCFLOW_DEBUG", "") not in ("", "0")
     # Known before parsing, so that a usage error is reported in the format asked for.
     log_format = "json" if any(

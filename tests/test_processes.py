@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,28 @@ def test_the_heap_settles_while_batches_run_and_is_given_back() -> None:
     finally:
         gc.set_threshold(*before)
         gc.unfreeze()
+
+
+def test_cdcflow_commands_allocate_arrow_memory_from_jemalloc_unless_told(
+    tmp_path: Path,
+) -> None:
+    """The command line chooses Arrow's pool before anything imports pyarrow (a pipeline
+    file here); the user's ARROW_DEFAULT_MEMORY_POOL stands."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux only")
+    pipeline = tmp_path / "pipeline.py"
+    pipeline.write_text(
+        "import sys\nimport pyarrow\nimport cdcflow as cf\n"
+        "print('pool', pyarrow.default_memory_pool().backend_name, file=sys.stderr)\n"
+        "pipeline = cf.Pipeline('pool')\n"
+        "pipeline | cf.DetectPartitions(stream='S', database='projects/p/instances/i/"
+        "databases/d') | cf.ReadPartition() | cf.Print()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    for given, expected in ((None, "jemalloc"), ("system", "system")):
+        done = subprocess.run(
+            [sys.executable, "-m", "cdcflow", "graph", str(pipeline)], capture_output=True,
+            text=True, check=True,
+            env=env if given is None else {**env, "ARROW_DEFAULT_MEMORY_POOL": given},
+        )
+        assert f"pool {expected}" in done.stderr, done.stderr

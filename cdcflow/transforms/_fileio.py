@@ -20,6 +20,8 @@ import os
 import re
 import shutil
 import tempfile
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import IO, Any, NoReturn
 
@@ -406,6 +408,22 @@ def conform(batch: Any, schema: Any) -> Any:
 #: length): a chunk that reaches either goes to a spill file on disk.
 SPILL_ROWS = 50_000
 SPILL_BYTES = 2 << 20
+#: What the Parquet writers of one process hold together, in payload bytes: each open
+#: writer's chunk spills at its share (at most SPILL_BYTES, at least SPILL_BYTES_LEAST).
+#: Arrow's builders take several times the payload, so with a fixed 2 MiB per writer
+#: the memory grew with the tasks of a process: 8 tasks at a 32 MiB quota peaked 197 MB
+#: over the quota against 163 MB at 4 tasks (1 GB backlog of 64 KiB rows); at a 1 MiB
+#: share, 8 tasks peaked at 163 MB too.
+SPILL_BYTES_PROCESS = 8 << 20
+SPILL_BYTES_LEAST = 256 << 10
+_open_writers: weakref.WeakSet[ParquetWriter] = weakref.WeakSet()  # a writer dropped unclosed
+_open_lock = threading.Lock()  # leaves it with the garbage collector
+
+
+def _spill_share() -> int:
+    """The payload bytes an open Parquet writer of this process may hold now."""
+    share = SPILL_BYTES_PROCESS // max(1, len(_open_writers))
+    return max(SPILL_BYTES_LEAST, min(SPILL_BYTES, share))
 #: What a value (and its column's slot) costs besides its text, in _Columns.bytes.
 _VALUE_BYTES = 16
 
@@ -415,8 +433,9 @@ class ParquetWriter(_FileWriter):
 
     A Parquet file has one schema, and a column may first appear (or first hold a value)
     in a later row, so the file is written when the task ends. Until then at most
-    :data:`SPILL_ROWS` rows and :data:`SPILL_BYTES` of their payload stay in memory (the
-    sink's memory does not grow with the batch): each full chunk is written to a spill file
+    :data:`SPILL_ROWS` rows and :data:`SPILL_BYTES` of their payload stay in memory (less
+    when more writers are open in the process: :data:`SPILL_BYTES_PROCESS`; the sink's
+    memory does not grow with the batch): each full chunk is written to a spill file
     beside the temporary file (Arrow IPC, named ``<temp>.<n>.spill``); ``close`` writes
     the chunks, conformed to the file's schema, as the file's row groups and removes the
     spill files (``abort`` too; a crash leaves them to the batch's commit or abort, which
@@ -429,14 +448,19 @@ class ParquetWriter(_FileWriter):
         self._spills: list[str] = []
         self._count = 0
         self._spill_rows = SPILL_ROWS
-        self._spill_bytes = SPILL_BYTES
+        with _open_lock:
+            _open_writers.add(self)
 
     def write(self, element: Any) -> None:
         self._usable()
         self._columns.add(parquet_row(element))
         self._count += 1
-        if self._columns.rows >= self._spill_rows or self._columns.bytes >= self._spill_bytes:
+        if self._columns.rows >= self._spill_rows or self._columns.bytes >= _spill_share():
             self._spill()
+
+    def _closed(self) -> None:
+        with _open_lock:
+            _open_writers.discard(self)
 
     def _spill(self) -> None:
         import pyarrow as pa
@@ -460,6 +484,7 @@ class ParquetWriter(_FileWriter):
 
     def close(self) -> WrittenFile | None:
         self._usable()
+        self._closed()
         if self._count == 0:
             return None
         import pyarrow.parquet as pq
@@ -484,6 +509,7 @@ class ParquetWriter(_FileWriter):
         self._spills = []
 
     def abort(self) -> None:
+        self._closed()
         self._columns = _Columns()
         self._drop_spills()
         self._remove_temp()

@@ -213,7 +213,8 @@ class WriteFiles(Sink[Any, WrittenFile]):
     type fails at ``write`` (a SinkError the error policy retries or skips to the
     dead-letter sink) and the other rows are written. A parquet writer writes its file
     when the task ends; until then it keeps at most 50,000 rows or 2 MiB of their payload
-    in memory and spills the rest to local disk. A storage failure (``OSError``) in a writer or a
+    in memory (less when more Parquet writers are open in the process: 8 MiB among
+    them) and spills the rest to local disk. A storage failure (``OSError``) in a writer or a
     commit raises :class:`~cdcflow.errors.SinkIOError`: the batch is retried.
 
     After each commit ``_watermark.json`` holds the pipeline's low watermark

@@ -397,3 +397,36 @@ def test_a_commit_does_not_list_the_output_directory(
     assert listed and str(out) not in listed
     assert all(d.startswith(str(out / "_cdcflow" / "tmp")) for d in listed), listed
     assert not (out / "_cdcflow" / "tmp").exists() or not os.listdir(out / "_cdcflow" / "tmp")
+
+
+def test_parquet_writers_open_at_once_share_the_process_spill_budget(tmp_path: Path) -> None:
+    """Arrow's builders take several times a chunk's payload: with 2 MiB per writer the
+    memory grew with the tasks of a process. Each open writer now spills at its share of
+    SPILL_BYTES_PROCESS (never above SPILL_BYTES, never below SPILL_BYTES_LEAST), and a
+    writer closed, aborted or dropped gives its share back."""
+    import gc
+
+    from cdcflow.transforms import _fileio
+
+    gc.collect()  # writers earlier tests dropped unclosed
+    assert _fileio._spill_share() == _fileio.SPILL_BYTES
+    sink = _sink(tmp_path / "many", format="parquet")
+    writers = [sink.open_writer(_wctx(1, f"tok{i}")) for i in range(8)]
+    assert _fileio._spill_share() == _fileio.SPILL_BYTES_PROCESS // 8
+    text = "x" * (100 << 10)
+    for i in range(30):  # 3 MB each: spilled at 1 MiB
+        for w in writers:
+            w.write({"id": i, "text": text})
+    spills = len(list(_temps_of(sink).glob("*.spill")))
+    assert spills == 8 * 2  # 11 rows (1.1 MB) a chunk: two chunks spilled, the third held
+    held = [w._columns.bytes for w in writers]  # type: ignore[attr-defined]
+    assert max(held) < _fileio.SPILL_BYTES_PROCESS // 8
+    many = [sink.open_writer(_wctx(1, f"more{i}")) for i in range(64)]
+    assert _fileio._spill_share() == _fileio.SPILL_BYTES_LEAST
+    for w in many[:60]:
+        w.abort()
+    del many
+    gc.collect()  # the 4 left unclosed are dropped
+    sink.commit(1, [w.close() for w in writers])
+    assert _fileio._spill_share() == _fileio.SPILL_BYTES
+    assert len(pq.read_table(tmp_path / "many").column("id")) == 8 * 30
