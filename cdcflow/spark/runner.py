@@ -25,6 +25,7 @@ raised on the driver as itself instead, so the engine's batch retries see what i
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import functools
@@ -299,6 +300,7 @@ _JOB_PROPERTIES = ("spark.jobGroup.id", "spark.job.description", "spark.job.inte
 #: The runner's own directory under the system's temporary one (its log4j2 settings, and for
 #: a JVM it starts Spark's scratch space, ``spark.local.dir``), named after the driver's
 #: process id: a driver that was killed leaves it, and the next start on this host removes it.
+#: The JVM's ``java.io.tmpdir`` is one too (:func:`_jvm_dir`).
 _LOG_DIR_PREFIX = "cdcflow-spark-"
 _LOG_DIR = re.compile(re.escape(_LOG_DIR_PREFIX) + r"(\d+)-[A-Za-z0-9_]+")
 
@@ -311,6 +313,44 @@ def _sweep_log_dirs() -> None:
             m = _LOG_DIR.fullmatch(name)
             if m is not None and not process_alive(int(m.group(1))):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+#: Settings and environment variables through which a user may give the JVM its own
+#: ``java.io.tmpdir``, which the runner then leaves alone.
+_JAVA_OPTION_SETTINGS = ("spark.driver.extraJavaOptions", "spark.driver.defaultJavaOptions")
+_JAVA_OPTION_ENV = ("PYSPARK_SUBMIT_ARGS", "SPARK_SUBMIT_OPTS", "JAVA_TOOL_OPTIONS",
+                    "JDK_JAVA_OPTIONS", "_JAVA_OPTIONS")
+
+_jvm_dirs: dict[int, str] = {}  # process id -> its JVM's temporary directory
+
+
+def _jvm_dir() -> str:
+    """The ``java.io.tmpdir`` of a JVM a runner starts: a runner directory (see
+    ``_LOG_DIR_PREFIX``) of its own, one per process, since PySpark keeps the JVM until the
+    process exits, whichever runner started it. Left in /tmp, the JVM's files (the
+    ``liblz4-java-*.so`` it unpacks, empty ``spark-*`` directories, its Python workers'
+    ``.*.sock`` sockets) stayed there whenever it was killed; here the next start on the
+    host sweeps them once this process is gone, and a process that exits removes the
+    directory itself."""
+    pid = os.getpid()
+    path = _jvm_dirs.get(pid)
+    if path is None or not os.path.isdir(path):
+        path = tempfile.mkdtemp(prefix=f"{_LOG_DIR_PREFIX}{pid}-jvm_")
+        _jvm_dirs[pid] = path
+        atexit.register(_remove_jvm_dir, pid, path)
+    return path
+
+
+def _remove_jvm_dir(pid: int, path: str) -> None:
+    if os.getpid() == pid:  # not in a forked child, whose parent's JVM still runs
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _tmpdir_given(conf: Mapping[str, str]) -> bool:
+    """Whether the user gave the driver's JVM a ``java.io.tmpdir`` of their own."""
+    given = [conf.get(key, "") for key in _JAVA_OPTION_SETTINGS]
+    given += [os.environ.get(name, "") for name in _JAVA_OPTION_ENV]
+    return any("-Djava.io.tmpdir=" in text for text in given)
 
 
 class SparkRunner:
@@ -436,6 +476,9 @@ class SparkRunner:
             if not submitted:  # the driver JVM starts with this session: quiet it
                 log_file = self._quiet_log_config()
                 option = f"-Dlog4j2.configurationFile=file:{log_file}"
+                if not _tmpdir_given(self.conf):
+                    # the JVM's own temporary files (liblz4-java-*.so, spark-*): see _jvm_dir
+                    option += f" -Djava.io.tmpdir={_jvm_dir()}"
                 settings["spark.driver.extraJavaOptions"] = option
                 settings["spark.executor.extraJavaOptions"] = option
                 # Spark's scratch space (blockmgr-*, spark-*) in the runner's own directory:

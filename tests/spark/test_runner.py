@@ -696,3 +696,68 @@ def test_spark_s_scratch_space_is_in_the_runner_s_directory(spark: Any) -> None:
     # the user's own setting wins
     runner = SparkRunner("local[2]", conf={"spark.local.dir": "/var/tmp/mine"})
     assert runner._settings("x")["spark.local.dir"] == "/var/tmp/mine"
+
+
+def test_the_jvm_s_temporary_files_are_in_a_runner_directory(spark: Any) -> None:
+    """The JVM put its temporary files in /tmp (java.io.tmpdir): the liblz4-java-*.so it
+    unpacks, empty spark-* directories, its Python workers' sockets. A JVM that was
+    killed left them there (about ten liblz4-java-*.so and 300 sockets here): in a
+    runner directory the next start sweeps them."""
+    sc = spark.sparkContext
+    # a shuffle: its blocks are lz4-compressed, so lz4-java's native library is unpacked
+    sc.parallelize(range(100), 4).map(lambda x: (x % 3, x)).reduceByKey(max).collect()
+    tmp = Path(sc._jvm.java.lang.System.getProperty("java.io.tmpdir"))
+    assert tmp.parent == Path(tempfile.gettempdir())
+    assert tmp.name.startswith(f"cdcflow-spark-{os.getpid()}-")
+    assert any(p.name.startswith("liblz4-java-") for p in tmp.iterdir())
+
+
+def test_a_java_io_tmpdir_of_the_user_s_own_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def driver_options(**conf: str) -> str:
+        runner = SparkRunner("local[1]", conf=conf)
+        try:
+            return runner._settings("x")["spark.driver.extraJavaOptions"]
+        finally:
+            runner.close()
+
+    assert "-Djava.io.tmpdir=" in driver_options()
+    mine = "-Djava.io.tmpdir=/var/tmp/mine"
+    assert driver_options(**{"spark.driver.extraJavaOptions": mine}) == mine
+    assert "java.io.tmpdir" not in driver_options(**{"spark.driver.defaultJavaOptions": mine})
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", mine)
+    assert "java.io.tmpdir" not in driver_options()
+
+
+def test_the_jvm_s_directory_outlives_the_session_and_a_killed_one_s_is_swept() -> None:
+    """PySpark keeps the JVM after the session stops, so its directory stays until the
+    process exits; when the process and its JVM are killed, the next start removes it."""
+    from cdcflow.spark.runner import _sweep_log_dirs
+
+    script = ("import sys, time\n"
+              "from cdcflow.spark.runner import SparkRunner\n"
+              "r = SparkRunner('local[1]'); r.open('tmpdir')\n"
+              "sc = r.session.sparkContext\n"
+              "sc.parallelize(range(10), 2).map(lambda x: (x % 2, x)).reduceByKey(max).collect()\n"
+              "tmp = sc._jvm.java.lang.System.getProperty('java.io.tmpdir')\n"
+              "r.close()\n"
+              "print('tmpdir', tmp, flush=True)\n"
+              "time.sleep(120)\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        assert child.stdout is not None
+        line = next(ln for ln in child.stdout if ln.startswith("tmpdir "))
+        tmp = Path(line.split(" ", 1)[1].strip())
+        assert tmp.name.startswith(f"cdcflow-spark-{child.pid}-")
+        assert any(p.name.startswith("liblz4-java-") for p in tmp.iterdir())  # after close
+        os.killpg(child.pid, signal.SIGKILL)  # the driver and its JVM
+        child.wait(timeout=30)
+        assert any(p.name.startswith("liblz4-java-") for p in tmp.iterdir())
+        _sweep_log_dirs()
+        assert not tmp.exists()
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=30)
