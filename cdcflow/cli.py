@@ -565,7 +565,9 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
         if args.database:
             emu.create_database(args.database, ddl, instance=args.instance)
             print(f"# database {emu.database_path(args.database, args.instance)}", flush=True)
-        print(f"# emulator log: {emu.log_path}; Ctrl-C stops it", file=sys.stderr, flush=True)
+        # the log goes when the emulator stops, unless it failed: the error then names it
+        print(f"# emulator log: {emu.log_path} (removed when it stops, kept if it fails); "
+              "Ctrl-C stops it", file=sys.stderr, flush=True)
         emu.wait_while_answering()  # until Ctrl-C, or raises if the emulator dies
     except KeyboardInterrupt:
         print("\nstopping the emulator", file=sys.stderr)

@@ -166,7 +166,7 @@ class Emulator:
         self.project = project
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
-        self._keep_log = False  # an error named the log: it outlives the emulator
+        self._keep_log = False  # the emulator failed and an error named its log: it stays
         self._client: Any = None
 
     @property
@@ -181,12 +181,17 @@ class Emulator:
 
     @property
     def log_path(self) -> str | None:
-        """The emulator's log file. It is removed when the emulator stops, unless an error
-        named it."""
+        """The emulator's log file while it runs. ``stop`` removes it, unless the emulator
+        failed (it exited at start, did not answer, stopped answering): the error then
+        names the log, which stays for the user to read."""
         if self._log is None:
             return None
-        self._keep_log = True
         return str(self._log.name)
+
+    def _failed_log(self) -> str | None:
+        """``log_path``, for an error that names it: the log then outlives the emulator."""
+        self._keep_log = self._log is not None
+        return self.log_path
 
     def start(self, timeout: float = 60.0, attempts: int = 3) -> Emulator:
         """Start the process and wait until it answers. A process that exits at start (its
@@ -222,6 +227,8 @@ class Emulator:
                 f"--change_stream_churn_thread_sleep_interval={interval}s",
             ]
         args += self.extra_args
+        self._drop_log()  # an earlier start's (kept if its error named it)
+        self._keep_log = False
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
             prefix="spanner-emulator-", suffix=".log", delete=False
         )
@@ -238,15 +245,17 @@ class Emulator:
             if self._proc is not None and self._proc.poll() is not None:
                 return (
                     f"the Spanner emulator exited with code {self._proc.returncode} at start; "
-                    f"see its log {self.log_path}"
+                    f"see its log {self._failed_log()}"
                 )
             with contextlib.suppress(OSError), socket.create_connection(
                 ("127.0.0.1", self.port), timeout=0.5
             ):
                 return None
             time.sleep(0.1)
+        log = self._failed_log()
         self.stop()
-        msg = f"the Spanner emulator did not answer on {self.host} within {timeout:.0f}s"
+        msg = (f"the Spanner emulator did not answer on {self.host} within {timeout:.0f}s; "
+               f"see its log {log}")
         raise CdcflowError(msg)
 
     def client(self) -> Any:
@@ -307,7 +316,7 @@ class Emulator:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=2).close()
             except OSError:
-                msg = f"the emulator stopped answering on {self.host}; see {self.log_path}"
+                msg = f"the emulator stopped answering on {self.host}; see {self._failed_log()}"
                 raise CdcflowError(msg) from None
 
     def database_path(self, database: str, instance: str = "test-instance") -> str:
@@ -329,7 +338,7 @@ class Emulator:
         self._drop_log()
 
     def _drop_log(self) -> None:
-        """Close the log; remove it unless an error named it."""
+        """Close the log; remove it unless an error named it (the emulator failed)."""
         if self._log is not None:
             self._log.close()
             if not self._keep_log:

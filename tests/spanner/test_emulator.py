@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from cdcflow.errors import ConfigurationError
+from cdcflow.errors import CdcflowError, ConfigurationError
 from cdcflow.spanner.emulator import (
     Emulator,
     EmulatorNotFoundError,
@@ -40,10 +43,27 @@ def test_start_serve_and_stop() -> None:
         with db.snapshot() as snap:
             assert list(snap.execute_sql("SELECT 1")) == [[1]]
         port = emu.port
-        log = Path(emu._log.name)
+        assert emu.log_path is not None
+        log = Path(emu.log_path)  # asking for it does not keep it (the CLI prints it)
         assert log.exists()
     assert not _listening(port)
-    assert not log.exists()  # nothing named it: it goes with the emulator
+    assert not log.exists()  # it stopped cleanly: the log goes with it
+
+
+@pytest.mark.emulator
+def test_the_log_of_an_emulator_that_stopped_answering_stays() -> None:
+    emu = Emulator().start()
+    try:
+        assert emu.pid is not None
+        os.kill(emu.pid, signal.SIGKILL)
+        with pytest.raises(CdcflowError, match="stopped answering") as failed:
+            emu.wait_while_answering(every=0.1)
+    finally:
+        emu.stop()
+    named = Path(str(failed.value).rsplit("see ", 1)[1])
+    assert named.name.startswith("spanner-emulator-")
+    assert named.exists()  # the error named it: it stays for the user to read
+    named.unlink()
 
 
 @pytest.mark.emulator
@@ -77,6 +97,9 @@ def test_binary_that_exits_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     fake.write_text("#!/bin/sh\nexit 3\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CDCFLOW_SPANNER_EMULATOR", str(fake))
+    logs = tmp_path / "logs"  # the logs that stay are here, not in /tmp
+    logs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(logs))
     emu = Emulator()
     with pytest.raises(Exception, match="exited with code 3") as failed:
         emu.start(timeout=10)
@@ -86,9 +109,11 @@ def test_binary_that_exits_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     Path(named).unlink()
     runs = tmp_path / "runs"
     emu = Emulator()
-    with pytest.raises(Exception, match="exited with code 3"):
+    with pytest.raises(Exception, match="exited with code 3") as failed:
         emu.start(timeout=10, attempts=2)
     emu.stop()
+    named = str(failed.value).rsplit("see its log ", 1)[1]
+    assert list(logs.iterdir()) == [Path(named)]  # the first attempt's went: nobody read it
     fake.write_text(f"#!/bin/sh\necho run >> {runs}\nexit 3\n")
     with pytest.raises(Exception, match="exited with code 3"):
         Emulator().start(timeout=10, attempts=2)
@@ -128,7 +153,9 @@ def test_an_emulator_ends_with_the_process_that_started_it(tmp_path: Path) -> No
         "print(emu._proc.pid, emu.port, flush=True)\n"
         "time.sleep(60)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # its log, which a killed process cannot remove, in tmp_path rather than /tmp
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
     assert parent.stdout is not None
     pid, port = (int(v) for v in parent.stdout.readline().split())
     assert _listening(port)
