@@ -315,6 +315,9 @@ def _sweep_log_dirs() -> None:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+#: The JVM options the runner sets and a user's ``--conf`` of the same key is added to.
+_JAVA_OPTIONS = ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions")
+
 #: Settings and environment variables through which a user may give the JVM its own
 #: ``java.io.tmpdir``, which the runner then leaves alone.
 _JAVA_OPTION_SETTINGS = ("spark.driver.extraJavaOptions", "spark.driver.defaultJavaOptions")
@@ -487,7 +490,14 @@ class SparkRunner:
         for key in submitted:
             if key != "spark.master":
                 settings.pop(key, None)
-        settings.update(self.conf)
+        for key, value in self.conf.items():
+            ours = settings.get(key)
+            if key in _JAVA_OPTIONS and ours and value and ours not in value:
+                # the user's options after the runner's: theirs win for a property both set
+                # (the JVM takes the last), and the runner's quiet logging and temporary
+                # directory stay
+                value = f"{ours} {value}"
+            settings[key] = value
         if self.master:
             settings["spark.master"] = local_master(self.master)
         _log.debug("Spark settings: %s", settings)

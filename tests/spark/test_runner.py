@@ -724,7 +724,8 @@ def test_a_java_io_tmpdir_of_the_user_s_own_is_left_alone(
 
     assert "-Djava.io.tmpdir=" in driver_options()
     mine = "-Djava.io.tmpdir=/var/tmp/mine"
-    assert driver_options(**{"spark.driver.extraJavaOptions": mine}) == mine
+    given = driver_options(**{"spark.driver.extraJavaOptions": mine})
+    assert given.endswith(mine) and given.count("java.io.tmpdir") == 1
     assert "java.io.tmpdir" not in driver_options(**{"spark.driver.defaultJavaOptions": mine})
     monkeypatch.setenv("JAVA_TOOL_OPTIONS", mine)
     assert "java.io.tmpdir" not in driver_options()
@@ -761,3 +762,21 @@ def test_the_jvm_s_directory_outlives_the_session_and_a_killed_one_s_is_swept() 
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait(timeout=30)
+
+
+def test_java_options_of_the_user_s_own_are_added_to_the_runner_s() -> None:
+    """A ``--conf spark.driver.extraJavaOptions`` replaced the runner's options: Spark's
+    INFO lines (the quiet log4j2 settings) and its files in /tmp came back. The user's
+    now follow the runner's, so theirs win for a property both set."""
+    mine = "-Dmy.flag=1 -Dlog4j2.configurationFile=file:/etc/mine.properties"
+    runner = SparkRunner("local[1]", conf={"spark.driver.extraJavaOptions": mine,
+                                           "spark.executor.extraJavaOptions": "-Dx=2"})
+    try:
+        settings = runner._settings("x")
+    finally:
+        runner.close()
+    driver = settings["spark.driver.extraJavaOptions"]
+    assert driver.startswith("-Dlog4j2.configurationFile=file:") and driver.endswith(mine)
+    assert "-Djava.io.tmpdir=" in driver
+    executor = settings["spark.executor.extraJavaOptions"]
+    assert executor.startswith("-Dlog4j2.configurationFile=file:") and executor.endswith(" -Dx=2")
