@@ -27,7 +27,9 @@ def test_a_small_backlog_is_read_whole_by_the_stock_reader_and_cdcflow(
         # the side-by-side row, the breakdown, the reading-alone row, the CPU row
         assert len(cells) == 4, out
         own, emulator, floor, seconds = (float(x) for x in cells[3][:4])
-        assert own > 0 and emulator > 0  # each reader's CPU, and the emulator's for it
+        # each reader's CPU, and the emulator's for it: read in clock ticks (10 ms), which
+        # the emulator's few milliseconds for this small backlog may not reach
+        assert own > 0 and emulator >= 0
         cores = os.cpu_count() or 1
         assert floor == pytest.approx((own + emulator) / cores, abs=0.011)
         assert seconds > 0

@@ -17,7 +17,9 @@ def test_a_small_backlog_runs_in_a_child_and_reports(capsys: pytest.CaptureFixtu
     assert float(cells[2]) <= 1.0  # its peak of held bytes
     assert cells[11] == "128"  # every record reached the sink: 8 MiB of 64 KiB records
     # the sinks that keep elements: every record written or called, once
-    for name, counted in (("WriteFiles (parquet)", " 128 in "),
+    for name, counted in (("WriteFiles (parquet), quota", " 128 in "),
+                          ("WriteFiles (parquet), 8 tasks", " 128 in "),
+                          ("WriteFiles (parquet), 16 tasks", " 128 in "),
                           ("Consume(max_inflight=16)", " 128 in "),
                           ("WriteTables", " 128 rows in ")):
         [line] = [line for line in lines if line.startswith(name)]
