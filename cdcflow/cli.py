@@ -556,8 +556,9 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     # Explicit handlers: a shell may start us with SIGINT ignored (a background job), and
-    # SIGTERM must not leave the emulator (its own session) running without us.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGTERM, or SIGHUP (its terminal closed), must not leave the emulator (its own
+    # session) running without us, nor its log behind.
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)):
         signal.signal(sig, interrupt)
     emu.start()
     try:

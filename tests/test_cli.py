@@ -508,10 +508,11 @@ def test_emulator_start_creates_database_and_stops_on_ctrl_c(tmp_path: Path) -> 
 
 
 @pytest.mark.emulator
-def test_emulator_start_removes_its_log_when_stopped() -> None:
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGHUP"])
+def test_emulator_start_removes_its_log_when_stopped(stop: str) -> None:
     """It printed the log's path, which kept the log after a clean stop: test runs left
     about ten spanner-emulator-*.log files an hour in /tmp. Only a failed emulator's stays
-    (tests/spanner/test_emulator.py)."""
+    (tests/spanner/test_emulator.py). Its terminal closing (SIGHUP) stops it as Ctrl-C."""
     proc = subprocess.Popen([sys.executable, "-m", "cdcflow", "emulator", "start"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -520,7 +521,7 @@ def test_emulator_start_removes_its_log_when_stopped() -> None:
         log = Path(re.findall(r"# emulator log: (/\S+?\.log)", line)[0])
         assert log.name.startswith("spanner-emulator-") and log.exists()
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop))
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert not log.exists()

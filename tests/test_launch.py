@@ -116,6 +116,7 @@ def test_unknown_option_lists_the_valid_keys() -> None:
         ({"batch_interval": float("nan")}, "batch_interval takes a duration"),
         ({"gc_ttl": "inf"}, "not a duration"),
         ({"lease_ttl": float("inf")}, "lease_ttl takes a duration"),
+        ({"lease_ttl": "1ms"}, r"RunOptions.lease_ttl must be at least 0.1 \(seconds"),
         ({"batch_interval": "99999h"}, r"batch_interval must be at most a day \(86400 s\)"),
         ({"max_task_bytes": "lots"}, "max_task_bytes='lots' is not a size; write e.g. 64MiB"),
         ({"max_task_bytes": 1.5}, "max_task_bytes takes a size such as 64MiB or none"),

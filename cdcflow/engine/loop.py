@@ -130,6 +130,19 @@ def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> Non
         raise ValueError(msg)
 
 
+#: The shortest lease a run may ask for (seconds): it is renewed every third of it, and a
+#: renewal that takes longer than what is left lets the lease lapse.
+MIN_LEASE_TTL = 0.1
+
+
+def _lease_ttl(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _positive(instance, attribute, value)
+    if value < MIN_LEASE_TTL:
+        msg = (f"RunOptions.lease_ttl must be at least {MIN_LEASE_TTL} (seconds; the lease "
+               f"is renewed every third of it, and 30 is the default), got {value}")
+        raise ValueError(msg)
+
+
 @attrs.frozen
 class RunOptions:
     """How a run proceeds. Durations are seconds.
@@ -172,7 +185,7 @@ class RunOptions:
     batch_retries: int = attrs.field(default=3, validator=_non_negative)
     retry_backoff: float = attrs.field(default=1.0, validator=_non_negative)
     takeover: bool = False
-    lease_ttl: float = attrs.field(default=30.0, validator=_positive)
+    lease_ttl: float = attrs.field(default=30.0, validator=_lease_ttl)
     idle_read_interval: float = attrs.field(default=5.0, validator=_non_negative)
     strict: bool = False
     pipelined: bool = True

@@ -44,6 +44,12 @@ __all__ = ["Ownership", "owner_gone"]
 
 _log = logging.getLogger("cdcflow.engine")
 _NS = 1_000_000_000
+#: Seconds ``release`` waits for the heartbeat's renewal under way.
+_RELEASE_WAIT = 5.0
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.0f}s" if abs(seconds) >= 10 else f"{seconds:.1f}s"
 
 
 def owner_gone(lease: Lease, host: str | None = None) -> bool:
@@ -78,7 +84,12 @@ class Ownership:
         self.guard = guard if guard is not None else RunGuard(pipeline)
         self._lease: Lease | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the heartbeat: renews
+        self._watcher: threading.Thread | None = None  # stops a run whose lease lapsed
+        self._held_until = 0.0  # the lease's end on this process's monotonic clock
+        self._renewing_since: float | None = None  # a renewal under way since
+        self._failure: str | None = None  # the last renewal's error, until one succeeds
+        self._losing = threading.Lock()
         self.lost: StoreError | None = None  # FencedError, or LeaseLapsedError
 
     @property
@@ -114,58 +125,112 @@ class Ownership:
         self._lease = self.store.acquire_lease(
             self.pipeline, self.owner, self.run_id, self.ttl_ns, replace=replace
         )
-        self.guard.hold_until(began + self.ttl_ns / _NS, self.ttl_ns / _NS)
+        self._held_until = began + self.ttl_ns / _NS
+        self.guard.hold_until(self._held_until, self.ttl_ns / _NS)
         self._thread = threading.Thread(
             target=self._heartbeat, name=f"cdcflow-lease-{self.pipeline}", daemon=True
         )
+        self._watcher = threading.Thread(
+            target=self._watch, name=f"cdcflow-lease-watch-{self.pipeline}", daemon=True
+        )
         self._thread.start()
+        self._watcher.start()
         return self._lease
 
     def _heartbeat(self) -> None:
         ttl = self.ttl_ns / _NS
-        held_until = time.monotonic() + ttl  # the lease's end on this process's clock
         while not self._stop.wait(ttl / 3):
             lease = self._lease
             assert lease is not None
+            began = time.monotonic()
+            self._renewing_since = began
             try:
-                began = time.monotonic()
-                self._lease = self.store.renew_lease(self.pipeline, lease, self.ttl_ns)
-                held_until = began + ttl
-                self.guard.hold_until(held_until, ttl)
+                renewed = self.store.renew_lease(self.pipeline, lease, self.ttl_ns)
             except FencedError as e:
                 self._lose(e)
                 return
             except Exception as e:  # a store hiccup: the next beat tries again
-                lapsed = time.monotonic() - held_until
-                cause = str(e) if isinstance(e, CdcflowError) else describe(e)
-                if lapsed >= ttl:
-                    lost = LeaseLapsedError(
-                        f"the lease of pipeline {self.pipeline} could not be renewed: it ran "
-                        f"out {lapsed:.0f}s ago and the store still fails ({cause}); "
-                        "stopping, as another run may own the pipeline now: check the "
-                        "metadata store, then run again"
-                    )
-                    lost.__cause__ = e
-                    self._lose(lost)
-                    return
-                when = (f"it lapses in {-lapsed:.0f}s" if lapsed < 0 else
-                        f"it lapsed {lapsed:.0f}s ago: another run may take the pipeline "
+                self._failure = str(e) if isinstance(e, CdcflowError) else describe(e)
+                self._failed_at = time.monotonic()
+                lapsed = time.monotonic() - self._held_until
+                when = (f"it lapses in {_secs(-lapsed)}" if lapsed < 0 else
+                        f"it lapsed {_secs(lapsed)} ago: another run may take the pipeline "
                         f"over; this run stops if it cannot renew it within "
-                        f"{ttl - lapsed:.0f}s")
+                        f"{_secs(max(0.0, ttl - lapsed))}")
                 _log.warning("renewing the lease of %s failed (%s); %s",
-                             self.pipeline, cause, when)
+                             self.pipeline, self._failure, when)
+                continue
+            finally:
+                self._renewing_since = None
+            with self._losing:
+                if self.lost is not None:
+                    return  # the watch found it lapsed meanwhile
+                self._lease = renewed
+                self._held_until = began + ttl
+                self._failure = None
+                self.guard.hold_until(self._held_until, ttl)
+
+    def _watch(self) -> None:
+        """Stops the run once a whole lease has passed since the lease ran out on this
+        process's clock, whether the renewals fail or do not answer at all (a store call
+        that hangs keeps the heartbeat from ever saying so)."""
+        ttl = self.ttl_ns / _NS
+        warned = False
+        while not self._stop.wait(min(ttl / 6, 1.0)):
+            now = time.monotonic()
+            lapsed = now - self._held_until
+            since = self._renewing_since
+            if lapsed < 0:
+                warned = False
+                continue
+            waited = 0.0 if since is None else now - since  # the renewal under way
+            hung = waited >= ttl / 3
+            if lapsed < ttl:
+                if hung and not warned:  # a failure says so itself; a hung call cannot
+                    warned = True
+                    _log.warning(
+                        "renewing the lease of %s has not answered for %s; it lapsed %s "
+                        "ago: this run stops if it cannot renew it within %s", self.pipeline,
+                        _secs(waited), _secs(lapsed), _secs(max(0.0, ttl - lapsed)))
+                continue
+            if hung:
+                cause = f"renew_lease() has not answered for {_secs(waited)}"
+            elif self._failure is not None:
+                cause = f"the store still fails: {self._failure}"
+            else:
+                continue  # a renewal just succeeded, or is on its way
+            self._lose(LeaseLapsedError(
+                f"the lease of pipeline {self.pipeline} could not be renewed: it ran out "
+                f"{_secs(lapsed)} ago and {cause}; stopping, as another run may own the "
+                "pipeline now: check the metadata store, then run again"
+            ))
+            return
 
     def _lose(self, error: StoreError) -> None:
-        self.lost = error
+        with self._losing:
+            if self.lost is not None:
+                return
+            self.lost = error
         self.guard.revoke(error)
-        _log.error("%s", error)
+        # the error ends the run (the command's last line): said here in brief, as the run
+        # may take a while to stop
+        _log.warning("the lease of pipeline %s is lost (%s): stopping after the current "
+                     "batch", self.pipeline, type(error).__name__)
         self._on_lost(error)
 
     def release(self) -> None:
-        """Stop renewing and give the lease back (a later run takes it at once)."""
+        """Stop renewing and give the lease back (a later run takes it at once); a store
+        whose renewal does not answer is not asked (the lease lapses by itself)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        for thread in (self._thread, self._watcher):
+            if thread is not None:
+                thread.join(_RELEASE_WAIT)
+        if self._thread is not None and self._thread.is_alive():
+            _log.warning("could not release the lease of %s (renewing it has not answered "
+                         "for %s); it lapses by itself %s after its last renewal",
+                         self.pipeline, _secs(time.monotonic() - (self._renewing_since or 0)),
+                         _secs(self.ttl_ns / _NS))
+            return
         if self._lease is not None and self.lost is None:
             try:
                 self.store.release_lease(self.pipeline, self._lease)

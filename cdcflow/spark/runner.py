@@ -492,7 +492,9 @@ class SparkRunner:
                 settings.pop(key, None)
         for key, value in self.conf.items():
             ours = settings.get(key)
-            if key in _JAVA_OPTIONS and ours and value and ours not in value:
+            if key in _JAVA_OPTIONS and ours and not value.strip():
+                continue  # nothing of the user's: the runner's stay
+            if key in _JAVA_OPTIONS and ours and ours not in value:
                 # the user's options after the runner's: theirs win for a property both set
                 # (the JVM takes the last), and the runner's quiet logging and temporary
                 # directory stay

@@ -129,9 +129,12 @@ def test_a_driver_that_finds_its_lease_lost_says_so_once(
         _engine(_pipeline(_stream(), cf.Collect()), store, takeover=True).run()
         thread.join()
     assert len(errors) == 1 and isinstance(errors[0], FencedError)
+    assert "no longer current" in str(errors[0])  # the run ends with it: the last line
     assert "after the stop request" not in caplog.text
-    lost = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(lost) == 1 and "no longer current" in lost[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # said once
+    lost = [r.getMessage() for r in caplog.records if "is lost" in r.getMessage()]
+    assert lost == ["the lease of pipeline owned is lost (FencedError): stopping after the "
+                    "current batch"]
 
 
 def test_a_crashed_run_on_this_host_is_taken_over_at_once(
@@ -358,5 +361,49 @@ def test_a_run_whose_lease_cannot_be_renewed_stops_a_lease_after_it_ran_out(
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
               and "renewing the lease" in r.getMessage()]
     assert warned and all("RuntimeError: boom in renew_lease" in w for w in warned)
-    (said,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert "could not be renewed" in said.getMessage()
+    assert "could not be renewed" in str(errors[0])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # said once
+    assert "is lost (LeaseLapsedError)" in caplog.text
+
+
+def test_a_run_whose_lease_renewal_hangs_stops_and_does_not_wait_for_it(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A renew_lease that never returns: the heartbeat could not say anything, the run
+    went on committing with a lapsed lease, and stopping it hung for good waiting for the
+    heartbeat thread. A watch now stops it a lease after the lease ran out, and the
+    release does not wait for the hung call."""
+    from cdcflow.engine import ownership
+    from cdcflow.errors import LeaseLapsedError
+
+    monkeypatch.setattr(ownership, "_RELEASE_WAIT", 0.5)
+    hang = threading.Event()
+
+    class Hanging(MemoryStore):
+        def renew_lease(self, pipeline: str, lease: Lease, ttl_ns: int) -> Lease:
+            hang.wait(60)
+            raise RuntimeError("released by the test")
+
+    now = time.time_ns()
+    stream = ScriptedChangeStream("S", partitions=1, origin=now - 3 * S)
+    stream.write("T", 1, "INSERT", {"v": 1}, at=now - 2 * S)
+    p = cf.Pipeline("owned")
+    (p | cf.DetectPartitions(stream="S", start_at=now - 3 * S, client=stream)  # no end
+     | cf.ReadPartition() | cf.Collect())
+    engine = Engine(p, Hanging(), InMemoryRunner(workers=1),
+                    RunOptions(batch_interval=0.1, max_batch_span=1.0, lease_ttl=0.6))
+    try:
+        with caplog.at_level(logging.INFO, logger="cdcflow"):
+            began = time.monotonic()
+            thread, errors = _in_thread(engine)
+            thread.join(timeout=20)
+            took = time.monotonic() - began
+        assert not thread.is_alive(), "the run went on, or its stop waited for the renewal"
+        assert len(errors) == 1 and isinstance(errors[0], LeaseLapsedError), errors
+        assert "renew_lease() has not answered" in str(errors[0])
+        assert took < 8, took
+        assert "has not answered for" in caplog.text  # said while it waits
+        assert "could not release the lease of owned (renewing it has not answered" in (
+            caplog.text)
+    finally:
+        hang.set()

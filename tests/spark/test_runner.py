@@ -780,3 +780,9 @@ def test_java_options_of_the_user_s_own_are_added_to_the_runner_s() -> None:
     assert "-Djava.io.tmpdir=" in driver
     executor = settings["spark.executor.extraJavaOptions"]
     assert executor.startswith("-Dlog4j2.configurationFile=file:") and executor.endswith(" -Dx=2")
+    runner = SparkRunner("local[1]", conf={"spark.driver.extraJavaOptions": " "})  # empty
+    try:
+        driver = runner._settings("x")["spark.driver.extraJavaOptions"]
+    finally:
+        runner.close()
+    assert driver.startswith("-Dlog4j2.configurationFile=file:") and "java.io.tmpdir" in driver
