@@ -1,8 +1,7 @@
 """This host's processes: whether one still lives (what the lease's same-host check and
 the sweeps of files a dead run left behind ask), the memory allocators of cdcflow's own
 processes (:func:`limit_malloc_arenas`, :func:`choose_arrow_pool`) and the garbage
-collector while batches run
-(:func:`settled_heap`)."""
+collector while batches run (:func:`settled_heap`)."""
 
 from __future__ import annotations
 
@@ -99,10 +98,10 @@ def choose_arrow_pool(pool: str = ARROW_MEMORY_POOL) -> bool:
     Arrow's default on Linux, mimalloc, keeps what a thread freed for that thread, and
     each task's Parquet writer builds and frees its chunks on its own thread: measured
     with ``bench.bench_memory``'s WriteFiles Parquet run (1 GB of 64 KiB rows, 32 MiB
-    quota), peak RSS over the quota was 157, 164 and 212 MB at 4, 8 and 16 tasks, and
-    with jemalloc, which returns freed memory after a short delay, 123, 135 and 140 MB,
-    as fast. ``ARROW_DEFAULT_MEMORY_POOL`` in the environment wins; elsewhere than Linux,
-    nothing is done."""
+    quota, the writers sharing one spill budget), peak RSS over the quota was 157, 164
+    and 212 MB at 4, 8 and 16 tasks, and with jemalloc, which returns freed memory after
+    a short delay, 123, 135 and 140 MB, as fast. ``ARROW_DEFAULT_MEMORY_POOL`` in the
+    environment wins; elsewhere than Linux, nothing is done."""
     if os.environ.get("ARROW_DEFAULT_MEMORY_POOL") or not sys.platform.startswith("linux"):
         return False
     os.environ["ARROW_DEFAULT_MEMORY_POOL"] = pool

@@ -151,7 +151,6 @@ class Ownership:
                 return
             except Exception as e:  # a store hiccup: the next beat tries again
                 self._failure = str(e) if isinstance(e, CdcflowError) else describe(e)
-                self._failed_at = time.monotonic()
                 lapsed = time.monotonic() - self._held_until
                 when = (f"it lapses in {_secs(-lapsed)}" if lapsed < 0 else
                         f"it lapsed {_secs(lapsed)} ago: another run may take the pipeline "
@@ -226,10 +225,11 @@ class Ownership:
             if thread is not None:
                 thread.join(_RELEASE_WAIT)
         if self._thread is not None and self._thread.is_alive():
+            since = self._renewing_since
+            waited = 0.0 if since is None else time.monotonic() - since
             _log.warning("could not release the lease of %s (renewing it has not answered "
                          "for %s); it lapses by itself %s after its last renewal",
-                         self.pipeline, _secs(time.monotonic() - (self._renewing_since or 0)),
-                         _secs(self.ttl_ns / _NS))
+                         self.pipeline, _secs(waited), _secs(self.ttl_ns / _NS))
             return
         if self._lease is not None and self.lost is None:
             try:

@@ -416,8 +416,10 @@ SPILL_BYTES = 2 << 20
 #: share, 8 tasks peaked at 163 MB too.
 SPILL_BYTES_PROCESS = 8 << 20
 SPILL_BYTES_LEAST = 256 << 10
-_open_writers: weakref.WeakSet[ParquetWriter] = weakref.WeakSet()  # a writer dropped unclosed
-_open_lock = threading.Lock()  # leaves it with the garbage collector
+#: The open Parquet writers of this process (one dropped unclosed leaves with the garbage
+#: collector).
+_open_writers: weakref.WeakSet[ParquetWriter] = weakref.WeakSet()
+_open_lock = threading.Lock()
 
 
 def _spill_share() -> int:
