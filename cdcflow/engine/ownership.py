@@ -48,6 +48,11 @@ _NS = 1_000_000_000
 _RELEASE_WAIT = 5.0
 
 
+def _cause(exc: Exception) -> str:
+    """A store's error for a log line: cdcflow's own as it says, another with its type."""
+    return str(exc) if isinstance(exc, CdcflowError) else describe(exc)
+
+
 def _secs(seconds: float) -> str:
     return f"{seconds:.0f}s" if abs(seconds) >= 10 else f"{seconds:.1f}s"
 
@@ -65,8 +70,9 @@ class Ownership:
     """The lease of one run of ``pipeline`` (see the module docstring).
 
     ``ttl`` seconds: how long the lease holds without a heartbeat; it is renewed every
-    ``ttl / 3``. ``on_lost`` is called (from the heartbeat thread) once another run took
-    the pipeline over, or the renewals failed for a whole ``ttl`` past the lease's end.
+    ``ttl / 3``. ``on_lost`` is called (from the heartbeat or the watch thread) once another
+    run took the pipeline over, or no renewal succeeded for a whole ``ttl`` past the
+    lease's end.
     ``guard`` learns how long the lease holds on this process's clock, and that it was
     lost (:mod:`cdcflow.engine.guard`).
     """
@@ -150,7 +156,7 @@ class Ownership:
                 self._lose(e)
                 return
             except Exception as e:  # a store hiccup: the next beat tries again
-                self._failure = str(e) if isinstance(e, CdcflowError) else describe(e)
+                self._failure = _cause(e)
                 lapsed = time.monotonic() - self._held_until
                 when = (f"it lapses in {_secs(-lapsed)}" if lapsed < 0 else
                         f"it lapsed {_secs(lapsed)} ago: another run may take the pipeline "
@@ -235,7 +241,7 @@ class Ownership:
             try:
                 self.store.release_lease(self.pipeline, self._lease)
             except Exception as e:  # one line; a plugin's traceback with --debug
-                cause = str(e) if isinstance(e, CdcflowError) else describe(e)
+                cause = _cause(e)
                 _log.warning("could not release the lease of %s (%s); it lapses by itself "
                              "%.0fs after its last renewal", self.pipeline, cause,
                              self.ttl_ns / _NS, exc_info=_log.isEnabledFor(logging.DEBUG))
