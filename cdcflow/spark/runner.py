@@ -60,6 +60,7 @@ from cdcflow.errors import (
 from cdcflow.logformat import WORKER_LOG_ENV, configure_worker_logging
 from cdcflow.model import Timestamp
 from cdcflow.processes import process_alive, settle_collector
+from cdcflow.spark._launch import JvmStderr, failure_line, launch_gateway, refuse_heap_options
 from cdcflow.spark._quiet import quiet_jvm_death
 
 __all__ = [
@@ -143,6 +144,9 @@ def local_master(master: str | None) -> str:
     match = _LOCAL.match(master)
     if match is None:
         return master
+    if (match.group(1) or "1").strip("0") == "":
+        msg = f"{master!r} gives Spark no cores: use local[*] or local[N] with N >= 1"
+        raise ConfigurationError(msg)
     return f"local[{match.group(1) or '1'},{_LOCAL_TASK_ATTEMPTS}]"
 
 
@@ -435,11 +439,12 @@ class SparkRunner:
             return
         settings = self._settings(app_name)
         check_master(settings["spark.master"])
+        refuse_heap_options(settings)
         builder = SparkSession.builder
         for key, value in settings.items():
             builder = builder.config(key, value)
         began = time.monotonic()
-        self._session = _start_session(builder)
+        self._session = _start_session(builder, settings)
         self._owns_session = True
         quiet_jvm_death(self._session.sparkContext)
         if _is_local(self._session.sparkContext.master):
@@ -683,40 +688,91 @@ def _extra_python_paths() -> list[str]:
     return extra
 
 
-#: How often a Spark JVM launcher that died at start is started again.
+#: How often a Spark JVM launcher that died at start without a word is started again.
 _LAUNCH_ATTEMPTS = 3
 
 
-def _start_session(builder: Any) -> Any:
-    """``builder.getOrCreate()``, again (up to :data:`_LAUNCH_ATTEMPTS` times) when the JVM
-    launcher died before it gave its port. PySpark forks that launcher and runs Python in
-    the child before it execs; in a process whose gRPC clients (a Spanner store, a
-    change-stream check) already run threads, the child now and then dies right there.
+def _start_session(builder: Any, settings: Mapping[str, str]) -> Any:
+    """``builder.getOrCreate()``, the JVM started first by the runner (:mod:`._launch`) so
+    that a start that fails is one line: a :class:`ConfigurationError` naming what the JVM
+    or Spark said.
+
+    A JVM launcher that died before it gave its port without saying anything is started
+    again (up to :data:`_LAUNCH_ATTEMPTS` times): PySpark forks that launcher and runs
+    Python in the child before it execs; in a process whose gRPC clients (a Spanner store,
+    a change-stream check) already run threads, the child now and then dies right there.
     Nothing was started, so starting again is safe.
 
     PySpark's SparkContext takes over SIGINT (its handler cancels every job and raises
     KeyboardInterrupt); the handler that was there (cdcflow's: stop after the current
     batch) is put back."""
+    from pyspark import SparkContext
+
     handler = signal.getsignal(signal.SIGINT)
+    stderr: JvmStderr | None = None
     try:
-        for attempt in range(1, _LAUNCH_ATTEMPTS):
-            try:
-                return builder.getOrCreate()
-            except Exception as exc:
-                if "JAVA_GATEWAY_EXITED" not in str(exc):
-                    raise
-                _log.warning("the Spark JVM launcher exited at start (attempt %d of %d); "
-                             "starting it again", attempt, _LAUNCH_ATTEMPTS)
+        if SparkContext._gateway is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
+            stderr = _launch(settings)
         try:
-            return builder.getOrCreate()
+            session = builder.getOrCreate()
         except Exception as exc:
-            if "JAVA_GATEWAY_EXITED" not in str(exc):
+            line = failure_line(_java_text(exc))
+            if not line:
+                if stderr is not None:
+                    stderr.release()
                 raise
-            msg = (f"Spark's JVM exited while starting, {_LAUNCH_ATTEMPTS} times: check "
-                   "--master and every --conf (Spark's own message is above), and that "
-                   "Java 17 or later is installed (java on PATH, or JAVA_HOME)")
-            raise ConfigurationError(msg) from None
+            said = stderr.discard() if stderr is not None else ""
+            if said:
+                _log.debug("Spark's output while it started:\n%s", said.rstrip())
+            raise ConfigurationError(f"Spark did not start: {line} (check --master and "
+                                     "every --conf)") from None
+        if stderr is not None:
+            stderr.release()
+        return session
     finally:
         if (handler is not None and signal.getsignal(signal.SIGINT) is not handler
                 and threading.current_thread() is threading.main_thread()):
             signal.signal(signal.SIGINT, handler)
+
+
+def _launch(settings: Mapping[str, str]) -> JvmStderr:
+    """Start the JVM (the gateway PySpark's SparkContext then uses); its stderr, held."""
+    from pyspark import SparkContext
+
+    for attempt in range(1, _LAUNCH_ATTEMPTS + 1):
+        stderr = JvmStderr()
+        try:
+            gateway = launch_gateway(settings, stderr)
+        except Exception as exc:
+            if "JAVA_GATEWAY_EXITED" not in str(exc):
+                stderr.discard(0)
+                raise
+            said = stderr.discard()
+            if said.strip():
+                _log.debug("Spark's JVM said, exiting at start:\n%s", said.rstrip())
+                msg = (f"Spark's JVM did not start: {failure_line(said)} (check --master "
+                       "and every --conf)")
+                raise ConfigurationError(msg) from None
+            if attempt < _LAUNCH_ATTEMPTS:
+                _log.warning("the Spark JVM launcher exited at start (attempt %d of %d); "
+                             "starting it again", attempt, _LAUNCH_ATTEMPTS)
+                continue
+            msg = (f"Spark's JVM exited while starting, {_LAUNCH_ATTEMPTS} times, without a "
+                   "word: check that Java 17 or later is installed (java on PATH, or "
+                   "JAVA_HOME)")
+            raise ConfigurationError(msg) from None
+        SparkContext._ensure_initialized(gateway=gateway)
+        return stderr
+    raise AssertionError("unreachable")
+
+
+def _java_text(exc: BaseException) -> str:
+    """A Py4JJavaError's Java exception as text (``Class: message`` and its stack); "" for
+    any other error."""
+    java = getattr(exc, "java_exception", None)
+    if java is None:
+        return ""
+    try:
+        return str(java.toString())
+    except Exception:
+        return ""

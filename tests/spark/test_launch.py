@@ -1,0 +1,71 @@
+"""The JVM's stderr relay and the line a failed start is said in (the CLI's side is in
+test_runner.py: bad settings are one line, exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from cdcflow.errors import ConfigurationError
+from cdcflow.spark._launch import JvmStderr, failure_line, refuse_heap_options
+
+_JVM = "Invalid maximum heap size: -Xmxabc\nError: Could not create the Java Virtual Machine.\n"
+_SUBMIT = ('Exception in thread "main" org.apache.spark.SparkException: Executor cores must '
+           "be a positive number\n\tat org.apache.spark.deploy.SparkSubmitArguments.x(A.scala:1)\n")
+_CONTEXT = ("org.apache.spark.SparkException: The number of cores per executor (=0) has to be "
+            ">= 1.\n\tat org.apache.spark.SparkContext.<init>(SparkContext.scala:603)\n")
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    (_JVM, "Invalid maximum heap size: -Xmxabc"),
+    (_SUBMIT, "Executor cores must be a positive number"),
+    (_CONTEXT, "The number of cores per executor (=0) has to be >= 1."),
+    ("\nError: Unrecognized option: --bogus\nUsage: spark-submit [options]\n",
+     "Unrecognized option: --bogus"),
+    ("", ""),
+])
+def test_failure_line_is_the_message_not_the_stack(text: str, line: str) -> None:
+    assert failure_line(text) == line
+
+
+def _child(stderr: JvmStderr, script: str) -> None:
+    subprocess.run(["sh", "-c", script], stderr=stderr.fd, check=True)
+    stderr.launched()
+
+
+def test_what_is_held_is_written_out_on_release_then_lines_flow(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    stderr = JvmStderr()
+    child = subprocess.Popen(
+        ["sh", "-c", "echo first >&2; echo 'WARNING: Using incubator modules: x' >&2; "
+                     "read _; echo later >&2"],
+        stdin=subprocess.PIPE, stderr=stderr.fd, text=True)
+    stderr.launched()
+    assert child.stdin is not None
+    deadline = time.monotonic() + 10
+    while b"first" not in b"".join(stderr._held or []) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert capfd.readouterr().err == ""  # held while the session starts
+    stderr.release()
+    child.stdin.write("go\n")
+    child.stdin.close()
+    child.wait(timeout=10)
+    stderr._ended.wait(10)
+    assert capfd.readouterr().err == "first\nlater\n"  # the incubator notice dropped
+
+
+def test_a_failed_start_keeps_what_was_said_back(capfd: pytest.CaptureFixture[str]) -> None:
+    stderr = JvmStderr()
+    _child(stderr, f"printf '{_JVM}' >&2")
+    assert stderr.discard() == _JVM
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("role", ["driver", "executor"])
+def test_a_heap_size_in_the_java_options_names_the_memory_setting(role: str) -> None:
+    key = f"spark.{role}.extraJavaOptions"
+    refuse_heap_options({key: "-XX:+UseG1GC"})
+    with pytest.raises(ConfigurationError, match=rf"use --conf spark\.{role}\.memory=2g"):
+        refuse_heap_options({key: "-Dx=1 -Xmx2g"})
