@@ -10,65 +10,85 @@
      | "no deletes" >> cf.Filter(lambda r: r.mod_type != "DELETE")
      | cf.WriteFiles("out/orders", format="jsonl"))
 
-Importing this package is light: Spark and the Spanner client load only when a run needs them.
+Importing this package is light: each name loads its module on first use (Spark and the Spanner
+client only when a run needs them), so the command line can say a Ctrl-C while it loads in one
+line.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from cdcflow.model import (
-    ChildPartition,
-    ChildPartitionsRecord,
-    ColumnType,
-    DataChangeRecord,
-    HeartbeatRecord,
-    JsonString,
-    Mod,
-    ModType,
-    PartitionEndRecord,
-    PartitionEventRecord,
-    PartitionStartRecord,
-    Timestamp,
-    ValueCaptureType,
-)
-from cdcflow.pipeline import PCollection, Pipeline
-from cdcflow.policy import ErrorPolicy, Retry, Skip, Stop
-from cdcflow.transforms import (
-    Collect,
-    Consume,
-    DetectPartitions,
-    DoFn,
-    Filter,
-    FlatMap,
-    Map,
-    ParDo,
-    Print,
-    PTransform,
-    ReadChangeStream,
-    ReadPartition,
-    Sink,
-    WriteFiles,
-    plugin,
-)
-
 if TYPE_CHECKING:
+    from cdcflow.model import (
+        ChildPartition,
+        ChildPartitionsRecord,
+        ColumnType,
+        DataChangeRecord,
+        HeartbeatRecord,
+        JsonString,
+        Mod,
+        ModType,
+        PartitionEndRecord,
+        PartitionEventRecord,
+        PartitionStartRecord,
+        Timestamp,
+        ValueCaptureType,
+    )
+    from cdcflow.pipeline import PCollection, Pipeline
+    from cdcflow.policy import ErrorPolicy, Retry, Skip, Stop
     from cdcflow.spanner.lookup import LookupRows
-    from cdcflow.transforms import WriteTables
+    from cdcflow.transforms import (
+        Collect,
+        Consume,
+        DetectPartitions,
+        DoFn,
+        Filter,
+        FlatMap,
+        Map,
+        ParDo,
+        Print,
+        PTransform,
+        ReadChangeStream,
+        ReadPartition,
+        Sink,
+        WriteFiles,
+        WriteTables,
+        plugin,
+    )
 
 __version__ = "0.1.0"
 
+#: Where each public name lives.
+_HOMES = {
+    **dict.fromkeys(
+        ["ChildPartition", "ChildPartitionsRecord", "ColumnType", "DataChangeRecord",
+         "HeartbeatRecord", "JsonString", "Mod", "ModType", "PartitionEndRecord",
+         "PartitionEventRecord", "PartitionStartRecord", "Timestamp", "ValueCaptureType"],
+        "cdcflow.model"),
+    "PCollection": "cdcflow.pipeline",
+    "Pipeline": "cdcflow.pipeline",
+    **dict.fromkeys(["ErrorPolicy", "Retry", "Skip", "Stop"], "cdcflow.policy"),
+    "LookupRows": "cdcflow.spanner.lookup",
+    **dict.fromkeys(
+        ["Collect", "Consume", "DetectPartitions", "DoFn", "Filter", "FlatMap", "Map",
+         "ParDo", "Print", "PTransform", "ReadChangeStream", "ReadPartition", "Sink",
+         "WriteFiles", "WriteTables", "plugin"],
+        "cdcflow.transforms"),
+}
+
 
 def __getattr__(name: str) -> Any:
-    # Loaded on first use, so `import cdcflow` loads no Google library and no pyarrow.
-    if name == "LookupRows":
-        from cdcflow.spanner.lookup import LookupRows
+    home = _HOMES.get(name)
+    if home is None:
+        msg = f"module 'cdcflow' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next use is a plain attribute
+    return value
 
-        return LookupRows
-    if name == "WriteTables":
-        from cdcflow import transforms
 
-        return transforms.WriteTables
-    msg = f"module 'cdcflow' has no attribute {name!r}"
-    raise AttributeError(msg)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
 
 
 __all__ = [

@@ -1,8 +1,26 @@
-"""``python -m cdcflow``: the cdcflow command line."""
+"""The ``cdcflow`` command (and ``python -m cdcflow``).
 
+:func:`main` loads the command line (:mod:`cdcflow.cli`, which loads most of cdcflow)
+itself, so that a Ctrl-C or SIGTERM while it loads ends the command the way it does
+later, with one line and exit 130, not Python's traceback of the import under way.
+"""
+
+import signal
 import sys
 
-from cdcflow.cli import main
+EXIT_INTERRUPTED = 130
+
+
+def main() -> int:
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        from cdcflow.cli import main as command
+    except KeyboardInterrupt:
+        print("\ncdcflow: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return command()
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,6 +31,26 @@ def _loaded_after(code: str) -> list[str]:
 
 def test_import_does_not_load_spark_the_spanner_client_or_pyarrow() -> None:
     assert _loaded_after("import cdcflow") == []
+
+
+def test_import_loads_each_name_s_module_on_first_use() -> None:
+    code = ("import sys, cdcflow; before = sorted(m for m in sys.modules if m.startswith("
+            "'cdcflow.')); cdcflow.Timestamp; after = sorted(m for m in sys.modules if "
+            "m.startswith('cdcflow.')); print(before, after, 'Pipeline' in dir(cdcflow))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split("] ")
+    assert out[0] == "[" and "'cdcflow.model'" in out[1]
+    assert "cdcflow.pipeline" not in out[1] and out[2].strip() == "True"
+    from cdcflow import Pipeline
+    from cdcflow.pipeline import Pipeline as home
+
+    assert Pipeline is home is cdcflow.Pipeline
+    try:
+        cdcflow.Nothing  # noqa: B018
+    except AttributeError as e:
+        assert str(e) == "module 'cdcflow' has no attribute 'Nothing'"
+    else:
+        raise AssertionError("cdcflow.Nothing did not raise AttributeError")
 def test_a_run_without_typed_rows_does_not_load_pyarrow(tmp_path: Path) -> None:
     pipeline = (
         "import cdcflow as cf, cdcflow.testing as t; "
