@@ -48,9 +48,12 @@ _NS = 1_000_000_000
 _RELEASE_WAIT = 5.0
 
 
-def _cause(exc: Exception) -> str:
-    """A store's error for a log line: cdcflow's own as it says, another with its type."""
-    return str(exc) if isinstance(exc, CdcflowError) else describe(exc)
+def _cause(exc: Exception, store: MetadataStore, method: str) -> str:
+    """A store's error for a log line: cdcflow's own as it says; another (a plugin's) with
+    the store's class and method, and its type."""
+    if isinstance(exc, CdcflowError):
+        return str(exc)
+    return f"{type(store).__name__}.{method}() raised {describe(exc)}"
 
 
 def _secs(seconds: float) -> str:
@@ -156,7 +159,7 @@ class Ownership:
                 self._lose(e)
                 return
             except Exception as e:  # a store hiccup: the next beat tries again
-                self._failure = _cause(e)
+                self._failure = _cause(e, self.store, "renew_lease")
                 lapsed = time.monotonic() - self._held_until
                 when = (f"it lapses in {_secs(-lapsed)}" if lapsed < 0 else
                         f"it lapsed {_secs(lapsed)} ago: another run may take the pipeline "
@@ -241,7 +244,7 @@ class Ownership:
             try:
                 self.store.release_lease(self.pipeline, self._lease)
             except Exception as e:  # one line; a plugin's traceback with --debug
-                cause = _cause(e)
+                cause = _cause(e, self.store, "release_lease")
                 _log.warning("could not release the lease of %s (%s); it lapses by itself "
                              "%.0fs after its last renewal", self.pipeline, cause,
                              self.ttl_ns / _NS, exc_info=_log.isEnabledFor(logging.DEBUG))

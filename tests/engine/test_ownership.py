@@ -327,7 +327,8 @@ def test_a_lease_that_cannot_be_released_is_one_warning_line(
     with caplog.at_level(logging.INFO, logger="cdcflow"):
         _engine(_pipeline(_stream(), cf.Collect(), end=2), Sticky()).run()
     (said,) = [r for r in caplog.records if "could not release the lease" in r.getMessage()]
-    assert "(RuntimeError: boom in release_lease)" in said.getMessage()
+    assert "(Sticky.release_lease() raised RuntimeError: boom in release_lease)" in (
+        said.getMessage())
     assert not said.exc_info  # no traceback without --debug
 
 
@@ -360,7 +361,8 @@ def test_a_run_whose_lease_cannot_be_renewed_stops_a_lease_after_it_ran_out(
     assert "boom in renew_lease" in str(errors[0])
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
               and "renewing the lease" in r.getMessage()]
-    assert warned and all("RuntimeError: boom in renew_lease" in w for w in warned)
+    assert warned and all("NoRenewal.renew_lease() raised RuntimeError: boom in renew_lease" in w
+                          for w in warned)
     assert "could not be renewed" in str(errors[0])
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # said once
     assert "is lost (LeaseLapsedError)" in caplog.text
