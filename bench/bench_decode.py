@@ -24,7 +24,9 @@ Then, decoding only (the serialized messages in memory, no server): the same rec
 spread over ten tables decoded in full with typed values (and again with the Python
 decoder, when the compiled one is built), in full with wire values, and with a filter that
 wants one of the ten tables (the pushed-down filter skips the other
-tables' records after reading their table name); beside them the floor of any decoder on
+tables' records after reading their table name); the same records as a PostgreSQL-dialect
+database sends them (one JSONB text per row), decoded in full with typed values; beside
+them the floor of any decoder on
 this protobuf runtime: parsing the messages, pulling out every string and parsing every
 JSON text, making no record and typing nothing.
 
@@ -99,6 +101,17 @@ def encoded_messages(n: int, rows_per_message: int, tables: int = 1) -> list[byt
     values = [wire.encode_googlesql([r]) for r in make_records(n, tables=tables)]
     prs = wire.partial_result_sets(
         wire.row_type(wire.googlesql_column_type()), values, rows_per_message=rows_per_message
+    )
+    return [p.SerializeToString() for p in prs]
+
+
+def postgresql_messages(n: int, rows_per_message: int, tables: int = 1) -> list[bytes]:
+    """The same records as a PostgreSQL-dialect database's answer (one JSONB per row)."""
+    from cdcflow.spanner import wire
+
+    values = [wire.encode_postgresql(r) for r in make_records(n, tables=tables)]
+    prs = wire.partial_result_sets(
+        wire.row_type(wire.postgresql_column_type()), values, rows_per_message=rows_per_message
     )
     return [p.SerializeToString() for p in prs]
 
@@ -402,6 +415,7 @@ def _measure_all(host: str, database: Any, client: Any, rounds: int
 
 PYTHON_CLIENT = "cdcflow client, Python decoder"
 PYTHON_DECODE = "full decode (typed, Python decoder)"
+POSTGRESQL_DECODE = "full decode (typed, PostgreSQL)"
 
 
 def _compiled() -> bool:
@@ -494,6 +508,14 @@ def decode_only(n: int, *, tables: int = 10, rows_per_message: int = 50, rounds:
         with _python_decoder():
             (count, _, _), secs = _best(lambda: decode(RecordShaper()), rounds)
         results.append(Result(PYTHON_DECODE, count, secs))
+    # the same records as a PostgreSQL-dialect database sends them (one JSONB per row)
+    messages = postgresql_messages(n, rows_per_message, tables=tables)
+    (count, data, _), secs = _best(lambda: decode(RecordShaper()), rounds)
+    if data != n:
+        msg = "the PostgreSQL decode did not give every record; the benchmark is invalid"
+        raise AssertionError(msg)
+    results.append(Result(POSTGRESQL_DECODE, count, secs))
+    messages = encoded_messages(n, rows_per_message, tables=tables)
     texts, secs = _best(lambda: _floor(messages), rounds)
     if texts != 9 * n:
         msg = f"the floor read {texts} JSON texts, not {9 * n}; the benchmark is invalid"
@@ -526,13 +548,17 @@ def decode_table(results: Sequence[Result], title: str, raw: Result | None = Non
     lines = [title, f"{'decoder':34} {'records':>9} {'seconds':>8} {'records/s':>11}"]
     for r in results:
         lines.append(f"{r.name:34} {r.records:9d} {r.seconds:8.3f} {r.rate:11,.0f}")
-    typed, wire, wanted, floor = (r for r in results if r.name != PYTHON_DECODE)
+    typed, wire, wanted, floor = (r for r in results
+                                  if r.name not in (PYTHON_DECODE, POSTGRESQL_DECODE))
     lines.append(
         f"typed / wire values: {typed.rate / wire.rate:.2f}   "
         f"1 table wanted / full typed decode: {wanted.rate / typed.rate:.1f}x   "
         f"typed / floor: {typed.rate / floor.rate:.2f}"
         + (f"   floor / raw grpc: {floor.rate / raw.rate:.2f}" if raw is not None else "")
     )
+    pg = next((r for r in results if r.name == POSTGRESQL_DECODE), None)
+    if pg is not None:
+        lines.append(f"PostgreSQL / GoogleSQL dialect, typed values: {pg.rate / typed.rate:.2f}")
     slow = next((r for r in results if r.name == PYTHON_DECODE), None)
     if slow is not None:
         lines.append(f"typed values, compiled decoder / Python decoder: "

@@ -254,6 +254,64 @@ static PyObject *convert(PyObject *conv, PyObject *value) {
     return PyObject_CallOneArg(conv, value);
 }
 
+/* cdcflow.spanner.values.decode_values: a new dict of values (a dict, or any mapping) with
+ * each value that is not None converted by its column's converter in convs (a dict); with
+ * no converters, values itself (a dict) or a plain copy. Raises what a converter raises. */
+static PyObject *decode_values(PyObject *self, PyObject *args) {
+    PyObject *values, *convs;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO!", &values, &PyDict_Type, &convs)) return NULL;
+    PyObject *source;
+    if (PyDict_Check(values)) {
+        source = Py_NewRef(values);
+    } else {
+        source = PyDict_New();
+        if (source == NULL) return NULL;
+        if (PyDict_Update(source, values) < 0) {
+            Py_DECREF(source);
+            return NULL;
+        }
+    }
+    if (PyDict_GET_SIZE(convs) == 0) {
+        if (PyDict_CheckExact(source)) return source;
+        PyObject *copy = PyDict_Copy(source);
+        Py_DECREF(source);
+        return copy;
+    }
+    PyObject *out = PyDict_New();
+    if (out == NULL) goto fail;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(source, &pos, &key, &value)) {
+        PyObject *typed;
+        PyObject *conv = value == Py_None ? NULL : PyDict_GetItemWithError(convs, key);
+        if (conv != NULL) {
+            /* a converter runs Python code that may change the dict: hold what is used */
+            Py_INCREF(key);
+            Py_INCREF(value);
+            Py_INCREF(conv);
+            typed = convert(conv, value);
+            Py_DECREF(conv);
+            Py_DECREF(value);
+        } else if (PyErr_Occurred()) {
+            goto fail;
+        } else {
+            Py_INCREF(key);
+            typed = Py_NewRef(value);
+        }
+        int r = typed == NULL ? -1 : PyDict_SetItem(out, key, typed);
+        Py_DECREF(key);
+        Py_XDECREF(typed);
+        if (r < 0) goto fail;
+    }
+    Py_DECREF(source);
+    return out;
+fail:
+    Py_DECREF(source);
+    Py_XDECREF(out);
+    return NULL;
+}
+
 /* --- the flat JSON objects of mods ---------------------------------------------------- */
 
 
@@ -1074,6 +1132,8 @@ static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(loads, parse_timestamp, numeric, json, Decimal, JsonString, Mod, mod_slots, "
      "DataChangeRecord, record_slots, Timestamp, timestamp_slots, record_bytes, entry_bytes)"},
+    {"decode_values", decode_values, METH_VARARGS,
+     "values with each non-NULL value converted by its column's converter (a new dict)"},
     {"decode", decode, METH_VARARGS,
      "decode(token, strings, bools, lists, planner, sizes) -> list of records, or None"},
     {NULL, NULL, 0, NULL},

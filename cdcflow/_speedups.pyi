@@ -1,5 +1,5 @@
 # The compiled decoder's interface (see _speedups.c); cdcflow.spanner.records uses it.
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 def configure(
@@ -26,6 +26,9 @@ def decode(
     planner: Callable[[str, bytes], tuple[tuple[Any, ...], Any]],
     sizes: dict[int, int] | None,
 ) -> list[Any] | None: ...
+def decode_values(
+    values: Mapping[str, Any], converters: dict[str, Callable[[Any], Any]]
+) -> dict[str, Any]: ...
 def configure_walk(
     no_float: tuple[type, ...],
     other: Callable[[Any], bool],

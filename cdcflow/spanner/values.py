@@ -42,6 +42,7 @@ from typing import Any
 
 import orjson
 
+from cdcflow.compiled import speedups
 from cdcflow.model import ColumnType, JsonString, Timestamp
 from cdcflow.serialize import json_dumps
 
@@ -50,6 +51,7 @@ __all__ = [
     "convert_in_place",
     "converter_in_place",
     "decode_values",
+    "decode_values_python",
     "decoder_for",
     "decoders",
     "encode_values",
@@ -232,11 +234,12 @@ def decoders(columns: Sequence[ColumnType]) -> dict[str, Converter]:
     return out
 
 
-def decode_values(values: Mapping[str, Any], converters: Mapping[str, Converter]
-                  ) -> dict[str, Any]:
+def decode_values_python(values: Mapping[str, Any], converters: Mapping[str, Converter]
+                         ) -> dict[str, Any]:
     """``values`` with every non-NULL value converted by its column's converter (columns
     without one keep their value): a new dict, or ``values`` itself (a plain dict) when
-    there are no converters. Raises what a converter raises."""
+    there are no converters. Raises what a converter raises. The reference of
+    :func:`decode_values`, which is compiled when cdcflow's compiled module is built."""
     if not converters:
         return values if type(values) is dict else dict(values)
     get = converters.get
@@ -248,6 +251,20 @@ def decode_values(values: Mapping[str, Any], converters: Mapping[str, Converter]
                 value = convert(value)
         out[name] = value
     return out
+
+
+def _compiled_decode_values() -> Callable[[Mapping[str, Any], dict[str, Converter]],
+                                          dict[str, Any]] | None:
+    module = speedups()
+    return None if module is None else module.decode_values
+
+
+#: :func:`decode_values_python`, compiled when built (the same result and errors; its
+#: converters of the types the decoders inline run without a Python call each; the
+#: converters must be a dict, as :func:`decoders` gives).
+decode_values: Callable[[Mapping[str, Any], dict[str, Converter]], dict[str, Any]] = (
+    _compiled_decode_values() or decode_values_python
+)
 
 
 def convert_in_place(
@@ -417,4 +434,4 @@ def encoders(columns: Sequence[ColumnType]) -> dict[str, Converter]:
 def encode_values(values: Mapping[str, Any], converters: Mapping[str, Converter]
                   ) -> dict[str, Any]:
     """``values`` in the wire form (see :func:`encoder_for`), as a new dict."""
-    return decode_values(values, converters) if converters else dict(values)
+    return decode_values_python(values, converters) if converters else dict(values)

@@ -35,11 +35,23 @@ def test_served_messages_decode_to_the_records() -> None:
     assert all(len(getattr(r, "mods", ())) == 3 for r in got)
 
 
+def test_postgresql_messages_decode_to_the_same_records() -> None:
+    from cdcflow.spanner.flat import MessageDecoder
+    from cdcflow.spanner.shape import RecordShaper
+
+    decoder = MessageDecoder(RecordShaper())
+    got = [r for m in bench_decode.postgresql_messages(5, rows_per_message=2)
+           for r in decoder.decode(m, "bench-token")]
+    assert got == bench_decode.make_records(5)
+
+
 def test_decode_only_counts_every_record_and_its_floor() -> None:
     results = bench_decode.decode_only(30, tables=3, rows_per_message=7, rounds=1)
     compiled = bench_decode._compiled()
-    assert [r.records for r in results] == [30] * (5 if compiled else 4)
+    assert [r.records for r in results] == [30] * (6 if compiled else 5)
     assert results[-1].name.startswith("floor")
+    assert results[-2].name == bench_decode.POSTGRESQL_DECODE
     text = bench_decode.decode_table(results, "decode only", results[0])
     assert "typed / floor:" in text and "floor / raw grpc:" in text
+    assert "PostgreSQL / GoogleSQL dialect, typed values:" in text
     assert ("compiled decoder / Python decoder:" in text) == compiled

@@ -17,6 +17,7 @@ from cdcflow.model import ColumnType, JsonString, Timestamp
 from cdcflow.spanner.values import (
     convert_in_place,
     decode_values,
+    decode_values_python,
     decoder_for,
     decoders,
     encode_values,
@@ -220,3 +221,56 @@ def test_json_integers_stay_exact_at_any_size() -> None:
     array = decoder_for({"code": "ARRAY", "array_element_type": {"code": "JSON"}})
     assert array is not None
     assert array(["99999999999999999999", None]) == [99999999999999999999, None]
+
+
+_WIRE = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=12),
+    st.sampled_from(["7", "-12", "1_000", " 3 ", "1.50", "1e3", "NaN", "-Infinity", "abc", "",
+                     "2024-05-01T12:00:00.123456789Z", "2024-05-01T12:00:00Z",
+                     "2024-05-01 12:00:00+02:00", "2024-13-01T00:00:00Z", '{"a": [1, null]}',
+                     '"text"', "[1, 2", "123456789012345678901234567890", "2024-05-01"]),
+    st.lists(st.sampled_from(["1", None, "2.5"]), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+_CODES = ["INT64", "FLOAT64", "FLOAT32", "NUMERIC", "TIMESTAMP", "JSON", "DATE", "BYTES",
+          "STRING", "BOOL"]
+
+
+def _outcome(fn: Any, values: Any, convs: Any) -> Any:
+    try:
+        got = fn(values, convs)
+    except Exception as exc:
+        return type(exc)
+    return [(k, type(v), v if not isinstance(v, float) or not math.isnan(v) else "nan")
+            for k, v in got.items()]
+
+
+@pytest.mark.skipif(decode_values is decode_values_python, reason="not compiled")
+@given(values=st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _WIRE),
+       codes=st.dictionaries(st.sampled_from(["a", "b", "c", "e"]), st.sampled_from(_CODES)),
+       arrays=st.booleans())
+def test_the_compiled_decode_values_gives_what_the_python_one_gives(
+    values: dict[str, Any], codes: dict[str, str], arrays: bool
+) -> None:
+    """The same values, of the same types, in the same order, or the same error, with the
+    compiled module configured (by the GoogleSQL decoder, when it loads: the converters
+    it inlines then run without a Python call)."""
+    from cdcflow.spanner import records
+
+    assert records.compiled_decoder()
+    convs = decoders([ColumnType(name, _array(_t(code)) if arrays else _t(code), False, i)
+                      for i, (name, code) in enumerate(codes.items())])
+    assert _outcome(decode_values, values, convs) == _outcome(decode_values_python, values,
+                                                              convs)
+    if not convs:
+        assert decode_values(values, convs) is values
+
+
+def test_decode_values_takes_any_mapping() -> None:
+    from types import MappingProxyType
+
+    convs = decoders([ColumnType("Id", _t("INT64"), True, 1)])
+    for fn in (decode_values, decode_values_python):
+        got = fn(MappingProxyType({"Id": "7", "Name": "n"}), convs)
+        assert type(got) is dict and got == {"Id": 7, "Name": "n"}
+        assert type(fn(MappingProxyType({"x": 1}), {})) is dict
