@@ -26,7 +26,9 @@ that read.
 Batches commit all of their slices or none, so a read that hangs holds back the stored
 watermark of every partition of its batch. The watch names only the partitions whose read
 is still running: a partition whose task of the batch in flight has finished (see
-:func:`cdcflow.engine.listener.tasks_done`) is waiting for the commit, not stuck. Where
+:func:`cdcflow.engine.listener.tasks_done`) is waiting for the commit, not stuck; one whose
+task waits for a sink to take its elements, or for room in the byte quota (see
+:func:`cdcflow.engine.listener.tasks_held_back`), is reported as held back by that. Where
 tasks run in other processes (Spark executors) the driver cannot see that, and every
 partition of the hung batch is reported, with the batch that is in flight.
 """
@@ -36,12 +38,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from types import TracebackType
 
 import attrs
 
-from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary, tasks_done
+from cdcflow.engine.listener import (
+    BatchStats,
+    EngineListener,
+    RunSummary,
+    tasks_done,
+    tasks_held_back,
+)
 from cdcflow.model import (
     BatchPlan,
     PartitionMetadata,
@@ -195,10 +203,12 @@ class StuckDetector:
                     )
 
     def check(
-        self, now_ns: int, note: str = "", waiting: Collection[str] = ()
+        self, now_ns: int, note: str = "", waiting: Collection[str] = (),
+        notes: Mapping[str, str] | None = None,
     ) -> list[StuckPartition]:
         """Look again at the partitions last observed, at ``now_ns``; return the ones newly
-        found stuck. ``note`` is added to their log lines (e.g. the batch in flight).
+        found stuck. ``note`` is added to their log lines (e.g. the batch in flight), or a
+        partition's own in ``notes`` (e.g. what its read is held back by).
 
         ``waiting``: tokens whose read of the batch in flight is done; their progress waits
         for the batch's commit, so they are not stuck (an episode of theirs ends)."""
@@ -208,14 +218,15 @@ class StuckDetector:
                 if track is not None:
                     track.seen_at = max(track.seen_at, now_ns)
                     self._clear(token, now_ns, "its read is done, its batch commits it")
-            return self._evaluate(now_ns, note)
+            return self._evaluate(now_ns, note, notes or {})
 
     def stuck(self) -> list[StuckPartition]:
         """The partitions stuck now, longest first."""
         with self._lock:
             return sorted(self._stuck.values(), key=lambda s: (s.since, s.token))
 
-    def _evaluate(self, now_ns: int, note: str) -> list[StuckPartition]:
+    def _evaluate(self, now_ns: int, note: str, notes: Mapping[str, str] | None = None
+                  ) -> list[StuckPartition]:
         found: list[StuckPartition] = []
         for token, track in self._tracks.items():
             if token in self._stuck:
@@ -230,7 +241,7 @@ class StuckDetector:
                 "%spartition %s (%s) has not advanced for %s: its watermark is still %s%s",
                 self._prefix(), token, track.state.value.lower(),
                 _duration(stuck.seconds(now_ns)), _stamp(track.watermark),
-                f"; {note}" if note else "",
+                f"; {said}" if (said := (notes or {}).get(token, note)) else "",
             )
         return found
 
@@ -310,13 +321,17 @@ class StuckWatch(EngineListener):
             flight = self._in_flight
         note = ""
         done: frozenset[str] = frozenset()
+        notes: dict[str, str] = {}
         if flight is not None:
             batch_id, began = flight
             note = f"batch {batch_id} has been running for {_duration(time.monotonic() - began)}"
             done = tasks_done(self._pipeline, batch_id)
+            notes = {token: f"{note}, and its read is held back, not hung: its task waits for "
+                            f"{by}"
+                     for token, by in tasks_held_back(self._pipeline, batch_id).items()}
             if done:
                 note += f", waiting for this read ({len(done)} other reads of it are done)"
-        return self.detector.check(self._clock(), note, done)
+        return self.detector.check(self._clock(), note, done, notes)
 
     def start(self) -> StuckWatch:
         """Start the checking thread (once)."""

@@ -68,6 +68,63 @@ def test_only_the_partition_whose_read_hangs_is_named(
     assert our_threads() == []
 
 
+@pytest.mark.parametrize("through", ["sink", "quota"])
+def test_a_read_held_back_by_a_slow_sink_is_said_to_be(
+    caplog: pytest.LogCaptureFixture, through: str,
+) -> None:
+    """A Consume whose calls are slow holds its task's read back (a full queue, then the
+    drain), and a small byte quota holds a read back behind a slow sink too: the partition
+    does not advance, but its read does not hang. The warning said it waited "for this
+    read"; it names what the task waits for."""
+    caplog.set_level(logging.INFO, logger="cdcflow.stuck")
+    now = time.time_ns()
+    origin = now - 10 * S
+    stream = ScriptedChangeStream("Orders", partitions=2, origin=origin)
+    for i in range(60):  # one commit timestamp: no batch can split them
+        stream.write("Orders", {"id": i}, "INSERT", {"n": "x" * 2000}, at=origin + S)
+
+    class Slow(cf.Sink[Any, int]):
+        def open_writer(self, ctx: Any) -> Any:
+            class Writer:
+                n = 0
+
+                def write(self, element: Any) -> None:
+                    time.sleep(0.1)
+                    self.n += 1
+
+                def close(self) -> int:
+                    return self.n
+
+                def abort(self) -> None:
+                    return None
+
+            return Writer()
+
+        def commit(self, batch_id: int, messages: Any) -> None:
+            return None
+
+    read = cf.ReadPartition(heartbeat="100ms", max_inflight=4, max_inflight_bytes=4096)
+    sink: Any = (cf.Consume(lambda r: time.sleep(0.1), max_inflight=1) if through == "sink"
+                 else Slow())
+    pipeline = cf.Pipeline(f"held-back-{through}")
+    (pipeline
+     | cf.DetectPartitions(stream="Orders", start_at=origin, end_at=origin + 7 * S,
+                           client=stream)
+     | (cf.ReadPartition(heartbeat="100ms") if through == "sink" else read)
+     | cf.Map(lambda r: r) | sink)
+    summary = pipeline.run("memory", "memory://", stuck_after="1s", batch_interval="100ms",
+                           max_batch_span="60s")
+    assert summary.reason == "end reached"
+    stuck = [r.getMessage() for r in caplog.records
+             if r.levelno == logging.WARNING and "has not advanced" in r.getMessage()]
+    assert stuck, [r.getMessage() for r in caplog.records][:20]
+    by = ("sink 'Consume(<lambda> at test_stuck.py:" if through == "sink" else
+          "room in the byte quota (the sinks have not taken earlier elements)")
+    for line in stuck:
+        assert f"its read is held back, not hung: its task waits for {by}" in line, line
+        assert "waiting for this read" not in line
+
+
 def test_reads_that_are_done_wait_for_their_batch_and_are_not_stuck() -> None:
     clock = Clock()
     watch = StuckWatch(StuckDetector(5), clock=clock)

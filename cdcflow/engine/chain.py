@@ -47,7 +47,7 @@ from typing import Any
 import cloudpickle
 
 from cdcflow.engine.guard import guard_for, stopping_for
-from cdcflow.engine.listener import note_task_done
+from cdcflow.engine.listener import note_task_done, note_task_held_back
 from cdcflow.engine.program import TaskProgram
 from cdcflow.engine.quota import ByteQuota, process_quota, quota_limit
 from cdcflow.engine.runner import ChildSeen, Task, TaskResult
@@ -284,16 +284,25 @@ class Chain:
             return
         if not quota.try_acquire(size):  # room at once: untimed
             began = time.perf_counter()
-            while not quota.acquire(size, until=self._must_give_back):
-                self._run_bundle()  # a held bundle would hold its bytes while this one waits
-                self._flush()
-                self._give_back_owed()
+            self._held_back("room in the byte quota (the sinks have not taken earlier elements)")
+            try:
+                while not quota.acquire(size, until=self._must_give_back):
+                    self._run_bundle()  # a held bundle would hold its bytes while this waits
+                    self._flush()
+                    self._give_back_owed()
+            finally:
+                self._held_back(None)
             waited = time.perf_counter() - began
             if waited > 0.001:  # admitted at once takes microseconds: this one waited
                 counts = self._counts
                 counts["quota_waits"] = counts.get("quota_waits", 0) + 1
                 counts["quota_wait_us"] = counts.get("quota_wait_us", 0) + int(waited * 1e6)
         self._held += size
+
+    def _held_back(self, by: str | None) -> None:
+        """Say what this task waits for (None: its read again), for the stuck watch."""
+        task = self._task
+        note_task_held_back(task.pipeline, task.batch_id, task.slice.token, by)
 
     def _must_give_back(self) -> bool:
         # Read without the lock: a stale answer only delays.
@@ -718,6 +727,8 @@ class Chain:
             dead_letter=self._program.dead_letter_label is not None,
             hold=self._quota.take, let_go=self._quota.release,
             stopping=stopping_for(self._program.pipeline),
+            holding_back=lambda waiting: self._held_back(
+                f"sink {label!r} to take its elements" if waiting else None),
         ))
 
     # -- ending -----------------------------------------------------------------------------

@@ -7,6 +7,8 @@ While a batch runs, :func:`tasks_done` tells which of its tasks finished in this
 (tasks note it with :func:`note_task_done`): where tasks run in the driver's process (the
 in-memory runner) an observer can tell a read that hangs from the reads that are done and
 wait for the batch to commit. Elsewhere (Spark executors) it knows nothing and says so.
+Likewise :func:`tasks_held_back` tells which tasks wait, right now, for something other
+than their read (a sink that has not taken their elements, the byte quota).
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ import attrs
 
 from cdcflow.model import BatchPlan, PartitionMetadata
 
-__all__ = ["BatchStats", "EngineListener", "RunSummary", "note_task_done", "tasks_done"]
+__all__ = [
+    "BatchStats",
+    "EngineListener",
+    "RunSummary",
+    "note_task_done",
+    "note_task_held_back",
+    "tasks_done",
+    "tasks_held_back",
+]
 
 # (pipeline, batch id) -> tokens whose task of that batch finished in this process. Only
 # the latest batches are kept: nothing has to clear it, and a worker process cannot grow it.
@@ -46,6 +56,31 @@ def tasks_done(pipeline: str, batch_id: int) -> frozenset[str]:
     docstring: empty when the tasks run in other processes)."""
     with _done_lock:
         return frozenset(_done.get((pipeline, batch_id), ()))
+
+
+# (pipeline, batch id, token) -> what the task reading that partition waits for now, while
+# it waits (set and cleared around each wait: it holds only tasks waiting now).
+_held_back: dict[tuple[str, int, str], str] = {}
+
+
+def note_task_held_back(pipeline: str, batch_id: int, token: str, by: str | None) -> None:
+    """Note that the task reading ``token`` in batch ``batch_id`` of ``pipeline`` waits for
+    ``by`` (a sink that has not taken its elements, the byte quota), not for its read; None
+    once it no longer does."""
+    key = (pipeline, batch_id, token)
+    with _done_lock:
+        if by is None:
+            _held_back.pop(key, None)
+        else:
+            _held_back[key] = by
+
+
+def tasks_held_back(pipeline: str, batch_id: int) -> dict[str, str]:
+    """Token -> what its task of batch ``batch_id`` waits for, for the tasks of this
+    process that wait now (see :func:`note_task_held_back`)."""
+    with _done_lock:
+        return {token: by for (p, b, token), by in _held_back.items()
+                if p == pipeline and b == batch_id}
 
 
 @attrs.frozen

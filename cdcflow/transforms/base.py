@@ -266,6 +266,12 @@ class WriterContext:
     #: run) instead of retrying on. Always False where the run is not in this process.
     stopping: Callable[[], bool] = attrs.field(default=lambda: False, eq=False, repr=False)
     let_go: Callable[[int], None] = attrs.field(default=lambda n: None, eq=False, repr=False)
+    #: A writer that makes its task wait (a full queue, a drain at ``close``) calls
+    #: ``holding_back(True)`` when it starts waiting and ``holding_back(False)`` when it
+    #: stops: a partition that does not advance meanwhile is then reported as held back by
+    #: this sink, not as a read that hangs. Outside the engine it does nothing.
+    holding_back: Callable[[bool], None] = attrs.field(
+        default=lambda waiting: None, eq=False, repr=False)
 
 
 def _no_stop(reason: str) -> None:

@@ -333,6 +333,7 @@ class _ConsumeWriter(Generic[E]):
         self._token = ctx.partition_token
         self._guard = ctx.guard
         self._hold = ctx.hold
+        self._holding_back = ctx.holding_back
         self._let_go = ctx.let_go
         self._held = 0  # bytes of the calls taken and not done, held against the quota
         self._lock = threading.Lock()
@@ -473,6 +474,15 @@ class _ConsumeWriter(Generic[E]):
         writer fails with the guard's error (``ready`` then holds: the writer has ended);
         and once the run was asked to stop while calls are being retried, it gives the
         batch up (WriterStopped: the next run replays it) rather than retry on."""
+        if ready():
+            return True
+        self._holding_back(True)
+        try:
+            return self._wait_until(ready)
+        finally:
+            self._holding_back(False)
+
+    def _wait_until(self, ready: Callable[[], bool]) -> bool:
         deadline = time.monotonic() + self._quiet
         progress = self._progress()
         while not ready():
