@@ -562,9 +562,12 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
         signal.signal(sig, interrupt)
     emu.start()
     try:
-        print(f"export SPANNER_EMULATOR_HOST={emu.host}", flush=True)
+        # the address once the emulator holds what was asked: a script that reads it never
+        # gets one of an emulator that a DDL error then stopped
         if args.database:
             emu.create_database(args.database, ddl, instance=args.instance)
+        print(f"export SPANNER_EMULATOR_HOST={emu.host}", flush=True)
+        if args.database:
             print(f"# database {emu.database_path(args.database, args.instance)}", flush=True)
         # the log goes when the emulator stops, unless it failed: the error then names it
         print(f"# emulator log: {emu.log_path} (removed when it stops, kept if it fails); "

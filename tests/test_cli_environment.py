@@ -97,6 +97,8 @@ def test_emulator_start_refuses_bad_ddl_and_bad_names_in_one_line(tmp_path: Path
     done, _ = _cdcflow("emulator", "start", "--database", "shop", "--ddl-file", "bad.sql",
                        cwd=tmp_path, env=_env())
     assert "refused database 'shop'" in _error_line(done) and "TABLEX" in done.stderr
+    # no address of an emulator that is gone on stdout (a script would take it)
+    assert "SPANNER_EMULATOR_HOST" not in done.stdout
     done, took = _cdcflow("emulator", "start", "--database", "Bad-Name!", cwd=tmp_path,
                           env=_env())
     assert "database name 'Bad-Name!' is not valid" in _error_line(done) and took < 10
