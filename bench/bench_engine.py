@@ -10,7 +10,8 @@ side:
   often (its wait doubles up to 5 s), so most batches touch few partitions;
 * ``every partition`` (``idle_read_interval=0``): every partition is queried every batch.
 
-Target: <= 0.1 ms per idle partition per batch at 10k partitions.
+Target: <= 0.1 ms per idle partition per batch at 10k partitions, with idle reads (the
+default); the every-partition row is printed for reference and not judged.
 ``python -m bench.bench_engine [--sizes 10,1000,10000] [--seconds S]``.
 """
 
@@ -80,10 +81,14 @@ def main() -> None:
             print(f"{n:>10}  {mode:<16} {busy * 1000:>10.1f} {reads:>9.0f} "
                   f"{busy * 1000 / n:>18.4f}", flush=True)
     top = max(r[0] for r in rows)
-    for n, mode, busy in rows:
-        if n == top and mode == "idle reads":
-            verdict = "met" if busy * 1000 / n <= 0.1 else "NOT met"
-            print(f"target <= 0.1 ms per idle partition per 1 s batch at {n}: {verdict}")
+    at_top = {mode: busy * 1000 / n for n, mode, busy in rows if n == top}
+    idle = at_top["idle reads"]
+    verdict = "met" if idle <= 0.1 else "NOT met"
+    # The target is the default's (idle partitions read less often); reading every
+    # partition every batch is printed beside it, not judged.
+    print(f"target <= 0.1 ms per idle partition per 1 s batch at {top}, idle reads (the "
+          f"default): {verdict} ({idle:.4f}); every partition read every batch "
+          f"(idle_read_interval=0): {at_top['every partition']:.4f}, not a target")
 
 
 if __name__ == "__main__":
