@@ -26,7 +26,7 @@ from typing import Any
 
 from cdcflow.errors import ConfigurationError
 
-__all__ = ["JvmStderr", "failure_line", "launch_gateway", "refuse_heap_options"]
+__all__ = ["JvmStderr", "failure_line", "jvm_said", "launch_gateway", "refuse_heap_options"]
 
 _log = logging.getLogger("cdcflow.spark")
 
@@ -123,6 +123,18 @@ def launch_gateway(settings: Mapping[str, str], stderr: JvmStderr) -> Any:
         return launch(conf, popen_kwargs={"stderr": stderr.fd})  # type: ignore[no-untyped-call]
     finally:
         stderr.launched()
+
+
+# What gRPC (abseil's log format) prints in a forked child of a process whose gRPC clients
+# run threads: "E1128 00:48:39.661057    8427 ev_epoll1_linux.cc:373] ...". A launcher that
+# dies before it execs the JVM says only that; it is not the JVM's word.
+_GRPC_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\]]+\] ")
+
+
+def jvm_said(text: str) -> str:
+    """``text`` without the lines a forked launcher's gRPC printed before it died."""
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not _GRPC_LINE.match(line))
 
 
 def failure_line(text: str) -> str:

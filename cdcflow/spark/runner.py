@@ -60,7 +60,13 @@ from cdcflow.errors import (
 from cdcflow.logformat import WORKER_LOG_ENV, configure_worker_logging
 from cdcflow.model import Timestamp
 from cdcflow.processes import process_alive, settle_collector
-from cdcflow.spark._launch import JvmStderr, failure_line, launch_gateway, refuse_heap_options
+from cdcflow.spark._launch import (
+    JvmStderr,
+    failure_line,
+    jvm_said,
+    launch_gateway,
+    refuse_heap_options,
+)
 from cdcflow.spark._quiet import quiet_jvm_death
 
 __all__ = [
@@ -697,10 +703,11 @@ def _start_session(builder: Any, settings: Mapping[str, str]) -> Any:
     that a start that fails is one line: a :class:`ConfigurationError` naming what the JVM
     or Spark said.
 
-    A JVM launcher that died before it gave its port without saying anything is started
-    again (up to :data:`_LAUNCH_ATTEMPTS` times): PySpark forks that launcher and runs
-    Python in the child before it execs; in a process whose gRPC clients (a Spanner store,
-    a change-stream check) already run threads, the child now and then dies right there.
+    A JVM launcher that died before it gave its port without saying anything (but what
+    gRPC prints in a forked child: :func:`jvm_said`) is started again (up to
+    :data:`_LAUNCH_ATTEMPTS` times): PySpark forks that launcher and runs Python in the
+    child before it execs; in a process whose gRPC clients (a Spanner store, a
+    change-stream check) already run threads, the child now and then dies right there.
     Nothing was started, so starting again is safe.
 
     PySpark's SparkContext takes over SIGINT (its handler cancels every job and raises
@@ -747,9 +754,11 @@ def _launch(settings: Mapping[str, str]) -> JvmStderr:
             if "JAVA_GATEWAY_EXITED" not in str(exc):
                 stderr.discard(0)
                 raise
-            said = stderr.discard()
+            output = stderr.discard()
+            if output.strip():
+                _log.debug("Spark's JVM launcher said, exiting at start:\n%s", output.rstrip())
+            said = jvm_said(output)
             if said.strip():
-                _log.debug("Spark's JVM said, exiting at start:\n%s", said.rstrip())
                 msg = (f"Spark's JVM did not start: {failure_line(said)} (check --master "
                        "and every --conf)")
                 raise ConfigurationError(msg) from None

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from cdcflow.errors import ConfigurationError
-from cdcflow.spark._launch import JvmStderr, failure_line, refuse_heap_options
+from cdcflow.spark._launch import JvmStderr, failure_line, jvm_said, refuse_heap_options
 
 _JVM = "Invalid maximum heap size: -Xmxabc\nError: Could not create the Java Virtual Machine.\n"
 _SUBMIT = ('Exception in thread "main" org.apache.spark.SparkException: Executor cores must '
@@ -69,3 +69,10 @@ def test_a_heap_size_in_the_java_options_names_the_memory_setting(role: str) -> 
     refuse_heap_options({key: "-XX:+UseG1GC"})
     with pytest.raises(ConfigurationError, match=rf"use --conf spark\.{role}\.memory=2g"):
         refuse_heap_options({key: "-Dx=1 -Xmx2g"})
+
+
+def test_what_grpc_prints_in_a_forked_launcher_is_not_the_jvm_s_word() -> None:
+    grpc = ("E1128 00:48:39.661057    8427 ev_epoll1_linux.cc:373] (event_engine) "
+            "Epoll1Poller:0x555d6bb00d60 encountered epoll_wait error: Bad file descriptor\n")
+    assert jvm_said(grpc) == ""
+    assert jvm_said(grpc + _JVM) == _JVM
