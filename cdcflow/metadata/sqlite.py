@@ -587,6 +587,14 @@ class SQLiteStore:
                 return False
             now = self._clock()
             for u in updates:
+                if not u.finished:  # the usual case: one statement, no read
+                    cur = c.execute(
+                        "UPDATE partitions SET watermark = ? WHERE pipeline = ? AND token = ? "
+                        "AND watermark <= ?", (u.watermark, pipeline, u.token, u.watermark),
+                    )
+                    if cur.rowcount == 1:
+                        continue
+                # finished, or not updated: unknown, or a regression (said below)
                 current = self._get(c, pipeline, u.token)
                 if current is None:
                     raise _rules.unknown_partition(pipeline, u.token)

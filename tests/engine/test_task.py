@@ -234,6 +234,41 @@ def test_execute_task_round_trips_bytes_and_caches_the_program() -> None:
     assert cached  # the unpickled program is kept for the next task of the run
 
 
+def test_a_result_the_standard_pickler_refuses_travels_by_cloudpickle() -> None:
+    """Results are pickled with the standard pickler (faster); one it refuses (a sink
+    message of a class made inside a function) goes by cloudpickle, as before."""
+
+    class Made:  # a local class: the standard pickler cannot name it
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+    class Counting(Sink):
+        def open_writer(self, ctx: WriterContext) -> Any:
+            class W:
+                n = 0
+
+                def write(self, element: Any) -> None:
+                    self.n += 1
+
+                def close(self) -> Any:
+                    return Made(self.n)
+
+                def abort(self) -> None:
+                    return None
+
+            return W()
+
+        def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
+            return None
+
+    prog_bytes = cloudpickle.dumps(program(scripted(3), Counting()))
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        pickle.dumps(Made(1))
+    result = pickle.loads(execute_task(prog_bytes, pickle.dumps(task("p0", T0, T0 + 100 * S))))
+    (message,) = result.sink_messages.values()
+    assert type(message).__name__ == "Made" and message.n == 3
+
+
 def test_tasks_given_one_program_object_hash_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from cdcflow.engine import task as task_module
 
