@@ -724,15 +724,19 @@ def _start_session(builder: Any, settings: Mapping[str, str]) -> Any:
             session = builder.getOrCreate()
         except Exception as exc:
             line = failure_line(_java_text(exc))
-            if not line:
-                if stderr is not None:
-                    stderr.release()
-                raise
-            said = stderr.discard() if stderr is not None else ""
-            if said:
-                _log.debug("Spark's output while it started:\n%s", said.rstrip())
-            raise ConfigurationError(f"Spark did not start: {line} (check --master and "
-                                     "every --conf)") from None
+            if line:  # Spark refused a setting: its own output was held, one line instead
+                said = stderr.discard() if stderr is not None else ""
+                if said:
+                    _log.debug("Spark's output while it started:\n%s", said.rstrip())
+                raise ConfigurationError(f"Spark did not start: {line} (check --master and "
+                                         "every --conf)") from None
+            if stderr is not None:
+                stderr.release()
+            raise
+        except BaseException:  # Ctrl-C: the JVM stays, and says what it says from now on
+            if stderr is not None:
+                stderr.release()
+            raise
         if stderr is not None:
             stderr.release()
         return session
@@ -770,14 +774,17 @@ def _launch(settings: Mapping[str, str]) -> JvmStderr:
                    "word: check that Java 17 or later is installed (java on PATH, or "
                    "JAVA_HOME)")
             raise ConfigurationError(msg) from None
+        except BaseException:  # Ctrl-C while it starts: what it says is not held back
+            stderr.release()
+            raise
         SparkContext._ensure_initialized(gateway=gateway)
         return stderr
     raise AssertionError("unreachable")
 
 
 def _java_text(exc: BaseException) -> str:
-    """A Py4JJavaError's Java exception as text (``Class: message`` and its stack); "" for
-    any other error."""
+    """A Py4JJavaError's Java exception as text (``Class: message``); "" for any other
+    error."""
     java = getattr(exc, "java_exception", None)
     if java is None:
         return ""
