@@ -81,8 +81,15 @@ def batch(batch_id: int, **kw: Any) -> BatchStats:
     return BatchStats(**base)
 
 
+# Threads that live as long as the process, not a run: the relay of Spark's JVM's stderr
+# lasts as long as that JVM, which PySpark keeps until the process exits.
+_PROCESS_THREADS = frozenset({"cdcflow-jvm-stderr"})
+
+
 def our_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("cdcflow-")]
+    """The threads of cdcflow's runs that are alive (none once a run has ended)."""
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith("cdcflow-") and t.name not in _PROCESS_THREADS]
 
 
 # -- the listener, on a fake clock -----------------------------------------------------------
