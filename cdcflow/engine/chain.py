@@ -135,21 +135,99 @@ class _Line:
         self.writes = 0
 
 
+class _Shape:
+    """What a program's chain is, the same for every task of it (computed once per process
+    from one unpickled copy, see :func:`_shape_of`): its ends, counter names, bundle size,
+    order, and for each set of sinks a task writes, whether the chain is one line."""
+
+    __slots__ = ("bundle_size", "counter_keys", "ends", "lines", "order", "sinks", "steps")
+
+    def __init__(self, program: TaskProgram) -> None:
+        nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = pickle.loads(program.chain)
+        self.steps = frozenset(program.step_labels)
+        self.sinks = frozenset(label for label, node in nodes.items() if isinstance(node, Sink))
+        self.ends = self.steps | self.sinks
+        # made once per step: they serve every element
+        self.counter_keys = {
+            label: (f"elements_in/{label}", f"elements_out/{label}", f"sink_writes/{label}")
+            for label in nodes
+        }
+        self.bundle_size = max(
+            [n.fn.bundle_size for n in nodes.values() if isinstance(n, ParDo)] or [1]
+        )
+        self.order = _top_down(program.read_label, program.successors)
+        self.lines: dict[frozenset[str] | None, tuple[tuple[str, ...], str] | None] = {}
+
+    def line(
+        self, program: TaskProgram, wanted: Collection[str] | None
+    ) -> tuple[tuple[str, ...], str] | None:
+        """(the ParDos' labels, the sink's) when the chain is one line ReadPartition ->
+        ParDo ... -> sink, and a task writing ``wanted`` writes that sink; else None."""
+        key = None if wanted is None else frozenset(wanted)
+        if key not in self.lines:
+            self.lines[key] = self._line(program, key)
+        return self.lines[key]
+
+    def _line(
+        self, program: TaskProgram, wanted: frozenset[str] | None
+    ) -> tuple[tuple[str, ...], str] | None:
+        steps: list[str] = []
+        label = program.read_label
+        while True:
+            successors = program.successors.get(label, ())
+            if len(successors) != 1:
+                return None
+            label = successors[0]
+            if label in self.steps or label not in self.counter_keys:
+                return None
+            if label in self.sinks:
+                return None if wanted is not None and label not in wanted else (
+                    tuple(steps), label)
+            steps.append(label)
+
+
+# The shapes of the programs this process ran last, by their chain's bytes (the object: a
+# cached program keeps it, so its id stays its own while it is here).
+_shapes: dict[int, tuple[bytes, _Shape]] = {}
+_shapes_lock = threading.Lock()
+_MAX_SHAPES = 8
+
+
+def _shape_of(program: TaskProgram) -> _Shape:
+    key = id(program.chain)
+    with _shapes_lock:
+        cached = _shapes.get(key)
+        if cached is not None and cached[0] is program.chain:
+            return cached[1]
+    shape = _Shape(program)
+    with _shapes_lock:
+        while len(_shapes) >= _MAX_SHAPES:
+            del _shapes[next(iter(_shapes))]
+        _shapes[key] = (program.chain, shape)
+    return shape
+
+
 class Chain:
-    """One task's copy of the transforms downstream of ReadPartition, and its writers."""
+    """One task's copy of the transforms downstream of ReadPartition, and its writers.
+
+    The copy (its DoFns unpickled, their functions) is made when the first element comes
+    (or a sink's writer opens): a task that reads no change, an idle partition's, makes
+    none. What the chain is like (:class:`_Shape`) is known from the program."""
 
     def __init__(self, program: TaskProgram, task: Task) -> None:
         self._program = program
         self._task = task
-        self._nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = pickle.loads(program.chain)
+        shape = _shape_of(program)
+        self._nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = {}  # see _load
+        self._processes: dict[str, Callable[[Any], Sequence[Any]]] = {}
+        self._loaded = False
         self._succ = program.successors
-        self._steps = frozenset(program.step_labels)
-        self._ends = self._steps | {
-            label for label, node in self._nodes.items() if isinstance(node, Sink)
-        }
+        self._steps = shape.steps
+        self._ends = shape.ends
+        self._counter_keys = shape.counter_keys
         self._step_inputs: dict[str, list[Any]] = {}
         self._policy = program.policy
-        self._attempt = uuid.uuid4().hex  # unique per execution: retries write elsewhere
+        self._attempt: str | None = None  # unique per execution: retries write elsewhere
         self._writers: dict[str, SinkWriter[Any, Any]] = {}
         self._set_up: list[tuple[str, ParDo[Any, Any]]] = []  # (label, step)
         self._started = False
@@ -157,15 +235,6 @@ class Chain:
         self._retries = 0
         self._bundle_retries = 0  # bundles whose process_bundle raised
         self._counts: dict[str, int] = {}  # touched on the reader thread only
-        # made once per step: they serve every element
-        self._counter_keys = {
-            label: (f"elements_in/{label}", f"elements_out/{label}", f"sink_writes/{label}")
-            for label in self._nodes
-        }
-        self._processes: dict[str, Callable[[Any], Sequence[Any]]] = {
-            label: functools.partial(_process, node.fn.process)
-            for label, node in self._nodes.items() if isinstance(node, ParDo)
-        }
         self._count_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: InflightTracker | None = None
@@ -181,23 +250,42 @@ class Chain:
         self._peak_held = 0
         if program.max_inflight > 1:
             self._inflight = InflightTracker(program.max_inflight, self._quota.limit)
-        self._bundle_size = max(
-            [n.fn.bundle_size for n in self._nodes.values() if isinstance(n, ParDo)] or [1]
-        )
+        self._bundle_size = shape.bundle_size
         self._bundle: list[tuple[DataChangeRecord, int, int]] = []  # (record, position, size)
         self._bundle_bytes = 0
-        self._order = _top_down(program.read_label, self._succ)
-        # a chain that is one line of ParDos into one sink runs fused (see _push_line)
-        self._line = (
-            self._line_of(task.sinks)
+        self._order = shape.order
+        # a chain that is one line of ParDos into one sink runs fused (see _push_line); its
+        # steps are made with the copy (_start)
+        self._line_labels = (
+            shape.line(program, task.sinks)
             if self._inflight is None and self._bundle_size == 1 else None
         )
+        self._line: _Line | None = None
         #: ``push(record, position, size)``: run ``record`` (``size`` bytes,
         #: :func:`approx_size`) through the chain; blocks while the process's byte quota
         #: is used up. Chosen once: the fused path for one line, else the general one.
         self.push: Callable[[DataChangeRecord, int, int], None] = (
-            self._push if self._line is None else self._push_line
+            self._push if self._line_labels is None else self._push_line
         )
+
+    def _load(self) -> None:
+        """Make this task's copy of the transforms (once)."""
+        if self._loaded:
+            return
+        self._loaded = True
+        self._nodes = nodes = pickle.loads(self._program.chain)
+        self._processes = {
+            label: functools.partial(_process, node.fn.process)
+            for label, node in nodes.items() if isinstance(node, ParDo)
+        }
+        if self._line_labels is not None:
+            steps, sink = self._line_labels
+            line_steps = []
+            for label in steps:
+                node = nodes[label]
+                assert isinstance(node, ParDo)
+                line_steps.append(_LineStep(label, node.fn, self._processes[label]))
+            self._line = _Line(tuple(line_steps), sink, self._counter_keys[sink][2])
 
     # -- feeding records ---------------------------------------------------------------------
 
@@ -366,6 +454,7 @@ class Chain:
         if self._started:
             return
         self._started = True
+        self._load()
         # DoFn.setup runs once per task, before the first element, on this thread.
         for label, node in self._nodes.items():
             if isinstance(node, ParDo):
@@ -424,26 +513,6 @@ class Chain:
                 self._visit(nxt, value, record, counts, out)
 
     # -- one line: the fused path -----------------------------------------------------------
-
-    def _line_of(self, wanted: Collection[str] | None) -> _Line | None:
-        """The chain as one line ReadPartition -> ParDo ... -> sink, when it is one (and
-        this task writes that sink); else None."""
-        steps: list[_LineStep] = []
-        label = self._program.read_label
-        while True:
-            successors = self._succ.get(label, ())
-            if len(successors) != 1:
-                return None
-            label = successors[0]
-            node = self._nodes.get(label)
-            if label in self._steps or node is None:
-                return None
-            if isinstance(node, Sink):
-                if wanted is not None and label not in wanted:
-                    return None
-                return _Line(tuple(steps), label, self._counter_keys[label][2])
-            assert isinstance(node, ParDo)
-            steps.append(_LineStep(label, node.fn, self._processes[label]))
 
     def _push_line(self, record: DataChangeRecord, position: int, size: int) -> None:
         """:attr:`push` for a chain that is one line: :meth:`_evaluate` and
@@ -710,6 +779,7 @@ class Chain:
     def _writer(self, label: str) -> SinkWriter[Any, Any]:
         writer = self._writers.get(label)
         if writer is None:
+            self._load()
             sink = self._nodes[label]
             assert isinstance(sink, Sink)
             sl = self._task.slice
@@ -722,7 +792,7 @@ class Chain:
         return sink.open_writer(WriterContext(
             pipeline=self._program.pipeline, sink_label=label, batch_id=self._task.batch_id,
             partition_token=sl.token, slice_start=sl.start, slice_end=sl.end,
-            attempt=self._attempt, guard=guard_for(self._program.pipeline),
+            attempt=self._attempt_id(), guard=guard_for(self._program.pipeline),
             error_policy=self._policy,
             dead_letter=self._program.dead_letter_label is not None,
             hold=self._quota.take, let_go=self._quota.release,
@@ -730,6 +800,11 @@ class Chain:
             holding_back=lambda waiting: self._held_back(
                 f"sink {label!r} to take its elements" if waiting else None),
         ))
+
+    def _attempt_id(self) -> str:
+        if self._attempt is None:
+            self._attempt = uuid.uuid4().hex
+        return self._attempt
 
     # -- ending -----------------------------------------------------------------------------
 
