@@ -15,10 +15,12 @@ client only when a run needs them), so the command line can say a Ctrl-C while i
 line.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
+# No import at all when the package loads (typing's alone is milliseconds): the command
+# line's window for a Ctrl-C it cannot yet say in one line stays as short as it can be.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from cdcflow.model import (
         ChildPartition,
         ChildPartitionsRecord,
@@ -77,18 +79,18 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> "Any":
     home = _HOMES.get(name)
     if home is None:
         msg = f"module 'cdcflow' has no attribute {name!r}"
         raise AttributeError(msg)
-    value = getattr(importlib.import_module(home), name)
+    value = getattr(__import__(home, fromlist=[name]), name)
     globals()[name] = value  # the next use is a plain attribute
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__"))})
 
 
 __all__ = [

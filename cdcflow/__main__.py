@@ -12,9 +12,9 @@ EXIT_INTERRUPTED = 130
 
 
 def main() -> int:
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         from cdcflow.cli import main as command
     except KeyboardInterrupt:
         print("\ncdcflow: interrupted", file=sys.stderr)

@@ -1,19 +1,20 @@
 """Starting Spark's JVM so that a start that fails is said in one line.
 
-PySpark starts the JVM (``spark-submit``) with this process's stderr. A JVM that refuses
-its settings prints there: ``spark-submit``'s usage (about 290 lines) for an ``-Xmx`` in
-the Java options, the JVM's own error for ``spark.driver.memory=abc``, a stack trace for a
-SparkContext that cannot be made. Here the JVM is started by the runner instead (PySpark's
-``launch_gateway``, with the same settings) with its stderr on a pipe that
-:class:`JvmStderr` relays to this process's stderr, holding it back while the session
-starts: on success what was held is written out and the relay goes on for the JVM's life
-(Spark's later errors and the Python workers' output, which inherit the JVM's stderr); on
-failure the held text gives the runner its one line (and is logged at DEBUG).
+PySpark starts the JVM (``spark-submit``) with this process's stdout and stderr. A JVM that
+refuses its settings prints there: ``spark-submit``'s usage (about 290 lines) for an
+``-Xmx`` in the Java options, the JVM's own error for ``spark.driver.memory=abc`` (on
+stdout for a heap it cannot reserve), a stack trace for a SparkContext that cannot be made.
+Here the JVM is started by the runner instead (PySpark's ``launch_gateway``, with the same
+settings) with its stdout and stderr on pipes that :class:`JvmOutput` relays to this
+process's, holding them back while the session starts: on success what was held is logged
+(:func:`said_at_start`: in the run's log format, stack traces at DEBUG) and the relay goes
+on for the JVM's life (Spark's later errors and the Python workers' output, which inherit
+the JVM's stderr); on failure the held text gives the runner its one line (and is logged
+at DEBUG).
 
 The JVM's notice that Spark uses an incubator module (``WARNING: Using incubator modules``)
 is dropped: nothing can be done about it, and it was the one line that was not JSON under
-``--log-format json``.
-"""
+``--log-format json``."""
 
 from __future__ import annotations
 
@@ -21,12 +22,20 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from cdcflow.errors import ConfigurationError
 
-__all__ = ["JvmStderr", "failure_line", "jvm_said", "launch_gateway", "refuse_heap_options"]
+__all__ = [
+    "JvmOutput",
+    "failure_line",
+    "jvm_said",
+    "launch_gateway",
+    "refuse_heap_options",
+    "said_at_start",
+]
 
 _log = logging.getLogger("cdcflow.spark")
 
@@ -34,44 +43,33 @@ _DROPPED = (b"WARNING: Using incubator modules",)
 _HEAP = re.compile(r"(?:^|\s)(-Xmx\S*)")
 
 
-class JvmStderr:
-    """A pipe for the JVM's stderr, and the thread that relays it to fd 2.
+class _Relay:
+    """A pipe for one of the JVM's output streams, and the thread that relays it to this
+    process's ``target`` file descriptor (1 or 2), holding lines until :meth:`take`."""
 
-    ``fd`` is the write end to give the JVM; :meth:`launched` closes this process's copy
-    once the JVM has it. Lines are held until :meth:`release` (written out, then relayed
-    as they come) or :meth:`discard` (kept back; what was held is returned)."""
-
-    def __init__(self) -> None:
+    def __init__(self, target: int) -> None:
+        self._target = target
         self._read, self.fd = os.pipe()
         self._lock = threading.Lock()
         self._held: list[bytes] | None = []
-        self._ended = threading.Event()
+        self.ended = threading.Event()
         self._thread = threading.Thread(target=self._relay, name="cdcflow-jvm-stderr",
                                         daemon=True)
         self._thread.start()
 
     def launched(self) -> None:
-        """The JVM has its copy of the write end (or was never started): close ours, so
-        the relay ends when the JVM does."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
-    def release(self) -> None:
-        """Write out what was held; from now on relay each line as it comes."""
+    def take(self) -> list[bytes]:
+        """Stop holding; the lines held so far (relayed as they come from now on)."""
         with self._lock:
             held, self._held = self._held, None
-            if held:
-                _write(b"".join(held))
+        return held or []
 
-    def discard(self, wait: float = 5.0) -> str:
-        """Stop holding, without writing out what was held, and return it as text; wait up
-        to ``wait`` seconds for the JVM's end of the pipe to close (a JVM that exited has
-        said everything)."""
-        self._ended.wait(wait)
-        with self._lock:
-            held, self._held = self._held, None
-        return b"".join(held or []).decode("utf-8", "replace")
+    def write(self, data: bytes) -> None:
+        _write(self._target, data)
 
     def _relay(self) -> None:
         pending = b""
@@ -89,7 +87,7 @@ class JvmStderr:
             pass
         finally:
             os.close(self._read)
-            self._ended.set()
+            self.ended.set()
 
     def _put(self, lines: list[bytes]) -> None:
         kept = [line for line in lines if not line.startswith(_DROPPED)]
@@ -99,20 +97,62 @@ class JvmStderr:
             if self._held is not None:
                 self._held.extend(kept)
                 return
-        _write(b"".join(kept))
+        _write(self._target, b"".join(kept))
 
 
-def _write(data: bytes) -> None:
+class JvmOutput:
+    """The JVM's stdout and stderr, each on a pipe that a thread relays to this process's
+    (``fds``: what to give the JVM; :meth:`launched` closes this process's copies once the
+    JVM has them). What the JVM says is held until :meth:`release` (what was held goes to
+    ``said``, or is written out; then lines are relayed as they come) or :meth:`discard`
+    (what was held is returned, not written)."""
+
+    def __init__(self) -> None:
+        self._out = _Relay(1)
+        self._err = _Relay(2)
+
+    @property
+    def fds(self) -> dict[str, int]:
+        return {"stdout": self._out.fd, "stderr": self._err.fd}
+
+    def launched(self) -> None:
+        self._out.launched()
+        self._err.launched()
+
+    def release(self, said: Callable[[list[str]], None] | None = None) -> None:
+        """Stop holding: what was held is given to ``said`` as lines of text (None: written
+        out as it came); from now on each line is relayed as it comes."""
+        for relay in (self._out, self._err):
+            held = relay.take()
+            if not held:
+                continue
+            if said is None:
+                relay.write(b"".join(held))
+            else:
+                said(b"".join(held).decode("utf-8", "replace").splitlines())
+
+    def discard(self, wait: float = 5.0) -> str:
+        """Stop holding, without writing out what was held, and return it as text (the
+        JVM's stdout, then its stderr); wait up to ``wait`` seconds for the JVM's ends of
+        the pipes to close (a JVM that exited has said everything)."""
+        deadline = time.monotonic() + wait
+        for relay in (self._out, self._err):
+            relay.ended.wait(max(0.0, deadline - time.monotonic()))
+        return "".join(b"".join(relay.take()).decode("utf-8", "replace")
+                       for relay in (self._out, self._err))
+
+
+def _write(target: int, data: bytes) -> None:
     try:
         while data:
-            data = data[os.write(2, data):]
+            data = data[os.write(target, data):]
     except OSError:
-        pass  # stderr closed: the JVM's output has nowhere to go
+        pass  # closed: the JVM's output has nowhere to go
 
 
-def launch_gateway(settings: Mapping[str, str], stderr: JvmStderr) -> Any:
+def launch_gateway(settings: Mapping[str, str], output: JvmOutput) -> Any:
     """PySpark's ``launch_gateway`` with ``settings`` (given to ``spark-submit`` as the
-    session's builder would give them) and ``stderr`` as the JVM's stderr."""
+    session's builder would give them), the JVM's stdout and stderr on ``output``."""
     from pyspark import SparkConf
     from pyspark.java_gateway import launch_gateway as launch
 
@@ -120,9 +160,9 @@ def launch_gateway(settings: Mapping[str, str], stderr: JvmStderr) -> Any:
     for key, value in settings.items():
         conf.set(key, value)
     try:
-        return launch(conf, popen_kwargs={"stderr": stderr.fd})  # type: ignore[no-untyped-call]
+        return launch(conf, popen_kwargs=output.fds)  # type: ignore[no-untyped-call]
     finally:
-        stderr.launched()
+        output.launched()
 
 
 # What gRPC (abseil's log format) prints in a forked child of a process whose gRPC clients
@@ -137,11 +177,19 @@ def jvm_said(text: str) -> str:
                    if not _GRPC_LINE.match(line))
 
 
+# What the JVM says around the line that tells why it did not start.
+_GENERIC = ("Error occurred during initialization of VM",
+            "Error: Could not create the Java Virtual Machine.",
+            "Error: A fatal exception has occurred. Program will exit.")
+
+
 def failure_line(text: str) -> str:
     """The line that says why the JVM (or SparkContext) did not start: a Java exception's
-    message when there is one, else the first line said; "" when nothing was."""
+    message when there is one, else the first line said that is not one of the JVM's
+    generic ones; "" when nothing was."""
     lines = [re.sub(r'^Exception in thread "[^"]*" ', "", ln.strip())
              for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if ln not in _GENERIC] or lines
     for line in lines:
         match = re.match(r"^(?:Caused by: )?[\w.$]+(?:Exception|Error): (.+)$", line)
         if match and not line.startswith("Error: "):
@@ -158,3 +206,20 @@ def refuse_heap_options(settings: Mapping[str, str]) -> None:
             msg = (f"{key} may not set the heap size ({match.group(1)}): use "
                    f"--conf spark.{role}.memory={match.group(1)[4:] or '4g'} instead")
             raise ConfigurationError(msg)
+
+
+# A line of a Java stack trace (or a note of one), after the line that names the error.
+_STACK = re.compile(r"^(\s|at |\.\.\. \d+ more|Caused by: |Suppressed: )")
+
+
+def said_at_start(lines: list[str]) -> None:
+    """What the JVM said while a session started that did start (a warning about a setting,
+    an error it went on from): each line that says something as a WARNING of
+    ``cdcflow.spark`` (so that it has the run's log format), the stack traces at DEBUG."""
+    for line in lines:
+        if not line.strip():
+            continue
+        if _STACK.match(line):
+            _log.debug("Spark: %s", line.rstrip())
+        else:
+            _log.warning("Spark: %s", line.strip())

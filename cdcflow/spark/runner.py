@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from cdcflow.errors import (
@@ -61,11 +61,12 @@ from cdcflow.logformat import WORKER_LOG_ENV, configure_worker_logging
 from cdcflow.model import Timestamp
 from cdcflow.processes import process_alive, settle_collector
 from cdcflow.spark._launch import (
-    JvmStderr,
+    JvmOutput,
     failure_line,
     jvm_said,
     launch_gateway,
     refuse_heap_options,
+    said_at_start,
 )
 from cdcflow.spark._quiet import quiet_jvm_death
 
@@ -716,29 +717,29 @@ def _start_session(builder: Any, settings: Mapping[str, str]) -> Any:
     from pyspark import SparkContext
 
     handler = signal.getsignal(signal.SIGINT)
-    stderr: JvmStderr | None = None
+    output: JvmOutput | None = None
     try:
         if SparkContext._gateway is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
-            stderr = _launch(settings)
+            output = _launch(settings)
         try:
-            session = builder.getOrCreate()
+            session = _off_the_main_thread(builder.getOrCreate)
         except Exception as exc:
             line = failure_line(_java_text(exc))
             if line:  # Spark refused a setting: its own output was held, one line instead
-                said = stderr.discard() if stderr is not None else ""
+                said = output.discard() if output is not None else ""
                 if said:
                     _log.debug("Spark's output while it started:\n%s", said.rstrip())
                 raise ConfigurationError(f"Spark did not start: {line} (check --master and "
                                          "every --conf)") from None
-            if stderr is not None:
-                stderr.release()
+            if output is not None:
+                output.release()
             raise
         except BaseException:  # Ctrl-C: the JVM stays, and says what it says from now on
-            if stderr is not None:
-                stderr.release()
+            if output is not None:
+                output.release()
             raise
-        if stderr is not None:
-            stderr.release()
+        if output is not None:  # what it said while it started, in the run's log format
+            output.release(said_at_start)
         return session
     finally:
         if (handler is not None and signal.getsignal(signal.SIGINT) is not handler
@@ -746,25 +747,48 @@ def _start_session(builder: Any, settings: Mapping[str, str]) -> Any:
             signal.signal(signal.SIGINT, handler)
 
 
-def _launch(settings: Mapping[str, str]) -> JvmStderr:
-    """Start the JVM (the gateway PySpark's SparkContext then uses); its stderr, held."""
+def _off_the_main_thread(make: Callable[[], Any]) -> Any:
+    """``make()`` on a thread of its own, the calling thread waiting: PySpark's SparkContext
+    takes over SIGINT when it is made on the main thread, and a Ctrl-C while it was being
+    made ran PySpark's handler on a half-made context (about 45 lines of py4j tracebacks);
+    made elsewhere, the run's own handler answers (stop once started; again to abort)."""
+    if threading.current_thread() is not threading.main_thread():
+        return make()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = make()
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="cdcflow-spark-start", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)  # signal handlers run on the main thread meanwhile
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _launch(settings: Mapping[str, str]) -> JvmOutput:
+    """Start the JVM (the gateway PySpark's SparkContext then uses); its output, held."""
     from pyspark import SparkContext
 
     for attempt in range(1, _LAUNCH_ATTEMPTS + 1):
-        stderr = JvmStderr()
+        output = JvmOutput()
         try:
-            gateway = launch_gateway(settings, stderr)
+            gateway = launch_gateway(settings, output)
         except Exception as exc:
             if "JAVA_GATEWAY_EXITED" not in str(exc):
-                stderr.discard(0)
+                output.release()
                 raise
-            output = stderr.discard()
-            if output.strip():
-                _log.debug("Spark's JVM launcher said, exiting at start:\n%s", output.rstrip())
-            said = jvm_said(output)
+            said = output.discard()
             if said.strip():
-                msg = (f"Spark's JVM did not start: {failure_line(said)} (check --master "
-                       "and every --conf)")
+                _log.debug("Spark's JVM launcher said, exiting at start:\n%s", said.rstrip())
+            if jvm_said(said).strip():
+                msg = (f"Spark's JVM did not start: {failure_line(jvm_said(said))} (check "
+                       "--master and every --conf)")
                 raise ConfigurationError(msg) from None
             if attempt < _LAUNCH_ATTEMPTS:
                 _log.warning("the Spark JVM launcher exited at start (attempt %d of %d); "
@@ -775,10 +799,10 @@ def _launch(settings: Mapping[str, str]) -> JvmStderr:
                    "JAVA_HOME)")
             raise ConfigurationError(msg) from None
         except BaseException:  # Ctrl-C while it starts: what it says is not held back
-            stderr.release()
+            output.release()
             raise
         SparkContext._ensure_initialized(gateway=gateway)
-        return stderr
+        return output
     raise AssertionError("unreachable")
 
 

@@ -3,13 +3,20 @@ test_runner.py: bad settings are one line, exit 2)."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import time
 
 import pytest
 
 from cdcflow.errors import ConfigurationError
-from cdcflow.spark._launch import JvmStderr, failure_line, jvm_said, refuse_heap_options
+from cdcflow.spark._launch import (
+    JvmOutput,
+    failure_line,
+    jvm_said,
+    refuse_heap_options,
+    said_at_start,
+)
 
 _JVM = "Invalid maximum heap size: -Xmxabc\nError: Could not create the Java Virtual Machine.\n"
 _SUBMIT = ('Exception in thread "main" org.apache.spark.SparkException: Executor cores must '
@@ -20,6 +27,8 @@ _CONTEXT = ("org.apache.spark.SparkException: The number of cores per executor (
 
 @pytest.mark.parametrize(("text", "line"), [
     (_JVM, "Invalid maximum heap size: -Xmxabc"),
+    ("Error occurred during initialization of VM\nCould not reserve enough space for "
+     "1048575999KB object heap\n", "Could not reserve enough space for 1048575999KB object heap"),
     (_SUBMIT, "Executor cores must be a positive number"),
     (_CONTEXT, "The number of cores per executor (=0) has to be >= 1."),
     ("\nError: Unrecognized option: --bogus\nUsage: spark-submit [options]\n",
@@ -30,37 +39,52 @@ def test_failure_line_is_the_message_not_the_stack(text: str, line: str) -> None
     assert failure_line(text) == line
 
 
-def _child(stderr: JvmStderr, script: str) -> None:
-    subprocess.run(["sh", "-c", script], stderr=stderr.fd, check=True)
-    stderr.launched()
-
-
 def test_what_is_held_is_written_out_on_release_then_lines_flow(
         capfd: pytest.CaptureFixture[str]) -> None:
-    stderr = JvmStderr()
+    output = JvmOutput()
     child = subprocess.Popen(
-        ["sh", "-c", "echo first >&2; echo 'WARNING: Using incubator modules: x' >&2; "
+        ["sh", "-c", "echo first >&2; echo out; echo 'WARNING: Using incubator modules: x' >&2; "
                      "read _; echo later >&2"],
-        stdin=subprocess.PIPE, stderr=stderr.fd, text=True)
-    stderr.launched()
+        stdin=subprocess.PIPE, text=True, **output.fds)
+    output.launched()
     assert child.stdin is not None
     deadline = time.monotonic() + 10
-    while b"first" not in b"".join(stderr._held or []) and time.monotonic() < deadline:
+    while (b"first" not in b"".join(output._err._held or [])
+           and time.monotonic() < deadline):
         time.sleep(0.01)
-    assert capfd.readouterr().err == ""  # held while the session starts
-    stderr.release()
+    assert capfd.readouterr() == ("", "")  # held while the session starts
+    output.release()
     child.stdin.write("go\n")
     child.stdin.close()
     child.wait(timeout=10)
-    stderr._ended.wait(10)
-    assert capfd.readouterr().err == "first\nlater\n"  # the incubator notice dropped
+    output._err.ended.wait(10)
+    assert capfd.readouterr() == ("out\n", "first\nlater\n")  # the incubator notice dropped
 
 
 def test_a_failed_start_keeps_what_was_said_back(capfd: pytest.CaptureFixture[str]) -> None:
-    stderr = JvmStderr()
-    _child(stderr, f"printf '{_JVM}' >&2")
-    assert stderr.discard() == _JVM
-    assert capfd.readouterr().err == ""
+    output = JvmOutput()
+    subprocess.run(["sh", "-c", f"echo 'to stdout'; printf '{_JVM}' >&2"], check=True,
+                   **output.fds)
+    output.launched()
+    assert output.discard() == "to stdout\n" + _JVM  # stdout (a heap it cannot reserve) too
+    assert capfd.readouterr() == ("", "")
+
+
+def test_what_a_session_that_started_said_is_logged_stacks_at_debug(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="cdcflow.spark")
+    said_at_start(["Warning: Ignoring non-Spark config property: foo.bar", "",
+                   "26/11/28 ERROR SparkContext: Failed to add /x.jar",
+                   "java.io.FileNotFoundException: Jar /x.jar not found",
+                   "\tat org.apache.spark.SparkContext.addLocalJarFile$1(SparkContext.scala:2)",
+                   "Caused by: java.io.IOException: no", "\t... 3 more"])
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [m for level, m in said if level == logging.WARNING] == [
+        "Spark: Warning: Ignoring non-Spark config property: foo.bar",
+        "Spark: 26/11/28 ERROR SparkContext: Failed to add /x.jar",
+        "Spark: java.io.FileNotFoundException: Jar /x.jar not found",
+    ]
+    assert len([m for level, m in said if level == logging.DEBUG]) == 3
 
 
 @pytest.mark.parametrize("role", ["driver", "executor"])

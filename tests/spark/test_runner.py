@@ -804,3 +804,25 @@ def test_java_options_of_the_user_s_own_are_added_to_the_runner_s() -> None:
     finally:
         runner.close()
     assert driver.startswith("-Dlog4j2.configurationFile=file:") and "java.io.tmpdir" in driver
+
+
+def test_a_ctrl_c_while_the_session_starts_is_the_run_s_not_pyspark_s() -> None:
+    """PySpark's SparkContext takes SIGINT over when it is made on the main thread; a
+    Ctrl-C while it was being made ran its handler on a half-made context (about 45 lines
+    of py4j tracebacks). The session is made on a thread of its own: PySpark never sets a
+    SIGINT handler, the run's own stays."""
+    script = ("import signal, threading\n"
+              "from cdcflow.spark.runner import SparkRunner\n"
+              "seen = []\n"
+              "real = signal.signal\n"
+              "def noting(sig, handler):\n"
+              "    seen.append(sig)\n"
+              "    return real(sig, handler)\n"
+              "signal.signal = noting\n"
+              "r = SparkRunner('local[1]'); r.open('sigint')\n"
+              "print('SIGINT set', seen.count(signal.SIGINT))\n"
+              "r.close()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SIGINT set 0" in done.stdout, done.stdout
