@@ -560,8 +560,8 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
     # session) running without us, nor its log behind.
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)):
         signal.signal(sig, interrupt)
-    emu.start()
     try:
+        emu.start()  # a Ctrl-C while it starts stops it too (its log was left)
         # the address once the emulator holds what was asked: a script that reads it never
         # gets one of an emulator that a DDL error then stopped
         if args.database:

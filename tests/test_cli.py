@@ -528,6 +528,28 @@ def test_emulator_start_removes_its_log_when_stopped(stop: str) -> None:
     assert "removed when it stops" in line  # the line does not promise to keep the file
 
 
+@pytest.mark.emulator
+def test_a_ctrl_c_while_the_emulator_starts_stops_it_and_removes_its_log(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C between the emulator's spawn and its first answer left its log in /tmp
+    (exit 130); it stops it as a later Ctrl-C does: the log removed, exit 0."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "cdcflow", "emulator", "start"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not list(tmp_path.glob("spanner-emulator-*.log")) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert list(tmp_path.glob("spanner-emulator-*.log")), "the emulator did not spawn"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "stopping the emulator" in err and "Traceback" not in err
+    assert list(tmp_path.glob("spanner-emulator-*.log")) == []
+
+
 def test_emulator_ddl_file_needs_database(tmp_path: Path) -> None:
     assert_usage_error(cdcflow("emulator", "start", "--ddl-file", str(tmp_path / "x.sql")),
                        "--ddl-file needs --database")
