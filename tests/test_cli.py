@@ -544,10 +544,57 @@ def test_a_ctrl_c_while_the_emulator_starts_stops_it_and_removes_its_log(
         assert list(tmp_path.glob("spanner-emulator-*.log")), "the emulator did not spawn"
     finally:
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "stopping the emulator" in err and "Traceback" not in err
     assert list(tmp_path.glob("spanner-emulator-*.log")) == []
+
+
+def test_a_signal_after_the_run_s_time_is_up_is_a_first_signal(tmp_path: Path) -> None:
+    """--for passing during a long batch said nothing, and the user's one SIGTERM then
+    aborted as a second signal ("signal 15 again: aborting", exit 130). The end of the
+    time is said; the first signal says the run stops after the batch already, and the
+    batch commits."""
+    path = tmp_path / "slow.py"
+    path.write_text(textwrap.dedent("""
+        import time
+        import cdcflow as cf
+        from cdcflow.testing import ScriptedChangeStream
+
+        T0 = time.time_ns() - 30 * 10**9
+        stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+        for i in range(40):  # one commit timestamp: one batch
+            stream.write("T", i, "INSERT", {"v": i}, at=T0 + 10**9)
+
+        def slow(r):
+            time.sleep(0.1)
+            return r
+
+        pipeline = cf.Pipeline("slow-batch")
+        (pipeline | cf.DetectPartitions(stream="S", start_at=T0, client=stream)
+         | cf.ReadPartition() | cf.Map(slow) | cf.Collect())
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "cdcflow", "run", str(path), "--for", "1s",
+                             "--metadata", "memory://"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    said: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            said.append(line)
+            if "the run's time is up (1s): stopping after the current batch" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    said.append(rest)
+    text = "".join(said)
+    assert proc.returncode == 0, text
+    assert "signal 15: the run stops after the current batch already (again to abort)" in text, text
+    assert "again: aborting" not in text and "interrupted" not in text
+    assert "40 records in" in text and "stopped (duration)" in text, text  # it committed
 
 
 def test_emulator_ddl_file_needs_database(tmp_path: Path) -> None:

@@ -665,6 +665,9 @@ class Engine:
             if not self._stop.is_set():
                 self._stop_reason = "duration"
                 self.request_stop()
+                # the run ends after the batch in progress, which may take a while: say so
+                _log.info("the run's time is up (%gs): stopping after the current batch",
+                          self.options.duration)
 
         if self.options.duration <= 0:
             passed()  # no batch at all, as surely as a stop before the first
@@ -680,10 +683,18 @@ class Engine:
     def _signals(self) -> Iterator[None]:
         """Graceful stop on SIGINT/SIGTERM, unless the caller (the CLI) handles them."""
 
+        signalled = False
+
         def handler(signum: int, frame: FrameType | None) -> None:
-            if self._stop.is_set():  # the second: abort (the next run replays the batch)
+            nonlocal signalled
+            if signalled:  # the second: abort (the next run replays the batch)
                 _log.warning("signal %d again: aborting", signum)
                 raise KeyboardInterrupt
+            signalled = True
+            if self._stop.is_set():  # the run's time is up, or its caller asked it to stop
+                _log.warning("signal %d: the run stops after the current batch already "
+                             "(again to abort)", signum)
+                return
             _log.warning("signal %d: stopping after the current batch (again to abort)", signum)
             self.request_stop()
 
