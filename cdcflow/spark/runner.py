@@ -740,6 +740,7 @@ def _start_session(builder: Any, settings: Mapping[str, str]) -> Any:
             raise
         if output is not None:  # what it said while it started, in the run's log format
             output.release(said_at_start)
+        _make_active(session)
         return session
     finally:
         if (handler is not None and signal.getsignal(signal.SIGINT) is not handler
@@ -769,6 +770,17 @@ def _off_the_main_thread(make: Callable[[], Any]) -> Any:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def _make_active(session: Any) -> None:
+    """Make ``session`` this thread's active one, as a session made on this thread is: the
+    JVM keeps the active session per thread, and it was made on a thread of its own
+    (:func:`_off_the_main_thread`); code of this thread that asks for the active session
+    (the runner's next ``open``, a test, a notebook) finds it."""
+    from pyspark.sql import SparkSession
+
+    session._jvm.SparkSession.setActiveSession(session._jsparkSession)
+    SparkSession._activeSession = session
 
 
 def _launch(settings: Mapping[str, str]) -> JvmOutput:

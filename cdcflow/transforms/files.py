@@ -520,6 +520,14 @@ class WriteFiles(Sink[Any, WrittenFile]):
                 fsync_dir(directory)
         if messages:
             self._prune_manifests(batch_id)
+        elif self._manifests is not None and not self._manifests and self._claimed:
+            # The scope's first commit, with no file (its manifests were listed, the
+            # directory claimed, at setup): a manifest all the same (once), so that a later
+            # run knows this sink was the pipeline's already and does not warn that a sink
+            # new to it misses what was committed before.
+            pipeline, label = self._identity()
+            self._write_manifest(_Manifest(pipeline, label, batch_id, ()))
+            self._manifests = {batch_id}
 
     def _conflict(self, batch_id: int, why: str) -> OutputConflictError:
         msg = (
@@ -541,11 +549,11 @@ class WriteFiles(Sink[Any, WrittenFile]):
             )
             for m in messages
         }
-        if existing is None:
-            return _Manifest(pipeline, label, batch_id, tuple(entries[n] for n in sorted(entries)))
-        if (existing.pipeline, existing.sink) != (pipeline, label):
+        if existing is not None and (existing.pipeline, existing.sink) != (pipeline, label):
             why = f"by sink {existing.sink!r} of pipeline {existing.pipeline!r}"
             raise self._conflict(batch_id, why)
+        if existing is None or not existing.files:  # nothing committed yet, or no file
+            return _Manifest(pipeline, label, batch_id, tuple(entries[n] for n in sorted(entries)))
         old = {e.name: e for e in existing.files}
         shared = [name for name in entries if name in old]
         if not shared:

@@ -186,6 +186,31 @@ def test_a_sink_added_to_a_pipeline_with_progress_is_named_in_a_warning(
     store.close()
 
 
+def test_a_quiet_pipeline_s_files_sink_is_not_called_new_when_it_resumes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A WriteFiles sink of a pipeline that has read no change yet holds no data file: every
+    restart warned that it was new to the pipeline. Its first commit leaves a manifest
+    with no file, once."""
+    store = SQLiteStore(tmp_path / "s.db")
+
+    def quiet() -> cf.Pipeline:
+        p = cf.Pipeline("quiet")
+        (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 7 * S,
+                                 client=ScriptedChangeStream("S", partitions=2, origin=T0))
+         | cf.ReadPartition() | cf.WriteFiles("out"))
+        return p
+
+    _run(quiet(), store, tmp_path, max_batches=2)
+    manifests = list((tmp_path / "out" / "_cdcflow").rglob("batch-*.json"))
+    assert len(manifests) == 1 and orjson.loads(manifests[0].read_bytes())["files"] == []
+    with caplog.at_level(logging.WARNING, logger="cdcflow"):
+        assert _run(quiet(), store, tmp_path).reason == "end reached"
+    assert not [r for r in caplog.records if "holds no output" in r.getMessage()]
+    assert list((tmp_path / "out").glob("*.jsonl")) == []
+    store.close()
+
+
 def test_a_staging_sink_that_holds_nothing_yet_is_not_called_new(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

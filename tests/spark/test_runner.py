@@ -821,8 +821,14 @@ def test_a_ctrl_c_while_the_session_starts_is_the_run_s_not_pyspark_s() -> None:
               "signal.signal = noting\n"
               "r = SparkRunner('local[1]'); r.open('sigint')\n"
               "print('SIGINT set', seen.count(signal.SIGINT))\n"
+              "from pyspark.sql import SparkSession\n"
+              "active = SparkSession.getActiveSession()\n"
+              "print('active here', active is not None and active._jsparkSession.equals("
+              "r.session._jsparkSession))\n"
               "r.close()\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SIGINT set 0" in done.stdout, done.stdout
+    # made on a thread of its own, the session is still the active one of the caller's
+    assert "active here True" in done.stdout, done.stdout
