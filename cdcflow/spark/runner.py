@@ -721,6 +721,9 @@ def _start_session(builder: Any, settings: Mapping[str, str]) -> Any:
     try:
         if SparkContext._gateway is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
             output = _launch(settings)
+            _jvm_settings.update({k: v for k, v in settings.items() if k in _JVM_START})
+        else:
+            _warn_unapplied(settings)
         try:
             session = _off_the_main_thread(builder.getOrCreate)
         except Exception as exc:
@@ -770,6 +773,23 @@ def _off_the_main_thread(make: Callable[[], Any]) -> Any:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+#: Settings the JVM takes only when it starts: PySpark keeps one JVM per process.
+_JVM_START = frozenset({"spark.driver.memory", "spark.driver.extraClassPath",
+                        "spark.driver.extraLibraryPath"})
+#: Those this process's JVM was started with, when the runner started it.
+_jvm_settings: dict[str, str] = {}
+
+
+def _warn_unapplied(settings: Mapping[str, str]) -> None:
+    """Say which JVM settings a session made in a JVM already running does not get."""
+    unapplied = sorted(f"{key}={value}" for key, value in settings.items()
+                       if key in _JVM_START and _jvm_settings.get(key) != value)
+    if unapplied:
+        _log.warning("this process's Spark JVM is running already, so %s will not apply "
+                     "(PySpark keeps one JVM per process): run the pipeline in a new process "
+                     "to change it", ", ".join(unapplied))
 
 
 def _make_active(session: Any) -> None:

@@ -832,3 +832,20 @@ def test_a_ctrl_c_while_the_session_starts_is_the_run_s_not_pyspark_s() -> None:
     assert "SIGINT set 0" in done.stdout, done.stdout
     # made on a thread of its own, the session is still the active one of the caller's
     assert "active here True" in done.stdout, done.stdout
+
+
+def test_a_jvm_setting_a_running_jvm_cannot_take_is_said() -> None:
+    """PySpark keeps one JVM per process: a later session's spark.driver.memory was dropped
+    without a word. The same value again is no news."""
+    script = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+              "from cdcflow.spark.runner import SparkRunner\n"
+              "for memory in ('1g', '1g', '2g'):\n"
+              "    r = SparkRunner('local[1]', conf={'spark.driver.memory': memory})\n"
+              "    r.open('jvm'); r.close()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [ln for ln in done.stderr.splitlines() if "will not apply" in ln]
+    assert said == ["WARNING:cdcflow.spark:this process's Spark JVM is running already, so "
+                    "spark.driver.memory=2g will not apply (PySpark keeps one JVM per "
+                    "process): run the pipeline in a new process to change it"], done.stderr
