@@ -218,7 +218,7 @@ class StuckDetector:
                 if track is not None:
                     track.seen_at = max(track.seen_at, now_ns)
                     self._clear(token, now_ns, "its read is done, its batch commits it")
-            return self._evaluate(now_ns, note, notes or {})
+            return self._evaluate(now_ns, note, notes)
 
     def stuck(self) -> list[StuckPartition]:
         """The partitions stuck now, longest first."""

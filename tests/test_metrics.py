@@ -81,9 +81,9 @@ def batch(batch_id: int, **kw: Any) -> BatchStats:
     return BatchStats(**base)
 
 
-# Threads that live as long as the process, not a run: the relay of Spark's JVM's stderr
-# lasts as long as that JVM, which PySpark keeps until the process exits.
-_PROCESS_THREADS = frozenset({"cdcflow-jvm-stderr"})
+# Threads that live as long as the process, not a run: the relays of Spark's JVM's output
+# last as long as that JVM, which PySpark keeps until the process exits.
+_PROCESS_THREADS = frozenset({"cdcflow-jvm-output"})
 
 
 def our_threads() -> list[str]:

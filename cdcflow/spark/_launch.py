@@ -53,7 +53,7 @@ class _Relay:
         self._lock = threading.Lock()
         self._held: list[bytes] | None = []
         self.ended = threading.Event()
-        self._thread = threading.Thread(target=self._relay, name="cdcflow-jvm-stderr",
+        self._thread = threading.Thread(target=self._relay, name="cdcflow-jvm-output",
                                         daemon=True)
         self._thread.start()
 

@@ -729,7 +729,8 @@ def _start_session(builder: Any, settings: Mapping[str, str]) -> Any:
         except Exception as exc:
             line = failure_line(_java_text(exc))
             if line:  # Spark refused a setting: its own output was held, one line instead
-                said = output.discard() if output is not None else ""
+                # the JVM lives on: its pipes do not close, so nothing is waited for
+                said = output.discard(0) if output is not None else ""
                 if said:
                     _log.debug("Spark's output while it started:\n%s", said.rstrip())
                 raise ConfigurationError(f"Spark did not start: {line} (check --master and "
@@ -815,12 +816,14 @@ def _launch(settings: Mapping[str, str]) -> JvmOutput:
             if "JAVA_GATEWAY_EXITED" not in str(exc):
                 output.release()
                 raise
-            said = output.discard()
+            output_text = output.discard()
+            if output_text.strip():
+                _log.debug("Spark's JVM launcher said, exiting at start:\n%s",
+                           output_text.rstrip())
+            said = jvm_said(output_text)
             if said.strip():
-                _log.debug("Spark's JVM launcher said, exiting at start:\n%s", said.rstrip())
-            if jvm_said(said).strip():
-                msg = (f"Spark's JVM did not start: {failure_line(jvm_said(said))} (check "
-                       "--master and every --conf)")
+                msg = (f"Spark's JVM did not start: {failure_line(said)} (check --master "
+                       "and every --conf)")
                 raise ConfigurationError(msg) from None
             if attempt < _LAUNCH_ATTEMPTS:
                 _log.warning("the Spark JVM launcher exited at start (attempt %d of %d); "
