@@ -25,6 +25,9 @@
  * (a Timestamp's cached RFC 3339 text, a Decimal's positional text; anything else goes to
  * Python).
  *
+ * json_line(element): cdcflow.serialize.dumps_line's JSONL line in one pass, or None for
+ * what it leaves to the Python path (see its comment).
+ *
  * Thread-safe under the GIL: between calls it keeps only what the configure functions set
  * and two caches (column names, the last timestamp), each read and replaced while holding
  * the GIL, with no Python code run in between.
@@ -993,12 +996,17 @@ static PyObject *g_no_float;   /* a tuple of the types that hold no float (exact
 static PyObject *g_other;      /* asked of any other value: a float not finite inside it? */
 static PyObject *g_default;    /* the JSON writer's default, for what json_default leaves */
 static PyObject *g_ser_timestamp, *g_ser_decimal, *g_ser_text;  /* Timestamp, Decimal, _text */
+static PyObject *g_float_text;    /* orjson.dumps: a finite float's text, as orjson writes it */
+static PyObject *g_attrs_marker;  /* "__attrs_attrs__": what marks an attrs class */
 
 static PyObject *configure_walk(PyObject *self, PyObject *args) {
-    PyObject *no_float, *other, *dflt, *timestamp, *decimal, *text_slot;
+    PyObject *no_float, *other, *dflt, *timestamp, *decimal, *text_slot, *float_text;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!OOO!OU", &PyTuple_Type, &no_float, &other, &dflt,
-                          &PyType_Type, &timestamp, &decimal, &text_slot))
+    if (!PyArg_ParseTuple(args, "O!OOO!OUO", &PyTuple_Type, &no_float, &other, &dflt,
+                          &PyType_Type, &timestamp, &decimal, &text_slot, &float_text))
+        return NULL;
+    if (g_attrs_marker == NULL
+            && (g_attrs_marker = PyUnicode_InternFromString("__attrs_attrs__")) == NULL)
         return NULL;
     PyObject *descr = PyDict_GetItemWithError(((PyTypeObject *)timestamp)->tp_dict, text_slot);
     if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
@@ -1011,6 +1019,7 @@ static PyObject *configure_walk(PyObject *self, PyObject *args) {
     keep(&g_ser_timestamp, timestamp);
     keep(&g_ser_decimal, decimal);
     keep(&g_ser_text, descr);
+    keep(&g_float_text, float_text);
     Py_RETURN_NONE;
 }
 
@@ -1120,11 +1129,309 @@ static PyObject *non_finite(PyObject *self, PyObject *value) {
     return PyBool_FromLong(found);
 }
 
+/* --- a JSONL line ----------------------------------------------------------------------- */
+
+/* json_line(element): cdcflow.serialize.dumps_line's line, written here in one pass: what
+ * orjson writes with the writer's default, and no walk after it for floats that are not
+ * finite. It writes exact dicts (str keys), lists, tuples, strs (and str subclasses, as
+ * orjson does), ints within 64 bits, finite floats (orjson's own text), True, False, None,
+ * Timestamps and Decimals (json_default's text), and what the Python default makes of
+ * dates, datetimes, times, bytes, sets and attrs instances. It declines (None) anything
+ * else: a float that is not finite, a larger int, another key, another type, a string
+ * with a lone surrogate, deep nesting; the caller then takes the Python path, so the
+ * line is the same whichever writes it. */
+
+typedef struct {
+    char *data;
+    size_t len, cap;
+    char inline_buf[1024];
+} Line;
+
+/* the slow path of line_room: a larger buffer */
+static int line_grow(Line *b, size_t more) {
+    size_t cap = b->cap * 2;
+    while (cap < b->len + more) cap *= 2;
+    char *data;
+    if (b->data == b->inline_buf) {
+        data = PyMem_Malloc(cap);
+        if (data != NULL) memcpy(data, b->inline_buf, b->len);
+    } else {
+        data = PyMem_Realloc(b->data, cap);
+    }
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->data = data;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int line_room(Line *b, size_t more) {
+    return b->len + more <= b->cap ? 0 : line_grow(b, more);
+}
+
+static inline int line_put(Line *b, const char *s, size_t n) {
+    if (line_room(b, n) < 0) return -1;
+    memcpy(b->data + b->len, s, n);
+    b->len += n;
+    return 0;
+}
+
+/* the writers return 1 when written, LEAVE (0) to decline, -1 on an error (set) */
+#define LEAVE 0
+
+static const char HEX[] = "0123456789abcdef";
+
+/* How orjson escapes an ASCII character: 0 none, else the letter after the backslash
+ * ('u' for \u00xx). */
+static const char ESCAPE[128] = {
+    'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'b', 't', 'n', 'u', 'f', 'r', 'u', 'u',
+    'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u', 'u',
+    0, 0, '"', ['\\'] = '\\',
+};
+
+static inline size_t escape_ascii(char *o, unsigned char c) {
+    char e = ESCAPE[c];
+    if (e == 0) {
+        o[0] = (char)c;
+        return 1;
+    }
+    o[0] = '\\';
+    if (e != 'u') {
+        o[1] = e;
+        return 2;
+    }
+    memcpy(o + 1, "u00", 3);
+    o[4] = HEX[c >> 4];
+    o[5] = HEX[c & 15];
+    return 6;
+}
+
+/* the bytes write_str writes for s's characters (quotes aside) */
+static size_t str_size(PyObject *s) {
+    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
+    int kind = PyUnicode_KIND(s);
+    const void *data = PyUnicode_DATA(s);
+    size_t size = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_UCS4 cp = PyUnicode_READ(kind, data, i);
+        size += cp < 0x80 ? (ESCAPE[cp] == 0 ? 1 : ESCAPE[cp] == 'u' ? 6 : 2)
+              : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+    }
+    return size;
+}
+
+/* Whether none of eight ASCII bytes is a control character, '"' or '\\' (the bit tricks
+ * that find a byte below a bound, or a zero byte after an XOR: exact for "any"). */
+static inline int plain8(uint64_t x) {
+    const uint64_t ones = 0x0101010101010101ULL, high = 0x8080808080808080ULL;
+    uint64_t control = (x - ones * 0x20) & ~x & high;
+    uint64_t quote = x ^ (ones * '"');
+    uint64_t backslash = x ^ (ones * '\\');
+    quote = (quote - ones) & ~quote & high;
+    backslash = (backslash - ones) & ~backslash & high;
+    return (control | quote | backslash) == 0;
+}
+
+static int write_str(Line *b, PyObject *s) {
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(s) < 0) return -1;
+#endif
+    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
+    /* at most 6 bytes out per character (an escape), 4 for any other; a long string's
+     * exact size is counted first */
+    if (line_room(b, n <= 4096 ? (size_t)n * 6 + 2 : str_size(s) + 2) < 0) return -1;
+    char *o = b->data + b->len;
+    *o++ = '"';
+    if (PyUnicode_IS_ASCII(s)) {
+        const unsigned char *p = (const unsigned char *)PyUnicode_DATA(s);
+        const unsigned char *end = p + n;
+        while (p < end) {
+            /* eight characters at a time while none needs an escape */
+            uint64_t word;
+            if (end - p >= 8 && (memcpy(&word, p, 8), plain8(word))) {
+                memcpy(o, p, 8);
+                o += 8;
+                p += 8;
+            } else {
+                o += escape_ascii(o, *p++);
+            }
+        }
+    } else {
+        int kind = PyUnicode_KIND(s);
+        const void *data = PyUnicode_DATA(s);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_UCS4 cp = PyUnicode_READ(kind, data, i);
+            if (cp < 0x80) {
+                o += escape_ascii(o, (unsigned char)cp);
+            } else if (cp < 0x800) {
+                *o++ = (char)(0xC0 | (cp >> 6));
+                *o++ = (char)(0x80 | (cp & 0x3F));
+            } else if (cp < 0x10000) {
+                if (cp >= 0xD800 && cp <= 0xDFFF) return LEAVE;  /* orjson refuses it */
+                *o++ = (char)(0xE0 | (cp >> 12));
+                *o++ = (char)(0x80 | ((cp >> 6) & 0x3F));
+                *o++ = (char)(0x80 | (cp & 0x3F));
+            } else {
+                *o++ = (char)(0xF0 | (cp >> 18));
+                *o++ = (char)(0x80 | ((cp >> 12) & 0x3F));
+                *o++ = (char)(0x80 | ((cp >> 6) & 0x3F));
+                *o++ = (char)(0x80 | (cp & 0x3F));
+            }
+        }
+    }
+    *o++ = '"';
+    b->len = (size_t)(o - b->data);
+    return 1;
+}
+
+/* an unsigned integer's decimal digits, written backwards from end; returns the start */
+static char *digits(char *end, unsigned long long u) {
+    do {
+        *--end = (char)('0' + u % 10);
+        u /= 10;
+    } while (u != 0);
+    return end;
+}
+
+static int write_int(Line *b, PyObject *value) {
+    char text[24];
+    char *end = text + sizeof text, *start;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow == 0) {
+        if (v == -1 && PyErr_Occurred()) return -1;
+        /* the magnitude as unsigned: -(2**63) has no signed one */
+        unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+        start = digits(end, u);
+        if (v < 0) *--start = '-';
+    } else {
+        if (overflow < 0) return LEAVE;  /* below -(2**63): orjson refuses it */
+        unsigned long long u = PyLong_AsUnsignedLongLong(value);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();  /* 2**64 or more */
+            return LEAVE;
+        }
+        start = digits(end, u);
+    }
+    return line_put(b, start, (size_t)(end - start)) < 0 ? -1 : 1;
+}
+
+static int write_value(Line *b, PyObject *value, int depth);
+
+/* what the default makes of value, written; the default's error declines */
+static int write_defaulted(Line *b, PyObject *value, int depth) {
+    PyObject *made = json_default(NULL, value);
+    if (made == NULL) {
+        PyErr_Clear();  /* the Python path raises it again, with its own words */
+        return LEAVE;
+    }
+    int done = write_value(b, made, depth + 1);
+    Py_DECREF(made);
+    return done;
+}
+
+static int is_attrs(PyTypeObject *kind) {
+    PyObject *found = _PyType_Lookup(kind, g_attrs_marker);  /* borrowed, no error set */
+    return found != NULL;
+}
+
+static int write_value(Line *b, PyObject *value, int depth) {
+    PyTypeObject *kind = Py_TYPE(value);
+    if (PyUnicode_Check(value)) return write_str(b, value);
+    if (value == Py_None) return line_put(b, "null", 4) < 0 ? -1 : 1;
+    if (value == Py_True) return line_put(b, "true", 4) < 0 ? -1 : 1;
+    if (value == Py_False) return line_put(b, "false", 5) < 0 ? -1 : 1;
+    if (kind == &PyLong_Type) return write_int(b, value);
+    if (depth >= 128) return LEAVE;  /* the Python path says what it makes of it */
+    if ((PyObject *)kind == g_ser_timestamp || (PyObject *)kind == g_ser_decimal)
+        return write_defaulted(b, value, depth);
+    if (kind == &PyDict_Type) {
+        if (line_put(b, "{", 1) < 0) return -1;
+        Py_ssize_t pos = 0;
+        PyObject *key, *item;
+        int first = 1;
+        while (PyDict_Next(value, &pos, &key, &item)) {
+            if (!PyUnicode_CheckExact(key)) return LEAVE;
+            if (!first && line_put(b, ",", 1) < 0) return -1;
+            first = 0;
+            int done = write_str(b, key);
+            if (done <= 0) return done;
+            if (line_put(b, ":", 1) < 0) return -1;
+            /* the default may run Python code: the item is held over it */
+            Py_INCREF(item);
+            done = write_value(b, item, depth + 1);
+            Py_DECREF(item);
+            if (done <= 0) return done;
+        }
+        return line_put(b, "}", 1) < 0 ? -1 : 1;
+    }
+    if (kind == &PyList_Type || kind == &PyTuple_Type) {
+        if (line_put(b, "[", 1) < 0) return -1;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(value); i++) {
+            if (i > 0 && line_put(b, ",", 1) < 0) return -1;
+            PyObject *item = PySequence_Fast_GET_ITEM(value, i);
+            Py_INCREF(item);
+            int done = write_value(b, item, depth + 1);
+            Py_DECREF(item);
+            if (done <= 0) return done;
+        }
+        return line_put(b, "]", 1) < 0 ? -1 : 1;
+    }
+    if (kind == &PyFloat_Type) {
+        if (!isfinite(PyFloat_AS_DOUBLE(value))) return LEAVE;
+        PyObject *text = PyObject_CallOneArg(g_float_text, value);
+        if (text == NULL) return -1;
+        int done = PyBytes_Check(text)
+            ? (line_put(b, PyBytes_AS_STRING(text), (size_t)PyBytes_GET_SIZE(text)) < 0 ? -1 : 1)
+            : LEAVE;
+        Py_DECREF(text);
+        return done;
+    }
+    if (PyDateTime_Check(value) || PyDate_Check(value) || PyTime_Check(value)
+            || kind == &PyBytes_Type || kind == &PyByteArray_Type || kind == &PySet_Type
+            || kind == &PyFrozenSet_Type || is_attrs(kind))
+        return write_defaulted(b, value, depth);
+    return LEAVE;
+}
+
+/* element's line into a new Line; 1, LEAVE or -1 as the writers; the caller frees it */
+static int line_of(Line *b, PyObject *element) {
+    b->data = b->inline_buf;
+    b->len = 0;
+    b->cap = sizeof b->inline_buf;
+    if (g_default == NULL || g_float_text == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "cdcflow._speedups: configure_walk() first");
+        return -1;
+    }
+    int done = write_value(b, element, 0);
+    if (done > 0 && line_put(b, "\n", 1) < 0) return -1;
+    return done;
+}
+
+static void line_free(Line *b) {
+    if (b->data != b->inline_buf) PyMem_Free(b->data);
+}
+
+static PyObject *json_line(PyObject *self, PyObject *element) {
+    (void)self;
+    Line b;
+    int done = line_of(&b, element);
+    PyObject *out = done > 0 ? PyBytes_FromStringAndSize(b.data, (Py_ssize_t)b.len)
+                  : done == 0 ? Py_NewRef(Py_None) : NULL;
+    line_free(&b);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"configure_walk", configure_walk, METH_VARARGS,
-     "configure_walk(no_float_types, other, default, Timestamp, Decimal, text_slot): the types "
-     "non_finite skips, what it asks of any value that is not a float, dict, list or tuple; "
-     "what json_default calls for anything but a Timestamp or a Decimal"},
+     "configure_walk(no_float_types, other, default, Timestamp, Decimal, text_slot, float_text): "
+     "the types non_finite skips, what it asks of any value that is not a float, dict, list or "
+     "tuple; what json_default calls for anything but a Timestamp or a Decimal; a finite "
+     "float's JSON text (bytes)"},
+    {"json_line", json_line, METH_O,
+     "json_line(element) -> the JSONL line dumps_line writes (bytes), or None to decline"},
     {"json_default", json_default, METH_O,
      "json_default(value): orjson's default for the JSON writer (Timestamp, Decimal fast)"},
     {"non_finite", non_finite, METH_O,

@@ -215,7 +215,7 @@ def _configured() -> Any:
     module = speedups()
     if module is not None:
         module.configure_walk(tuple(_NO_FLOAT), _non_finite_other, _default_python, Timestamp,
-                              Decimal, "_text")
+                              Decimal, "_text", orjson.dumps)
     return module
 
 
@@ -240,6 +240,18 @@ def _compiled_default() -> Callable[[Any], Any] | None:
 _non_finite: Callable[[Any], bool] = _compiled_walk() or _non_finite_python
 #: orjson's default for what it does not write the rules' way (compiled when built).
 _default: Callable[[Any], Any] = _compiled_default() or _default_python
+
+
+def _compiled_line() -> Callable[[Any], bytes | None] | None:
+    """:func:`dumps_line`'s orjson path in one compiled pass, or None: the line, or None
+    for what it leaves to that path (a float that is not finite, an int past 64 bits, ...)."""
+    line: Callable[[Any], bytes | None] | None = (
+        None if _COMPILED is None else _COMPILED.json_line
+    )
+    return line
+
+
+_line = _compiled_line()
 
 
 def json_dumps(
@@ -272,6 +284,15 @@ def _finite(value: Any) -> Any:
 
 def dumps_line(element: Any) -> bytes:
     """One JSONL line (UTF-8, ending in a newline) for ``element`` (see :func:`to_json_dict`)."""
+    if _line is not None:  # the usual row, in one compiled pass
+        line = _line(element) if type(element) is dict or attrs.has(type(element)) else None
+        if line is not None:
+            return line
+    return _dumps_line(element)
+
+
+def _dumps_line(element: Any) -> bytes:
+    """:func:`dumps_line` without the compiled pass: orjson, or the rules' own way."""
     if isinstance(element, dict) or attrs.has(type(element)):
         # orjson walks the element in C, calling _default only for what it cannot write
         # the way the rules say; a null in the line may be a float that is not finite

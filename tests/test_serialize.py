@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 from cdcflow import serialize
 from cdcflow.errors import SinkError
-from cdcflow.model import ColumnType, DataChangeRecord, HeartbeatRecord, Mod, Timestamp
+from cdcflow.model import (
+    ColumnType,
+    DataChangeRecord,
+    HeartbeatRecord,
+    JsonString,
+    Mod,
+    Timestamp,
+)
 from cdcflow.serialize import dumps_line, to_json_dict, to_json_value
 
 
@@ -299,3 +306,119 @@ def test_integers_past_64_bits_are_written_exactly() -> None:
     line = dumps_line({"js": {"big": 2**70}, "at": Timestamp.from_ns(1)})
     assert orjson.loads(line)["at"] == "1970-01-01T00:00:00.000000001Z"
     assert b'"big":1180591620717411303424' in line and line.endswith(b"\n")
+
+
+# --- the compiled line --------------------------------------------------------------------
+
+
+class _Int(int):
+    pass
+
+
+#: What the compiled pass writes itself (ints within 64 bits, finite floats, ...).
+_written_leaf = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+                 | st.integers(-300, 300) | st.sampled_from([-1, 0, 1, -10, 10, -(2**63) + 1])
+                 | st.text() | st.text(st.characters(max_codepoint=0x7F))
+                 | st.text(st.characters(codec="utf-8")).map(JsonString)
+                 | st.floats(allow_nan=False, allow_infinity=False)
+                 | st.floats(width=32, allow_nan=False, allow_infinity=False)
+                 | st.decimals(allow_nan=True) | st.binary(max_size=3)
+                 | st.just(Timestamp.from_ns(5))
+                 | st.just(Timestamp.parse("2024-05-01T12:00:00.123456789Z"))
+                 | st.just(date(2024, 1, 1)) | st.just(datetime(2024, 1, 1, tzinfo=UTC))
+                 | st.frozensets(st.integers(0, 9)))
+#: And what it leaves to the Python path.
+_left_leaf = (st.floats().filter(lambda f: f != f or f in (float("inf"), float("-inf")))
+              | st.integers(2**64, 2**70) | st.integers(-(2**70), -(2**63) - 1)
+              | st.just(_Color.RED) | st.integers().map(_Int))
+
+
+def _nested(leaf: st.SearchStrategy[Any], keys: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.recursive(
+        leaf,
+        lambda inner: (st.lists(inner, max_size=4) | st.lists(inner, max_size=3).map(tuple)
+                       | st.dictionaries(keys, inner, max_size=4)
+                       | st.builds(_Pair, inner, inner)),
+        max_leaves=16,
+    )
+
+
+_written = _nested(_written_leaf, st.text(max_size=3))
+_any = _nested(_written_leaf | _left_leaf, st.text(max_size=3) | st.integers(0, 3))
+
+
+@pytest.mark.skipif(serialize._compiled_line() is None, reason="not compiled")
+@settings(max_examples=1500, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), _written, max_size=5)
+       | st.builds(_Pair, _written, _written))
+def test_the_compiled_line_is_the_python_line_byte_for_byte(element: Any) -> None:
+    """The compiled pass writes what orjson and the default write."""
+    compiled = serialize._compiled_line()
+    assert compiled is not None
+    expected = serialize._dumps_line(element)
+    assert compiled(element) == expected
+    assert dumps_line(element) == expected
+
+
+@pytest.mark.skipif(serialize._compiled_line() is None, reason="not compiled")
+@settings(max_examples=1000, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), _any, max_size=5) | st.builds(_Pair, _any, _any))
+def test_the_compiled_line_writes_or_declines(element: Any) -> None:
+    """What the compiled pass declines (a float that is not finite, an int past 64 bits,
+    an enum, a key that is not a str, ...), the Python path writes: the line is the same
+    whichever writes it, or the same SinkError."""
+    compiled = serialize._compiled_line()
+    assert compiled is not None
+    line = compiled(element)
+    try:
+        expected = serialize._dumps_line(element)
+    except SinkError:
+        assert line is None
+        with pytest.raises(SinkError):
+            dumps_line(element)
+        return
+    if line is not None:
+        assert line == expected
+    assert dumps_line(element) == expected
+
+
+@pytest.mark.skipif(serialize._compiled_line() is None, reason="not compiled")
+def test_the_compiled_line_declines_what_python_writes_otherwise() -> None:
+    compiled = serialize._compiled_line()
+    assert compiled is not None
+    for value in (float("nan"), float("-inf"), 2**64, -(2**63) - 1, _Int(3), _Color.RED,
+                  {1: "int key"}):
+        assert compiled({"v": value}) is None, value
+        assert dumps_line({"v": value}) == json_dumps_rules({"v": value})
+    for lone in ("\ud800", "x\udbff", "\udc00y", "\udfff"):
+        assert compiled({"v": lone}) is None
+        with pytest.raises(SinkError, match="surrogates not allowed"):
+            dumps_line({"v": lone})
+    assert compiled({"a": 2**64 - 1, "b": -(2**63), "c": JsonString("x")}) == (
+        b'{"a":18446744073709551615,"b":-9223372036854775808,"c":"x"}\n')
+    deep: Any = 1
+    for _ in range(80):  # 160 levels: deeper than the compiled pass goes, not orjson
+        deep = {"d": [deep]}
+    assert compiled(deep) is None and dumps_line(deep) == json_dumps_rules(deep)
+
+
+@pytest.mark.skipif(serialize._compiled_line() is None, reason="not compiled")
+def test_the_compiled_line_writes_long_and_escaped_text() -> None:
+    compiled = serialize._compiled_line()
+    assert compiled is not None
+    every = "".join(chr(c) for c in range(0x20000) if not 0xD800 <= c <= 0xDFFF)
+    texts = ["x" * 100_000, "é" * 50_000 + '"', "\x00\x1f\"\\\n" * 10_000, "😀" * 3000,
+             "ab\x7fc\u2028", "12345678\n" * 3, every, every[:3000], chr(0x10FFFF),
+             "".join(chr(c) for c in range(128))]
+    for text in texts:
+        element = {"t": text, "k": [text, {"n": 1.5}]}
+        assert compiled(element) == orjson.dumps(element, option=orjson.OPT_APPEND_NEWLINE)
+    record = _record()
+    assert compiled(record) == serialize._dumps_line(record)
+
+
+def json_dumps_rules(element: Any) -> bytes:
+    """The line by the rules' own way (what every path must write)."""
+    from cdcflow.serialize import json_dumps
+
+    return json_dumps(to_json_dict(element)) + b"\n"
