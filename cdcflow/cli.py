@@ -570,11 +570,11 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
         if args.database:
             print(f"# database {emu.database_path(args.database, args.instance)}", flush=True)
         # the log goes when the emulator stops, unless it failed: the error then names it
-        print(f"# emulator log: {emu.log_path} (removed when it stops, kept if it fails); "
-              "Ctrl-C stops it", file=sys.stderr, flush=True)
+        _say(f"# emulator log: {emu.log_path} (removed when it stops, kept if it fails); "
+             "Ctrl-C stops it", args.log_format)
         emu.wait_while_answering()  # until Ctrl-C, or raises if the emulator dies
     except KeyboardInterrupt:
-        print("\nstopping the emulator", file=sys.stderr)
+        _say("\nstopping the emulator", args.log_format)
         return EXIT_OK
     finally:
         emu.stop()
@@ -593,14 +593,20 @@ def _fail(error: BaseException | str, log_format: str) -> None:
     """The one line an error (or its text) ends the command with: plain, or a JSON log
     object."""
     text = error if isinstance(error, str) else _one_line(error)
+    _say(f"cdcflow: error: {text}", log_format, text, logging.ERROR)
+
+
+def _say(line: str, log_format: str, text: str | None = None, level: int = logging.INFO) -> None:
+    """``line`` on stderr, or under ``--log-format json`` a JSON log object of ``text``
+    (default: the line without its leading "# " and blank lines)."""
     if log_format == "json":
         from cdcflow.progress import JsonFormatter
 
-        record = logging.LogRecord("cdcflow.cli", logging.ERROR, __file__, 0, "%s",
-                                   (text,), None)
-        print(JsonFormatter().format(record), file=sys.stderr)
+        message = line.strip().removeprefix("# ") if text is None else text
+        record = logging.LogRecord("cdcflow.cli", level, __file__, 0, "%s", (message,), None)
+        print(JsonFormatter().format(record), file=sys.stderr, flush=True)
     else:
-        print(f"cdcflow: error: {text}", file=sys.stderr)
+        print(line, file=sys.stderr, flush=True)
 
 
 def _leave_busy_threads(code: int, grace: float = 2.0) -> None:
@@ -679,7 +685,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"{type(e).__name__}: {_one_line(e)}; --debug shows the traceback", log_format)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("\ncdcflow: interrupted", file=sys.stderr)
+        _say("\ncdcflow: interrupted", log_format, "interrupted", logging.WARNING)
         if own_process:
             _leave_busy_threads(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED

@@ -529,6 +529,26 @@ def test_emulator_start_removes_its_log_when_stopped(stop: str) -> None:
 
 
 @pytest.mark.emulator
+def test_emulator_start_speaks_json_under_log_format_json() -> None:
+    """Its notes on stderr were plain text under --log-format json: every stderr line is
+    now a JSON log object; the export line on stdout stays a shell line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdcflow", "emulator", "start", "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        first = json.loads(proc.stderr.readline())
+        assert first["level"] == "INFO" and first["message"].startswith("emulator log: /")
+        assert proc.stdout.readline().startswith("export SPANNER_EMULATOR_HOST=127.0.0.1:")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in err.splitlines() if line.strip()]
+    assert [line["message"] for line in lines] == ["stopping the emulator"]
+
+
+@pytest.mark.emulator
 def test_a_ctrl_c_while_the_emulator_starts_stops_it_and_removes_its_log(
     tmp_path: Path,
 ) -> None:
