@@ -170,10 +170,19 @@ def _micros(values: list[Any]) -> pa.Array:
     return pa.array(micros, pa.int64()).cast(_TS_US)
 
 
+#: The first whole second of 64-bit nanoseconds (1677-09-21T00:12:44Z).
+_FIRST_WHOLE_SECOND = -(2**63) // 10**9 * 10**9 + 10**9
+
+
 def rfc3339(ts: pa.Array) -> pa.Array:
     """timestamp[ns, UTC] values as RFC 3339 text with nine fractional digits and ``Z``, as
     ``Timestamp.rfc3339`` prints them (null stays null). Each distinct second is formatted
     once; the fractions are padded in Arrow."""
+    least = pc.min(ts.cast(pa.int64())).as_py()
+    if least is not None and least < _FIRST_WHOLE_SECOND:
+        # its second began before what nanoseconds hold: Arrow's floor would wrap around
+        return pa.array([None if ns is None else Timestamp.from_ns(ns).rfc3339()
+                         for ns in ts.cast(pa.int64()).to_pylist()], pa.string())
     secs = pc.floor_temporal(ts, unit="second")
     frac = pc.subtract(ts.cast(pa.int64()), secs.cast(pa.int64()))
     unique = pc.unique(secs)
