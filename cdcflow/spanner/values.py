@@ -146,11 +146,26 @@ def parse_timestamp(text: str) -> Timestamp:
     ts = _ts_cache.get(text)
     if ts is not None:
         return ts
-    ts = _parse_fast(text) or Timestamp.parse(text)
+    ts = _parse_fast(text) or _parse(text)
     if len(_ts_cache) >= _TS_CACHE_LIMIT:
         _ts_cache.clear()
     _ts_cache[text] = ts
     return ts
+
+
+def _parse(text: str) -> Timestamp:
+    """Timestamp.parse, and a year before 1000 written with fewer than four digits, as the
+    emulator sends it ("1-01-01T00:00:00Z" for 0001-01-01T00:00:00Z)."""
+    try:
+        return Timestamp.parse(text)
+    except ValueError as exc:
+        year, dash, rest = text.partition("-")
+        if not (dash and year.isascii() and year.isdigit() and len(year) < 4):
+            raise
+        try:
+            return Timestamp.parse(f"{year.rjust(4, '0')}-{rest}")
+        except ValueError:
+            raise exc from None
 
 
 # --- wire -> Python -------------------------------------------------------------------------

@@ -264,6 +264,21 @@ def test_parse_timestamp_matches_model(text: str) -> None:
     assert got.utcoffset() is not None and got.utcoffset().total_seconds() == 0  # type: ignore[union-attr]
 
 
+def test_parse_timestamp_takes_the_emulator_s_short_years() -> None:
+    """The emulator writes a year before 1000 with fewer digits ("1-01-01T00:00:00Z"): a
+    typed read of such a TIMESTAMP ended the run with a DecodeError."""
+    for short, full in (("1-01-01T00:00:00Z", "0001-01-01T00:00:00Z"),
+                        ("99-12-31T23:59:59.5Z", "0099-12-31T23:59:59.5Z"),
+                        ("999-01-01T00:00:00+00:00", "0999-01-01T00:00:00Z")):
+        assert parse_timestamp(short).ns == Timestamp.parse(full).ns
+    for bad in ("-1-01-01T00:00:00Z", "12345-01-01T00:00:00Z", "1-1-01T00:00:00Z",
+                "٣-01-01T00:00:00Z"):
+        with pytest.raises(ValueError, match=f"not an RFC 3339 timestamp: '{bad}'"):
+            parse_timestamp(bad)
+    with pytest.raises(ValueError, match="RFC 3339"):
+        Timestamp.parse("1-01-01T00:00:00Z")  # a user's own text stays RFC 3339's
+
+
 def test_parse_timestamp_rejects_garbage() -> None:
     with pytest.raises(ValueError, match="RFC 3339"):
         parse_timestamp("2024-05-01T12:00:00.1234567891Z")

@@ -5,6 +5,8 @@ the real client.
 The emulator crashes on a NULL element inside an ARRAY in a change stream, reports NaN
 and infinite floats as NULL and TIMESTAMP values without their fraction of a second, so
 those values are covered by the wire-level tests (tests/spanner/test_decode.py) instead.
+It writes a TIMESTAMP's year before 1000 with fewer digits ("1-01-01T00:00:00Z"), which the
+decoder takes.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ GOOGLESQL_ROW = (
     "1, -9223372036854775808, 1.5, CAST(0.5 AS FLOAT32), "
     "NUMERIC '12345678901234567890.123456789', true, 'zoë', b'\\x00\\xff', DATE '2024-02-29', "
     "TIMESTAMP '2024-05-01T12:00:00.123456789Z', JSON '{\"a\":[1,2.5,null],\"b\":\"x\"}', "
-    "[1, 3], [1.5, 2], [NUMERIC '1.10'], [JSON '{\"k\":1}'], [TIMESTAMP '2024-01-01T00:00:00Z'], "
+    "[1, 3], [1.5, 2], [NUMERIC '1.10'], [JSON '{\"k\":1}'], "
+    "[TIMESTAMP '2024-01-01T00:00:00Z', TIMESTAMP '0001-01-01T00:00:00Z', "
+    "TIMESTAMP '0999-12-31T23:59:59Z'], "
     "[DATE '0001-01-01'], [b'ab'], [true], ['a']"
 )
 
@@ -77,7 +81,9 @@ def _postgresql_row() -> list[Any]:
         base64.b64encode(b"\x00\xff"), date(2024, 2, 29),
         datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=UTC),
         JsonObject({"a": [1, 2.5, None], "b": "x"}), [1, 3], [1.5, 2.0], [Decimal("1.10")],
-        [JsonObject({"k": 1})], [datetime(2024, 1, 1, tzinfo=UTC)], [date(1, 1, 1)],
+        [JsonObject({"k": 1})],
+        [datetime(2024, 1, 1, tzinfo=UTC), datetime(1, 1, 1, tzinfo=UTC),
+         datetime(999, 12, 31, 23, 59, 59, tzinfo=UTC)], [date(1, 1, 1)],
         [base64.b64encode(b"ab")], [True], ["a"],
     ]
 
@@ -86,7 +92,10 @@ TYPED = {
     "I": -(2**63), "F64": 1.5, "F32": 0.5, "N": Decimal("12345678901234567890.123456789"),
     "B": True, "S": "zoë", "Bt": b"\x00\xff", "D": date(2024, 2, 29),
     "J": {"a": [1, 2.5, None], "b": "x"}, "AI": [1, 3], "AF": [1.5, 2.0],
-    "AN": [Decimal("1.10")], "AJ": [{"k": 1}], "ATs": [Timestamp.parse("2024-01-01T00:00:00Z")],
+    "AN": [Decimal("1.10")], "AJ": [{"k": 1}],
+    # years before 1000: the emulator writes them with fewer digits ("1-01-01T00:00:00Z")
+    "ATs": [Timestamp.parse("2024-01-01T00:00:00Z"), Timestamp.parse("0001-01-01T00:00:00Z"),
+            Timestamp.parse("0999-12-31T23:59:59Z")],
     "AD": [date(1, 1, 1)], "AB": [b"ab"], "ABo": [True], "AStr": ["a"],
 }
 
