@@ -4,6 +4,7 @@ next one's figures). ``python -m bench engine tables`` runs only those."""
 
 from __future__ import annotations
 
+import argparse
 import pkgutil
 import subprocess
 import sys
@@ -11,15 +12,27 @@ import time
 from pathlib import Path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     here = Path(__file__).parent
     names = sorted(
         m.name for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_")
     )
-    only = set(sys.argv[1:])
+
+    def benchmark(text: str) -> str:
+        name = text if text in names else f"bench_{text}"
+        if name not in names:
+            known = ", ".join(n.removeprefix("bench_") for n in names)
+            msg = f"{text!r}: give a benchmark's name: {known}"
+            raise argparse.ArgumentTypeError(msg)
+        return name
+
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("only", nargs="*", type=benchmark, metavar="NAME",
+                        help="benchmarks to run, such as engine (default: all)")
+    only = set(parser.parse_args(argv).only)
     failed = []
     for name in names:
-        if only and name not in only and name.removeprefix("bench_") not in only:
+        if only and name not in only:
             continue
         print(f"== {name} ==", flush=True)
         t0 = time.perf_counter()

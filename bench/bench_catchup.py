@@ -23,8 +23,8 @@ Python workers), the other batches, and ``end`` (from the last batch to the proc
 closing sinks, the runner, the interpreter). The reading rate (changes per second of
 reading alone) shows what start-up costs each reader.
 
-``python -m bench.bench_catchup [--changes N]``; ``CDCFLOW_BENCH_CATCHUP_CHANGES`` sets the
-default (e.g. 20000 for a quick run).
+``python -m bench.bench_catchup [--shapes CHANGESxROWS_PER_TRANSACTION,...] [--no-spark]``;
+``CDCFLOW_BENCH_CATCHUP_CHANGES`` sets the default's changes (e.g. 20000 for a quick run).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
+from bench._args import from_env, positive_int
 
 __all__ = ["Run", "main"]
 
@@ -385,10 +387,8 @@ def _timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.bench_catchup", description=__doc__)
-    scale = int(os.environ.get("CDCFLOW_BENCH_CATCHUP_CHANGES", "200000"))
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_catchup", description=__doc__)
     parser.add_argument("--shapes", type=_shapes,
-                        default=[(scale, ROWS_PER_TXN), (max(1, scale // 5), 1)],
                         help="backlogs to read, CHANGESxROWS_PER_TRANSACTION separated by "
                              "commas (default: 200000x20,40000x1); the first is judged")
     parser.add_argument("--no-spark", dest="spark", action="store_false")
@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> None:
         Path(out).write_text(json.dumps({"mods": mods, "imported": imported,
                                          "done": time.time(), "partitions": partitions}))
         return
+    if args.shapes is None:
+        scale = from_env(parser, "CDCFLOW_BENCH_CATCHUP_CHANGES", "200000", positive_int)
+        args.shapes = [(scale, ROWS_PER_TXN), (max(1, scale // 5), 1)]
 
     from cdcflow.spanner.emulator import Emulator
 
@@ -425,11 +428,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
-    """``200000x20,40000x1`` -> [(200000, 20), (40000, 1)]: changes x rows per transaction."""
+    """``200000x20,40000x1`` -> [(200000, 20), (40000, 1)]: changes x rows per transaction
+    (``200000`` alone: ``ROWS_PER_TXN`` per transaction)."""
     out = []
-    for part in text.split(","):
-        changes, _, per_txn = part.strip().partition("x")
-        out.append((int(changes), int(per_txn or ROWS_PER_TXN)))
+    try:
+        for part in text.split(","):
+            changes, _, per_txn = part.strip().partition("x")
+            out.append((positive_int(changes), positive_int(per_txn or str(ROWS_PER_TXN))))
+    except argparse.ArgumentTypeError:
+        msg = (f"{text!r}: give CHANGESxROWS_PER_TRANSACTION separated by commas, whole "
+               "numbers of at least 1, such as 200000x20,40000x1")
+        raise argparse.ArgumentTypeError(msg) from None
     return out
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from bench._args import non_negative_float, positive_int
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.metadata import MemoryStore
 from cdcflow.model import DataChangeRecord
@@ -158,9 +159,10 @@ def table(results: Sequence[Result], title: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_consume", description=__doc__)
-    parser.add_argument("--records", type=int, default=400)
-    parser.add_argument("--keys", type=int, default=200)
-    parser.add_argument("--call-ms", type=float, default=10.0)
+    parser.add_argument("--records", type=positive_int, default=400)
+    parser.add_argument("--keys", type=positive_int, default=200)
+    parser.add_argument("--call-ms", type=non_negative_float, default=10.0,
+                        help="milliseconds fn sleeps per call (0: none)")
     args = parser.parse_args(argv)
     call_s = args.call_ms / 1000
     results = [

@@ -48,6 +48,7 @@ from typing import Any
 
 import attrs
 
+from bench._args import non_negative_int, positive_int
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
 from cdcflow.processes import settled_heap
 
@@ -578,12 +579,12 @@ def _serve(port: int, n: int, rows_per_message: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_decode", description=__doc__)
-    parser.add_argument("--records", type=int, default=10_000)
-    parser.add_argument("--rows-per-message", type=int, default=0,
+    parser.add_argument("--records", type=positive_int, default=10_000)
+    parser.add_argument("--rows-per-message", type=non_negative_int, default=0,
                         help="records per PartialResultSet (0: run 1 and 50)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--in-process", action="store_true", help="serve from this process")
-    parser.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", type=non_negative_int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         _serve(args.serve, args.records, max(1, args.rows_per_message))

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import cdcflow as cf
+from bench._args import int_list, positive_float
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.metadata import SQLiteStore
@@ -73,14 +74,16 @@ def _measure(n: int, seconds: float, idle: float) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="10,1000,10000")
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_engine", description=__doc__)
+    parser.add_argument("--sizes", type=int_list, default="10,1000,10000",
+                        help="partition counts, separated by commas")
+    parser.add_argument("--seconds", type=positive_float, default=30.0,
+                        help="run length per size and mode")
     args = parser.parse_args()
     print(f"{'partitions':>10}  {'mode':<16} {'busy ms/s':>10} {'reads/s':>9} "
           f"{'ms/read':>8} {'ms/partition/batch':>18}")
     rows: list[Any] = []
-    for n in (int(x) for x in args.sizes.split(",")):
+    for n in args.sizes:
         for mode, idle in (("idle reads", 5.0), ("every partition", 0.0)):
             busy, reads, per_read = _measure(n, args.seconds, idle)
             rows.append((n, mode, busy))

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench._args import positive_float
 from cdcflow.demo import read_output
 from cdcflow.metadata import open_store
 from cdcflow.model import Timestamp
@@ -89,10 +90,12 @@ def _latencies(out: Path, store_url: str) -> tuple[list[float], int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="busy run length")
-    parser.add_argument("--idle", type=float, default=15.0, help="idle run length")
-    parser.add_argument("--rate", type=float, default=20.0, help="transactions per second")
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_latency",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=positive_float, default=30.0, help="busy run length")
+    parser.add_argument("--idle", type=positive_float, default=15.0, help="idle run length")
+    parser.add_argument("--rate", type=positive_float, default=20.0,
+                        help="transactions per second")
     args = parser.parse_args()
     print(f"bench_latency: the demo workload ({args.rate:g} transactions/s) for "
           f"{args.seconds:g} s per preset; idle runs of {args.idle:g} s", flush=True)

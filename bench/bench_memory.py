@@ -33,6 +33,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from bench._args import from_env, int_list, positive_int
+
 _S = 1_000_000_000
 _MB = 1 << 20
 _PAYLOAD = 64 << 10
@@ -167,15 +169,18 @@ def _child(mb: int, quota_mb: int, sink_name: str, tasks: int = _PARTITIONS
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.bench_memory", description=__doc__)
-    parser.add_argument("--mb", type=int,
-                        default=int(os.environ.get("CDCFLOW_BENCH_BACKLOG_MB", "1024")),
-                        help="backlog payload in MiB (default 1024)")
-    parser.add_argument("--quotas", default="256,32,8", help="quotas in MiB, one run each")
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_memory", description=__doc__)
+    parser.add_argument("--mb", type=positive_int,
+                        help="backlog payload in MiB (default: CDCFLOW_BENCH_BACKLOG_MB, "
+                             "else 1024)")
+    parser.add_argument("--quotas", type=int_list, default="256,32,8",
+                        help="quotas in MiB, one run each")
+    parser.add_argument("--child", type=positive_int, help=argparse.SUPPRESS)
     parser.add_argument("--sink", default="slow", help=argparse.SUPPRESS)
-    parser.add_argument("--tasks", type=int, default=_PARTITIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--tasks", type=positive_int, default=_PARTITIONS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.mb is None:
+        args.mb = from_env(parser, "CDCFLOW_BENCH_BACKLOG_MB", "1024", positive_int)
     if args.child is not None:
         print(json.dumps(_child(args.mb, args.child, args.sink, args.tasks)))
         return
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
           f"max_inflight={_MAX_INFLIGHT})", flush=True)
     print(f"  {'quota':>9} {'quota peak':>11} {'waits':>7} {'base RSS':>9} {'peak RSS':>9} "
           f"{'RSS - quota':>12} {'records':>8} {'seconds':>8}  target: peak RSS <= quota + 200 MB")
-    for quota_mb in (int(q) for q in args.quotas.split(",")):
+    for quota_mb in args.quotas:
         r = _run(args.mb, quota_mb)
         over, verdict = _judged(r)
         print(f"  {r['quota'] / _MB:7.0f} MiB {r['quota_peak'] / _MB:7.1f} MiB {r['waits']:7d} "

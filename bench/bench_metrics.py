@@ -28,6 +28,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 
+from bench._args import positive_float, positive_int
 from bench.bench_spark import data_pipeline, data_stream
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.launch import run_pipeline
@@ -136,12 +137,13 @@ def listener_cost(stream: ScriptedChangeStream, batches: int) -> tuple[float, fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.bench_metrics", description=__doc__)
-    parser.add_argument("--records", type=int, default=32_000)
-    parser.add_argument("--partitions", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=6, help="data batches per run")
-    parser.add_argument("--rounds", type=int, default=4, help="runs per side, alternating")
-    parser.add_argument("--scrape-every", type=float, default=1.0, metavar="SECONDS")
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_metrics", description=__doc__)
+    parser.add_argument("--records", type=positive_int, default=32_000)
+    parser.add_argument("--partitions", type=positive_int, default=8)
+    parser.add_argument("--batches", type=positive_int, default=6, help="data batches per run")
+    parser.add_argument("--rounds", type=positive_int, default=4,
+                        help="runs per side, alternating")
+    parser.add_argument("--scrape-every", type=positive_float, default=1.0, metavar="SECONDS")
     args = parser.parse_args(argv)
     print("bench_metrics: throughput with metrics off and on", flush=True)
     print(f"  cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}", flush=True)

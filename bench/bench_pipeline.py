@@ -36,6 +36,7 @@ from typing import Any
 
 import attrs
 
+from bench._args import positive_int
 from bench.bench_decode import STREAM, _metadata_answer, encoded_messages
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
@@ -241,8 +242,8 @@ def table(results: Sequence[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_pipeline", description=__doc__)
-    parser.add_argument("--records", type=int, default=20_000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--records", type=positive_int, default=20_000)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     args = parser.parse_args(argv)
     print(f"bench_pipeline: {args.records} three-mod records, 50 per message, one task on one "
           f"core (load average {os.getloadavg()[0]:.2f}, cores: {os.cpu_count()})")

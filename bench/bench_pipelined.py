@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import cdcflow as cf
+from bench._args import non_negative_float, positive_int
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.metadata import SQLiteStore
 from cdcflow.runners.in_memory import InMemoryRunner
@@ -86,10 +87,13 @@ def _measure(batches: int, read: float, commit: float, pipelined: bool) -> tuple
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=30)
-    parser.add_argument("--read", type=float, default=0.1, help="seconds per task")
-    parser.add_argument("--commit", type=float, default=0.1, help="seconds per sink commit")
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_pipelined",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=positive_int, default=30)
+    parser.add_argument("--read", type=non_negative_float, default=0.1,
+                        help="seconds per task (0: none)")
+    parser.add_argument("--commit", type=non_negative_float, default=0.1,
+                        help="seconds per sink commit (0: none)")
     args = parser.parse_args()
     print(f"catch-up, {args.batches} batches, task read {args.read * 1000:.0f} ms, "
           f"sink commit {args.commit * 1000:.0f} ms (memory runner, SQLite)")

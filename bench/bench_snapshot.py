@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from bench._args import positive_int
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.metadata import MemoryStore
@@ -131,11 +132,11 @@ def _run(database: str, start: int, *, rows_per_task: int, tasks_per_batch: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=60_000)
-    parser.add_argument("--rows-per-task", type=int, default=5_000)
-    parser.add_argument("--tasks-per-batch", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_snapshot", description=__doc__)
+    parser.add_argument("--rows", type=positive_int, default=60_000)
+    parser.add_argument("--rows-per-task", type=positive_int, default=5_000)
+    parser.add_argument("--tasks-per-batch", type=positive_int, default=4)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     args = parser.parse_args()
     with Emulator() as emulator:
         os.environ["SPANNER_EMULATOR_HOST"] = emulator.host

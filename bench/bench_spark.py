@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 import orjson
 
+from bench._args import positive_int
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.engine.runner import Runner
@@ -195,11 +196,11 @@ def _timed(what: str, fn: Callable[[], Any]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="bench.bench_spark", description=__doc__)
-    parser.add_argument("--idle-batches", type=int, default=30)
-    parser.add_argument("--records", type=int, default=128_000)
-    parser.add_argument("--partitions", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=4, help="data batches per run")
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_spark", description=__doc__)
+    parser.add_argument("--idle-batches", type=positive_int, default=30)
+    parser.add_argument("--records", type=positive_int, default=128_000)
+    parser.add_argument("--partitions", type=positive_int, default=8)
+    parser.add_argument("--batches", type=positive_int, default=4, help="data batches per run")
     parser.add_argument("--no-cluster", dest="cluster", action="store_false",
                         help="skip the local-cluster runs (separate executor JVMs)")
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from bench._args import positive_int
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
 from cdcflow.transforms import tables as tables_module
 from cdcflow.transforms._tablerows import Schema, columns_of, json_value, jsonl_row, rows_of
@@ -183,10 +184,10 @@ def _open_tables(directory: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=200_000)
-    parser.add_argument("--batch", type=int, default=5_000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_tables", description=__doc__)
+    parser.add_argument("--rows", type=positive_int, default=200_000)
+    parser.add_argument("--batch", type=positive_int, default=5_000)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     args = parser.parse_args()
     records = _records(args.rows)
     tmp = tempfile.mkdtemp(prefix="bench-tables-")
