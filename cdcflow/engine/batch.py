@@ -116,6 +116,7 @@ class Batches:
         self._retry = retry
         self._stopping = stopping
         self.idle = idle
+        idle.resume(view.snapshot(), clock())  # a restart spreads its idle partitions' reads
         self._steps = steps
         self._staged = staged
         self._sinks = dict(sinks)

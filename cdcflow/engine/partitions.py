@@ -12,10 +12,13 @@ random part of up to half of it, so partitions that went idle together (ten thou
 them, started by one batch) spread their reads over the batches instead of all coming due
 in one. A partition that is not read keeps its watermark, so the pipeline's resolved
 (low) watermark lags the clock by at most ``max_delay`` plus one batch more than it would
-otherwise. An idle partition does not bound a batch's end either: the batch reads at most
-``max_batch_span`` past the other partitions' low watermark, so a span shorter than the
-wait never holds busy partitions back, and an idle partition, once due, reads from its
-watermark to the batch end (at most its wait plus the span of changes).
+otherwise. A restarted run takes the partitions an earlier run read near the clock as idle
+at that cap, each due at a random time within it (:meth:`IdleSchedule.resume`), rather
+than reading them all in its first batches. An idle partition does not bound a batch's end
+either: the batch reads at most ``max_batch_span`` past the other partitions' low
+watermark, so a span shorter than the wait never holds busy partitions back, and an idle
+partition, once due, reads from its watermark to the batch end (at most its wait plus the
+span of changes).
 
 Only IMMUTABLE_KEY_RANGE streams skip idle partitions: there a key lives in one partition
 at a time and moves only to its children, which wait for their parents, so reading one
@@ -145,6 +148,25 @@ class IdleSchedule:
             p.token for p in partitions
             if p.state == PartitionState.RUNNING and streak.get(p.token, 0) > 0
         }
+
+    def resume(self, partitions: Sequence[PartitionMetadata], now_ns: int) -> None:
+        """A run's start: a RUNNING partition this schedule has not seen yet whose watermark
+        is within ``max_delay`` of the clock (read near the clock by an earlier run) is
+        taken as idle at the cap, due at a random time before its watermark plus
+        ``max_delay``. A restart does not know which partitions were idle; reading all of
+        them in its first batches (each then due again one base delay later, then two...)
+        cost several batches as slow as the partitions are many. The lag bound holds: none
+        waits past its watermark plus ``max_delay``; any data read resets it."""
+        if self.max_ns <= 0:
+            return
+        streak = (self.max_ns // self.base_ns).bit_length() + 1  # its next wait: the cap
+        due, streaks, random_ = self._due, self._streak, self._rng.random
+        for p in partitions:
+            if (p.state == PartitionState.RUNNING and p.token not in due
+                    and now_ns - p.watermark <= self.max_ns):
+                streaks[p.token] = streak
+                wait = min(self.max_ns, p.watermark + self.max_ns - now_ns)
+                due[p.token] = now_ns + int(wait * random_())
 
     def read(self, results: Sequence[TaskResult], now_ns: int, planned_ns: int | None = None
              ) -> None:

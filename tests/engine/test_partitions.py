@@ -168,3 +168,51 @@ def test_idle_partitions_never_hold_a_busy_one_back_with_a_short_span() -> None:
     assert [v for v, _ in out.items] == list(range(30))
     lags = [late for _, late in out.items]
     assert max(lags) < 1.0, sorted(lags)[-5:]
+
+
+def test_a_restart_takes_partitions_read_near_the_clock_as_idle_at_the_cap() -> None:
+    """A restarted run knew no partition's wait: its first batches read every partition
+    (10,000 reads, about 1.2 s, in each of several batches). Those an earlier run read
+    near the clock are now due at random times within the cap of their watermark."""
+    now = 1000 * S
+    near = [attrs.evolve(_part(f"p{i}"), watermark=now - S) for i in range(10_000)]
+    behind = attrs.evolve(_part("behind"), watermark=now - 60 * S)
+    done = attrs.evolve(_part("done"), watermark=now - S, state=PartitionState.FINISHED)
+    idle = IdleSchedule(base_delay=1.0, max_delay=5.0, rng=random.Random(3))
+    idle.read([TaskResult("seen", now, False, records=2)], now)  # this run's own: kept
+    parts = [*near, behind, done, attrs.evolve(_part("seen"), watermark=now - S)]
+    idle.resume(parts, now)
+    waiting = idle.waiting(parts, now)
+    assert "behind" not in waiting and "seen" not in waiting and "done" not in waiting
+    assert len(waiting) > 9_990  # due at a random time within the wait
+    assert idle.waiting(parts, now + 4 * S) == set()  # never past watermark + cap
+    due_by_second = [10_000 - len(idle.waiting(near, now + k * S)) for k in range(5)]
+    spread = [b - a for a, b in itertools.pairwise(due_by_second)]
+    assert all(2_000 < n < 3_000 for n in spread), spread  # a quarter each second
+    idle.read([TaskResult("p0", now + 4 * S, False)], now + 4 * S)  # idle again: the cap
+    assert idle.waiting(near[:1], now + 4 * S + int(2.5 * S) - 1) == {"p0"}
+    off = IdleSchedule(base_delay=1.0, max_delay=0.0)
+    off.resume(parts, now)
+    assert off.waiting(parts, now) == set()
+
+
+def test_a_restarted_run_does_not_read_every_partition_in_its_first_batch() -> None:
+    origin = time.time_ns()
+    stream = ScriptedChangeStream("S", partitions=200, origin=origin, buckets=256)
+    stream.write("T", 1, "INSERT", {"v": 1}, at=origin + S // 10)
+    store = MemoryStore()
+
+    def run(batches: int | None) -> list[int]:
+        p = cf.Pipeline("restarted")
+        (p | cf.DetectPartitions(stream="S", start_at=origin, end_at=origin + 3 * S,
+                                 client=stream)
+         | cf.ReadPartition(heartbeat="100ms") | cf.Collect())
+        listener = _Slices()
+        opts = RunOptions(batch_interval=0.05, idle_read_interval=2.0, max_batches=batches)
+        Engine(p, store, InMemoryRunner(workers=2), opts, listener).run()
+        return listener.slices
+
+    first = run(12)
+    assert max(first) == 200  # the first run reads them all once
+    again = run(None)
+    assert again[0] < 100, again[:5]
