@@ -941,6 +941,23 @@ def test_a_run_for_a_duration_ends_while_consume_calls_are_being_retried(
     assert "stopped (duration)" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_stop_while_consume_holds_its_reader_back_and_retries_is_a_stop(
+    tmp_path: Path,
+) -> None:
+    """More changes than Consume's queue holds: the reader waits in write() for room while
+    calls are retried. The stop gave the batch up there, and the pipeline's error policy
+    took that for the element's failure: "failed ... after 4 attempt(s)", "fix the
+    cause", exit 1 (or, with then='skip', hundreds of false "skipped" warnings)."""
+    path = write(tmp_path, CONSUME_DOWN.replace("range(5)", "range(300)"))
+    result = cdcflow("run", str(path), "--metadata", f"sqlite:///{tmp_path / 'm.db'}",
+                     "--for", "2s")
+    assert result.returncode == 0, result.stderr
+    assert "were being retried; the batch is given up" in result.stderr
+    assert "stopped (duration)" in result.stderr and "Traceback" not in result.stderr
+    assert "failed on a change" not in result.stderr
+    assert "skipped an element" not in result.stderr
+
+
 def test_metadata_init_sqlite(tmp_path: Path) -> None:
     db = tmp_path / "meta.db"
     result = cdcflow("metadata", "init", f"sqlite:///{db}")

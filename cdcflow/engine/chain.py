@@ -52,6 +52,7 @@ from cdcflow.engine.program import TaskProgram
 from cdcflow.engine.quota import ByteQuota, process_quota, quota_limit
 from cdcflow.engine.runner import ChildSeen, Task, TaskResult
 from cdcflow.errors import (
+    BatchInterrupted,
     CdcflowError,
     FencedError,
     LeaseExpiredError,
@@ -59,6 +60,7 @@ from cdcflow.errors import (
     PipelineStopped,
     SinkIOError,
     WriterFailed,
+    WriterStopped,
     describe,
 )
 from cdcflow.inflight import Barrier, InflightTracker
@@ -732,12 +734,14 @@ class Chain:
         decides, attempt after attempt."""
         exc, failed = first, 0
         while True:
-            if isinstance(exc, SinkIOError | PipelineStopped | WriterFailed | FencedError
-                          | LeaseExpiredError | PipelineDefinitionError):
+            if isinstance(exc, SinkIOError | PipelineStopped | WriterFailed | WriterStopped
+                          | BatchInterrupted | FencedError | LeaseExpiredError
+                          | PipelineDefinitionError):
                 # the sink's storage failed, not the element (the batch is retried), or it
                 # was decided further down (a sink with a policy of its own), or the writer
-                # failed as a whole, or the run may no longer act (its guard: engine.guard),
-                # or the pipeline is wrong (no retry or skip of an element mends that)
+                # failed as a whole or gave the batch up on a stop (the next run replays
+                # it), or the run may no longer act (its guard: engine.guard), or the
+                # pipeline is wrong (no retry or skip of an element mends that)
                 raise exc
             failed += 1
             token, at = _origin(record)
