@@ -81,6 +81,17 @@ def test_a_closed_port_fails_within_seconds_naming_the_endpoint(tmp_path: Path) 
     assert "connecting to projects/p/instances/i/databases/d" in done.stderr
 
 
+def test_an_unknown_host_fails_as_a_closed_port_does(tmp_path: Path) -> None:
+    """A mistyped emulator host ended as an outage (exit 1, "Spanner kept failing after 6
+    attempts"); a closed port as a configuration error (exit 2): now both are the latter."""
+    path = _pipeline(tmp_path, "projects/p/instances/i/databases/d")
+    done, took = _cdcflow("run", str(path), "--for", "3s", cwd=tmp_path,
+                          env=_env(SPANNER_EMULATOR_HOST="nohost.invalid:1"))
+    line = _error_line(done)
+    assert "cannot reach the emulator at nohost.invalid:1" in line and took < 15
+    assert "is the host:port right?" in line
+
+
 @pytest.mark.emulator
 def test_an_unknown_instance_is_a_configuration_error(
     tmp_path: Path, spanner_emulator: Emulator

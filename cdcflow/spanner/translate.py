@@ -88,7 +88,7 @@ def unreachable(exc: BaseException) -> bool:
     text = error_text(exc)
     return status_name(exc) == "UNAVAILABLE" and (
         "failed to connect to all addresses" in text or "DNS resolution failed" in text
-        or "Connection refused" in text
+        or "errors resolving" in text or "Connection refused" in text
     )
 
 
