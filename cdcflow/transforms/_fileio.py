@@ -16,6 +16,7 @@ Two kinds of failure leave a writer differently:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ from cdcflow.serialize import dumps_line, json_dumps, to_json_dict
 from cdcflow.transforms.base import WriterContext
 
 __all__ = [
+    "quiet_cut_requests",
     "JsonlWriter",
     "ParquetWriter",
     "WrittenFile",
@@ -139,6 +141,34 @@ def create_exclusive(path: str, temp: str, data: bytes, fsync: bool = False) -> 
         if fsync and created:
             fsync_dir(directory)
     return created
+
+
+def quiet_cut_requests(fs: Any) -> None:
+    """Log at DEBUG, not as tracebacks, what the HTTP client of an asynchronous filesystem
+    (fsspec's s3fs, gcsfs, ...) leaves behind when the storage cuts its connections: an
+    outage then printed "Task exception was never retrieved" with a traceback for each
+    request it cut (``ClientConnectionResetError``), where the sink's own warning names the
+    failure and the retries. Any other asyncio error goes to the loop's default handler.
+    Once per event loop (fsspec runs one per process)."""
+    loop = getattr(fs, "loop", None) if getattr(fs, "async_impl", False) else None
+    if loop is None or getattr(loop.get_exception_handler(), "_cdcflow", False):
+        return
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if context.get("message", "").startswith("Task exception was never retrieved") and (
+                isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _HTTP):
+            _log.debug("%s: %r", context["message"], exc)
+            return
+        loop.default_exception_handler(context)
+
+    handler._cdcflow = True  # type: ignore[attr-defined]
+    loop.set_exception_handler(handler)
+
+
+#: The HTTP and storage clients whose cut requests quiet_cut_requests logs at DEBUG.
+_HTTP = frozenset({"aiohttp", "aiobotocore", "botocore", "gcsfs", "s3fs", "adlfs"})
+_log = logging.getLogger("cdcflow.sinks")
 
 
 _BUFFER = 256 << 10

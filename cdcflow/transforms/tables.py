@@ -78,7 +78,7 @@ from cdcflow.errors import (
     TransientError,
 )
 from cdcflow.model import DataChangeRecord, Timestamp
-from cdcflow.transforms._fileio import create_exclusive, local_prefix, sweep
+from cdcflow.transforms._fileio import create_exclusive, local_prefix, quiet_cut_requests, sweep
 from cdcflow.transforms._tablebuild import conform
 from cdcflow.transforms._tableread import file_schema, table_schema
 from cdcflow.transforms._tablerows import Format, RowStyle, Schema, Unit
@@ -278,6 +278,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         try:
             self._fs, self._root = fsspec.core.url_to_fs(url, **self.storage_options)
             self._root = self._root.rstrip("/")
+            quiet_cut_requests(self._fs)
             if _OBJECT_STORES & set(_protocols(self._fs)):
                 # no directories to make, and a bucket is never made (on S3, makedirs
                 # would create a bucket a typo names)
