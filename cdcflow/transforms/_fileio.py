@@ -34,12 +34,12 @@ from cdcflow.serialize import dumps_line, json_dumps, to_json_dict
 from cdcflow.transforms.base import WriterContext
 
 __all__ = [
-    "quiet_cut_requests",
     "JsonlWriter",
     "ParquetWriter",
     "WrittenFile",
     "fsync_dir",
     "parquet_row",
+    "quiet_cut_requests",
     "storage",
     "write_atomic",
 ]
