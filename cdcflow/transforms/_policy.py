@@ -15,7 +15,7 @@ import attrs
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.durations import parse_duration
-from cdcflow.errors import PipelineDefinitionError, PipelineStopped, describe
+from cdcflow.errors import PipelineStopped, describe
 from cdcflow.transforms.base import Sink
 from cdcflow.transforms.core import callable_name
 
@@ -151,9 +151,13 @@ class ErrorPolicy:
             )
             raise PipelineStopped(msg) from exc
         if not isinstance(decision, Retry | Skip | Stop):
+            # a fault of the handler found while the pipeline runs, as one it raises: the
+            # run stops on an error (exit 1), not on bad input
             msg = (
                 f"the ErrorPolicy handler {callable_name(self.handler)} returned {decision!r} "
-                f"for {type(error).__name__}; return Retry(after=seconds), Skip() or Stop()"
+                f"for {type(error).__name__} (partition {partition_token}, attempt "
+                f"{attempt}); nothing past that element was committed: return "
+                "Retry(after=seconds), Skip() or Stop(), and run again"
             )
-            raise PipelineDefinitionError(msg)
+            raise PipelineStopped(msg)
         return decision
