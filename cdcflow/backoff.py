@@ -149,7 +149,8 @@ class RetryPolicy:
             except Exception as exc:
                 failed += 1
                 if not retry_if(exc):
-                    if failed > 1:
+                    # (cdcflow's own refusals, a lease held or lost, say all there is)
+                    if failed > 1 and not _own_refusal(exc):
                         exc.add_note(
                             f"gave up after {_plural(failed)}: this error is not retryable"
                         )
@@ -171,3 +172,10 @@ class RetryPolicy:
                 if on_retry is not None:
                     on_retry(failed, exc, delay)
                 self.sleep(delay)
+
+
+def _own_refusal(exc: BaseException) -> bool:
+    """A refusal cdcflow raises itself (its errors derive from ``CdcflowError``)."""
+    from cdcflow.errors import CdcflowError
+
+    return isinstance(exc, CdcflowError)

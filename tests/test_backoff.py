@@ -328,3 +328,17 @@ def test_the_seams_default_to_real_time() -> None:
     p = RetryPolicy()
     clock: Callable[[], float] = p.clock
     assert p.sleep is time.sleep and clock is time.monotonic
+
+
+def test_cdcflow_s_own_refusal_after_retries_carries_no_note() -> None:
+    """A lease held or lost, refused after a transient failure, is the whole message:
+    "...; take over now with --takeover; gave up after 2 attempts: this error is not
+    retryable" contradicted itself, and only on some runs."""
+    from cdcflow.errors import LeaseHeldError
+
+    fake = FakeTime()
+    refusal = LeaseHeldError("pipeline 'p' is being run by vm:1")
+    fn = Flaky(TimeoutError("transient"), refusal)
+    with pytest.raises(LeaseHeldError) as info:
+        policy(fake).call(fn, retry_if=lambda e: isinstance(e, TimeoutError))
+    assert info.value is refusal and notes(refusal) == [] and len(fn.starts) == 2

@@ -135,3 +135,19 @@ def test_a_spanner_store_that_does_not_answer_is_one_line_and_exit_2(tmp_path: P
     line = _error_line(done)
     assert f"cannot reach the emulator at 127.0.0.1:{port}" in line
     assert "spanner://projects/test-project/instances/test-instance/databases/meta" in line
+    # one line: no warning first of retries (at most 1000 attempts or 120s) it did not make
+    assert done.stderr.strip() == line, done.stderr
+
+
+def test_a_spanner_store_without_credentials_names_the_fix(tmp_path: Path) -> None:
+    """``status`` and ``metadata init`` on a Spanner store with neither the emulator
+    variable nor credentials: "DefaultCredentialsError: ...; --debug shows the traceback",
+    exit 1; now the line ``run`` gives (is SPANNER_EMULATOR_HOST exported?), exit 2."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = _env(SPANNER_EMULATOR_HOST=None, GOOGLE_APPLICATION_CREDENTIALS=None,
+               HOME=str(home), CLOUDSDK_CONFIG=str(home / "gcloud"))
+    url = "spanner://projects/test-project/instances/test-instance/databases/meta"
+    for command in (("status", "--metadata", url), ("metadata", "init", url)):
+        done, _ = _cdcflow(*command, cwd=tmp_path, env=env)
+        assert "SPANNER_EMULATOR_HOST exported" in _error_line(done), command

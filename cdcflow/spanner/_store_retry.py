@@ -98,11 +98,12 @@ class StoreRetries:
     def call(
         self, policy: RetryPolicy, what: str, fn: Callable[[], _T], *,
         retry_if: Callable[[BaseException], bool] = schema.transient, fix: str = "",
+        quiet_if: Callable[[BaseException], bool] = lambda exc: False,
     ) -> _T:
         """``fn()`` under ``policy``; an RPC error it gives up on becomes a StoreError
         saying ``what`` failed (and ``fix``, for permanent errors). StoreErrors (the
         contract's refusals) pass through at once; so do errors that are not RPC errors
-        (bugs)."""
+        (bugs). A retry of an error ``quiet_if`` accepts is not warned about."""
         from google.api_core.exceptions import GoogleAPICallError
 
         failed = 1
@@ -113,7 +114,7 @@ class StoreRetries:
             failed = retry + 1
             if status_name(exc) == "ABORTED":
                 self.aborted_attempts += 1
-            else:
+            elif not quiet_if(exc):
                 self._warn(policy, what, exc)
 
         def worth_it(exc: BaseException) -> bool:

@@ -103,7 +103,7 @@ from cdcflow.spanner._store_sql import Dialect, StoreSql, Tables
 from cdcflow.spanner.connection import Connection, connection_api
 from cdcflow.spanner.retry import status_name
 from cdcflow.spanner.translate import error_text, unreachable
-from cdcflow.spanner.transport import emulator_host, endpoint
+from cdcflow.spanner.transport import emulator_host, endpoint, new_client
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
@@ -238,13 +238,15 @@ class SpannerStore:
     def _retrying(
         self, what: str, fn: Callable[[], _T], *,
         retry_if: Callable[[BaseException], bool] = schema.transient, fix: str = "",
+        quiet_if: Callable[[BaseException], bool] = lambda exc: False,
     ) -> _T:
         """``fn()`` under the store's retry policy (see :mod:`._store_retry`)."""
         policy = self.retry
         if getattr(_LEASE_OP, "active", False):
             deadline = min(LEASE_RETRY_DEADLINE, self.retry.deadline or math.inf)
             policy = attrs.evolve(policy, deadline=deadline)
-        return self._retries.call(policy, what, fn, retry_if=retry_if, fix=fix)
+        return self._retries.call(policy, what, fn, retry_if=retry_if, fix=fix,
+                                  quiet_if=quiet_if)
 
     # -- connection and schema ---------------------------------------------------------
 
@@ -252,16 +254,19 @@ class SpannerStore:
         if self._db is None:
             began = time.monotonic()
 
+            def refused(e: BaseException) -> bool:
+                return unreachable(e.error if isinstance(e, schema.BrokenCall) else e)
+
             def retry_if(e: BaseException) -> bool:
                 # a server that refuses for seconds at the first contact is not there
-                cause = e.error if isinstance(e, schema.BrokenCall) else e
-                if unreachable(cause) and time.monotonic() - began > CONNECT_PATIENCE:
+                if refused(e) and time.monotonic() - began > CONNECT_PATIENCE:
                     return False
                 return schema.transient(e)
 
             try:
+                # (no warning of retries while it refuses: it comes up, or that is the error)
                 self._db = self._retrying("connecting", self._open, retry_if=retry_if,
-                                          fix="check the URL and access")
+                                          fix="check the URL and access", quiet_if=refused)
             except StoreSetupError:
                 raise
             except StoreError as e:  # the first contact: the store cannot be used at all
@@ -279,9 +284,7 @@ class SpannerStore:
     def _open(self) -> Any:
         schema.use_session_pool_on_emulator()
         if self._client is None:
-            from google.cloud import spanner
-
-            self._client = spanner.Client(project=self._project, disable_builtin_metrics=True)
+            self._client = new_client(self._project)  # no credentials: one line, exit 2
         db = self._client.instance(self._instance_id).database(self._database_id)
         missing = self._admin_call(
             lambda admin: schema.missing_database(admin, self.database_path, self.call_timeout)
