@@ -231,6 +231,8 @@ class Engine:
         self._sink_floor = 0
         self._empty_sinks: list[str] = []
         self._joining: list[str] = []  # of those, the ones to name as the run goes on
+        #: where a reset's forgotten progress had read to (its low watermark), if any
+        self._reset_from: int | None = None
         self._sink_held = ("", 0)  # the sink whose own output reaches furthest, and where
         self._stop_reason = "interrupted"
 
@@ -351,6 +353,9 @@ class Engine:
                             self._settle(make_batches(None, settling or program_bytes), staged)
                         # The store keeps the batch id floor, so batch ids go on from before
                         # the reset and sinks that name output by batch id never reuse one.
+                        forgotten = self.store.partitions(name)
+                        if forgotten:
+                            self._reset_from = low_watermark(forgotten)
                         self.store.reset(name)
                     batches = make_batches(self._first_run(program))
                     try:
@@ -492,6 +497,13 @@ class Engine:
         self.store.set_source(name, json.dumps(definition, sort_keys=True))
         _log.info("pipeline %s starts reading at %s%s", name, Timestamp.from_ns(start),
                   f" after a snapshot of {len(snapshots)} tables" if snapshots else "")
+        if self._reset_from is not None and start > self._reset_from:
+            _log.warning(
+                "pipeline %s: the reset forgot progress that had read everything up to %s; "
+                "this run starts at %s (start_at=%r), so changes committed in between are "
+                "not read: to keep them, reset with start_at at or before %s", name,
+                Timestamp.from_ns(self._reset_from), Timestamp.from_ns(start), source.start_at,
+                Timestamp.from_ns(self._reset_from))
         return None
 
     def _warn_joining(self) -> None:

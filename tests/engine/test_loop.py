@@ -6,6 +6,7 @@ Every test runs under every runner (the ``runner`` fixture: memory, and Spark on
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -34,6 +35,7 @@ from cdcflow.model import (
     ChangeRecord,
     DataChangeRecord,
     PartitionState,
+    Timestamp,
 )
 from cdcflow.policy import ErrorPolicy
 from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery, StreamInfo
@@ -616,3 +618,28 @@ def test_the_collector_is_settled_while_batches_run_and_given_back(runner: Runne
         assert len(out.items) > 0
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_reset_to_a_later_start_says_which_changes_it_skips(
+    runner: Runner, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reset of a pipeline that reads from start_at='now' (or any start past where its
+    progress stood) read nothing of the changes in between, without a word."""
+    s = churn_stream(writes=50)
+    store = MemoryStore()
+    first = run(runner, pipeline(s, Collect(), name="gap"), store, max_batches=3)
+    assert first.reason == "max batches"
+    stood = min(p.watermark for p in store.partitions("gap")
+                if p.state != PartitionState.FINISHED)
+    later = cf.Pipeline("gap")
+    (later | DetectPartitions(stream="S", start_at=T0 + 20 * S, end_at=END - 1, client=s)
+     | ReadPartition() | Collect())
+    with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):
+        run(runner, later, store, reset=True)
+    (said,) = [r.getMessage() for r in caplog.records if "the reset forgot" in r.getMessage()]
+    assert Timestamp.from_ns(stood).rfc3339() in said
+    assert Timestamp.from_ns(T0 + 20 * S).rfc3339() in said and "not read" in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):  # the same start: none
+        run(runner, pipeline(s, Collect(), name="gap"), store, reset=True)
+    assert not [r for r in caplog.records if "the reset forgot" in r.getMessage()]
