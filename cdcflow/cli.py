@@ -489,6 +489,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         msg = "status needs a store: give --metadata URL (or the pipeline FILE for its default)"
         raise UserInputError(msg)
+    if url.split("://", 1)[0].lower() == "memory":
+        msg = (f"{url} is a store that lives in the process running the pipeline, which "
+               "status cannot see from another; run the pipeline with a sqlite:/// or "
+               "spanner:// store to follow it")
+        raise UserInputError(msg)
     if args.watch_count is not None and args.watch is None:
         msg = "--watch-count needs --watch (e.g. --watch 1 --watch-count 3)"
         raise UserInputError(msg)

@@ -958,6 +958,13 @@ def test_a_stop_while_consume_holds_its_reader_back_and_retries_is_a_stop(
     assert "skipped an element" not in result.stderr
 
 
+def test_status_of_a_memory_store_says_status_cannot_see_it() -> None:
+    """It said "no pipelines in memory:// yet: `cdcflow run FILE --metadata memory://`",
+    exit 0: a memory:// store lives in the run's own process, so that never helps."""
+    assert_usage_error(cdcflow("status", "--metadata", "memory://"),
+                       "lives in the process running the pipeline")
+
+
 def test_metadata_init_sqlite(tmp_path: Path) -> None:
     db = tmp_path / "meta.db"
     result = cdcflow("metadata", "init", f"sqlite:///{db}")

@@ -167,7 +167,8 @@ def held_message(pipeline: str, lease: Lease, now_ns: int) -> str:
         f"pipeline {pipeline!r} is being run by {lease.owner} (run {lease.run_id}, since "
         f"{Timestamp.from_ns(lease.acquired_at).rfc3339()[:19]}Z, last heartbeat "
         f"{_ago(lease.renewed_at, now_ns)}); stop that run first, or, if it is gone, run again "
-        f"once its lease expires in {left:.0f}s, or take over now with --takeover"
+        f"once its lease expires in {left:.0f}s, or take over now with --takeover "
+        "(takeover=True)"
     )
 
 

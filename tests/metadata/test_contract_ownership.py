@@ -38,7 +38,9 @@ def test_the_first_run_takes_the_lease(store: MetadataStore) -> None:
 
 def test_a_second_run_is_refused_naming_the_owner(store: MetadataStore) -> None:
     store.acquire_lease(P, "host-a:11", "run-1", TTL)
-    with pytest.raises(LeaseHeldError, match=r"host-a:11 \(run run-1.*--takeover"):
+    # both the command line's way and the API's (pipeline.run(takeover=True))
+    with pytest.raises(LeaseHeldError,
+                       match=r"host-a:11 \(run run-1.*--takeover \(takeover=True\)"):
         store.acquire_lease(P, "host-b:22", "run-2", TTL)
     assert store.lease(P) is not None and store.lease(P).run_id == "run-1"  # type: ignore[union-attr]
 
