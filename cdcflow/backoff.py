@@ -37,6 +37,8 @@ from typing import TypeVar
 
 import attrs
 
+from cdcflow.errors import CdcflowError
+
 __all__ = ["RetryPolicy"]
 
 _T = TypeVar("_T")
@@ -150,7 +152,7 @@ class RetryPolicy:
                 failed += 1
                 if not retry_if(exc):
                     # (cdcflow's own refusals, a lease held or lost, say all there is)
-                    if failed > 1 and not _own_refusal(exc):
+                    if failed > 1 and not isinstance(exc, CdcflowError):
                         exc.add_note(
                             f"gave up after {_plural(failed)}: this error is not retryable"
                         )
@@ -172,10 +174,3 @@ class RetryPolicy:
                 if on_retry is not None:
                     on_retry(failed, exc, delay)
                 self.sleep(delay)
-
-
-def _own_refusal(exc: BaseException) -> bool:
-    """A refusal cdcflow raises itself (its errors derive from ``CdcflowError``)."""
-    from cdcflow.errors import CdcflowError
-
-    return isinstance(exc, CdcflowError)
