@@ -531,8 +531,9 @@ class Engine:
             f"pipeline {name!r} has no progress in the store {self.store.url}, but sink "
             f"{label!r} holds its output up to batch {batch}: the store lost it, or is not "
             "the one the pipeline ran with. To resume, point --metadata at the store that "
-            "holds its progress; to start over from start_at, run with --reset (the sink "
-            "keeps its output and gets the changes again under new batch ids)"
+            "holds its progress; to start over from start_at, run with --reset once no run "
+            "of it is alive on another store (the sink keeps its output and gets the "
+            "changes again under new batch ids)"
         )
         raise LostProgressError(msg)
 

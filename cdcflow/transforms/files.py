@@ -502,6 +502,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
         directory = self._dir()
         if messages:
             self._claim()
+            self._check_no_later_batch(batch_id)
             # 1. what the directory holds of this batch
             existing = self._read_manifest(batch_id)
             manifest = self._merge(batch_id, existing, messages)
@@ -528,6 +529,27 @@ class WriteFiles(Sink[Any, WrittenFile]):
             pipeline, label = self._identity()
             self._write_manifest(_Manifest(pipeline, label, batch_id, ()))
             self._manifests = {batch_id}
+
+    def _check_no_later_batch(self, batch_id: int) -> None:
+        """Raise OutputConflictError when the scope holds the manifest of a batch after
+        ``batch_id``: another run of the pipeline commits here too (started on another
+        metadata store, say, with --reset), and every change would be written twice.
+        Commits come in batch order, so none of this run's own comes later."""
+        try:
+            names = _listdir(self._manifest_dir())
+        except OSError:
+            return
+        later = max((int(m.group(1)) for m in map(_MANIFEST_NAME.fullmatch, names) if m),
+                    default=0)
+        if later > batch_id:
+            pipeline, _ = self._identity()
+            msg = (
+                f"WriteFiles {self._dir()}: batch {later} was committed here by another run "
+                f"while this run commits batch {batch_id}: two runs of pipeline {pipeline!r} "
+                "write this output (each with its own metadata store?); nothing of this "
+                "batch was written: stop the run whose store is not the pipeline's"
+            )
+            raise OutputConflictError(msg)
 
     def _conflict(self, batch_id: int, why: str) -> OutputConflictError:
         msg = (

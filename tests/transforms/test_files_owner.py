@@ -261,3 +261,32 @@ def test_the_cli_refuses_a_second_pipeline_in_one_line_with_exit_2(tmp_path: Pat
     assert last.startswith(f"cdcflow: error: WriteFiles {tmp_path / 'shared'} holds the "
                            "output of pipeline 'kv-A', not 'kv-B'")
     assert "Traceback" not in refused.stderr
+
+
+def test_two_runs_of_the_pipeline_on_two_stores_cannot_both_write_the_directory(
+    tmp_path: Path,
+) -> None:
+    """The pipeline started again with another metadata store (the default one, say) is
+    refused as having lost its progress; run with --reset as that says while the first
+    run goes on, both wrote every change into the directory, without a word. Each run's
+    sink was set up before the other committed; the first commit that finds a later batch
+    committed by the other run is refused, and writes nothing."""
+    from tests.transforms.test_files import _run_task
+
+    def sink() -> WriteFiles:
+        s = WriteFiles(tmp_path)
+        s.setup(SinkContext("p", "out", "/"))
+        return s
+
+    first, other = sink(), sink()
+    first.commit(5, [_run_task(first, 5, "tok", [{"v": 1}], "a")])
+    other.commit(9, [_run_task(other, 9, "tok", [{"v": 1}], "b")])  # the reset run's ids
+    message = _run_task(first, 6, "tok", [{"v": 2}], "c")
+    with pytest.raises(OutputConflictError,
+                       match=r"batch 9 was committed here by another run while this run "
+                             r"commits batch 6: two runs of pipeline 'p'"):
+        first.commit(6, [message])
+    assert len(list(tmp_path.glob("part-0000000005-*"))) == 1
+    assert not list(tmp_path.glob("part-0000000006-*"))  # nothing of batch 6 is visible
+    other.commit(10, [_run_task(other, 10, "tok", [{"v": 2}], "d")])  # the later goes on
+    assert len(list(tmp_path.glob("part-0000000010-*"))) == 1
