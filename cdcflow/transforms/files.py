@@ -502,12 +502,12 @@ class WriteFiles(Sink[Any, WrittenFile]):
         directory = self._dir()
         if messages:
             self._claim()
-            self._check_no_later_batch(batch_id)
-            # 1. what the directory holds of this batch
+            # 1. what the directory holds of this batch, and of later ones
             existing = self._read_manifest(batch_id)
             manifest = self._merge(batch_id, existing, messages)
             claimed = set() if existing is None else {e.name for e in existing.files}
             pending = [m for m in messages if self._pending(batch_id, m, claimed)]
+            self._check_no_later_batch(batch_id)
             # 2. the manifest, before any final name can appear
             if manifest != existing:
                 self._write_manifest(manifest)
