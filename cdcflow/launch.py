@@ -36,8 +36,15 @@ from cdcflow.dag import Dag
 from cdcflow.durations import parse_duration, parse_size
 from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
 from cdcflow.engine.loop import Engine, RunOptions
+from cdcflow.engine.ownership import held_by_a_live_run
 from cdcflow.engine.runner import Runner
-from cdcflow.errors import CdcflowError, PipelineDefinitionError, PluginError, UserInputError
+from cdcflow.errors import (
+    CdcflowError,
+    LeaseHeldError,
+    PipelineDefinitionError,
+    PluginError,
+    UserInputError,
+)
 from cdcflow.metadata import open_store
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.metrics import MetricsServer, PipelineMetrics
@@ -415,21 +422,28 @@ def run_pipeline(
     observers: list[EngineListener] = [watch]
     stack = contextlib.ExitStack()
     try:
-        if observe.metrics_port is not None:
-            metrics = PipelineMetrics(dag.name, detector=detector)
-            server = stack.enter_context(
-                MetricsServer(metrics.registry, observe.metrics_port, observe.metrics_host)
-            )
-            observers.append(metrics)
-            if on_metrics is not None:
-                on_metrics(server.url)
-            else:
-                _log.info("metrics of %s at %s", dag.name, server.url)
         if isinstance(metadata, MetadataStore):
             store = metadata
         else:
             store = open_store(metadata or default_store_url())
             stack.callback(store.close)
+        if observe.metrics_port is not None:
+            metrics = PipelineMetrics(dag.name, detector=detector)
+            try:
+                server = stack.enter_context(
+                    MetricsServer(metrics.registry, observe.metrics_port, observe.metrics_host)
+                )
+            except UserInputError:
+                # the same run started twice has its port too: name the run that holds it
+                held = held_by_a_live_run(store, dag.name)
+                if held is not None:
+                    raise LeaseHeldError(held) from None
+                raise
+            observers.append(metrics)
+            if on_metrics is not None:
+                on_metrics(server.url)
+            else:
+                _log.info("metrics of %s at %s", dag.name, server.url)
         stack.enter_context(watch)
         engine = Engine(dag, store, built, run_options, _Listeners(listener, observers))
         if on_engine is not None:

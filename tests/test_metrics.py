@@ -268,6 +268,31 @@ def test_a_port_in_use_names_the_fix() -> None:
             MetricsServer(PipelineMetrics("x").registry, port).start()
 
 
+def test_a_port_in_use_by_a_second_start_of_the_run_names_the_run(tmp_path: Path) -> None:
+    """The same command started twice (a duplicated unit) has the same metrics port: the
+    second start said the port is in use, and only once given another port that the
+    pipeline is being run. It now names the run that holds the pipeline; a port taken by
+    anything else is still the port's error."""
+    from cdcflow.errors import LeaseHeldError
+
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    store = open_store(url)
+    now = Timestamp.now().ns
+    store.acquire_lease("twice", "otherhost:4242", "run-1", 30 * 10**9)
+    store.close()
+    pipeline, _ = _scripted("twice", now, now + 10**9)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(LeaseHeldError, match=r"'twice' is being run by otherhost:4242 "
+                                                 r"\(run run-1.*--takeover"):
+            pipeline.run("memory", url, metrics_port=port)
+        free, _ = _scripted("free", now, now + 10**9)
+        with pytest.raises(UserInputError, match=f"metrics port {port} is in use"):
+            free.run("memory", url, metrics_port=port)
+
+
 def _scripted(name: str, origin: int, end: int, **kw: Any) -> tuple[cf.Pipeline, cf.Collect]:
     stream = ScriptedChangeStream("Orders", partitions=2, origin=origin)
     for i in range(40):

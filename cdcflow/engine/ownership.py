@@ -36,11 +36,12 @@ from collections.abc import Callable
 
 from cdcflow.engine.guard import RunGuard
 from cdcflow.errors import CdcflowError, FencedError, LeaseLapsedError, StoreError, describe
+from cdcflow.metadata import _rules
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import Lease, Timestamp
 from cdcflow.processes import process_alive
 
-__all__ = ["Ownership", "owner_gone"]
+__all__ = ["Ownership", "held_by_a_live_run", "owner_gone"]
 
 _log = logging.getLogger("cdcflow.engine")
 _NS = 1_000_000_000
@@ -67,6 +68,17 @@ def owner_gone(lease: Lease, host: str | None = None) -> bool:
     if lease.pid == os.getpid():
         return False  # this very process: another engine of ours holds it
     return not process_alive(lease.pid)
+
+
+def held_by_a_live_run(store: MetadataStore, pipeline: str) -> str | None:
+    """The refusal a run of ``pipeline`` would get now (a live lease of another process),
+    or None; for a refusal that comes before the lease is asked for (a metrics port in
+    use: the same run started twice), so that it names the run, not the port."""
+    lease = store.lease(pipeline)
+    now = Timestamp.now().ns
+    if lease is None or not lease.alive(now) or owner_gone(lease):
+        return None
+    return _rules.held_message(pipeline, lease, now)
 
 
 class Ownership:
