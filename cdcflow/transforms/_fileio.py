@@ -148,10 +148,14 @@ def quiet_cut_requests(fs: Any) -> None:
     (fsspec's s3fs, gcsfs, ...) leaves behind when the storage cuts its connections: an
     outage then printed "Task exception was never retrieved" with a traceback for each
     request it cut (``ClientConnectionResetError``), where the sink's own warning names the
-    failure and the retries. Any other asyncio error goes to the loop's default handler.
-    Once per event loop (fsspec runs one per process)."""
+    failure and the retries. Any other asyncio error goes to the handler the loop had (its
+    default one, unless its owner set another). Once per event loop (fsspec runs one per
+    process)."""
     loop = getattr(fs, "loop", None) if getattr(fs, "async_impl", False) else None
-    if loop is None or getattr(loop.get_exception_handler(), "_cdcflow", False):
+    if loop is None:
+        return
+    previous = loop.get_exception_handler()
+    if getattr(previous, "_cdcflow", False):
         return
 
     def handler(loop: Any, context: dict[str, Any]) -> None:
@@ -159,8 +163,10 @@ def quiet_cut_requests(fs: Any) -> None:
         if context.get("message", "").startswith("Task exception was never retrieved") and (
                 isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _HTTP):
             _log.debug("%s: %r", context["message"], exc)
-            return
-        loop.default_exception_handler(context)
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
 
     handler._cdcflow = True  # type: ignore[attr-defined]
     loop.set_exception_handler(handler)

@@ -432,3 +432,34 @@ def test_parquet_writers_open_at_once_share_the_process_spill_budget(tmp_path: P
     sink.commit(1, [w.close() for w in writers])
     assert _fileio._spill_share() == _fileio.SPILL_BYTES
     assert len(pq.read_table(tmp_path / "many").column("id")) == 8 * 30
+
+
+def test_quiet_cut_requests_keeps_the_loop_s_own_handler_for_other_errors() -> None:
+    """Requests an outage cut go to DEBUG; any other asyncio error still reaches the
+    handler the loop had (its owner's), once however many sinks set up."""
+    import asyncio
+
+    from cdcflow.transforms._fileio import quiet_cut_requests
+
+    class _Fs:
+        async_impl = True
+
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.loop = loop
+
+    loop = asyncio.new_event_loop()
+    try:
+        seen: list[str] = []
+        loop.set_exception_handler(lambda lp, context: seen.append(context["message"]))
+        quiet_cut_requests(_Fs(loop))
+        quiet_cut_requests(_Fs(loop))  # a second sink: the same handler, not wrapped twice
+        handler = loop.get_exception_handler()
+        assert handler is not None
+        cut = ConnectionResetError("Cannot write to closing transport")
+        handler(loop, {"message": "Task exception was never retrieved", "exception": cut})
+        handler(loop, {"message": "Task exception was never retrieved",
+                       "exception": ValueError("a bug")})
+        handler(loop, {"message": "something else", "exception": cut})
+        assert seen == ["Task exception was never retrieved", "something else"]
+    finally:
+        loop.close()
