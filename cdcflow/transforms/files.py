@@ -539,8 +539,9 @@ class WriteFiles(Sink[Any, WrittenFile]):
             names = _listdir(self._manifest_dir())
         except OSError:
             return
-        later = max((int(m.group(1)) for m in map(_MANIFEST_NAME.fullmatch, names) if m),
-                    default=0)
+        # the scope's manifests as they are: what this commit prunes (step 4)
+        self._manifests = {int(m.group(1)) for m in map(_MANIFEST_NAME.fullmatch, names) if m}
+        later = max(self._manifests, default=0)
         if later > batch_id:
             pipeline, _ = self._identity()
             msg = (
@@ -617,9 +618,10 @@ class WriteFiles(Sink[Any, WrittenFile]):
 
     def _prune_manifests(self, newest: int) -> None:
         """Delete the scope's manifests of batches before ``newest``, whose manifest is
-        written (step 4 of :meth:`commit`): one listing per run, then the previous
-        commit's by name. Best effort: the batch is committed whatever happens here, and
-        a manifest that cannot be deleted now is tried again at the next commit."""
+        written (step 4 of :meth:`commit`), as the commit's check for later batches listed
+        them (listed here when it could not: the scope's first). Best effort: the batch is
+        committed whatever happens here, and a manifest that cannot be deleted now is tried
+        again at the next commit."""
         if self._manifests is None:
             try:
                 names = _listdir(self._manifest_dir())
