@@ -999,6 +999,8 @@ static PyObject *g_ser_timestamp, *g_ser_decimal, *g_ser_text;  /* Timestamp, De
 static PyObject *g_float_text;    /* orjson.dumps: a finite float's text, as orjson writes it */
 static PyObject *g_attrs_marker;  /* "__attrs_attrs__": what marks an attrs class */
 
+static int decimal_check(void);
+
 static PyObject *configure_walk(PyObject *self, PyObject *args) {
     PyObject *no_float, *other, *dflt, *timestamp, *decimal, *text_slot, *float_text;
     (void)self;
@@ -1020,6 +1022,7 @@ static PyObject *configure_walk(PyObject *self, PyObject *args) {
     keep(&g_ser_decimal, decimal);
     keep(&g_ser_text, descr);
     keep(&g_float_text, float_text);
+    if (decimal_check() < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1318,6 +1321,125 @@ static int write_int(Line *b, PyObject *value) {
     return line_put(b, start, (size_t)(end - start)) < 0 ? -1 : 1;
 }
 
+/* A Decimal's positional text (json_default's: format(d, "f")), read from the object
+ * itself, for a Decimal with an exponent of 0 or less (what NUMERIC values are): no
+ * context lookup, no string made. The layout is CPython's _decimal object (the same from
+ * 3.3 on: the hash, then libmpdec's mpd_t, base 10**19 limbs on 64-bit builds);
+ * decimal_check compares this text with format(d, "f") on sample values when the module
+ * is configured, and anything else is left to json_default. */
+typedef struct {
+    uint8_t flags;
+    Py_ssize_t exp, digits, len, alloc;
+    uint64_t *data;
+} MpdLayout;
+
+typedef struct {
+    PyObject_HEAD
+    Py_hash_t hash;
+    MpdLayout dec;
+} DecimalLayout;
+
+#define MPD_NEG 1
+#define MPD_SPECIAL 14  /* infinity, NaN, sNaN */
+#define MPD_LIMB_DIGITS 19
+static int g_decimal_fast;  /* the layout checked out (decimal_check) */
+
+/* 1 written (quoted, as the default's text is), LEAVE for a positive exponent, a special
+ * value or anything that does not look like the layout */
+static int write_decimal(Line *b, PyObject *value) {
+    const MpdLayout *d = &((const DecimalLayout *)value)->dec;
+    Py_ssize_t exp = d->exp, ndigits = d->digits, len = d->len;
+    Py_ssize_t whole = ndigits + exp;  /* digits before the point; <= 0: "0.", zeros */
+    if ((d->flags & MPD_SPECIAL) || exp > 0 || whole < -((Py_ssize_t)1 << 24) || len < 1
+            || ndigits < 1
+            || ndigits > len * MPD_LIMB_DIGITS || ndigits <= (len - 1) * MPD_LIMB_DIGITS
+            || ndigits > (Py_ssize_t)1 << 24)
+        return LEAVE;
+    size_t zeros = whole < 0 ? (size_t)-whole : 0;
+    if (line_room(b, (size_t)ndigits + zeros + 6) < 0) return -1;
+    char *o = b->data + b->len;
+    *o++ = '"';
+    if (d->flags & MPD_NEG) *o++ = '-';
+    if (whole <= 0) {
+        *o++ = '0';
+        *o++ = '.';
+        memset(o, '0', zeros);
+        o += zeros;
+    }
+    /* the coefficient's digits, most significant limb first; the top one unpadded */
+    Py_ssize_t top = ndigits - (len - 1) * MPD_LIMB_DIGITS;
+    char *start = o;
+    for (Py_ssize_t i = len - 1; i >= 0; i--) {
+        Py_ssize_t width = i == len - 1 ? top : MPD_LIMB_DIGITS;
+        uint64_t limb = d->data[i];
+        for (Py_ssize_t k = width - 1; k >= 0; k--) {
+            o[k] = (char)('0' + limb % 10);
+            limb /= 10;
+        }
+        if (limb != 0) return LEAVE;  /* more digits than mpd_t says: not the layout */
+        o += width;
+    }
+    if (whole > 0 && exp < 0) {  /* the point inside the digits */
+        memmove(start + whole + 1, start + whole, (size_t)-exp);
+        start[whole] = '.';
+        o++;
+    }
+    *o++ = '"';
+    b->len = (size_t)(o - b->data);
+    return 1;
+}
+
+static void line_free(Line *b);
+
+/* g_decimal_fast: whether write_decimal gives json_default's text (quoted) for sample
+ * values and declines those with a positive exponent; 0, or -1 on an error (set) */
+static int decimal_check(void) {
+    static const char *samples[] = {
+        "0", "-0", "1", "-1.5", "123.456", "0.000001", "-0.0000012345", "1.00", "0.10",
+        "9999999999999999999", "10000000000000000000", "-12345678901234567890.123456789",
+        "0.1234567890123456789012345678901234567890", "0E-10", "1E-7", "-0.00", "5E-6",
+        "99999999999999999999999999999999999999.999999999", "123456789E-20", "-7E-45",
+        "1E+3", "0E+2", "-1.5E+3",
+    };
+    g_decimal_fast = 0;
+    PyTypeObject *kind = (PyTypeObject *)g_ser_decimal;
+    if (sizeof(void *) != 8 || !PyType_Check(g_ser_decimal)
+            || kind->tp_basicsize != (Py_ssize_t)(sizeof(DecimalLayout) + 4 * sizeof(uint64_t)))
+        return 0;
+    for (size_t i = 0; i < sizeof samples / sizeof samples[0]; i++) {
+        PyObject *value = PyObject_CallFunction(g_ser_decimal, "s", samples[i]);
+        if (value == NULL) return -1;
+        PyObject *text = Py_TYPE(value) == kind ? json_default(NULL, value) : NULL;
+        if (text == NULL) {
+            Py_DECREF(value);
+            return PyErr_Occurred() ? -1 : 0;
+        }
+        Line b;
+        b.data = b.inline_buf;
+        b.len = 0;
+        b.cap = sizeof b.inline_buf;
+        int done = write_decimal(&b, value);
+        Py_ssize_t n;
+        const char *want = PyUnicode_AsUTF8AndSize(text, &n);
+        int same = want != NULL && (strstr(samples[i], "E+") != NULL
+            ? done == LEAVE
+            : done == 1 && b.len == (size_t)n + 2 && memcmp(b.data + 1, want, (size_t)n) == 0);
+        line_free(&b);
+        Py_DECREF(text);
+        Py_DECREF(value);
+        if (want == NULL) return -1;
+        if (!same) return 0;
+    }
+    g_decimal_fast = 1;
+    return 0;
+}
+
+static PyObject *decimal_digits(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(g_decimal_fast);
+}
+
 static int write_value(Line *b, PyObject *value, int depth);
 
 /* what the default makes of value, written; the default's error declines */
@@ -1345,6 +1467,10 @@ static int write_value(Line *b, PyObject *value, int depth) {
     if (value == Py_False) return line_put(b, "false", 5) < 0 ? -1 : 1;
     if (kind == &PyLong_Type) return write_int(b, value);
     if (depth >= 128) return LEAVE;  /* the Python path says what it makes of it */
+    if ((PyObject *)kind == g_ser_decimal && g_decimal_fast) {
+        int done = write_decimal(b, value);
+        if (done != LEAVE) return done;
+    }
     if ((PyObject *)kind == g_ser_timestamp || (PyObject *)kind == g_ser_decimal)
         return write_defaulted(b, value, depth);
     if (kind == &PyDict_Type) {
@@ -1432,6 +1558,9 @@ static PyMethodDef methods[] = {
      "float's JSON text (bytes)"},
     {"json_line", json_line, METH_O,
      "json_line(element) -> the JSONL line dumps_line writes (bytes), or None to decline"},
+    {"decimal_digits", decimal_digits, METH_NOARGS,
+     "decimal_digits() -> whether json_line writes Decimals from their digits (the layout "
+     "checked out when configure_walk ran)"},
     {"json_default", json_default, METH_O,
      "json_default(value): orjson's default for the JSON writer (Timestamp, Decimal fast)"},
     {"non_finite", non_finite, METH_O,

@@ -422,3 +422,24 @@ def json_dumps_rules(element: Any) -> bytes:
     from cdcflow.serialize import json_dumps
 
     return json_dumps(to_json_dict(element)) + b"\n"
+
+
+@pytest.mark.skipif(serialize._compiled_line() is None, reason="not compiled")
+@settings(max_examples=3000, deadline=None)
+@given(st.booleans(), st.integers(0, 10**60) | st.sampled_from([0, 10**19 - 1, 10**19, 10**38]),
+       st.integers(-45, 4))
+def test_the_compiled_line_writes_decimals_from_their_digits(
+    negative: bool, coefficient: int, exponent: int,
+) -> None:
+    """A Decimal is written from its own digits (no str() made): the text of the Python
+    path for every coefficient (one limb of 19 digits or several) and exponent (a positive
+    one the compiled pass leaves to the default)."""
+    from cdcflow import _speedups
+
+    assert _speedups.decimal_digits()  # the layout checked out on this interpreter
+    value = Decimal(f"{'-' if negative else ''}{coefficient}E{exponent}")
+    element = {"d": value, "ds": [value, Decimal("-0.00"), Decimal("Infinity")]}
+    compiled = serialize._compiled_line()
+    assert compiled is not None
+    assert compiled(element) == serialize._dumps_line(element)
+    assert orjson.loads(compiled(element) or b"")["d"] == format(value, "f")
