@@ -42,6 +42,7 @@ from cdcflow.model import (
     ChildPartition,
     ChildPartitionsRecord,
     ColumnType,
+    DataChangeRecord,
     HeartbeatRecord,
 )
 from cdcflow.spanner.decode import row_decoder, text_decoder
@@ -50,8 +51,10 @@ from cdcflow.spanner.records import (
     CHILD_PARTITIONS_LAYOUT,
     COLUMN_LAYOUT,
     DATA_LAYOUT,
+    ENTRY_BYTES,
     HEARTBEAT_LAYOUT,
     MOD_LAYOUT,
+    RECORD_BYTES,
     TOP_LAYOUT,
     DataBuilder,
 )
@@ -236,8 +239,24 @@ class MessageDecoder:
         pending, self._pending = self._pending, None
         if pending is not None:
             assert self._generic is not None
-            return self._generic(pending, token)
+            return self.measured(self._generic(pending, token), pending.ByteSize())
         return self._assembled(self._assembler.finish(), token)
+
+    def measured(self, records: Records, wire: int) -> Records:
+        """``records``, decoded from ``wire`` bytes (a row's value, or its text) by a path
+        that does not measure them, with their sizes in :attr:`sizes`: as the merged path
+        measures (:data:`RECORD_BYTES`, the row's bytes shared among its data records,
+        :data:`ENTRY_BYTES` per key and value), so that no reader of a large record has to
+        measure it again (``cdcflow.sizes.approx_size`` writes it out as JSON)."""
+        data = [r for r in records if isinstance(r, DataChangeRecord)]
+        if data:
+            share = wire // len(data)
+            sizes = self.sizes
+            for r in data:
+                entries = sum(len(m.keys) + len(m.new_values) + len(m.old_values)
+                              for m in r.mods)
+                sizes[id(r)] = RECORD_BYTES + share + ENTRY_BYTES * entries
+        return records
 
     def _by_row(self, message: bytes, token: str) -> Records:
         """A message decoded row by row: its first value ends a chunked one, its last may
@@ -258,8 +277,8 @@ class MessageDecoder:
         for value in values:
             if isinstance(value, bytes):
                 out.extend(self._fast.row(value, token))
-            else:
-                out.extend(self._generic(value, token))
+            else:  # a chunked value made whole: the large rows
+                out.extend(self.measured(self._generic(value, token), value.ByteSize()))
         return out
 
     def _assembled(self, rows: list[tuple[Any, list[Any]]], token: str) -> Records:
@@ -269,7 +288,7 @@ class MessageDecoder:
             if not self._typed:
                 self._choose(row_type)
             assert self._generic is not None
-            out.extend(self._generic(row[0], token))
+            out.extend(self.measured(self._generic(row[0], token), row[0].ByteSize()))
         return out
 
     def _choose(self, row_type: Any) -> None:
@@ -337,15 +356,15 @@ class _ScalarRows:
         texts = leaf.s
         if texts or leaf.n:
             self._owner.rows_seen = True
-        text = self._text
+        text, measured = self._text, self._owner.measured
         out: Records = []
         for value in texts:
-            out.extend(text(value, token))
+            out.extend(measured(text(value, token), len(value)))
         return out
 
     def row(self, value: bytes, token: str) -> Records:
         """The records of one serialized row value."""
-        return self._generic(_types().value(value), token)
+        return self._owner.measured(self._generic(_types().value(value), token), len(value))
 
 
 def _leaf(array: Any) -> Any:
@@ -396,7 +415,7 @@ class _GoogleSqlRows:
         if records is None:
             records = self._split(types.split_row(value), token)
         if records is None:
-            records = self._generic(types.value(value), token)
+            records = self._owner.measured(self._generic(types.value(value), token), len(value))
         return records
 
     def _merged(self, leaf: Any, token: str) -> Records | None:

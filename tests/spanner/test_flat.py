@@ -173,6 +173,38 @@ def test_rows_around_a_chunked_value(shape: str) -> None:
     assert list(decode_messages(iter(messages), TOKEN, RecordShaper())) == records
 
 
+@pytest.mark.parametrize("shape", ["googlesql", "postgresql", "proto"])
+def test_every_data_record_comes_measured_a_chunked_large_one_too(shape: str) -> None:
+    """Whatever path decodes a record (merged messages, a row at a time, a chunked value
+    made whole, a PostgreSQL or proto string), the decoder says its size, near what
+    approx_size counts, so that a task never measures a large record again (approx_size
+    writes it out as JSON, a copy of the record's size or more)."""
+    from cdcflow.engine.quota import approx_size
+
+    records = [_data(i, mods=[Mod({"Id": i}, {"Name": ("x" if i != 2 else "y") * 200_000}, {})])
+               for i in range(5)]
+    if shape == "postgresql":
+        column, values = wire.postgresql_column_type(), [wire.encode_postgresql(r)
+                                                          for r in records]
+    elif shape == "proto":
+        column, values = wire.proto_column_type(), [wire.proto_value(r) for r in records]
+    else:
+        column, values = wire.googlesql_column_type(), [wire.encode_googlesql([r])
+                                                         for r in records]
+    decoder = MessageDecoder(RecordShaper())
+    sizes = []
+    for message in _chunked_in_the_middle(column, values):
+        for record in decoder.decode(message.SerializeToString(), TOKEN):
+            sizes.append((record, decoder.sizes.get(id(record))))
+    assert [r for r, _ in sizes] == records
+    for record, size in sizes:
+        assert size is not None, record.record_sequence
+        # the wire's text: the values' (or the whole record's) JSON, a few hundred bytes
+        # of names, quotes and braces more; a proto's base64 text, a third more
+        most = approx_size(record) * (4 if shape == "proto" else 3) // 3 + 1500
+        assert approx_size(record) <= size <= most
+
+
 def test_a_stream_ending_in_a_chunk_does_not_drop_it_silently() -> None:
     """The rows before come out; the unfinished value is decoded at the end, as the rows
     path does, and half a record fails instead of vanishing."""
