@@ -7,6 +7,7 @@ import math
 import pickle
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -14,7 +15,7 @@ import pytest
 
 import cdcflow as cf
 import cdcflow.testing
-from cdcflow.errors import PipelineStopped
+from cdcflow.errors import ConfigurationError, PipelineStopped
 from cdcflow.policy import Decision, ErrorPolicy, FailedElement, Retry, Skip, Stop
 from cdcflow.testing import ScriptedChangeStream
 from cdcflow.transforms import Collect, Map, ReadChangeStream
@@ -206,3 +207,33 @@ def test_chain_stops_at_once_when_the_handler_says_stop() -> None:
     with pytest.raises(PipelineStopped, match=r"after 1 attempt\(s\): KeyError: 12"):
         cdcflow.testing.run(_pipeline(s, out, policy, _Faulty(stop_at=12)))
     assert 12 not in out.items
+
+
+def test_a_configuration_error_stops_the_run_at_once_whatever_the_policy(
+    tmp_path: Path,
+) -> None:
+    """A step that finds the pipeline's configuration wrong (LookupRows naming a column
+    the table lacks) ends the run with that error at its first element: no retry, no skip
+    (skipping would drop every change), not a PipelineStopped (exit 1) but the
+    configuration error itself (exit 2 from the command line)."""
+    calls = tmp_path / "calls"  # the task runs a pickled copy of the function
+
+    def misconfigured(r: cf.DataChangeRecord) -> int:
+        with calls.open("a") as f:
+            f.write(f"{_value(r)}\n")
+        msg = "LookupRows(columns=...): 'Nope' not in table 'T'; fix the column names"
+        raise ConfigurationError(msg)
+
+    for policy in (ErrorPolicy(retries=3, backoff=0.001), ErrorPolicy(then="skip"),
+                   ErrorPolicy(handler=lambda *_: Skip())):
+        calls.write_text("")
+        p = cf.Pipeline("misconfigured", error_policy=policy)
+        out = Collect[Any]()
+        p | ReadChangeStream(stream="S", start_at=T0, end_at=T0 + 5 * S,
+                             client=_stream()) | Map(misconfigured) | out
+        with pytest.raises(ConfigurationError, match="'Nope' not in table"):
+            cdcflow.testing.run(p)
+        called = calls.read_text().split()
+        # once in each of the two partitions' tasks at most: no element a second time
+        assert 1 <= len(called) <= 2 and len(set(called)) == len(called)
+        assert out.items == []

@@ -56,9 +56,9 @@ from cdcflow.errors import (
     CdcflowError,
     FencedError,
     LeaseExpiredError,
-    PipelineDefinitionError,
     PipelineStopped,
     SinkIOError,
+    UserInputError,
     WriterFailed,
     WriterStopped,
     describe,
@@ -736,12 +736,13 @@ class Chain:
         while True:
             if isinstance(exc, SinkIOError | PipelineStopped | WriterFailed | WriterStopped
                           | BatchInterrupted | FencedError | LeaseExpiredError
-                          | PipelineDefinitionError):
+                          | UserInputError):
                 # the sink's storage failed, not the element (the batch is retried), or it
                 # was decided further down (a sink with a policy of its own), or the writer
                 # failed as a whole or gave the batch up on a stop (the next run replays
                 # it), or the run may no longer act (its guard: engine.guard), or the
-                # pipeline is wrong (no retry or skip of an element mends that)
+                # pipeline or its configuration is wrong (LookupRows naming a column the
+                # table lacks): no retry or skip of an element mends that
                 raise exc
             failed += 1
             token, at = _origin(record)
