@@ -24,6 +24,8 @@ def parse_duration(text: str | float | int) -> float:
         if not math.isfinite(text):
             raise ValueError(msg)
         return float(text)
+    if not isinstance(text, str):
+        raise ValueError(msg)
     s = text.strip().lower()
     try:
         total = float(s)
@@ -52,10 +54,17 @@ def is_relative_time(value: str | datetime | int) -> bool:
 def parse_time(value: str | datetime | int, now_ns: int | None = None) -> int:
     """Nanoseconds since the epoch for ``"now"``, ``"-10m"`` (before now), RFC 3339 text,
     a datetime (naive taken as UTC) or integer nanoseconds."""
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, datetime):
         return Timestamp.from_datetime(value).ns
+    if not isinstance(value, str):
+        hint = (" (a float such as time.time() is seconds: give int(t * 1e9))"
+                if isinstance(value, float) else "")
+        msg = (f"not a time: {value!r} ({type(value).__name__}); write 'now', '-10m' (ten "
+               f"minutes ago), RFC 3339 text, a datetime or int nanoseconds since the "
+               f"epoch{hint}")
+        raise ValueError(msg)
     now = Timestamp.now().ns if now_ns is None else now_ns
     s = value.strip()
     if s.lower() == "now":

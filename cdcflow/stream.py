@@ -67,7 +67,8 @@ class StreamInfo:
 def _names(option: str, value: Iterable[str] | None) -> frozenset[str] | None:
     if value is None:
         return None
-    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+    if (isinstance(value, str | bytes) or not isinstance(value, Iterable)
+            or not all(isinstance(v, str) and v for v in value)):
         msg = f"{option}={value!r}: pass a list of names, e.g. {option}=['Orders']"
         raise PipelineDefinitionError(msg)
     return frozenset(value)
@@ -124,6 +125,11 @@ class RecordFilter:
             msg = "tables=[]: name at least one table (or leave tables out to read all)"
             raise PipelineDefinitionError(msg)
         kept: list[tuple[str, frozenset[str]]] = []
+        if columns is not None and (not isinstance(columns, Mapping)
+                                    or not all(isinstance(t, str) and t for t in columns)):
+            msg = (f"columns={columns!r}: pass a dict of table names to lists of column "
+                   "names, e.g. columns={'Orders': ['Status']}")
+            raise PipelineDefinitionError(msg)
         for table, names in sorted((columns or {}).items()):
             cols = _names(f"columns[{table!r}]", names)
             assert cols is not None

@@ -95,19 +95,19 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 msg = f"DetectPartitions({option}={count!r}): use a whole number, 1 or more"
                 raise PipelineDefinitionError(msg)
-        if client is None and (database is None or not _DATABASE.match(database)):
+        if client is None and (not isinstance(database, str) or not _DATABASE.match(database)):
             msg = (
                 f"DetectPartitions(database={database!r}): write the full path "
                 "projects/PROJECT/instances/INSTANCE/databases/DATABASE"
             )
             raise PipelineDefinitionError(msg)
-        if not _IDENTIFIER.match(stream or ""):
+        if not isinstance(stream, str) or not _IDENTIFIER.match(stream):
             msg = (
                 f"DetectPartitions(stream={stream!r}): a change stream name is an identifier "
                 "(letters, digits, '_', not starting with a digit)"
             )
             raise PipelineDefinitionError(msg)
-        if priority.upper() not in _PRIORITIES:
+        if not isinstance(priority, str) or priority.upper() not in _PRIORITIES:
             msg = f"DetectPartitions(priority={priority!r}): use one of {', '.join(_PRIORITIES)}"
             raise PipelineDefinitionError(msg)
         for name, value in (("start_at", start_at), ("end_at", end_at)):
@@ -148,7 +148,10 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         #: What tasks read with: the given client, with the read options applied.
         self.client = client
         self.priority = priority.upper()
-        self.query_timeout = parse_duration(query_timeout)
+        try:
+            self.query_timeout = parse_duration(query_timeout)
+        except ValueError as e:
+            raise PipelineDefinitionError(f"DetectPartitions(query_timeout=...): {e}") from None
         self.typed = bool(typed)
         #: The pushed-down filter (None: every record of every table).
         self.filter = record_filter
@@ -343,7 +346,8 @@ def _snapshot_tables(
         return True
     if value is False:
         return ()
-    if isinstance(value, str) or not all(isinstance(t, str) and t for t in value):
+    if (isinstance(value, str | bytes) or not isinstance(value, Iterable)
+            or not all(isinstance(t, str) and t for t in value)):
         msg = (
             f"DetectPartitions(snapshot={value!r}): pass True or a list of table names, "
             "e.g. snapshot=['Singers']"

@@ -98,6 +98,16 @@ def test_arguments_reach_the_primitives() -> None:
         ({"database": DB, "stream": "Orders", "max_inflight_bytes": 1.5}, "use a size"),
         ({"database": DB, "stream": "Orders", "max_inflight_bytes": True}, "use a size"),
         ({"database": DB, "stream": "Orders", "priority": "urgent"}, "LOW, MEDIUM, HIGH"),
+        # values of the wrong type: named, not an error from deep inside
+        ({"database": 42, "stream": "Orders"}, "projects/PROJECT/instances"),
+        ({"database": DB, "stream": 42}, r"stream=42\): a change stream name"),
+        ({"database": DB, "stream": "Orders", "priority": 1}, "LOW, MEDIUM, HIGH"),
+        ({"database": DB, "stream": "Orders", "start_at": 1.7e9},
+         r"start_at=\.\.\.\): not a time: 1700000000\.0 \(float\).*int\(t \* 1e9\)"),
+        ({"database": DB, "stream": "Orders", "end_at": True}, r"not a time: True \(bool\)"),
+        ({"database": DB, "stream": "Orders", "end_at": b"now"}, "RFC 3339 text, a datetime"),
+        ({"database": DB, "stream": "Orders", "query_timeout": ["1s"]},
+         r"query_timeout=\.\.\.\): not a duration"),
     ],
 )
 def test_bad_arguments_fail_when_built(kwargs: dict[str, object], fragment: str) -> None:
@@ -168,6 +178,11 @@ def test_read_options_reach_the_source_and_its_client() -> None:
         ({"tables": ["A"], "exclude_tables": ["B"]}, "use one of them"),
         ({"mod_types": ["UPSERT"]}, "INSERT, UPDATE, DELETE"),
         ({"columns": {"Items": ["x"]}, "tables": ["Orders"]}, "'Items' is not read"),
+        ({"tables": 7}, r"tables=7: pass a list"),
+        ({"exclude_tables": None, "mod_types": 1}, r"mod_types=1: pass a list"),
+        ({"columns": ["Orders"]}, r"columns=\['Orders'\]: pass a dict of table names"),
+        ({"columns": {1: ["x"]}}, "pass a dict of table names"),
+        ({"snapshot": 3}, r"snapshot=3\): pass True or a list"),
     ],
 )
 def test_bad_read_options_fail_when_built(kwargs: dict[str, object], fragment: str) -> None:
