@@ -653,6 +653,26 @@ def _command_logging(debug: bool, log_format: str) -> None:
         logging.getLogger("cdcflow").setLevel(logging.WARNING)
 
 
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has gone (a BrokenPipeError from
+    writing to it, not from another pipe or socket); if so, it now goes to /dev/null, so
+    that nothing written or flushed later fails again."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poll.poll(0))
+        if gone:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # no real stdout: not that case
+        return False
+    return gone
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     own_process = argv is None  # the process's own command line: it may end the process
@@ -683,6 +703,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         _fail(e, log_format)
+        return EXIT_ERROR
+    except BrokenPipeError as e:
+        if _stdout_gone():  # `cdcflow status --watch | head`: the reader read what it wanted
+            return EXIT_OK
+        if debug:
+            raise
+        _fail(f"{type(e).__name__}: {_one_line(e)}; --debug shows the traceback", log_format)
         return EXIT_ERROR
     except Exception as e:  # the pipeline's own code, a plugin's, or a defect of cdcflow
         if debug:

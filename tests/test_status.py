@@ -417,3 +417,20 @@ def test_recent_batches_show_phase_times_and_what_the_error_policy_did(tmp_path:
                               "READ", "SINKS", "RETRIED", "SKIPPED", "DEAD"]
     rows = [line.split() for line in text.splitlines()[text.splitlines().index(header) + 1:]]
     assert sum(int(row[-2]) for row in rows) == 3  # the SKIPPED column
+
+
+def test_watch_into_a_reader_that_goes_away_ends_quietly(store_url: str) -> None:
+    """`cdcflow status --watch | head -1`: the reader has read what it wanted; the watch
+    ends with exit 0 and says nothing, as `cdcflow run ... | head` does."""
+    command = [sys.executable, "-m", "cdcflow", "status", "--metadata", store_url,
+               "--pipeline", "live", "--watch", "0.05", "--watch-count", "200"]
+    watch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert watch.stdout is not None and watch.stderr is not None
+    assert watch.stdout.readline()  # the first line, then the reader goes away
+    watch.stdout.close()
+    try:
+        code = watch.wait(timeout=60)
+    finally:
+        watch.kill()
+    err = watch.stderr.read().decode()
+    assert code == 0 and err == "", err
