@@ -11,6 +11,9 @@ modules that raise them re-export the names they always had.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 __all__ = [
     "BatchAbandoned",
     "BatchInterrupted",
@@ -55,7 +58,22 @@ __all__ = [
     "WriterFailed",
     "WriterStopped",
     "describe",
+    "user_code",
 ]
+
+
+@contextlib.contextmanager
+def user_code(where: str) -> Iterator[None]:
+    """Name where an error of a pipeline's own code (or a plugin's) came from, as a note
+    the one-line error report carries: ``where`` is e.g. "in setup() of step 'enrich'".
+    cdcflow's own errors name their place already."""
+    try:
+        yield
+    except CdcflowError:
+        raise
+    except Exception as exc:
+        exc.add_note(where)
+        raise
 
 
 def describe(exc: BaseException) -> str:

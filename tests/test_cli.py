@@ -181,6 +181,16 @@ class OldSink(cf.Sink):
         pass
 
 
+class NoCredentials(LockSink):
+    def setup(self, ctx):
+        raise PermissionError("no credentials")
+
+
+class NoRecords(LockSink):
+    def last_committed_batch(self):
+        raise OSError("cannot list the output")
+
+
 pipeline = cf.Pipeline("usercode")
 (pipeline | cf.ReadChangeStream(stream="Orders", start_at=T0, end_at=T0 + 5000, client=stream)
  | {step})
@@ -211,6 +221,25 @@ def test_an_error_in_the_pipeline_s_own_code_is_one_line_naming_where(
         assert fragment in last
     debug = cdcflow("run", str(path), "--metadata", "memory://", "--debug", cwd=tmp_path)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize(("step", "fragment"), [
+    ('"out" >> NoCredentials()',
+     "PermissionError: no credentials; in setup() of sink 'out'; --debug"),
+    ('"out" >> NoRecords()',
+     "OSError: cannot list the output; in last_committed_batch() of sink 'out'; --debug"),
+])
+def test_an_error_of_a_sink_s_own_code_at_the_start_names_the_sink(
+    tmp_path: Path, step: str, fragment: str
+) -> None:
+    """A sink (a plugin's, or the pipeline file's own) that fails as the run starts is
+    named, with the method, as a step's setup() is."""
+    path = write(tmp_path, _USER_CODE.format(step=step))
+    done = cdcflow("run", str(path), "--metadata", "memory://", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("cdcflow: error: ") and fragment in last, last
 
 
 def test_missing_file(tmp_path: Path) -> None:

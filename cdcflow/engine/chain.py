@@ -33,14 +33,13 @@ User functions and sink writes run under the pipeline's
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import pickle
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -53,7 +52,6 @@ from cdcflow.engine.quota import ByteQuota, process_quota, quota_limit
 from cdcflow.engine.runner import ChildSeen, Task, TaskResult
 from cdcflow.errors import (
     BatchInterrupted,
-    CdcflowError,
     FencedError,
     LeaseExpiredError,
     PipelineStopped,
@@ -62,6 +60,7 @@ from cdcflow.errors import (
     WriterFailed,
     WriterStopped,
     describe,
+    user_code,
 )
 from cdcflow.inflight import Barrier, InflightTracker
 from cdcflow.model import DataChangeRecord
@@ -460,7 +459,7 @@ class Chain:
         # DoFn.setup runs once per task, before the first element, on this thread.
         for label, node in self._nodes.items():
             if isinstance(node, ParDo):
-                with _user_code(f"in setup() of step {label!r}"):
+                with user_code(f"in setup() of step {label!r}"):
                     node.fn.setup()
                 self._set_up.append((label, node))
         if self._line is not None:  # a DoFn may make its function in setup
@@ -788,7 +787,7 @@ class Chain:
             sink = self._nodes[label]
             assert isinstance(sink, Sink)
             sl = self._task.slice
-            with _user_code(f"in open_writer() of sink {label!r}"):
+            with user_code(f"in open_writer() of sink {label!r}"):
                 writer = self._open_writer(label, sink, sl)
             self._writers[label] = writer
         return writer
@@ -823,7 +822,7 @@ class Chain:
         self._give_back_all()
         teardown, self._set_up = self._set_up, []
         for label, node in teardown:
-            with _user_code(f"in teardown() of step {label!r}"):
+            with user_code(f"in teardown() of step {label!r}"):
                 node.fn.teardown()
         messages: dict[str, Any] = {}
         dead = self._program.dead_letter_label
@@ -831,7 +830,7 @@ class Chain:
         # hands them over as it closes
         for label in sorted(self._writers, key=lambda label: label == dead):
             writer = self._writers.pop(label)
-            with _user_code(f"in close() of the writer of sink {label!r}"):
+            with user_code(f"in close() of the writer of sink {label!r}"):
                 messages[label] = writer.close()
             # a writer with an error policy of its own (Consume) counts what it did
             counted = getattr(writer, "policy_counters", None)
@@ -843,7 +842,7 @@ class Chain:
             if skipped is not None and label != dead:
                 self._dead_letter(label, skipped())
         if dead is not None and dead in self._writers:
-            with _user_code(f"in close() of the writer of sink {dead!r}"):
+            with user_code(f"in close() of the writer of sink {dead!r}"):
                 messages[dead] = self._writers.pop(dead).close()
         return messages
 
@@ -933,20 +932,6 @@ class Chain:
             sink_messages=dict(messages), records=records, bytes=size, counters=counts,
             commit_times=commit_times, step_inputs=self.step_inputs(),
         )
-
-
-@contextlib.contextmanager
-def _user_code(where: str) -> Iterator[None]:
-    """Name where an error of a pipeline's own code (or a plugin's) came from, as a note
-    the one-line error report carries: ``where`` is e.g. "in setup() of step 'enrich'".
-    cdcflow's own errors name their place already."""
-    try:
-        yield
-    except CdcflowError:
-        raise
-    except Exception as exc:
-        exc.add_note(where)
-        raise
 
 
 def _origin(record: Any) -> tuple[str, Any]:

@@ -70,6 +70,7 @@ from cdcflow.errors import (
     PipelineDefinitionError,
     SinkIOError,
     StoreError,
+    user_code,
 )
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import (
@@ -280,17 +281,23 @@ class Engine:
         # One run per pipeline: every write below carries this run's fencing token, and what
         # reaches no store (a task's side effect, a sink's background upload) checks this.
         guard = RunGuard(name, self._stop.is_set)
+        committed: dict[str, int] = {}
+        owned: dict[str, int] = {}
         for label, sink in sinks.items():
-            sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir,
-                                   request_stop=self._sink_stop, stopping=self._stop.is_set,
-                                   guard=guard.check))
+            with user_code(f"in setup() of sink {label!r}"):
+                sink.setup(SinkContext(pipeline=name, sink_label=label, base_dir=opts.base_dir,
+                                       request_stop=self._sink_stop, stopping=self._stop.is_set,
+                                       guard=guard.check))
         _check_locations(sinks)
-        # Batch ids go on above any output a sink already holds (a lost or new store must
-        # never make a sink reuse a batch id it committed before).
-        committed = {label: s.last_committed_batch() for label, s in sinks.items()}
+        for label, sink in sinks.items():
+            # Batch ids go on above any output a sink already holds (a lost or new store
+            # must never make a sink reuse a batch id it committed before)...
+            with user_code(f"in last_committed_batch() of sink {label!r}"):
+                committed[label] = sink.last_committed_batch()
+            # ...and the output they know this pipeline committed (see _check_not_lost)
+            with user_code(f"in owned_batch() of sink {label!r}"):
+                owned[label] = sink.owned_batch()
         self._sink_floor = max(committed.values(), default=0)
-        # ...and the output they know this pipeline committed (see _check_not_lost)
-        owned = {label: s.owned_batch() for label, s in sinks.items()}
         # sinks that write somewhere of their own and hold nothing there (see _first_run)
         self._empty_sinks = [label for label, s in sinks.items()
                              if s.output_location() is not None
