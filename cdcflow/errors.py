@@ -12,6 +12,7 @@ modules that raise them re-export the names they always had.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 __all__ = [
@@ -58,8 +59,16 @@ __all__ = [
     "WriterFailed",
     "WriterStopped",
     "describe",
+    "log_failure",
     "user_code",
 ]
+
+
+def log_failure(log: logging.Logger, message: str, *args: object, exc: BaseException) -> None:
+    """Log ``message % args`` and ``exc`` (named by :func:`describe`) as one ERROR line,
+    with the traceback only when ``log`` shows DEBUG lines (``--debug``): for a failure
+    that does not end the run (a sink's abort or close, an observer)."""
+    log.error(message + " (%s)", *args, describe(exc), exc_info=log.isEnabledFor(logging.DEBUG))
 
 
 @contextlib.contextmanager

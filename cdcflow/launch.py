@@ -44,6 +44,7 @@ from cdcflow.errors import (
     PipelineDefinitionError,
     PluginError,
     UserInputError,
+    log_failure,
 )
 from cdcflow.metadata import open_store
 from cdcflow.metadata.base import MetadataStore
@@ -347,9 +348,9 @@ class _Listeners(EngineListener):
         for observer in list(self._observers):
             try:
                 getattr(observer, method)(*args)
-            except Exception:
-                _log.exception("%s failed in %s; it observes no more of this run",
-                               type(observer).__name__, method)
+            except Exception as exc:
+                log_failure(_log, "%s failed in %s; it observes no more of this run",
+                            type(observer).__name__, method, exc=exc)
                 self._observers.remove(observer)
 
     def on_start(self, pipeline: str, runner: str, store_url: str) -> None:

@@ -50,6 +50,7 @@ from cdcflow.engine.listener import (
     tasks_done,
     tasks_held_back,
 )
+from cdcflow.errors import log_failure
 from cdcflow.model import (
     BatchPlan,
     PartitionMetadata,
@@ -354,8 +355,8 @@ class StuckWatch(EngineListener):
         while not self._stop.wait(self.interval):
             try:
                 self.check()
-            except Exception:  # a broken check must not end the run it observes
-                _log.exception("checking for stuck partitions failed")
+            except Exception as exc:  # a broken check must not end the run it observes
+                log_failure(_log, "checking for stuck partitions failed", exc=exc)
 
     def __enter__(self) -> StuckWatch:
         return self.start()

@@ -186,6 +186,19 @@ class NoCredentials(LockSink):
         raise PermissionError("no credentials")
 
 
+class NoneWriter(LockWriter):
+    def close(self):
+        return None
+
+
+class BadClose(LockSink):
+    def open_writer(self, ctx):
+        return NoneWriter()
+
+    def close(self):
+        raise RuntimeError("close failed")
+
+
 class NoRecords(LockSink):
     def last_committed_batch(self):
         raise OSError("cannot list the output")
@@ -240,6 +253,19 @@ def test_an_error_of_a_sink_s_own_code_at_the_start_names_the_sink(
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("cdcflow: error: ") and fragment in last, last
+
+
+def test_a_sink_that_fails_to_close_is_one_line_and_its_output_stays(tmp_path: Path) -> None:
+    """A failure that does not end the run (a sink's close(), abort(), an observer) is
+    one line naming the sink and the error; its traceback only with --debug."""
+    path = write(tmp_path, _USER_CODE.format(step='"out" >> BadClose()'))
+    done = cdcflow("run", str(path), "--metadata", "memory://", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert ("close() of sink 'out' failed; what it committed is kept (RuntimeError: close "
+            "failed)") in done.stderr
+    debug = cdcflow("run", str(path), "--metadata", "memory://", "--debug", cwd=tmp_path)
+    assert debug.returncode == 0 and "Traceback" in debug.stderr
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ from cdcflow.errors import (
     RunnerContractError,
     SinkError,
     TransientError,
+    log_failure,
 )
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
@@ -172,8 +173,9 @@ class Batches:
         for label, sink in self._sinks.items():
             try:
                 sink.abort(ahead.plan.batch_id, messages.get(label, []))
-            except Exception:
-                _log.exception("sink %r failed to abort batch %d", label, ahead.plan.batch_id)
+            except Exception as exc:
+                log_failure(_log, "sink %r failed to abort batch %d", label, ahead.plan.batch_id,
+                            exc=exc)
 
     def close(self) -> None:
         """Drop a batch read ahead and stop the read-ahead thread."""
@@ -467,8 +469,8 @@ def _abort(batch_id: int, sinks: Mapping[str, Sink[Any, Any]]) -> None:
     for label, sink in sinks.items():
         try:
             sink.abort(batch_id, [])
-        except Exception:
-            _log.exception("sink %r failed to abort batch %d", label, batch_id)
+        except Exception as exc:
+            log_failure(_log, "sink %r failed to abort batch %d", label, batch_id, exc=exc)
 
 
 def _is_transient(exc: BaseException) -> bool:

@@ -60,6 +60,7 @@ from cdcflow.errors import (
     WriterFailed,
     WriterStopped,
     describe,
+    log_failure,
     user_code,
 )
 from cdcflow.inflight import Barrier, InflightTracker
@@ -866,14 +867,14 @@ class Chain:
         for _, node in self._set_up:
             try:
                 node.fn.teardown()
-            except Exception:
-                _log.exception("teardown of a DoFn failed while aborting a task")
+            except Exception as exc:
+                log_failure(_log, "teardown() of a DoFn failed while aborting a task", exc=exc)
         self._set_up = []
         for writer in self._writers.values():
             try:
                 writer.abort()
-            except Exception:
-                _log.exception("aborting a sink writer failed")
+            except Exception as exc:
+                log_failure(_log, "abort() of a sink writer failed", exc=exc)
         self._writers.clear()
 
     def _shutdown(self) -> None:

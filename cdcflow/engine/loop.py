@@ -70,6 +70,7 @@ from cdcflow.errors import (
     PipelineDefinitionError,
     SinkIOError,
     StoreError,
+    log_failure,
     user_code,
 )
 from cdcflow.metadata.base import MetadataStore
@@ -404,11 +405,12 @@ class Engine:
         finally:
             if stopping_hook is not None:
                 stopping_hook(None)
-            for sink in sinks.values():
+            for label, sink in sinks.items():
                 try:
                     sink.close()
-                except Exception:
-                    _log.exception("closing a sink failed")
+                except Exception as exc:  # what it committed stays committed
+                    log_failure(_log, "close() of sink %r failed; what it committed is kept",
+                                label, exc=exc)
         self.listener.on_stop(summary)
         return summary
 
