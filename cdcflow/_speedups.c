@@ -36,8 +36,11 @@
 #include <Python.h>
 #include <datetime.h>
 #include <math.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 /* --- what configure() sets ------------------------------------------------------------ */
 
@@ -1550,12 +1553,106 @@ static PyObject *json_line(PyObject *self, PyObject *element) {
     return out;
 }
 
+/* --- a bus error's one line ------------------------------------------------------------ */
+
+/* SIGBUS: a memory-mapped file failed under the process (its disk full or read-only, the
+ * file truncated or made unwritable: the SQLite store's -shm index, say). The process
+ * cannot go on from it (the faulting access would run again), so the handler writes the
+ * line the command ends with, then exits with 1: what it wrote is the one line a command
+ * ends with, instead of "Bus error" from the shell. Only what is async-signal-safe runs
+ * here: the line is made in advance, and a JSON line's time is written by hand. */
+
+static char g_bus_before[2048], g_bus_after[2048];
+static size_t g_bus_before_len, g_bus_after_len;
+static int g_bus_timed;
+
+static void put_digits(char *at, long value, int width) {
+    for (int i = width - 1; i >= 0; i--) {
+        at[i] = (char)('0' + value % 10);
+        value /= 10;
+    }
+}
+
+/* "YYYY-MM-DDTHH:MM:SS.mmmZ" (24 characters) of the time now, as the log lines date it */
+static void utc_stamp(char *out) {
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    long long secs = (long long)now.tv_sec;
+    long long days = secs / 86400, rest = secs % 86400;
+    /* days since 1970-01-01 to a civil date (Howard Hinnant's days_from_civil, inverted) */
+    long long z = days + 719468;
+    long long era = (z >= 0 ? z : z - 146096) / 146097;
+    long long doe = z - era * 146097;
+    long long yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    long long y = yoe + era * 400, doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    long long mp = (5 * doy + 2) / 153, d = doy - (153 * mp + 2) / 5 + 1;
+    long long m = mp < 10 ? mp + 3 : mp - 9;
+    y += m <= 2;
+    memcpy(out, "0000-00-00T00:00:00.000Z", 24);
+    put_digits(out, (long)y, 4);
+    put_digits(out + 5, (long)m, 2);
+    put_digits(out + 8, (long)d, 2);
+    put_digits(out + 11, (long)(rest / 3600), 2);
+    put_digits(out + 14, (long)(rest % 3600 / 60), 2);
+    put_digits(out + 17, (long)(rest % 60), 2);
+    put_digits(out + 20, (long)(now.tv_nsec / 1000000), 3);
+}
+
+static void write_all(const char *data, size_t n) {
+    while (n > 0) {
+        ssize_t done = write(2, data, n);
+        if (done <= 0) return;
+        data += done;
+        n -= (size_t)done;
+    }
+}
+
+static void on_bus_error(int signal_number) {
+    (void)signal_number;
+    write_all(g_bus_before, g_bus_before_len);
+    if (g_bus_timed) {
+        char stamp[24];
+        utc_stamp(stamp);
+        write_all(stamp, sizeof stamp);
+        write_all(g_bus_after, g_bus_after_len);
+    }
+    _exit(1);
+}
+
+/* exit_on_bus_error(before, after=None): on SIGBUS, write before (then the time and after,
+ * when after is given) to stderr and exit with 1 */
+static PyObject *exit_on_bus_error(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *before, *after = NULL;
+    Py_ssize_t before_len, after_len = 0;
+    if (!PyArg_ParseTuple(args, "y#|z#", &before, &before_len, &after, &after_len))
+        return NULL;
+    if ((size_t)before_len > sizeof g_bus_before || (size_t)after_len > sizeof g_bus_after) {
+        PyErr_SetString(PyExc_ValueError, "the bus error's line is too long");
+        return NULL;
+    }
+    memcpy(g_bus_before, before, (size_t)before_len);
+    g_bus_before_len = (size_t)before_len;
+    if (after != NULL) memcpy(g_bus_after, after, (size_t)after_len);
+    g_bus_after_len = (size_t)after_len;
+    g_bus_timed = after != NULL;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_handler = on_bus_error;
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGBUS, &action, NULL) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"configure_walk", configure_walk, METH_VARARGS,
      "configure_walk(no_float_types, other, default, Timestamp, Decimal, text_slot, float_text): "
      "the types non_finite skips, what it asks of any value that is not a float, dict, list or "
      "tuple; what json_default calls for anything but a Timestamp or a Decimal; a finite "
      "float's JSON text (bytes)"},
+    {"exit_on_bus_error", exit_on_bus_error, METH_VARARGS,
+     "exit_on_bus_error(before, after=None): on SIGBUS write before (then the time and "
+     "after, when after is given) to stderr and exit with 1"},
     {"json_line", json_line, METH_O,
      "json_line(element) -> the JSONL line dumps_line writes (bytes), or None to decline"},
     {"decimal_digits", decimal_digits, METH_NOARGS,

@@ -653,6 +653,34 @@ def _command_logging(debug: bool, log_format: str) -> None:
         logging.getLogger("cdcflow").setLevel(logging.WARNING)
 
 
+#: The line a bus error (SIGBUS) ends a command with.
+BUS_ERROR = (
+    "a memory-mapped file failed under the process (SIGBUS): its disk is full or read-only, "
+    "or the file was truncated or made unwritable (the SQLite store's -shm file, say); fix "
+    "that and run the command again (a run resumes from its last commit)"
+)
+
+
+def _exit_on_bus_error(log_format: str) -> None:
+    """Have a bus error end this process with the one line of an error (:data:`BUS_ERROR`)
+    and exit code 1, as the shell's "Bus error" and 135 would (the compiled module's
+    handler; without it, the process keeps Python's default)."""
+    from cdcflow.compiled import speedups
+
+    compiled = speedups()
+    if compiled is None or not hasattr(compiled, "exit_on_bus_error"):
+        return
+    if log_format != "json":
+        compiled.exit_on_bus_error(f"cdcflow: error: {BUS_ERROR}\n".encode())
+        return
+    from cdcflow.logformat import JsonFormatter, utc_stamp
+
+    record = logging.LogRecord("cdcflow.cli", logging.ERROR, __file__, 0, "%s", (BUS_ERROR,),
+                               None)
+    before, _, after = JsonFormatter().format(record).partition(utc_stamp(record.created))
+    compiled.exit_on_bus_error(before.encode(), f"{after}\n".encode())
+
+
 def _stdout_gone() -> bool:
     """Whether standard output is a pipe whose reader has gone (a BrokenPipeError from
     writing to it, not from another pipe or socket); if so, it now goes to /dev/null, so
@@ -687,6 +715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         a == "--log-format=json" or (a == "json" and prev == "--log-format")
         for prev, a in zip(["", *argv], argv, strict=False)
     ) else "plain"
+    if own_process:
+        _exit_on_bus_error(log_format)
     try:
         args = build_parser().parse_args(argv)
         args.debug = debug or args.debug

@@ -24,6 +24,7 @@ __all__ = [
     "PlainFormatter",
     "configure_worker_logging",
     "pass_to_workers",
+    "utc_stamp",
 ]
 
 #: What ``--log-format`` takes.
@@ -31,7 +32,7 @@ LOG_FORMATS = ("plain", "json")
 LogFormat = Literal["plain", "json"]
 
 
-def _utc_stamp(created: float) -> str:
+def utc_stamp(created: float) -> str:
     """ISO-8601 in UTC with milliseconds: ``2024-05-01T12:00:00.123Z``."""
     stamp = datetime.fromtimestamp(created, UTC)
     return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
@@ -44,7 +45,7 @@ class PlainFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        return _utc_stamp(record.created)
+        return utc_stamp(record.created)
 
 
 class JsonFormatter(logging.Formatter):
@@ -58,7 +59,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         doc: dict[str, object] = {
-            "time": _utc_stamp(record.created),
+            "time": utc_stamp(record.created),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),

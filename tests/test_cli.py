@@ -10,11 +10,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cdcflow.cli import BUS_ERROR
+from cdcflow.compiled import speedups
 from cdcflow.spanner.emulator import Emulator
 
 T0 = 1_700_000_000 * 10**9
@@ -266,6 +269,41 @@ def test_a_sink_that_fails_to_close_is_one_line_and_its_output_stays(tmp_path: P
             "failed)") in done.stderr
     debug = cdcflow("run", str(path), "--metadata", "memory://", "--debug", cwd=tmp_path)
     assert debug.returncode == 0 and "Traceback" in debug.stderr
+
+
+_BUS = """
+import mmap, tempfile, time
+
+def fault(record):
+    time.sleep(1.5)
+    with tempfile.TemporaryFile() as f:
+        f.write(b"x" * 4096)
+        f.flush()
+        mapped = mmap.mmap(f.fileno(), 4096)
+        f.truncate(0)
+        return mapped[0]  # the mapped page is gone: SIGBUS
+"""
+
+
+@pytest.mark.skipif(speedups() is None, reason="not compiled")
+@pytest.mark.parametrize("log_format", ["plain", "json"])
+def test_a_bus_error_ends_the_command_with_one_line(tmp_path: Path, log_format: str) -> None:
+    """A memory-mapped file failing under the run (the SQLite store's -shm on a disk that
+    filled up, say) ends it with the one line of an error and exit 1, in the format asked
+    for, instead of the shell's "Bus error" and 135."""
+    path = write(tmp_path, _BUS + _USER_CODE.format(step="cf.Map(fault) | cf.Collect()"))
+    began = time.time()
+    done = cdcflow("run", str(path), "--metadata", "memory://", "--log-format", log_format,
+                   cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    if log_format == "plain":
+        assert last == f"cdcflow: error: {BUS_ERROR}"
+    else:
+        doc = json.loads(last)
+        assert (doc["level"], doc["message"]) == ("ERROR", BUS_ERROR)
+        at = datetime.strptime(doc["time"], "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
+        assert began + 1.5 <= at <= time.time()  # the time of the error, not of the start
 
 
 def test_missing_file(tmp_path: Path) -> None:
