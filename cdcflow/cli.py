@@ -594,10 +594,21 @@ def _one_line(error: BaseException) -> str:
     return "; ".join([text, *(" ".join(n.split()) for n in notes)])
 
 
-def _fail(error: BaseException | str, log_format: str) -> None:
+def _fail(
+    error: BaseException | str, log_format: str, debug: bool = False, traced: bool = False,
+) -> None:
     """The one line an error (or its text) ends the command with: plain, or a JSON log
-    object."""
+    object; with ``debug``, an exception's traceback first. ``traced``: an error that is
+    not cdcflow's own (its type is named, and that ``--debug`` shows where it came
+    from)."""
+    if debug and isinstance(error, BaseException):
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
     text = error if isinstance(error, str) else _one_line(error)
+    if traced and isinstance(error, BaseException):
+        text = f"{type(error).__name__}: {text}" + ("" if debug else
+                                                    "; --debug shows the traceback")
     _say(f"cdcflow: error: {text}", log_format, text, logging.ERROR)
 
 
@@ -724,27 +735,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             _command_logging(args.debug, log_format)
         code: int = args.func(args)
         return code
+    # With --debug the traceback comes first; the line and the exit code are the same.
     except UserInputError as e:
-        if debug:
-            raise
-        _fail(e, log_format)
+        _fail(e, log_format, debug)
         return EXIT_USAGE
     except CdcflowError as e:  # PipelineStopped included: the run stopped on an error
-        if debug:
-            raise
-        _fail(e, log_format)
+        _fail(e, log_format, debug)
         return EXIT_ERROR
     except BrokenPipeError as e:
         if _stdout_gone():  # `cdcflow status --watch | head`: the reader read what it wanted
             return EXIT_OK
-        if debug:
-            raise
-        _fail(f"{type(e).__name__}: {_one_line(e)}; --debug shows the traceback", log_format)
+        _fail(e, log_format, debug, traced=True)
         return EXIT_ERROR
     except Exception as e:  # the pipeline's own code, a plugin's, or a defect of cdcflow
-        if debug:
-            raise
-        _fail(f"{type(e).__name__}: {_one_line(e)}; --debug shows the traceback", log_format)
+        _fail(e, log_format, debug, traced=True)
         return EXIT_ERROR
     except KeyboardInterrupt:
         _say("\ncdcflow: interrupted", log_format, "interrupted", logging.WARNING)

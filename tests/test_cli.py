@@ -60,10 +60,13 @@ pipeline = cf.Pipeline("orders")
 
 
 def cdcflow(
-    *args: str, cwd: Path | None = None, timeout: float = 120
+    *args: str, cwd: Path | None = None, timeout: float = 120,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    extra = env or {}
     env = {**os.environ, "NO_COLOR": "1"}
     env.pop("CDCFLOW_DEBUG", None)
+    env.update(extra)
     return subprocess.run(
         [sys.executable, "-m", "cdcflow", *args], capture_output=True, text=True,
         timeout=timeout, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
@@ -1145,6 +1148,21 @@ def test_debug_goes_before_or_after_the_command(tmp_path: Path) -> None:
         assert "Traceback" in result.stderr, argv  # --debug shows the traceback
     path = write(tmp_path, VALID)
     assert cdcflow("graph", str(path), "--debug").returncode == 0
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_code_and_line(tmp_path: Path) -> None:
+    """--debug (or CDCFLOW_DEBUG=1) adds the traceback; the exit code a script branches
+    on (2: fix the input) and the last line stay what they are without it."""
+    path = write(tmp_path, "def f(:\n")
+    plain = cdcflow("graph", str(path))
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr
+    for debugged in (cdcflow("--debug", "graph", str(path)),
+                     cdcflow("graph", str(path), env={"CDCFLOW_DEBUG": "1"})):
+        assert debugged.returncode == 2, debugged.stderr
+        assert "Traceback" in debugged.stderr and "PipelineFileError" in debugged.stderr
+        assert debugged.stderr.splitlines()[-1] == plain.stderr.splitlines()[-1]
+    bad = cdcflow("run", str(path), "--for", "banana", "--debug")
+    assert bad.returncode == 2 and "not a duration" in bad.stderr.splitlines()[-1]
 
 
 def test_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
