@@ -325,7 +325,10 @@ def test_consume_keeps_the_elements_it_queues_charged_to_the_quota(quota: int) -
         assert stats.peak <= QUOTA + 4 * (16384 + 1024), stats
         assert traced < QUOTA + (2 << 20), f"traced peak {traced} bytes"
     else:
-        assert stats.peak > 1 << 20 and traced > 2 << 20, (stats, traced)
+        # queued far past what the small quota lets through (its peak: about QUOTA); the
+        # traced peak grows with it, by how much depends on how fast the calls drain the
+        # queue on a busy machine (2.1-5 MiB measured)
+        assert stats.peak > 4 * QUOTA and traced > QUOTA + (1 << 20), (stats, traced)
 
 
 def test_small_records_take_the_quota_in_lots_and_give_every_byte_back(

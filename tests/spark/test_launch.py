@@ -57,7 +57,8 @@ def test_what_is_held_is_written_out_on_release_then_lines_flow(
     child.stdin.write("go\n")
     child.stdin.close()
     child.wait(timeout=10)
-    output._err.ended.wait(10)
+    for relay in (output._out, output._err):  # both relays, each on its own thread
+        assert relay.ended.wait(10)
     assert capfd.readouterr() == ("out\n", "first\nlater\n")  # the incubator notice dropped
 
 
