@@ -116,7 +116,7 @@ class GrpcTransport:
         self._client = spanner_client
         self._owns_client = spanner_client is None
         self._connection = Connection(self._open_api, what or f"reading {database}",
-                                      _RPC_TIMEOUT)
+                                      _RPC_TIMEOUT, owns_first=True)
         self._session: str | None = None
         self._session_born = 0.0
         self._raw: Any = None  # the serialized-answer RPC; False: the client has no channel
@@ -128,8 +128,7 @@ class GrpcTransport:
         if self._client is None:
             self._client = new_client(parts[1])
         instance = self._client.instance(parts[3])
-        if connection == 0:
-            return instance.database(parts[5]).spanner_api
+        # every connection its own channel: with the stream window of connection_api
         return connection_api(self._client, instance.emulator_host)
 
     def _spanner_api(self) -> Any:

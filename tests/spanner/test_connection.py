@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from cdcflow.spanner import connection as conn_module
-from cdcflow.spanner.connection import Connection, connection_api, past_deadline
+from cdcflow.spanner.connection import STREAM_WINDOW, Connection, connection_api, past_deadline
 
 
 class _Transport:
@@ -166,11 +166,53 @@ def test_a_new_connection_to_spanner_keeps_the_stock_settings_and_adds_its_mark(
     # a number of its own: two new connections never share one
     assert options["cdcflow.connection"] != dict(seen[1]["options"])["cdcflow.connection"]
     assert options["grpc.max_receive_message_length"] == -1  # the stock options are kept
+    # what a query receives ahead of its reader is bounded: a fixed stream window
+    assert (options["grpc.http2.bdp_probe"], options["grpc.http2.lookahead_bytes"]) == (
+        0, STREAM_WINDOW)
     assert "keepalive" in " ".join(options)
     assert seen[0]["host"].startswith("spanner.googleapis.com")
     assert api.transport.grpc_channel is not None
     for made in (api, other):
         made.transport.close()
+
+
+def test_close_closes_the_first_connection_when_it_was_opened_here() -> None:
+    c = Connection(_Api, "test", longest_call=10, owns_first=True)
+    first = c.api()
+    c.close()
+    assert first.transport.closed
+
+
+def test_the_reader_s_every_connection_has_the_fixed_stream_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A query's transport (the emulator's path here) reads on channels of its own, the
+    first one too: none takes gRPC's growing windows, which let tens of MB of large
+    records pile up ahead of a reader the byte quota holds back."""
+    import grpc
+
+    from cdcflow.spanner.transport import GrpcTransport
+
+    monkeypatch.setenv("SPANNER_EMULATOR_HOST", "127.0.0.1:1")
+    seen: list[dict[str, Any]] = []
+    stock = grpc.insecure_channel
+
+    def spy(target: str, options: Any = None, compression: Any = None) -> Any:
+        seen.append(dict(options or ()))
+        return stock(target, options=options, compression=compression)
+
+    monkeypatch.setattr(grpc, "insecure_channel", spy)
+    transport = GrpcTransport("projects/p/instances/i/databases/d")
+    try:
+        first = transport._spanner_api()
+        transport._connection.failed(first, _deadline())
+        transport._spanner_api()  # the next connection
+    finally:
+        transport.close()
+    assert len(seen) == 2
+    for options in seen:
+        assert options["grpc.http2.bdp_probe"] == 0
+        assert options["grpc.http2.lookahead_bytes"] == STREAM_WINDOW
 
 
 def test_a_new_connection_to_the_admin_api(monkeypatch: pytest.MonkeyPatch) -> None:
