@@ -36,6 +36,9 @@ Metrics (type; labels besides ``pipeline``):
 - ``cdcflow_inflight_bytes`` (gauge: the most bytes one task of the last batch held of
   its process's byte quota: records read and not yet taken by every sink; what a sink
   keeps, such as Consume's queue, is charged to the quota but not counted here),
+  ``cdcflow_quota_used_bytes`` (gauge, live: what this process's quota holds at the
+  scrape, within a long batch too, Consume's queue included; the in-memory runner's tasks
+  run in this process, Spark executors' do not),
   ``cdcflow_inflight_bytes_limit`` (gauge: that quota, ``max_inflight_bytes``),
   ``cdcflow_quota_waits_total`` and ``cdcflow_quota_wait_seconds_total`` (counters: reads
   that waited for room in the quota, and how long);
@@ -75,6 +78,7 @@ from prometheus_client.registry import Collector
 
 from cdcflow.engine.lifecycle import all_finished, low_watermark
 from cdcflow.engine.listener import BatchStats, EngineListener
+from cdcflow.engine.quota import current_quota
 from cdcflow.errors import UserInputError
 from cdcflow.model import PartitionMetadata, PartitionState
 from cdcflow.spanner.retry import QUERY_BUCKETS, query_bucket_labels
@@ -370,6 +374,11 @@ class PipelineMetrics(EngineListener):
         yield retries_family
         yield gauge("cdcflow_inflight_bytes", "The most bytes one task of the last batch "
                     "held of its process's byte quota.", inflight_bytes)
+        quota = current_quota()
+        yield gauge("cdcflow_quota_used_bytes", "Bytes of this process's byte quota held now "
+                    "(read and not taken by every sink, and what sinks keep charged): live, "
+                    "within a batch too; the tasks of this process only (the in-memory "
+                    "runner's; not Spark executors').", 0 if quota is None else quota.used)
         yield gauge("cdcflow_inflight_bytes_limit", "The byte quota of the processes that "
                     "run the tasks (max_inflight_bytes; 0 before the first batch).",
                     inflight_limit)

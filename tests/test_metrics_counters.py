@@ -173,3 +173,42 @@ def test_inflight_bytes_and_quota_waits_of_a_bounded_reader() -> None:
     peaks = _peaks["bounded"]
     assert max(peaks) > 0 and v("cdcflow_inflight_bytes") == peaks[-1]
     assert v("cdcflow_inflight_bytes_limit") == 1
+
+
+_release = threading.Event()
+
+
+def _held_back(record: Any) -> Any:
+    _release.wait(60)  # until the test has scraped the run mid-batch
+    return record
+
+
+def test_the_quota_in_use_is_live_within_a_long_batch() -> None:
+    """A step that holds a batch back (a slow sink facing a backlog): the per-batch
+    in-flight figures wait for the batch's end, the quota's live use does not."""
+    _release.clear()
+    stream = ScriptedChangeStream("Orders", partitions=1, origin=NOW)
+    for i in range(20):
+        stream.write("Orders", {"id": i}, "INSERT", {"n": "x" * 1000}, at=NOW + (i + 1) * 1000)
+    pipeline = cf.Pipeline("held")
+    out = cf.Collect()
+    (pipeline
+     | cf.DetectPartitions(stream="Orders", start_at=NOW, end_at=NOW + S, client=stream)
+     | cf.ReadPartition(heartbeat="100ms", max_inflight=4)
+     | cf.Map(_held_back) | out)
+    urls: list[str] = []
+    run = threading.Thread(target=pipeline.run, args=("memory", "memory://"), kwargs=dict(
+        metrics_port=0, on_metrics=urls.append, batch_interval=0, max_batch_span="2s"))
+    run.start()
+    try:
+        deadline = time.monotonic() + 30
+        held = 0.0
+        while held == 0 and time.monotonic() < deadline:
+            if urls:
+                held = value(scrape(urls[0]), "cdcflow_quota_used_bytes", pipeline="held")
+            time.sleep(0.05)
+        assert held >= 1000  # records read, waiting in the Map, seen before the batch ends
+    finally:
+        _release.set()
+        run.join(60)
+    assert len(out.items) == 20

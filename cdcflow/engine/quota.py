@@ -39,6 +39,7 @@ __all__ = [
     "ByteQuota",
     "QuotaStats",
     "approx_size",
+    "current_quota",
     "process_quota",
     "quota_limit",
 ]
@@ -257,6 +258,11 @@ def quota_limit(max_inflight_bytes: int | None) -> int:
 
 _process: ByteQuota | None = None
 _process_lock = threading.Lock()
+
+
+def current_quota() -> ByteQuota | None:
+    """This process's quota if a task made it (what metrics read live), else None."""
+    return _process
 
 
 def process_quota(limit: int | None = None) -> ByteQuota:
