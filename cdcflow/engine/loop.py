@@ -233,6 +233,9 @@ class Engine:
         self._sink_floor = 0
         self._empty_sinks: list[str] = []
         self._joining: list[str] = []  # of those, the ones to name as the run goes on
+        #: and staging sinks the store has durable through a batch that held data (label ->
+        #: batch): their location changed, or their output was removed
+        self._emptied: dict[str, int] = {}
         #: where a reset's forgotten progress had read to (its low watermark), if any
         self._reset_from: int | None = None
         self._sink_held = ("", 0)  # the sink whose own output reaches furthest, and where
@@ -481,6 +484,8 @@ class Engine:
             # known to the pipeline already (read only when there is a sink to ask about)
             staging = self.store.durable_marks(name) if self._empty_sinks else {}
             self._joining = [s for s in self._empty_sinks if s not in staging]
+            self._emptied = self._emptied_sinks(
+                {s: staging[s] for s in self._empty_sinks if staging.get(s, 0) > 0})
             absolute = source.end_at is not None and not is_relative_time(source.end_at)
             return resume_source(self.store, name, definition,
                                  source.end_ns(now) if absolute else None,
@@ -515,6 +520,20 @@ class Engine:
                 Timestamp.from_ns(self._reset_from))
         return None
 
+    def _emptied_sinks(self, marks: dict[str, int]) -> dict[str, int]:
+        """Of the staging sinks that hold nothing where they write though the store has
+        them durable through a batch (``marks``), those through a batch that held data
+        by the batch log: a sink the store knows at a batch all of whose batches read
+        nothing made them durable without writing anything (a crash before its first
+        upload leaves it so). A batch the log no longer holds counts as one with data."""
+        if not marks:
+            return {}
+        name = self.pipeline.name  # the log, newest first, back to batch 1 if it holds it
+        read = {b.batch_id: b.records
+                for b in self.store.batches(name, max(1, self.store.last_batch_id(name)))}
+        return {label: mark for label, mark in marks.items()
+                if any(read.get(batch, 1) for batch in range(1, mark + 1))}
+
     def _warn_joining(self) -> None:
         """Name the sinks that hold nothing of a resuming pipeline's output (see
         :meth:`_first_run`): said once the run goes on, not before a refusal."""
@@ -524,6 +543,13 @@ class Engine:
                 "progress: if the sink is new to the pipeline, it receives the changes "
                 "from here on, not those committed before (to fill it from the start, "
                 "run it in a pipeline of its own)", label, self.pipeline.name)
+        for label, batch in self._emptied.items():
+            _log.warning(
+                "sink %r holds no output of pipeline %s where it writes now, though the "
+                "store has its output durable through batch %d: if its location changed "
+                "(or its output was removed), what it wrote before is not there, and it "
+                "receives the changes from here on (to fill it from the start, run it in a "
+                "pipeline of its own)", label, self.pipeline.name, batch)
 
     def _check_not_lost(self) -> None:
         """A pipeline starting afresh in this store, while a sink holds output of batches

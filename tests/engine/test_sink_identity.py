@@ -211,28 +211,56 @@ def test_a_quiet_pipeline_s_files_sink_is_not_called_new_when_it_resumes(
     store.close()
 
 
-def test_a_staging_sink_that_holds_nothing_yet_is_not_called_new(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A WriteTables sink whose output is all staged (none uploaded before a crash) holds
-    nothing, but the store knows it: no warning (it came after every crash)."""
+def _staged(tmp_path: Path, lake: str = "lake") -> cf.Pipeline:
     from cdcflow.transforms import WriteTables
 
+    p = cf.Pipeline("staged")
+    (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 7 * S, client=_stream())
+     | cf.ReadPartition() | "lake" >> WriteTables(f"file://{tmp_path / lake}",
+                                                  format="jsonl", flush_interval="1h"))
+    return p
+
+
+def test_a_staging_sink_that_holds_nothing_yet_is_not_called_new(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A WriteTables sink whose output is all staged (the run died before its first
+    upload) holds nothing, though the store has it durable through the batches that read
+    nothing: no warning (it came after every such crash)."""
     store = SQLiteStore(tmp_path / "s.db")
-
-    def staged() -> cf.Pipeline:
-        p = cf.Pipeline("staged")
-        (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 7 * S, client=_stream())
-         | cf.ReadPartition() | "lake" >> WriteTables(f"file://{tmp_path / 'lake'}",
-                                                      format="jsonl", flush_interval="1h"))
-        return p
-
-    _run(staged(), store, tmp_path, max_batches=2)
-    for f in (tmp_path / "lake").rglob("part-*"):
-        f.unlink()  # as if the run had died before its first upload
-    (tmp_path / "lake" / "_cdcflow" / "durable.json").unlink()
+    with monkeypatch.context() as crash:  # the run ends without making its output durable
+        crash.setattr(Engine, "_final_flush", lambda self, staged: None)
+        _run(_staged(tmp_path), store, tmp_path, max_batches=2)
+    assert not list((tmp_path / "lake").rglob("part-*"))
     with caplog.at_level(logging.WARNING, logger="cdcflow"):
-        _run(staged(), store, tmp_path, max_batches=1)
+        _run(_staged(tmp_path), store, tmp_path, max_batches=1)
+    assert not [r for r in caplog.records if "holds no output" in r.getMessage()]
+    assert list((tmp_path / "lake").rglob("part-*"))  # the staged batches, replayed
+    store.close()
+
+
+def test_a_staging_sink_moved_to_an_empty_location_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same label, a new URL: the store has the sink's output durable through batches
+    that held data, the new location holds none of it. Said, as for a sink that does not
+    stage; once."""
+    store = SQLiteStore(tmp_path / "s.db")
+    _run(_staged(tmp_path), store, tmp_path, max_batches=3)
+    assert list((tmp_path / "lake").rglob("part-*"))
+    durable = store.durable_marks("staged")["lake"]
+    with caplog.at_level(logging.WARNING, logger="cdcflow"):
+        _run(_staged(tmp_path, lake="moved"), store, tmp_path, max_batches=1)
+    said = [r.getMessage() for r in caplog.records if "holds no output" in r.getMessage()]
+    assert said == [
+        f"sink 'lake' holds no output of pipeline staged where it writes now, though the "
+        f"store has its output durable through batch {durable}: if its location changed (or "
+        f"its output was removed), what it wrote before is not there, and it receives the "
+        f"changes from here on (to fill it from the start, run it in a pipeline of its own)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cdcflow"):
+        _run(_staged(tmp_path, lake="moved"), store, tmp_path, max_batches=1)
     assert not [r for r in caplog.records if "holds no output" in r.getMessage()]
     store.close()
 
