@@ -24,6 +24,7 @@ __all__ = [
     "RecordFilter",
     "SnapshotClient",
     "StreamInfo",
+    "spelled_as",
 ]
 
 #: The mod types a data change record can have.
@@ -72,6 +73,16 @@ def _names(option: str, value: Iterable[str] | None) -> frozenset[str] | None:
         msg = f"{option}={value!r}: pass a list of names, e.g. {option}=['Orders']"
         raise PipelineDefinitionError(msg)
     return frozenset(value)
+
+
+def spelled_as(name: str, known: Collection[str]) -> str:
+    """``name`` as ``known`` spells it: itself when known, else the one known name equal to
+    it in any case (Spanner's names are case-insensitive; PostgreSQL folds unquoted names
+    to lower case), else itself (none, or several)."""
+    if name in known:
+        return name
+    same = [k for k in known if k.lower() == name.lower()]
+    return same[0] if len(same) == 1 else name
 
 
 @attrs.frozen
@@ -133,7 +144,9 @@ class RecordFilter:
         for table, names in sorted((columns or {}).items()):
             cols = _names(f"columns[{table!r}]", names)
             assert cols is not None
-            if (wanted is not None and table not in wanted) or table in excluded:
+            # in any case: names are matched to the stream's so (see resolved)
+            if ((wanted is not None and table.lower() not in {t.lower() for t in wanted})
+                    or table.lower() in {t.lower() for t in excluded}):
                 msg = f"columns={{{table!r}: ...}}: table {table!r} is not read (see tables=...)"
                 raise PipelineDefinitionError(msg)
             kept.append((table, cols))
@@ -179,6 +192,26 @@ class RecordFilter:
         named.update((t, frozenset[str]()) for t in self.exclude_tables)
         named.update(self.columns)
         return named
+
+    def resolved(self, tracked: Mapping[str, Collection[str]]) -> RecordFilter:
+        """This filter with each table and column name as the database spells it, where it
+        is not spelled so already: the one tracked name equal to it in any case (Spanner's
+        names are case-insensitive, and PostgreSQL folds unquoted names to lower case:
+        ``tables=["Orders"]`` reads ``orders``). A name matching none or several stays as
+        given, for :meth:`check` to name."""
+
+        def table(name: str) -> str:
+            return spelled_as(name, tracked)
+
+        columns = tuple(sorted(
+            (table(t), frozenset(spelled_as(c, tracked.get(table(t), ())) for c in cols))
+            for t, cols in self.columns))
+        return attrs.evolve(
+            self,
+            tables=None if self.tables is None else frozenset(map(table, self.tables)),
+            exclude_tables=frozenset(map(table, self.exclude_tables)),
+            columns=columns,
+        )
 
     def check(self, stream: str, tracked: Mapping[str, Collection[str]]) -> None:
         """Raise PipelineDefinitionError (one line, listing what exists) unless every table

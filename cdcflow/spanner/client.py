@@ -405,7 +405,13 @@ class SpannerChangeStreamClient:
             keys_follow_lineage=emulator_host() is None,
         )
         if self.filter is not None and self.filter.names():
-            self.filter.check(name, self.tracked_columns(name))
+            tracked = self.tracked_columns(name)
+            resolved = self.filter.resolved(tracked)
+            resolved.check(name, tracked)
+            if resolved != self.filter:  # names as the database spells them
+                with self._lock:
+                    self.filter = resolved
+                    self._shaper = RecordShaper(self.typed, resolved)
         with self._lock:
             self._streams[stream] = info
         return info

@@ -11,7 +11,13 @@ from typing import Literal
 from cdcflow.durations import parse_duration, parse_size, parse_time
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import MAX_NS, DataChangeRecord, PartitionMetadata
-from cdcflow.stream import ChangeStreamClient, ConfigurableClient, RecordFilter, SnapshotClient
+from cdcflow.stream import (
+    ChangeStreamClient,
+    ConfigurableClient,
+    RecordFilter,
+    SnapshotClient,
+    spelled_as,
+)
 from cdcflow.transforms.base import PCollection, PrimitiveTransform, PTransform
 
 __all__ = ["DetectPartitions", "ReadChangeStream", "ReadPartition"]
@@ -193,11 +199,13 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         PipelineDefinitionError naming the tracked tables when ``snapshot`` names another."""
         known = set(tracked)
         if self.snapshot is True:
-            f = self.filter
+            # the filter's names as the stream spells them (RecordFilter.resolved)
+            f = None if self.filter is None else self.filter.resolved(dict.fromkeys(known, ()))
             return sorted(t for t in known if f is None or f.wants(t, "INSERT"))
         if not self.snapshot:
             return []
-        unknown = [t for t in self.snapshot if t not in known]
+        names = [spelled_as(t, known) for t in self.snapshot]
+        unknown = [t for t in names if t not in known]
         if unknown:
             have = ", ".join(sorted(known)) or "none"
             msg = (
@@ -205,7 +213,7 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
                 f"table {unknown[0]!r} (its tables: {have}); snapshot only tables it tracks"
             )
             raise PipelineDefinitionError(msg)
-        return list(self.snapshot)
+        return list(dict.fromkeys(names))
 
     def describe_params(self) -> str:
         where = self.database or self._client_name

@@ -234,6 +234,34 @@ def test_describe_stream_checks_names_against_the_stream(dialect: str) -> None:
             ChangeStreamQuery("S", TOKEN, T, T + 10))
 
 
+def test_names_match_the_stream_s_in_any_case_when_they_do_not_exactly() -> None:
+    """Spanner's names are case-insensitive, and PostgreSQL folds unquoted ones to lower
+    case: tables=["orders"] and columns={"ITEMS": ["qty"]} name Orders and Items.Qty;
+    an exact name wins, and a name two tracked names match in case stays as given."""
+    f = RecordFilter.build(tables=["orders", "ITEMS"], columns={"ITEMS": ["qty", "Sku"]})
+    assert f is not None
+    tracked = {"Orders": {"Id"}, "Items": {"Sku", "Qty"}}
+    resolved = f.resolved(tracked)
+    assert resolved.tables == {"Orders", "Items"}
+    assert resolved.columns == (("Items", frozenset({"Qty", "Sku"})),)
+    resolved.check("S", tracked)
+    both = {"orders": {"id"}, "Orders": {"Id"}}
+    g = RecordFilter.build(exclude_tables=["ORDERS", "orders"])
+    assert g is not None and g.resolved(both).exclude_tables == {"ORDERS", "orders"}
+    with pytest.raises(PipelineDefinitionError, match="does not track table 'ORDERS'"):
+        g.resolved(both).check("S", both)
+
+
+@pytest.mark.parametrize("dialect", ["GOOGLE_STANDARD_SQL", "POSTGRESQL"])
+def test_a_filter_in_another_case_reads_what_the_exact_names_read(dialect: str) -> None:
+    query = ChangeStreamQuery("S", TOKEN, T, T + 10)
+    exact = list(_client(ScriptedTransport(RECORDS, stream="S", dialect=dialect),  # type: ignore[arg-type]
+                         tables=["Items"], columns={"Items": ["Qty"]}).read(query))
+    folded = list(_client(ScriptedTransport(RECORDS, stream="S", dialect=dialect),  # type: ignore[arg-type]
+                          tables=["items"], columns={"ITEMS": ["qty"]}).read(query))
+    assert folded == exact and any(isinstance(r, DataChangeRecord) for r in exact)
+
+
 def test_a_filtered_read_resumes_after_a_reset_without_duplicates() -> None:
     transport = ScriptedTransport(RECORDS, stream="S", fail_after=[2])
     client = _client(transport, tables=["Items"])
