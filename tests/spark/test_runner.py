@@ -684,7 +684,7 @@ def test_one_sigterm_cancels_a_spark_batch_whose_consume_calls_are_being_retried
 
 
 def test_a_killed_drivers_runner_directory_is_removed_by_the_next_start() -> None:
-    from cdcflow.spark.runner import _sweep_log_dirs
+    from cdcflow.spark._session import sweep_log_dirs as _sweep_log_dirs
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -752,7 +752,7 @@ def test_a_java_io_tmpdir_of_the_user_s_own_is_left_alone(
 def test_the_jvm_s_directory_outlives_the_session_and_a_killed_one_s_is_swept() -> None:
     """PySpark keeps the JVM after the session stops, so its directory stays until the
     process exits; when the process and its JVM are killed, the next start removes it."""
-    from cdcflow.spark.runner import _sweep_log_dirs
+    from cdcflow.spark._session import sweep_log_dirs as _sweep_log_dirs
 
     script = ("import sys, time\n"
               "from cdcflow.spark.runner import SparkRunner\n"
