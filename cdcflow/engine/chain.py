@@ -39,12 +39,23 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import cloudpickle
 
+from cdcflow.engine._chain_parts import (
+    Delivery,
+    Evaluated,
+    Failure,
+    Item,
+    Line,
+    LineStep,
+    Path,
+    Skipped,
+    shape_of,
+)
 from cdcflow.engine.guard import guard_for, stopping_for
 from cdcflow.engine.listener import note_task_done, note_task_held_back
 from cdcflow.engine.program import TaskProgram
@@ -66,7 +77,7 @@ from cdcflow.errors import (
 from cdcflow.inflight import Barrier, InflightTracker
 from cdcflow.model import DataChangeRecord
 from cdcflow.policy import FailedElement, Retry, Stop
-from cdcflow.transforms.base import DoFn, ParDo, Sink, SinkWriter, WriterContext
+from cdcflow.transforms.base import ParDo, Sink, SinkWriter, WriterContext
 
 __all__ = ["Chain"]
 
@@ -74,152 +85,17 @@ _log = logging.getLogger("cdcflow.task")
 _MAX_LOT = 1 << 20  # the most bytes a chain holds for others to take once its sinks took them
 
 
-class _Skipped:
-    """An element the error policy skipped, with the last error as text."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-class _Failure:
-    """An exception raised in the pool, delivered in record order."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-Delivery = tuple[str, Any]  # (sink label, element)
-_Path = tuple[int, ...]  # an element's way from its record: (successor, output, ...) indices
-_Item = tuple[int, _Path, Any]  # (record's index in the bundle, path, element)
-
-
-class _Evaluated:
-    """One record's trip through the ParDos: what reaches sinks, and per-step counts."""
-
-    __slots__ = ("counts", "deliveries")
-
-    def __init__(self, deliveries: list[Delivery], counts: dict[str, int]) -> None:
-        self.deliveries = deliveries
-        self.counts = counts
-
-
-class _LineStep:
-    """A ParDo of a chain that is one line, and what it took, gave and skipped."""
-
-    __slots__ = ("fn", "function", "given", "label", "normalized", "skipped", "taken")
-
-    def __init__(
-        self, label: str, fn: DoFn[Any, Any], normalized: Callable[[Any], Sequence[Any]],
-    ) -> None:
-        self.label = label
-        self.fn = fn
-        self.function: Callable[[Any], Any] | None = None  # fn.as_function(), after setup
-        self.normalized = normalized  # the DoFn's process, its outputs as a sequence
-        self.taken = 0
-        self.given = 0
-        self.skipped = 0  # elements the error policy skipped here (no output counted)
-
-
-class _Line:
-    """A chain that is one line: ReadPartition -> its ParDos -> one sink."""
-
-    __slots__ = ("sink", "sink_key", "steps", "writer", "writes")
-
-    def __init__(self, steps: tuple[_LineStep, ...], sink: str, sink_key: str) -> None:
-        self.steps = steps
-        self.sink = sink
-        self.sink_key = sink_key
-        self.writer: SinkWriter[Any, Any] | None = None  # opened on the first element
-        self.writes = 0
-
-
-class _Shape:
-    """What a program's chain is, the same for every task of it (computed once per process
-    from one unpickled copy, see :func:`_shape_of`): its ends, counter names, bundle size,
-    order, and for each set of sinks a task writes, whether the chain is one line."""
-
-    __slots__ = ("bundle_size", "counter_keys", "ends", "lines", "order", "sinks", "steps")
-
-    def __init__(self, program: TaskProgram) -> None:
-        nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = pickle.loads(program.chain)
-        self.steps = frozenset(program.step_labels)
-        self.sinks = frozenset(label for label, node in nodes.items() if isinstance(node, Sink))
-        self.ends = self.steps | self.sinks
-        # made once per step: they serve every element
-        self.counter_keys = {
-            label: (f"elements_in/{label}", f"elements_out/{label}", f"sink_writes/{label}")
-            for label in nodes
-        }
-        self.bundle_size = max(
-            [n.fn.bundle_size for n in nodes.values() if isinstance(n, ParDo)] or [1]
-        )
-        self.order = _top_down(program.read_label, program.successors)
-        self.lines: dict[frozenset[str] | None, tuple[tuple[str, ...], str] | None] = {}
-
-    def line(
-        self, program: TaskProgram, wanted: Collection[str] | None
-    ) -> tuple[tuple[str, ...], str] | None:
-        """(the ParDos' labels, the sink's) when the chain is one line ReadPartition ->
-        ParDo ... -> sink, and a task writing ``wanted`` writes that sink; else None."""
-        key = None if wanted is None else frozenset(wanted)
-        if key not in self.lines:
-            self.lines[key] = self._line(program, key)
-        return self.lines[key]
-
-    def _line(
-        self, program: TaskProgram, wanted: frozenset[str] | None
-    ) -> tuple[tuple[str, ...], str] | None:
-        steps: list[str] = []
-        label = program.read_label
-        while True:
-            successors = program.successors.get(label, ())
-            if len(successors) != 1:
-                return None
-            label = successors[0]
-            if label in self.steps or label not in self.counter_keys:
-                return None
-            if label in self.sinks:
-                return None if wanted is not None and label not in wanted else (
-                    tuple(steps), label)
-            steps.append(label)
-
-
-# The shapes of the programs this process ran last, by their chain's bytes (the object: a
-# cached program keeps it, so its id stays its own while it is here).
-_shapes: dict[int, tuple[bytes, _Shape]] = {}
-_shapes_lock = threading.Lock()
-_MAX_SHAPES = 8
-
-
-def _shape_of(program: TaskProgram) -> _Shape:
-    key = id(program.chain)
-    with _shapes_lock:
-        cached = _shapes.get(key)
-        if cached is not None and cached[0] is program.chain:
-            return cached[1]
-    shape = _Shape(program)
-    with _shapes_lock:
-        while len(_shapes) >= _MAX_SHAPES:
-            del _shapes[next(iter(_shapes))]
-        _shapes[key] = (program.chain, shape)
-    return shape
-
-
 class Chain:
     """One task's copy of the transforms downstream of ReadPartition, and its writers.
 
     The copy (its DoFns unpickled, their functions) is made when the first element comes
     (or a sink's writer opens): a task that reads no change, an idle partition's, makes
-    none. What the chain is like (:class:`_Shape`) is known from the program."""
+    none. What the chain is like (:class:`Shape`) is known from the program."""
 
     def __init__(self, program: TaskProgram, task: Task) -> None:
         self._program = program
         self._task = task
-        shape = _shape_of(program)
+        shape = shape_of(program)
         self._nodes: dict[str, ParDo[Any, Any] | Sink[Any, Any]] = {}  # see _load
         self._processes: dict[str, Callable[[Any], Sequence[Any]]] = {}
         self._loaded = False
@@ -262,7 +138,7 @@ class Chain:
             shape.line(program, task.sinks)
             if self._inflight is None and self._bundle_size == 1 else None
         )
-        self._line: _Line | None = None
+        self._line: Line | None = None
         #: ``push(record, position, size)``: run ``record`` (``size`` bytes,
         #: :func:`approx_size`) through the chain; blocks while the process's byte quota
         #: is used up. Chosen once: the fused path for one line, else the general one.
@@ -286,8 +162,8 @@ class Chain:
             for label in steps:
                 node = nodes[label]
                 assert isinstance(node, ParDo)
-                line_steps.append(_LineStep(label, node.fn, self._processes[label]))
-            self._line = _Line(tuple(line_steps), sink, self._counter_keys[sink][2])
+                line_steps.append(LineStep(label, node.fn, self._processes[label]))
+            self._line = Line(tuple(line_steps), sink, self._counter_keys[sink][2])
 
     # -- feeding records ---------------------------------------------------------------------
 
@@ -328,7 +204,7 @@ class Chain:
 
     def _submit(
         self, items: list[tuple[DataChangeRecord, int, int]],
-        evaluate: Callable[[], list[_Evaluated]],
+        evaluate: Callable[[], list[Evaluated]],
     ) -> None:
         """Run ``evaluate`` (the evaluation of ``items``' records) on the pool as one
         in-flight item at the last record's position."""
@@ -427,10 +303,10 @@ class Chain:
 
     def _completed(
         self, seq: int, items: list[tuple[DataChangeRecord, int, int]],
-        future: Future[list[_Evaluated]],
+        future: Future[list[Evaluated]],
     ) -> None:
         error = CancelledError() if future.cancelled() else future.exception()
-        result: Any = _Failure(error) if error is not None else [
+        result: Any = Failure(error) if error is not None else [
             (record, evaluated, size)
             for (record, _, size), evaluated in zip(items, future.result(), strict=True)
         ]
@@ -446,7 +322,7 @@ class Chain:
         for _, result in released:
             if isinstance(result, Barrier):
                 continue
-            if isinstance(result, _Failure):
+            if isinstance(result, Failure):
                 raise result.error
             for record, evaluated, size in result:
                 self._deliver(record, evaluated)
@@ -475,7 +351,7 @@ class Chain:
 
     def _evaluate(
         self, record: DataChangeRecord, counts: dict[str, int] | None = None
-    ) -> _Evaluated:
+    ) -> Evaluated:
         """Run every ParDo on ``record``; the sink deliveries in chain order, and how many
         elements each ParDo took and gave: counted in ``counts`` (the chain's own, on the
         reader thread), else in a dict of their own (merged on the reader thread)."""
@@ -485,7 +361,7 @@ class Chain:
         visit = self._visit
         for label in self._succ[self._program.read_label]:
             visit(label, record, record, counts, out)
-        return _Evaluated(out, counts)
+        return Evaluated(out, counts)
 
     def _visit(
         self, label: str, element: Any, record: DataChangeRecord, counts: dict[str, int],
@@ -503,7 +379,7 @@ class Chain:
             outputs = process(element)
         except Exception as exc:
             outputs = self._failing(label, record, element, process, element, exc)
-        if isinstance(outputs, _Skipped):
+        if isinstance(outputs, Skipped):
             if self._program.dead_letter_label is not None:
                 out.append((self._program.dead_letter_label,
                             self._failed(label, record, element, outputs)))
@@ -548,7 +424,7 @@ class Chain:
             self._give_back_owed()
 
     def _line_visit(
-        self, record: DataChangeRecord, line: _Line, at: int, element: Any,
+        self, record: DataChangeRecord, line: Line, at: int, element: Any,
         failed: Exception | None,
     ) -> None:
         """``element`` down the line from step ``at`` on, each output to the end before the
@@ -567,7 +443,7 @@ class Chain:
         if failed is not None:
             decided = self._failing(step.label, record, element, step.normalized, element,
                                     failed)
-            if isinstance(decided, _Skipped):
+            if isinstance(decided, Skipped):
                 step.skipped += 1
                 if self._program.dead_letter_label is not None:
                     self._write_dead(self._failed(step.label, record, element, decided))
@@ -577,7 +453,7 @@ class Chain:
         for value in outputs:
             self._line_visit(record, line, at + 1, value, None)
 
-    def _line_write(self, record: DataChangeRecord, line: _Line, element: Any) -> None:
+    def _line_write(self, record: DataChangeRecord, line: Line, element: Any) -> None:
         writer = line.writer or self._line_writer(line)
         line.writes += 1
         try:  # _guarded, inline: its first attempt is the usual case
@@ -585,7 +461,7 @@ class Chain:
         except Exception as exc:
             self._write_failed(line.sink, record, element, writer, exc)
 
-    def _line_writer(self, line: _Line) -> SinkWriter[Any, Any]:
+    def _line_writer(self, line: Line) -> SinkWriter[Any, Any]:
         writer = line.writer = self._writer(line.sink)
         return writer
 
@@ -595,7 +471,7 @@ class Chain:
     ) -> None:
         """A sink's ``write(element)`` raised ``exc``: what the error policy decides."""
         done = self._failing(label, record, element, writer.write, element, exc)
-        if isinstance(done, _Skipped) and self._program.dead_letter_label is not None:
+        if isinstance(done, Skipped) and self._program.dead_letter_label is not None:
             self._write_dead(self._failed(label, record, element, done))
 
     def _write_dead(self, failed: FailedElement) -> None:
@@ -610,16 +486,16 @@ class Chain:
         for key in (self._counter_keys[dead][2], "dead_lettered"):
             counts[key] = counts.get(key, 0) + 1
 
-    def _evaluate_bundle(self, records: list[DataChangeRecord]) -> list[_Evaluated]:
+    def _evaluate_bundle(self, records: list[DataChangeRecord]) -> list[Evaluated]:
         """:meth:`_evaluate` of each of ``records``, run node by node so that a bundling
         DoFn gets all of its elements from the bundle at once. Each record's deliveries
         come out in the order :meth:`_evaluate` gives: sorted by their paths, which is the
         depth-first order of the record's trip."""
-        out: list[list[tuple[_Path, Delivery]]] = [[] for _ in records]
+        out: list[list[tuple[Path, Delivery]]] = [[] for _ in records]
         counts: list[dict[str, int]] = [{} for _ in records]
-        waiting: dict[str, list[_Item]] = {}
+        waiting: dict[str, list[Item]] = {}
 
-        def route(source: str, index: int, path: _Path, element: Any) -> None:
+        def route(source: str, index: int, path: Path, element: Any) -> None:
             for s, nxt in enumerate(self._succ[source]):
                 waiting.setdefault(nxt, []).append((index, (*path, s), element))
 
@@ -640,7 +516,7 @@ class Chain:
             ):
                 n = counts[index]
                 n[f"elements_in/{label}"] = n.get(f"elements_in/{label}", 0) + 1
-                if isinstance(outputs, _Skipped):
+                if isinstance(outputs, Skipped):
                     if self._program.dead_letter_label is not None:
                         failed = self._failed(label, records[index], element, outputs)
                         out[index].append((path, (self._program.dead_letter_label, failed)))
@@ -649,19 +525,19 @@ class Chain:
                 for j, value in enumerate(outputs):
                     route(label, index, (*path, j), value)
         return [
-            _Evaluated([d for _, d in sorted(o, key=lambda pd: pd[0])], c)
+            Evaluated([d for _, d in sorted(o, key=lambda pd: pd[0])], c)
             for o, c in zip(out, counts, strict=True)
         ]
 
     def _run_pardo(
-        self, label: str, node: ParDo[Any, Any], items: list[_Item],
+        self, label: str, node: ParDo[Any, Any], items: list[Item],
         records: list[DataChangeRecord],
-    ) -> list[list[Any] | _Skipped]:
+    ) -> list[list[Any] | Skipped]:
         """The outputs of ``node`` for each item: through ``process_bundle`` in chunks of
         its ``bundle_size``, or (for a DoFn of 1, and for a chunk whose ``process_bundle``
         raised) element by element under the error policy."""
         fn = node.fn
-        results: list[list[Any] | _Skipped] = []
+        results: list[list[Any] | Skipped] = []
         step = max(1, fn.bundle_size)
         for at in range(0, len(items), step):
             chunk = items[at:at + step]
@@ -689,7 +565,7 @@ class Chain:
                                              self._processes[label], element))
         return results
 
-    def _deliver(self, record: DataChangeRecord, evaluated: _Evaluated) -> None:
+    def _deliver(self, record: DataChangeRecord, evaluated: Evaluated) -> None:
         dead = self._program.dead_letter_label
         counts = self._counts
         if evaluated.counts is not counts:
@@ -720,7 +596,7 @@ class Chain:
         self, label: str, record: DataChangeRecord, element: Any, call: Callable[[Any], Any],
         argument: Any,
     ) -> Any:
-        """``call(argument)`` under the error policy: its value, or _Skipped when skipped."""
+        """``call(argument)`` under the error policy: its value, or Skipped when skipped."""
         try:
             return call(argument)  # the usual case, without the policy's loop
         except Exception as exc:
@@ -770,10 +646,10 @@ class Chain:
             _log.warning("skipped an element: %s", where)
             with self._count_lock:
                 self._skipped += 1
-            return _Skipped(describe(exc))
+            return Skipped(describe(exc))
 
     def _failed(
-        self, label: str, record: DataChangeRecord, element: Any, skipped: _Skipped
+        self, label: str, record: DataChangeRecord, element: Any, skipped: Skipped
     ) -> FailedElement:
         token, at = _origin(record)
         return FailedElement(
@@ -948,15 +824,3 @@ def _process(process: Callable[[Any], Any], element: Any) -> Sequence[Any]:
     if type(produced) is tuple or type(produced) is list:  # Map's, Filter's: as they are
         return produced
     return [] if produced is None else list(produced)
-
-
-def _top_down(root: str, successors: Mapping[str, tuple[str, ...]]) -> list[str]:
-    """The labels below ``root``, each after the one that feeds it (every transform has
-    one input)."""
-    order: list[str] = []
-    todo = list(successors.get(root, ()))
-    while todo:
-        label = todo.pop(0)
-        order.append(label)
-        todo.extend(successors.get(label, ()))
-    return order
