@@ -4,7 +4,8 @@
 Every metric carries a ``pipeline`` label. A scrape sees whole batches: the listener
 updates its totals under one lock in ``on_batch`` and the registry's collector reads them
 under the same lock, so every counter of a scrape stops at the same batch (records read
-equal elements written + filtered + skipped in a linear pipeline, at every scrape). Lags
+equal elements written + filtered + skipped, less what sinks skipped after taking it, in a
+linear pipeline, at every scrape). Lags
 are computed at scrape time from the last committed watermarks and the clock, so they
 keep growing while a run is stuck.
 

@@ -212,3 +212,43 @@ def test_the_quota_in_use_is_live_within_a_long_batch() -> None:
         _release.set()
         run.join(60)
     assert len(out.items) == 20
+
+
+def _every_third_fails(record: Any) -> None:
+    if record.mods[0].new_values["n"] % 3 == 0:
+        msg = f"bad {record.mods[0].new_values['n']}"
+        raise ValueError(msg)
+
+
+def test_a_sink_that_skips_keeps_the_accounting_of_records_exact() -> None:
+    """Consume took every element (its writes) and skipped some (the pipeline's skipped
+    count, and its own skipped_total): the README's identity holds with what sinks
+    skipped taken out, and the dead-letter sink's writes apart."""
+    stream = ScriptedChangeStream("Orders", partitions=2, origin=NOW)
+    for i in range(30):
+        stream.write("Orders", {"id": i}, "INSERT", {"n": i}, at=NOW + (i + 1) * 100_000_000)
+    dead = cf.Collect()
+    pipeline = cf.Pipeline("skipping", error_policy=cf.ErrorPolicy(
+        then="skip", retries=0, dead_letter="dead" >> dead))
+    (pipeline
+     | cf.DetectPartitions(stream="Orders", start_at=NOW, end_at=NOW + 6 * S, client=stream)
+     | cf.ReadPartition(heartbeat="100ms")
+     | "not one" >> cf.Filter(lambda r: r.mods[0].new_values["n"] != 1)
+     | "consume" >> cf.Consume(_every_third_fails, max_inflight=4))
+    urls: list[str] = []
+    pipeline.run("memory", "memory://", metrics_port=0, on_metrics=urls.append,
+                 batch_interval=0, max_batch_span="2s", idle_read_interval=0,
+                 listener=_KeepServing("skipping", urls))
+    s = _last_scrape["skipping"]
+
+    def v(metric: str, **labels: str) -> float:
+        return value(s, metric, pipeline="skipping", **labels)
+
+    read = v("cdcflow_records_read_total")
+    written = v("cdcflow_sink_writes_total", sink="consume")
+    dropped = (v("cdcflow_elements_total", step="not one", direction="in")
+               - v("cdcflow_elements_total", step="not one", direction="out"))
+    sink_skipped = v("cdcflow_sink_skipped_total", sink="consume")
+    assert (read, dropped, sink_skipped) == (30, 1, 10)
+    assert v("cdcflow_skipped_total") == 10 and v("cdcflow_sink_acked_total", sink="consume") == 19
+    assert read == written + dropped + v("cdcflow_skipped_total") - sink_skipped

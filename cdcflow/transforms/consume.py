@@ -42,7 +42,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -266,6 +266,15 @@ class Consume(Sink[E, Consumed]):
         """The summed counts of the batches committed through this instance (on the
         driver; pickled copies start at zero). A batch counts once, even when replayed."""
         return self._totals.consumed
+
+    def metrics(self) -> Mapping[str, float]:
+        """:meth:`stats` as ``cdcflow_sink_<name>_total{sink}`` counters: an element this
+        sink skipped was written to it (its ``cdcflow_sink_writes_total``) and skipped (the
+        pipeline's ``cdcflow_skipped_total``), so ``skipped_total`` is what keeps the
+        metrics' accounting of records exact."""
+        c = self._totals.consumed
+        return {"acked_total": c.acked, "skipped_total": c.skipped, "calls_total": c.calls,
+                "retries_total": c.retries, "timeouts_total": c.timeouts}
 
     @property
     def committed_batches(self) -> int:
