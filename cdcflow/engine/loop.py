@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
 import threading
 import time
 from collections import Counter
@@ -43,7 +42,7 @@ import cloudpickle
 
 from cdcflow.backoff import RetryPolicy
 from cdcflow.dag import Dag
-from cdcflow.durations import is_relative_time, parse_size
+from cdcflow.durations import is_relative_time
 from cdcflow.engine.batch import Batches
 from cdcflow.engine.durability import StagedSinks
 from cdcflow.engine.guard import RunGuard, guarding
@@ -54,12 +53,14 @@ from cdcflow.engine.lifecycle import (
     plan_batch,
 )
 from cdcflow.engine.listener import EngineListener, RunSummary
+from cdcflow.engine.options import RunOptions
 from cdcflow.engine.ownership import Ownership
 from cdcflow.engine.pacing import Pacer
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.quota import quota_limit
 from cdcflow.engine.resume import resume_source, source_of_record, stored_source
 from cdcflow.engine.runner import Runner
+from cdcflow.engine.signals import abandon_on_signal, deferred_signals, handling
 from cdcflow.engine.snapshot import snapshot_partitions
 from cdcflow.engine.steps import BatchSteps
 from cdcflow.engine.task import TaskProgram, make_client
@@ -89,111 +90,6 @@ __all__ = ["Engine", "RunOptions"]
 _log = logging.getLogger("cdcflow.engine")
 _NS = 1_000_000_000
 _TICK = 0.05  # seconds between checks for a stop request while waiting
-
-
-def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (value < 0 or not math.isfinite(value)):
-        msg = f"RunOptions.{attribute.name} must be 0 or more (and finite), got {value}"
-        raise ValueError(msg)
-
-
-#: The longest batch interval: a run waits that long between batches once caught up.
-_DAY = 86_400.0
-
-
-def _interval(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    _non_negative(instance, attribute, value)
-    if value > _DAY:
-        msg = (f"RunOptions.{attribute.name} must be at most a day (86400 s), got {value:g}; "
-               "for runs days apart, run with --max-batches from a scheduler instead")
-        raise ValueError(msg)
-
-
-#: The bytes a task of a paced batch aims to read (``RunOptions.max_task_bytes``).
-DEFAULT_TASK_BYTES = 128 << 20
-
-
-def _task_bytes(value: Any) -> int | None:
-    if value is None:
-        return None
-    try:
-        size = parse_size(value, "RunOptions.max_task_bytes=...")
-    except PipelineDefinitionError as e:
-        raise ValueError(str(e)) from None
-    if size < 1:
-        msg = f"RunOptions.max_task_bytes must be 1 byte or more, or None; got {value!r}"
-        raise ValueError(msg)
-    return size
-
-
-def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (value <= 0 or not math.isfinite(value)):
-        msg = f"RunOptions.{attribute.name} must be more than 0 (and finite), got {value}"
-        raise ValueError(msg)
-
-
-#: The shortest lease a run may ask for (seconds): it is renewed every third of it, and a
-#: renewal that takes longer than what is left lets the lease lapse.
-MIN_LEASE_TTL = 0.1
-
-
-def _lease_ttl(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    _positive(instance, attribute, value)
-    if value < MIN_LEASE_TTL:
-        msg = (f"RunOptions.lease_ttl must be at least {MIN_LEASE_TTL} (seconds; the lease "
-               f"is renewed every third of it, and 30 is the default), got {value}")
-        raise ValueError(msg)
-
-
-@attrs.frozen
-class RunOptions:
-    """How a run proceeds. Durations are seconds.
-
-    ``batch_interval``: the least time between the starts of batches once the pipeline has
-    caught up with the clock (a lagging pipeline runs batches back to back).
-    ``max_batch_span``: a batch reads at most this far past the low watermark.
-    ``max_batches`` / ``duration``: stop after that many batches / seconds (None: no limit).
-    ``reset``: forget the pipeline's stored progress first and start over.
-    ``gc_ttl``: delete finished partitions this long after they finished (once their
-    children have started). ``base_dir``: relative sink paths resolve against it.
-    ``idle_read_interval``: an idle partition (no data in its last slices) is queried less
-    often, its wait doubling up to this many seconds; the resolved watermark then lags by
-    at most that much more (0: every partition every batch; see
-    :mod:`cdcflow.engine.partitions`).
-    ``takeover``: take the pipeline over from a run whose lease is still alive (after
-    confirming it is gone); ``lease_ttl``: how long this run's lease holds without a
-    heartbeat (:mod:`cdcflow.engine.ownership`). ``strict``: refuse to resume stored
-    progress made with another source definition (database, stream, start_at, end_at)
-    instead of warning (an earlier end_at is applied all the same:
-    :mod:`cdcflow.engine.resume`).
-    ``batch_retries`` / ``retry_backoff``: a batch whose tasks (or sink commits) failed with
-    a transient error is run again up to this many times, after a fully jittered wait whose
-    cap starts at ``retry_backoff`` and doubles (:class:`cdcflow.backoff.RetryPolicy`).
-    ``pipelined``: while the run lags the clock (catching up), read the next batch while
-    the current one's sinks and store commit (:mod:`cdcflow.engine.batch`; exactly once
-    all the same). False runs one batch at a time.
-    ``max_task_bytes``: pace the span of batches so that the busiest task reads about this
-    many bytes (a size such as ``"64MiB"`` or a number; None: every batch spans
-    ``max_batch_span``; see :mod:`cdcflow.engine.pacing`).
-    """
-
-    batch_interval: float = attrs.field(default=1.0, validator=_interval)
-    max_batch_span: float = attrs.field(default=10.0, validator=_positive)
-    max_batches: int | None = attrs.field(default=None, validator=_positive)
-    duration: float | None = attrs.field(default=None, validator=_non_negative)
-    reset: bool = False
-    gc_ttl: float = attrs.field(default=3600.0, validator=_non_negative)
-    base_dir: str = "."
-    batch_retries: int = attrs.field(default=3, validator=_non_negative)
-    retry_backoff: float = attrs.field(default=1.0, validator=_non_negative)
-    takeover: bool = False
-    lease_ttl: float = attrs.field(default=30.0, validator=_lease_ttl)
-    idle_read_interval: float = attrs.field(default=5.0, validator=_non_negative)
-    strict: bool = False
-    pipelined: bool = True
-    max_task_bytes: int | None = attrs.field(
-        default=DEFAULT_TASK_BYTES, converter=_task_bytes, metadata={"kind": "size"}
-    )
 
 
 class Engine:
@@ -326,7 +222,7 @@ class Engine:
                 # process has opened gRPC clients (the store's, the stream check's) can kill
                 # the child before it execs. A signal waits until it has started (the close
                 # below then stops it): one that interrupts Spark's start leaves a JVM behind.
-                with _deferred_signals("the runner starts"):
+                with deferred_signals("the runner starts"):
                     self.runner.open(name)
                 info = make_client(program.source).describe_stream(program.source.stream)
                 if (info.partition_mode == "IMMUTABLE_KEY_RANGE"  # see engine.partitions
@@ -387,13 +283,13 @@ class Engine:
                     # waits (a storage that does not answer) gives up: the next run writes
                     # again what is not durable yet, as after a crash.
                     self.listener.on_batches_done(summary)
-                    with _abandon_on_signal("the staged output was being made durable",
+                    with abandon_on_signal("the staged output was being made durable",
                                             "the next run writes again what is not "
                                             "durable yet"):
                         if self._owner.lost is None:  # else the run that took over does
                             self._final_flush(staged)
                 finally:
-                    with _abandon_on_signal("the lease was being released",
+                    with abandon_on_signal("the lease was being released",
                                             "the lease lapses by itself"):
                         self._owner.release()
                 if self._owner.lost is not None:
@@ -746,73 +642,8 @@ class Engine:
             _log.warning("signal %d: stopping after the current batch (again to abort)", signum)
             self.request_stop()
 
-        with _handling(handler):
+        with handling(handler):
             yield
-
-
-@contextmanager
-def _handling(
-    handler: Callable[[int, FrameType | None], None], *, ours_too: bool = False
-) -> Iterator[None]:
-    """``handler`` for SIGINT and SIGTERM while the block runs, where Python's default
-    handlers are in place (with ``ours_too``, also cdcflow's own, marked
-    ``cdcflow_stop_handler``: the CLI's); an application's handler stays. Main thread only
-    (signals are handled there); the handlers found are put back."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def replaceable(sig: signal.Signals) -> bool:
-        # Python's SIGINT handler is the default one; the CLI's SIGTERM raises the same
-        # KeyboardInterrupt until a run handles it.
-        found = signal.getsignal(sig)
-        default = found is signal.default_int_handler or found is signal.SIG_DFL
-        return default or (ours_too and getattr(found, "cdcflow_stop_handler", False))
-
-    previous = {sig: signal.signal(sig, handler)
-                for sig in (signal.SIGINT, signal.SIGTERM) if replaceable(sig)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-@contextmanager
-def _deferred_signals(doing: str) -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends, then raise KeyboardInterrupt (a second
-    one raises at once): for a block a signal must not cut short, such as Spark's start (an
-    interrupted JVM launch leaves the JVM running with no parent to end it). Where an
-    application handles the signals itself, its handlers stay (see :func:`_handling`)."""
-    got: list[int] = []
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if got:
-            _log.warning("signal %d again while %s: aborting", signum, doing)
-            raise KeyboardInterrupt
-        got.append(signum)
-        _log.warning("signal %d while %s: stopping once that is done (again to abort now)",
-                     signum, doing)
-
-    with _handling(handler, ours_too=True):
-        yield
-    if got:
-        raise KeyboardInterrupt
-
-
-@contextmanager
-def _abandon_on_signal(doing: str, then: str) -> Iterator[None]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt (after a warning saying what was being
-    done and what follows) while the block runs: for the final flush and the lease's
-    release, when no batch is left to stop after (see :func:`_handling`: the CLI's Ctrl-C
-    handler is replaced too)."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        _log.warning("signal %d while %s: stopping now; %s", signum, doing, then)
-        raise KeyboardInterrupt
-
-    with _handling(handler, ours_too=True):
-        yield
 
 
 def _check_locations(sinks: dict[str, Sink[Any, Any]]) -> None:
