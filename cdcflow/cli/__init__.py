@@ -17,27 +17,33 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from cdcflow import __version__
-from cdcflow.durations import parse_duration, parse_size
+from cdcflow.cli._ending import (
+    BUS_ERROR,
+    command_logging,
+    exit_on_bus_error,
+    fail,
+    leave_busy_threads,
+    say,
+    stdout_gone,
+    term_as_interrupt,
+)
+from cdcflow.cli._options import duration, key_value, port, positive_int, run_options
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine
 from cdcflow.errors import (
     CdcflowError,
-    PipelineDefinitionError,
     StoreURLError,
     UsageError,
     UserInputError,
 )
 from cdcflow.launch import (
     LATENCY_PRESETS,
-    OptionSpec,
     default_store_url,
     option_specs,
     run_pipeline,
@@ -47,8 +53,8 @@ from cdcflow.processes import choose_arrow_pool, limit_malloc_arenas
 from cdcflow.progress import LOG_FORMATS, LiveProgress
 
 __all__ = [
-    "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main",
-    "read_ddl",
+    "BUS_ERROR", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser",
+    "main", "read_ddl",
 ]
 
 EXIT_OK = 0
@@ -68,47 +74,6 @@ class _Parser(argparse.ArgumentParser):
             message += " (a value that starts with '-' is written --option=VALUE)"
         msg = f"{message}; see `{self.prog} --help`"
         raise UsageError(msg)
-
-
-def _duration(text: str) -> float:
-    try:
-        seconds = parse_duration(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if seconds < 0:
-        msg = f"{text!r} is negative; give a duration such as 30s"
-        raise argparse.ArgumentTypeError(msg)
-    return seconds
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        msg = f"{text!r} is not a positive whole number"
-        raise argparse.ArgumentTypeError(msg)
-    return value
-
-
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        msg = f"{text!r} is not key=value"
-        raise argparse.ArgumentTypeError(msg)
-    return key.strip(), value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        msg = f"{text!r} is not a port: give 1 to 65535, or 0 for a free one"
-        raise argparse.ArgumentTypeError(msg)
-    return value
 
 
 def _common(default: bool) -> _Parser:
@@ -149,11 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metadata", metavar="URL", help=(
         "metadata store: sqlite:///PATH, memory://, spanner://projects/P/instances/I/"
         "databases/D (default: sqlite in .cdcflow/state.db next to FILE)"))
-    run.add_argument("--for", dest="duration", type=_duration, metavar="DURATION",
+    run.add_argument("--for", dest="duration", type=duration, metavar="DURATION",
                      help="stop after this long (e.g. 30s, 5m), after the batch in progress")
-    run.add_argument("--max-batches", type=_positive_int, metavar="N",
+    run.add_argument("--max-batches", type=positive_int, metavar="N",
                      help="stop after N committed batches")
-    run.add_argument("--batch-interval", type=_duration, metavar="DURATION",
+    run.add_argument("--batch-interval", type=duration, metavar="DURATION",
                      help="time between batch ends (e.g. 1s)")
     run.add_argument("--latency", choices=sorted(LATENCY_PRESETS), help=(
         "a preset: low = 200ms batches and idle partitions read at least every 400ms "
@@ -167,20 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="refuse to resume stored progress made with another source "
                      "(database, stream, start_at, end_at) instead of warning; an "
                      "earlier end_at is applied")
-    run.add_argument("--set", dest="settings", action="append", type=_key_value, default=[],
+    run.add_argument("--set", dest="settings", action="append", type=key_value, default=[],
                      metavar="KEY=VALUE", help="an engine or runner option, e.g. "
                      "max_batch_span=30s, gc_ttl=1h, workers=4 (repeatable)")
     run.add_argument("--master", metavar="M",
                      help="Spark master URL for --runner spark (default local[*])")
-    run.add_argument("--conf", action="append", type=_key_value, default=[], metavar="K=V",
+    run.add_argument("--conf", action="append", type=key_value, default=[], metavar="K=V",
                      help="Spark configuration for --runner spark (repeatable)")
-    run.add_argument("--metrics-port", type=_port, metavar="N", help=(
+    run.add_argument("--metrics-port", type=port, metavar="N", help=(
         "serve Prometheus metrics at http://HOST:N/metrics while the run lasts (0: a free "
         "port; the URL is printed)"))
     run.add_argument("--metrics-host", metavar="HOST", help=(
         "address the metrics server listens on (default 127.0.0.1; 0.0.0.0 for a "
         "Prometheus on another machine)"))
-    run.add_argument("--stuck-after", type=_duration, metavar="DURATION", help=(
+    run.add_argument("--stuck-after", type=duration, metavar="DURATION", help=(
         "report a partition whose watermark has not advanced for this long (default: 10 "
         "heartbeats, at least 30s)"))
     run.set_defaults(func=_cmd_run)
@@ -200,19 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a pipeline file, to use its default store (instead of --metadata)")
     status.add_argument("--metadata", metavar="URL", help="metadata store URL")
     status.add_argument("--pipeline", metavar="NAME", help="only this pipeline")
-    status.add_argument("--batches", type=_positive_int, default=5, metavar="N",
+    status.add_argument("--batches", type=positive_int, default=5, metavar="N",
                         help="how many recent batches to show (default 5)")
     shown = status.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true",
                        help="one JSON document (for scripts) instead of text")
-    shown.add_argument("--watch", nargs="?", type=_duration, const=2.0, metavar="SECONDS",
+    shown.add_argument("--watch", nargs="?", type=duration, const=2.0, metavar="SECONDS",
                        help="redraw the status every SECONDS (default 2) until Ctrl-C")
     shown.add_argument("--lineage", choices=("dot", "svg"), help=(
         "the partitions' split/merge tree as Graphviz DOT, or as SVG (needs the dot "
         "program)"))
-    status.add_argument("--watch-count", type=_positive_int, metavar="N",
+    status.add_argument("--watch-count", type=positive_int, metavar="N",
                         help="with --watch: stop after N refreshes")
-    status.add_argument("--stuck-after", type=_duration, metavar="DURATION", help=(
+    status.add_argument("--stuck-after", type=duration, metavar="DURATION", help=(
         "mark partitions a planned batch has held this long as stuck (default: as a run's "
         "default; give what the run was given)"))
     status.set_defaults(func=_cmd_status)
@@ -237,9 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="start the emulator in the foreground", description=(
         "Start the Cloud Spanner emulator on a loopback port and keep it running until "
         "Ctrl-C. It keeps no data across restarts."))
-    start.add_argument("--port", type=_positive_int, metavar="N",
+    start.add_argument("--port", type=positive_int, metavar="N",
                        help="port (default: a free one)")
-    start.add_argument("--partition-alive-seconds", type=_positive_int, metavar="N",
+    start.add_argument("--partition-alive-seconds", type=positive_int, metavar="N",
                        help="split and merge change-stream partitions every N..2N seconds")
     start.add_argument("--database", metavar="NAME", help="create this database")
     start.add_argument("--ddl-file", metavar="FILE", type=Path,
@@ -251,71 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- run -----------------------------------------------------------------------------------
-
-
-# --master and --conf have flags of their own; --set does not take them.
-_FLAG_ONLY = ("master", "conf")
-_WORDS = {"1": True, "true": True, "yes": True, "on": True,
-          "0": False, "false": False, "no": False, "off": False}
-
-
-def _convert(key: str, text: str, spec: OptionSpec) -> Any:
-    """Turn ``--set`` text into the option's type (durations become seconds)."""
-    word = text.strip().lower()
-    if spec.optional and word in ("none", ""):
-        return None
-    try:
-        if spec.kind == "bool":
-            return _WORDS[word]
-        if spec.kind == "duration":
-            return parse_duration(text)
-        if spec.kind == "size":
-            return parse_size(text)
-        if spec.kind == "int":
-            return int(text)
-    except (KeyError, ValueError, PipelineDefinitionError):
-        msg = f"--set {key}={text}: {key} takes {spec.describe()}"
-        raise UserInputError(msg) from None
-    return text
-
-
-def _run_options(
-    args: argparse.Namespace, specs: dict[str, OptionSpec], runner_name: str, base: Path
-) -> dict[str, Any]:
-    """The typed keyword options of a run, from the flags and ``--set`` pairs."""
-    settable = {k: s for k, s in specs.items() if k not in _FLAG_ONLY}
-    options: dict[str, Any] = {}
-    for key, text in args.settings:
-        key = key.replace("-", "_")
-        spec = settable.get(key)
-        if spec is None:
-            valid = sorted(set(settable) - {"base_dir"})
-            msg = (
-                f"--set {key}: unknown option for the {runner_name} runner; valid keys: "
-                f"{', '.join(valid)}"
-            )
-            raise UserInputError(msg)
-        options[key] = _convert(key, text, spec)
-    for flag in ("duration", "max_batches", "batch_interval"):
-        value = getattr(args, flag)
-        if value is not None:
-            options[flag] = value
-    for flag in ("reset", "takeover", "strict"):
-        if getattr(args, flag):
-            options[flag] = True
-    for key, value in LATENCY_PRESETS.get(args.latency or "", {}).items():
-        options.setdefault(key, value)
-    options.setdefault("base_dir", str(base))  # relative sink paths: next to the file
-    for flag in _FLAG_ONLY:
-        value = getattr(args, flag)
-        if not value:
-            continue
-        if flag not in specs:
-            msg = f"--{flag} applies to the spark runner, not {runner_name}; drop it or use " \
-                  "--runner spark"
-            raise UserInputError(msg)
-        options[flag] = dict(value) if flag == "conf" else value
-    return options
 
 
 class _GracefulInterrupt:
@@ -375,7 +275,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         debug=args.debug, progress=progress, format=args.log_format, pipeline=pipeline.name
     )
     factory = runner_factory(args.runner)
-    options = _run_options(args, option_specs(factory), args.runner, base)
+    options = run_options(args, option_specs(factory), args.runner, base)
     for flag in ("metrics_port", "metrics_host", "stuck_after"):
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
@@ -575,11 +475,11 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
         if args.database:
             print(f"# database {emu.database_path(args.database, args.instance)}", flush=True)
         # the log goes when the emulator stops, unless it failed: the error then names it
-        _say(f"# emulator log: {emu.log_path} (removed when it stops, kept if it fails); "
+        say(f"# emulator log: {emu.log_path} (removed when it stops, kept if it fails); "
              "Ctrl-C stops it", args.log_format)
         emu.wait_while_answering()  # until Ctrl-C, or raises if the emulator dies
     except KeyboardInterrupt:
-        _say("\nstopping the emulator", args.log_format)
+        say("\nstopping the emulator", args.log_format)
         return EXIT_OK
     finally:
         emu.stop()
@@ -588,136 +488,12 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
 # -- entry point ---------------------------------------------------------------------------
 
 
-def _one_line(error: BaseException) -> str:
-    notes = [str(n) for n in getattr(error, "__notes__", ())]  # e.g. "batch 7 was not committed"
-    text = " ".join(str(error).split()) or type(error).__name__
-    return "; ".join([text, *(" ".join(n.split()) for n in notes)])
-
-
-def _fail(
-    error: BaseException | str, log_format: str, debug: bool = False, traced: bool = False,
-) -> None:
-    """The one line an error (or its text) ends the command with: plain, or a JSON log
-    object; with ``debug``, an exception's traceback first. ``traced``: an error that is
-    not cdcflow's own (its type is named, and that ``--debug`` shows where it came
-    from)."""
-    if debug and isinstance(error, BaseException):
-        import traceback
-
-        traceback.print_exception(error, file=sys.stderr)
-    text = error if isinstance(error, str) else _one_line(error)
-    if traced and isinstance(error, BaseException):
-        text = f"{type(error).__name__}: {text}" + ("" if debug else
-                                                    "; --debug shows the traceback")
-    _say(f"cdcflow: error: {text}", log_format, text, logging.ERROR)
-
-
-def _say(line: str, log_format: str, text: str | None = None, level: int = logging.INFO) -> None:
-    """``line`` on stderr, or under ``--log-format json`` a JSON log object of ``text``
-    (default: the line without its leading "# " and blank lines)."""
-    if log_format == "json":
-        from cdcflow.progress import JsonFormatter
-
-        message = line.strip().removeprefix("# ") if text is None else text
-        record = logging.LogRecord("cdcflow.cli", level, __file__, 0, "%s", (message,), None)
-        print(JsonFormatter().format(record), file=sys.stderr, flush=True)
-    else:
-        print(line, file=sys.stderr, flush=True)
-
-
-def _leave_busy_threads(code: int, grace: float = 2.0) -> None:
-    """After an abort, exit with ``code`` at once when threads of the run are still busy
-    ``grace`` seconds later (a task waiting on a silent connection): the interpreter would
-    wait for them at exit. The store keeps the batch's plan; the next run replays it."""
-    deadline = time.monotonic() + grace
-    me = threading.current_thread()
-
-    def busy() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t is not me and not t.daemon
-                and t.is_alive()]
-
-    for thread in busy():
-        thread.join(max(0.0, deadline - time.monotonic()))
-    if busy():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(code)
-
-
-def _term_as_interrupt() -> None:
-    """SIGTERM ends the command as Ctrl-C does (one line, exit 130) until a run handles it
-    (the engine's graceful stop takes over where this is in place), instead of killing
-    the process with no word (exit 143) while a pipeline loads or a runner starts."""
-    with contextlib.suppress(ValueError):  # not the main thread: signals are not ours
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
-
-
-def _command_logging(debug: bool, log_format: str) -> None:
-    """Log lines in ``log_format`` from the start of a command, warnings only (``run``
-    sets its own up once its pipeline is loaded); with ``debug``, everything."""
-    from cdcflow.progress import configure_logging
-
-    configure_logging(debug=debug, format="json" if log_format == "json" else "plain")
-    if not debug:
-        logging.getLogger("cdcflow").setLevel(logging.WARNING)
-
-
-#: The line a bus error (SIGBUS) ends a command with.
-BUS_ERROR = (
-    "a memory-mapped file failed under the process (SIGBUS): its disk is full or read-only, "
-    "or the file was truncated or made unwritable (the SQLite store's -shm file, say); fix "
-    "that and run the command again (a run resumes from its last commit)"
-)
-
-
-def _exit_on_bus_error(log_format: str) -> None:
-    """Have a bus error end this process with the one line of an error (:data:`BUS_ERROR`)
-    and exit code 1, as the shell's "Bus error" and 135 would (the compiled module's
-    handler; without it, the process keeps Python's default)."""
-    from cdcflow.compiled import speedups
-
-    compiled = speedups()
-    if compiled is None or not hasattr(compiled, "exit_on_bus_error"):
-        return
-    if log_format != "json":
-        compiled.exit_on_bus_error(f"cdcflow: error: {BUS_ERROR}\n".encode())
-        return
-    from cdcflow.logformat import JsonFormatter, utc_stamp
-
-    record = logging.LogRecord("cdcflow.cli", logging.ERROR, __file__, 0, "%s", (BUS_ERROR,),
-                               None)
-    before, _, after = JsonFormatter().format(record).partition(utc_stamp(record.created))
-    compiled.exit_on_bus_error(before.encode(), f"{after}\n".encode())
-
-
-def _stdout_gone() -> bool:
-    """Whether standard output is a pipe whose reader has gone (a BrokenPipeError from
-    writing to it, not from another pipe or socket); if so, it now goes to /dev/null, so
-    that nothing written or flushed later fails again."""
-    import select
-
-    try:
-        fd = sys.stdout.fileno()
-        poll = select.poll()
-        poll.register(fd, select.POLLOUT)
-        gone = any(events & select.POLLERR for _, events in poll.poll(0))
-        if gone:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)
-            os.close(devnull)
-    except (AttributeError, OSError, ValueError):  # no real stdout: not that case
-        return False
-    return gone
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     own_process = argv is None  # the process's own command line: it may end the process
     argv = list(sys.argv[1:] if argv is None else argv)
     if own_process:
-        _term_as_interrupt()
+        term_as_interrupt()
         limit_malloc_arenas()
         choose_arrow_pool()
     debug = "--debug" in argv or os.environ.get("CDCFLOW_DEBUG", "") not in ("", "0")
@@ -727,31 +503,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         for prev, a in zip(["", *argv], argv, strict=False)
     ) else "plain"
     if own_process:
-        _exit_on_bus_error(log_format)
+        exit_on_bus_error(log_format)
     try:
         args = build_parser().parse_args(argv)
         args.debug = debug or args.debug
         if own_process:  # what any command logs is a line of the format asked for
-            _command_logging(args.debug, log_format)
+            command_logging(args.debug, log_format)
         code: int = args.func(args)
         return code
     # With --debug the traceback comes first; the line and the exit code are the same.
     except UserInputError as e:
-        _fail(e, log_format, debug)
+        fail(e, log_format, debug)
         return EXIT_USAGE
     except CdcflowError as e:  # PipelineStopped included: the run stopped on an error
-        _fail(e, log_format, debug)
+        fail(e, log_format, debug)
         return EXIT_ERROR
     except BrokenPipeError as e:
-        if _stdout_gone():  # `cdcflow status --watch | head`: the reader read what it wanted
+        if stdout_gone():  # `cdcflow status --watch | head`: the reader read what it wanted
             return EXIT_OK
-        _fail(e, log_format, debug, traced=True)
+        fail(e, log_format, debug, traced=True)
         return EXIT_ERROR
     except Exception as e:  # the pipeline's own code, a plugin's, or a defect of cdcflow
-        _fail(e, log_format, debug, traced=True)
+        fail(e, log_format, debug, traced=True)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        _say("\ncdcflow: interrupted", log_format, "interrupted", logging.WARNING)
+        say("\ncdcflow: interrupted", log_format, "interrupted", logging.WARNING)
         if own_process:
-            _leave_busy_threads(EXIT_INTERRUPTED)
+            leave_busy_threads(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
