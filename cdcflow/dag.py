@@ -42,6 +42,10 @@ class Dag:
                 "'-', starting with a letter or digit (it keys stored progress)"
             )
             raise PipelineDefinitionError(msg)
+        if error_policy is not None and not isinstance(error_policy, ErrorPolicy):
+            msg = (f"Pipeline({name!r}, error_policy={error_policy!r}): pass an ErrorPolicy, "
+                   "e.g. cf.ErrorPolicy(then='skip')")
+            raise PipelineDefinitionError(msg)
         self.name = name
         self.error_policy = error_policy or ErrorPolicy()
         self.graph: nx.DiGraph = nx.DiGraph()

@@ -378,6 +378,23 @@ class _Listeners(EngineListener):
         self._each("on_stop", summary)
 
 
+def _check_callbacks(listener: Any, on_engine: Any, on_metrics: Any) -> None:
+    """``listener`` an EngineListener (or an object with some of its ``on_*`` methods: a
+    listener written against an older version), the hooks callables; else a
+    UserInputError naming the argument."""
+    methods = [m for m in dir(EngineListener) if m.startswith("on_")]
+    if listener is not None and not (isinstance(listener, EngineListener)
+                                     or any(callable(getattr(listener, m, None))
+                                            for m in methods)):
+        msg = (f"listener={listener!r} is not an EngineListener: subclass "
+               "cdcflow.EngineListener and override its on_* methods")
+        raise UserInputError(msg)
+    for name, hook in (("on_engine", on_engine), ("on_metrics", on_metrics)):
+        if hook is not None and not callable(hook):
+            msg = f"{name}={hook!r} is not a function: pass a callable, or leave it out"
+            raise UserInputError(msg)
+
+
 def run_pipeline(
     dag: Dag,
     runner: str | Runner = "memory",
@@ -406,6 +423,7 @@ def run_pipeline(
     the fix, before anything runs.
     """
     dag.validate()
+    _check_callbacks(listener, on_engine, on_metrics)
     options = dict(options)
     observe = _observer_options(options)
     built, run_options = make_runner(runner, options)

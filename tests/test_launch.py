@@ -179,6 +179,16 @@ def test_runner_object_is_used_as_given() -> None:
         run_pipeline(build(), CountingRunner(), "memory://", workers=2)
 
 
+def test_listener_and_hooks_are_checked_before_anything_runs(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    for kwargs, fragment in (({"listener": 5}, "listener=5 is not an EngineListener"),
+                             ({"on_engine": 5}, "on_engine=5 is not a function"),
+                             ({"on_metrics": "x"}, "on_metrics='x' is not a function")):
+        with pytest.raises(UserInputError, match=fragment):
+            run_pipeline(build(), "memory", url, **kwargs)  # type: ignore[arg-type]
+    assert not (tmp_path / "state.db").exists()  # refused before the store was opened
+
+
 def test_something_else_as_runner_is_refused() -> None:
     with pytest.raises(UserInputError, match="is not a runner: pass 'memory', 'spark'"):
         run_pipeline(build(), object(), "memory://")  # type: ignore[arg-type]

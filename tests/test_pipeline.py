@@ -266,6 +266,12 @@ def test_validate_with_runner_kinds() -> None:
         q.validate(known_kinds=("Source", "Read", "Sink"))
 
 
+def test_an_error_policy_that_is_not_one_is_refused_where_the_pipeline_is_made() -> None:
+    for bad in (5, cf.Skip, cf.Skip()):
+        with pytest.raises(PipelineDefinitionError, match="pass an ErrorPolicy"):
+            cf.Pipeline("p", error_policy=bad)  # type: ignore[arg-type]
+
+
 def test_error_policy_defaults_and_override() -> None:
     assert cf.Pipeline("a").error_policy == cf.ErrorPolicy()
     policy = cf.ErrorPolicy(retries=0, then="skip")

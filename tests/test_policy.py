@@ -110,6 +110,13 @@ def test_policy_numbers_are_checked_where_the_policy_is_made() -> None:
     with pytest.raises(TypeError, match=r"dead_letter=<built-in function print>\): pass a sink"):
         ErrorPolicy(then="skip", dead_letter=print)  # type: ignore[arg-type]
     assert ErrorPolicy(backoff="250ms", max_backoff=0).retry_policy().maximum == 0
+    # a duration that is not one names its argument
+    with pytest.raises(ValueError, match=r"ErrorPolicy\(backoff='x'\): not a duration"):
+        ErrorPolicy(backoff="x")
+    with pytest.raises(ValueError, match=r"ErrorPolicy\(max_backoff=\[\]\): use seconds"):
+        ErrorPolicy(max_backoff=[])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Retry\(after='soon'\): not a duration"):
+        Retry(after="soon")
 
 
 def test_retry_after_takes_seconds_or_durations_and_refuses_nonsense() -> None:

@@ -22,11 +22,31 @@ from cdcflow.transforms.core import callable_name
 __all__ = ["Decision", "ErrorHandler", "ErrorPolicy", "Retry", "Skip", "Stop"]
 
 
-def _seconds(value: float | str) -> float:
+def _to_seconds(value: Any, owner: str) -> float:
+    """Seconds from a number or a duration such as ``"250ms"``; an error names the
+    argument (``owner``, e.g. ``"ErrorPolicy(backoff=...)"``)."""
+    where = owner.replace("...", repr(value))
     if isinstance(value, bool):
-        msg = f"{value} is not a time: use seconds or a duration such as '250ms'"
+        msg = f"{where}: {value} is not a time: use seconds or a duration such as '250ms'"
         raise TypeError(msg)
-    return parse_duration(value) if isinstance(value, str) else float(value)
+    try:
+        return parse_duration(value) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError) as exc:
+        text = str(exc) if isinstance(value, str) else "use seconds or a duration such as '250ms'"
+        raise ValueError(f"{where}: {text}") from None
+
+
+# the converters, named (what attrs' typing takes)
+def _after_seconds(value: Any) -> float:
+    return _to_seconds(value, "Retry(after=...)")
+
+
+def _backoff_seconds(value: Any) -> float:
+    return _to_seconds(value, "ErrorPolicy(backoff=...)")
+
+
+def _max_backoff_seconds(value: Any) -> float:
+    return _to_seconds(value, "ErrorPolicy(max_backoff=...)")
 
 
 @attrs.frozen
@@ -34,7 +54,7 @@ class Retry:
     """Call again with the same element after ``after`` seconds (a number, or a duration
     such as ``"250ms"``). The element's later elements wait: nothing passes it."""
 
-    after: float = attrs.field(default=0.0, converter=_seconds)
+    after: float = attrs.field(default=0.0, converter=_after_seconds)
 
     def __attrs_post_init__(self) -> None:
         # Written as "not (x >= 0)" so that NaN is refused too.
@@ -88,8 +108,8 @@ class ErrorPolicy:
     """
 
     retries: int = 3
-    backoff: float = attrs.field(default=0.1, converter=_seconds)
-    max_backoff: float = attrs.field(default=10.0, converter=_seconds)
+    backoff: float = attrs.field(default=0.1, converter=_backoff_seconds)
+    max_backoff: float = attrs.field(default=10.0, converter=_max_backoff_seconds)
     then: Literal["stop", "skip"] = "stop"
     dead_letter: Sink[Any, Any] | None = None
     handler: ErrorHandler | None = None

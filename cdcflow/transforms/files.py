@@ -233,6 +233,9 @@ class WriteFiles(Sink[Any, WrittenFile]):
         prefix: str = "part",
         fsync: bool = True,
     ) -> None:
+        if not isinstance(path, str | os.PathLike):
+            msg = f"WriteFiles({path!r}): pass a directory path, e.g. WriteFiles('out/orders')"
+            raise PipelineDefinitionError(msg)
         path = os.fspath(path)
         if not path:
             msg = "WriteFiles needs a directory path, e.g. WriteFiles('out/orders')"

@@ -101,6 +101,10 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 msg = f"DetectPartitions({option}={count!r}): use a whole number, 1 or more"
                 raise PipelineDefinitionError(msg)
+        if client is not None and not isinstance(client, ChangeStreamClient):
+            msg = (f"DetectPartitions(client={client!r}): pass a change stream client (a "
+                   "cdcflow.testing.ScriptedChangeStream, say), or database= to read Spanner")
+            raise PipelineDefinitionError(msg)
         if client is None and (not isinstance(database, str) or not _DATABASE.match(database)):
             msg = (
                 f"DetectPartitions(database={database!r}): write the full path "
@@ -158,6 +162,10 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
             self.query_timeout = parse_duration(query_timeout)
         except ValueError as e:
             raise PipelineDefinitionError(f"DetectPartitions(query_timeout=...): {e}") from None
+        if self.query_timeout <= 0:
+            msg = (f"DetectPartitions(query_timeout={query_timeout!r}): use a time > 0, such "
+                   "as '10m' (the default)")
+            raise PipelineDefinitionError(msg)
         self.typed = bool(typed)
         #: The pushed-down filter (None: every record of every table).
         self.filter = record_filter
@@ -253,7 +261,10 @@ class ReadPartition(PrimitiveTransform[PartitionMetadata, DataChangeRecord]):
         max_inflight: int = 1,
         max_inflight_bytes: int | str | None = None,
     ) -> None:
-        seconds = parse_duration(heartbeat)
+        try:
+            seconds = parse_duration(heartbeat)
+        except ValueError as e:
+            raise PipelineDefinitionError(f"ReadPartition(heartbeat=...): {e}") from None
         if not 0.001 <= seconds <= 300:
             msg = f"ReadPartition(heartbeat={heartbeat!r}): use a value from 1ms to 300s"
             raise PipelineDefinitionError(msg)

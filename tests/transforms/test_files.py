@@ -215,6 +215,8 @@ def test_invalid_arguments() -> None:
         WriteFiles("x", prefix="a/b")
     with pytest.raises(PipelineDefinitionError, match="directory path"):
         WriteFiles("")
+    with pytest.raises(PipelineDefinitionError, match=r"WriteFiles\(None\): pass a directory"):
+        WriteFiles(None)  # type: ignore[arg-type]
     # a URL is not a directory (it used to become ./s3:/lake/x): object storage is WriteTables'
     for url in ("s3://lake/x", "gs://b/x", "file:///tmp/x"):
         with pytest.raises(PipelineDefinitionError, match="use WriteTables"):

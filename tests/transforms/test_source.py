@@ -108,6 +108,11 @@ def test_arguments_reach_the_primitives() -> None:
         ({"database": DB, "stream": "Orders", "end_at": b"now"}, "RFC 3339 text, a datetime"),
         ({"database": DB, "stream": "Orders", "query_timeout": ["1s"]},
          r"query_timeout=\.\.\.\): not a duration"),
+        ({"database": DB, "stream": "Orders", "query_timeout": -1},
+         r"query_timeout=-1\): use a time > 0"),
+        ({"database": DB, "stream": "Orders", "heartbeat": "often"},
+         r"heartbeat=\.\.\.\): not a duration: 'often'"),
+        ({"stream": "Orders", "client": 5}, r"client=5\): pass a change stream client"),
     ],
 )
 def test_bad_arguments_fail_when_built(kwargs: dict[str, object], fragment: str) -> None:
