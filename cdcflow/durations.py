@@ -10,7 +10,7 @@ from datetime import datetime
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import Timestamp
 
-__all__ = ["is_relative_time", "parse_duration", "parse_size", "parse_time"]
+__all__ = ["is_relative_time", "parse_duration", "parse_size", "parse_time", "positive_seconds"]
 
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h|d)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -41,6 +41,19 @@ def parse_duration(text: str | float | int) -> float:
     if not math.isfinite(total):
         raise ValueError(msg)
     return total
+
+
+def positive_seconds(value: str | float, name: str, example: str) -> float:
+    """Seconds > 0 for a duration given as text or a number; ``name`` (such as
+    ``DetectPartitions(query_timeout=...)``) is what an error names, with ``example``."""
+    try:
+        seconds = parse_duration(value)
+    except ValueError as e:
+        raise PipelineDefinitionError(f"{name}: {e}") from None
+    if seconds <= 0:
+        msg = f"{name.replace('...', repr(value))}: use a time > 0, such as {example!r}"
+        raise PipelineDefinitionError(msg)
+    return seconds
 
 
 def is_relative_time(value: str | datetime | int) -> bool:

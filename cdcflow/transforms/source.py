@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Literal
 
-from cdcflow.durations import parse_duration, parse_size, parse_time
+from cdcflow.durations import parse_duration, parse_size, parse_time, positive_seconds
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import MAX_NS, DataChangeRecord, PartitionMetadata
 from cdcflow.stream import (
@@ -158,14 +158,8 @@ class DetectPartitions(PrimitiveTransform[None, PartitionMetadata]):
         #: What tasks read with: the given client, with the read options applied.
         self.client = client
         self.priority = priority.upper()
-        try:
-            self.query_timeout = parse_duration(query_timeout)
-        except ValueError as e:
-            raise PipelineDefinitionError(f"DetectPartitions(query_timeout=...): {e}") from None
-        if self.query_timeout <= 0:
-            msg = (f"DetectPartitions(query_timeout={query_timeout!r}): use a time > 0, such "
-                   "as '10m' (the default)")
-            raise PipelineDefinitionError(msg)
+        self.query_timeout = positive_seconds(
+            query_timeout, "DetectPartitions(query_timeout=...)", "10m")
         self.typed = bool(typed)
         #: The pushed-down filter (None: every record of every table).
         self.filter = record_filter

@@ -68,7 +68,7 @@ from typing import Any, Literal
 import fsspec
 import orjson
 
-from cdcflow.durations import parse_duration, parse_size
+from cdcflow.durations import parse_size, positive_seconds
 from cdcflow.errors import (
     OutputConflictError,
     PipelineDefinitionError,
@@ -203,14 +203,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                 raise PipelineDefinitionError(msg)
         self.format: Format = format
         self.file_size = parse_size(file_size, "WriteTables(file_size=...)")
-        try:
-            self.flush_interval = parse_duration(flush_interval)
-        except ValueError as e:
-            raise PipelineDefinitionError(f"WriteTables(flush_interval=...): {e}") from None
-        if self.flush_interval <= 0:
-            msg = (f"WriteTables(flush_interval={flush_interval!r}): use a time > 0, such as "
-                   "'60s'")
-            raise PipelineDefinitionError(msg)
+        self.flush_interval = positive_seconds(
+            flush_interval, "WriteTables(flush_interval=...)", "60s")
         self.partition_by = partition_by
         self.rows: RowStyle = rows
         self.storage_options = dict(storage_options or {})
