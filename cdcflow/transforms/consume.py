@@ -127,7 +127,7 @@ class _Totals:
     """The driver's counts, shared by a Consume and its labelled copies."""
 
     def __init__(self) -> None:
-        self.batches: set[int] = set()
+        self.batches: set[tuple[str | None, int]] = set()  # (label, batch id) committed
         self.consumed = Consumed()
 
 
@@ -250,9 +250,9 @@ class Consume(Sink[E, Consumed]):
         """Add the batch's counts to :meth:`stats`, once per batch id. Nothing else: the
         calls already happened in the tasks."""
         totals = self._totals
-        if batch_id in totals.batches:
+        if (self.label, batch_id) in totals.batches:
             return
-        totals.batches.add(batch_id)
+        totals.batches.add((self.label, batch_id))
         batch = sum(messages, Consumed())
         totals.consumed += batch
         if batch.skipped:
@@ -276,10 +276,15 @@ class Consume(Sink[E, Consumed]):
         return {"acked_total": c.acked, "skipped_total": c.skipped, "calls_total": c.calls,
                 "retries_total": c.retries, "timeouts_total": c.timeouts}
 
+    def last_committed_batch(self) -> int:
+        """The highest batch id committed through this instance (a run with a new store
+        plans its batches above it, so they are not taken for replays)."""
+        return max((batch for _, batch in self._totals.batches), default=0)
+
     @property
     def committed_batches(self) -> int:
         """How many batch ids were committed through this instance."""
-        return len(self._totals.batches)
+        return len({batch for _, batch in self._totals.batches})
 
 
 class _Call:

@@ -50,19 +50,27 @@ class _BufferWriter(Generic[E, V]):
 
 
 class _OncePerBatch:
-    """Batch ids already committed in this process, for idempotent driver-side commits."""
+    """Batch ids already committed in this process, for idempotent driver-side commits: by
+    the sink's label too, since labelled copies of one sink (``"a" >> out`` and ``"b" >>
+    out`` on two branches) share it, and each commits every batch."""
 
     def __init__(self) -> None:
-        self._done: set[int] = set()
+        self._done: set[tuple[str | None, int]] = set()
         self._lock = threading.Lock()
 
-    def claim(self, batch_id: int) -> bool:
-        """True the first time ``batch_id`` is seen."""
+    def claim(self, batch_id: int, label: str | None) -> bool:
+        """True the first time ``batch_id`` is seen under ``label``."""
         with self._lock:
-            if batch_id in self._done:
+            if (label, batch_id) in self._done:
                 return False
-            self._done.add(batch_id)
+            self._done.add((label, batch_id))
             return True
+
+    def highest(self) -> int:
+        """The highest batch id claimed, or 0: a run with a new store (batch ids from 1
+        again) plans its batches above it, so they are not taken for replays."""
+        with self._lock:
+            return max((batch for _, batch in self._done), default=0)
 
 
 def _same(element: E) -> E:
@@ -100,8 +108,11 @@ class Collect(Sink[E, list[E]]):
     def open_writer(self, ctx: WriterContext) -> SinkWriter[E, list[E]]:
         return _BufferWriter(_same)
 
+    def last_committed_batch(self) -> int:
+        return self._batches.highest()
+
     def commit(self, batch_id: int, messages: Sequence[list[E]]) -> None:
-        if not self._batches.claim(batch_id):
+        if not self._batches.claim(batch_id, self.label):
             return
         for message in messages:
             self.items.extend(message)
@@ -222,8 +233,11 @@ class Print(Sink[Any, PrintedLines]):
         for message in messages:
             message.discard()
 
+    def last_committed_batch(self) -> int:
+        return self._batches.highest()
+
     def commit(self, batch_id: int, messages: Sequence[PrintedLines]) -> None:
-        if not self._batches.claim(batch_id) or self._closed:
+        if not self._batches.claim(batch_id, self.label) or self._closed:
             self.abort(batch_id, messages)
             return
         out: IO[str] = sys.stdout  # looked up now, so redirected output is honoured

@@ -148,3 +148,54 @@ def test_every_writer_keeps_json_integers_past_64_bits(
         (path,) = [f for f in (tmp_path / "out").rglob(f"*.{form}") if f.is_file()]
         text = path.read_text()
     assert "1180591620717411303424" in text and "-1208925819614629174706176" in text
+
+
+def _two_branches_into(sink: Any) -> Any:
+    import cdcflow as cf
+    import cdcflow.testing
+    from cdcflow.testing import ScriptedChangeStream
+
+    t0 = 1_700_000_000 * 10**9
+    stream = ScriptedChangeStream("S", partitions=2, origin=t0)
+    for i in range(6):
+        stream.write("T", i, "INSERT", {"v": i}, at=t0 + (i + 1) * 1000)
+    p = cf.Pipeline("branches")
+    rows = (p | cf.DetectPartitions(stream="S", start_at=t0, end_at=t0 + 10_000, client=stream)
+            | cf.ReadPartition())
+    rows | "a" >> cf.Map(lambda r: ("a", r.mods[0].new_values["v"])) | "to a" >> sink
+    rows | "b" >> cf.Map(lambda r: ("b", r.mods[0].new_values["v"])) | "to b" >> sink
+    return cdcflow.testing.run(p)
+
+
+def test_one_collect_at_the_end_of_two_branches_gets_both(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Labelled copies of one sink share its items and its record of committed batches:
+    each branch's commit of a batch is its own, not a replay of the other's."""
+    out: Collect[Any] = Collect()
+    _two_branches_into(out)
+    assert sorted(out.items) == sorted((b, v) for b in "ab" for v in range(6))
+    _two_branches_into(Print(format="repr"))
+    printed = capsys.readouterr().out.splitlines()
+    assert sorted(printed) == sorted(repr((b, v)) for b in "ab" for v in range(6))
+
+
+def test_a_collect_run_again_with_a_new_store_gets_the_new_batches() -> None:
+    """A second run with a new store (cdcflow.testing.run: memory://) numbers its batches
+    from where the sink's output ends, so they are not taken for replays of the first's."""
+    import cdcflow as cf
+    import cdcflow.testing
+    from cdcflow.testing import ScriptedChangeStream
+
+    t0 = 1_700_000_000 * 10**9
+    stream = ScriptedChangeStream("S", partitions=1, origin=t0)
+    stream.write("T", 1, "INSERT", {"v": 1}, at=t0 + 1000)
+    out: Collect[Any] = Collect()
+    p = cf.Pipeline("again")
+    (p | cf.ReadChangeStream(stream="S", start_at=t0, end_at=t0 + 10_000, client=stream)
+     | cf.Map(lambda r: r.mods[0].new_values["v"]) | out)
+    cdcflow.testing.run(p)
+    assert out.items == [1]
+    stream.write("T", 2, "INSERT", {"v": 2}, at=t0 + 2000)
+    cdcflow.testing.run(p)
+    assert out.items == [1, 1, 2]  # the second run reads the stream again, from its start
