@@ -21,6 +21,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from cdcflow.engine.listener import BatchStats, EngineListener, RunSummary
     from cdcflow.model import (
         ChildPartition,
         ChildPartitionsRecord,
@@ -67,6 +68,7 @@ _HOMES = {
          "HeartbeatRecord", "JsonString", "Mod", "ModType", "PartitionEndRecord",
          "PartitionEventRecord", "PartitionStartRecord", "Timestamp", "ValueCaptureType"],
         "cdcflow.model"),
+    **dict.fromkeys(["BatchStats", "EngineListener", "RunSummary"], "cdcflow.engine.listener"),
     "PCollection": "cdcflow.pipeline",
     "Pipeline": "cdcflow.pipeline",
     **dict.fromkeys(["ErrorPolicy", "Retry", "Skip", "Stop"], "cdcflow.policy"),
@@ -94,6 +96,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BatchStats",
     "ChildPartition",
     "ChildPartitionsRecord",
     "Collect",
@@ -102,6 +105,7 @@ __all__ = [
     "DataChangeRecord",
     "DetectPartitions",
     "DoFn",
+    "EngineListener",
     "ErrorPolicy",
     "Filter",
     "FlatMap",
@@ -122,6 +126,7 @@ __all__ = [
     "ReadChangeStream",
     "ReadPartition",
     "Retry",
+    "RunSummary",
     "Sink",
     "Skip",
     "Stop",
