@@ -93,3 +93,42 @@ def test_pipeline_run_from_a_script_delivers_every_change_exactly_once(
         assert all(p.state == "FINISHED" for p in store.partitions(name))
     finally:
         store.close()
+
+
+_IMPORTED_RUN = '''
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+T0 = 1_700_000_000 * 10**9
+stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+stream.write("T", 1, "INSERT", {"v": 1}, at=T0 + 1000)
+
+def to_key(r):
+    return r.mods[0].keys
+
+out = cf.Collect()
+pipeline = cf.Pipeline("etl")
+(pipeline | cf.ReadChangeStream(stream="S", start_at=T0, end_at=T0 + 5000, client=stream)
+ | cf.Map(to_key) | out)
+summary = pipeline.run(metadata="memory://")
+print("done", summary.reason, out.items)
+'''
+
+
+def test_run_at_the_top_level_of_an_imported_module_is_refused_not_hung(
+    tmp_path: Path,
+) -> None:
+    """A task would load the module's functions, waiting for the import that waits for
+    the run: refused at once, naming the module and the fix. Run as the main module
+    (no import under way), the same file runs."""
+
+    (tmp_path / "etl.py").write_text(_IMPORTED_RUN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    imported = subprocess.run([sys.executable, "-c", "import etl"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 1
+    assert ("PipelineDefinitionError: the pipeline runs while module 'etl', whose functions "
+            "its steps use, is still being imported") in imported.stderr
+    assert 'if __name__ == "__main__":' in imported.stderr
+    direct = subprocess.run([sys.executable, "etl.py"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert direct.returncode == 0 and "done end reached [{'id': 1}]" in direct.stdout

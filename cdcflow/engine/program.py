@@ -6,6 +6,8 @@ the in-memory runner, a Python worker of a Spark executor) unpickles its own cop
 
 from __future__ import annotations
 
+import pickletools
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -155,4 +157,30 @@ def _pickled(nodes: dict[str, Any]) -> bytes:
             "DoFn's setup(), or inside the function"
         )
         raise PipelineDefinitionError(msg) from exc
+    _check_not_importing(data)
     return data
+
+
+def _check_not_importing(data: bytes) -> None:
+    """Refuse a chain whose steps a task would load from a module still being imported
+    (``pipeline.run()`` at the top level of a module that another one imports): the task's
+    thread would wait for that import, which waits for the run, for ever."""
+    named: set[str] = set()
+    strings: list[str] = []
+    for op, arg, _ in pickletools.genops(data):
+        if isinstance(arg, str) and "UNICODE" in op.name:
+            strings.append(arg)
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+            named.add(strings[-2])
+        elif op.name == "GLOBAL" and isinstance(arg, str):
+            named.add(arg.split(" ", 1)[0])
+    importing = sorted(n for n in named if getattr(
+        getattr(sys.modules.get(n), "__spec__", None), "_initializing", False))
+    if importing:
+        msg = (
+            f"the pipeline runs while module {importing[0]!r}, whose functions its steps use, "
+            "is still being imported (pipeline.run() at its top level): its tasks would wait "
+            "for that import for ever. Call run() under `if __name__ == \"__main__\":`, or "
+            "from a function called once the import is done"
+        )
+        raise PipelineDefinitionError(msg)
