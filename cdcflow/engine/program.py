@@ -165,6 +165,10 @@ def _check_not_importing(data: bytes) -> None:
     """Refuse a chain whose steps a task would load from a module still being imported
     (``pipeline.run()`` at the top level of a module that another one imports): the task's
     thread would wait for that import, which waits for the run, for ever."""
+    initializing = {name for name, module in list(sys.modules.items())
+                    if getattr(getattr(module, "__spec__", None), "_initializing", False)}
+    if not initializing:  # the usual case: no import under way, nothing to read
+        return
     named: set[str] = set()
     strings: list[str] = []
     for op, arg, _ in pickletools.genops(data):
@@ -174,8 +178,7 @@ def _check_not_importing(data: bytes) -> None:
             named.add(strings[-2])
         elif op.name == "GLOBAL" and isinstance(arg, str):
             named.add(arg.split(" ", 1)[0])
-    importing = sorted(n for n in named if getattr(
-        getattr(sys.modules.get(n), "__spec__", None), "_initializing", False))
+    importing = sorted(named & initializing)
     if importing:
         msg = (
             f"the pipeline runs while module {importing[0]!r}, whose functions its steps use, "
