@@ -38,8 +38,8 @@ _SERIAL = itertools.count(1)
 #: this size. gRPC otherwise grows windows by its bandwidth probe, and a reader that waits
 #: for a slow sink (the byte quota holds it) had tens of MB of large records received
 #: ahead on its stream, beside the quota: with 4 MB records and an 8 MiB quota, peak RSS
-#: 166-272 MB against 152-164 MB with this window (ten runs); reading as fast (4 MiB a
-#: round trip is 4 GB/s at 1 ms).
+#: 207-243 MB against 162-166 MB with this window (three runs each, side by side); the
+#: emulator catch-up read as fast (4 MiB a round trip is 4 GB/s at 1 ms).
 STREAM_WINDOW = 4 << 20
 _FLOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW)]
 
