@@ -40,6 +40,7 @@ __all__ = [
     "proto_column_type",
     "proto_value",
     "row_type",
+    "rows_of",
     "service_unavailable",
     "string_rows",
 ]
@@ -356,6 +357,20 @@ def encode_proto(record: ChangeRecord) -> Any:
 def proto_value(record: ChangeRecord) -> Any:
     """A row value for a PROTO column: the serialized ChangeStreamRecord, base64 text."""
     return _v(base64.b64encode(encode_proto(record).SerializeToString()).decode())
+
+
+def rows_of(shape: str, records: Sequence[ChangeRecord]) -> tuple[Any, list[Any]]:
+    """The ChangeRecord column's type and one row value per record, as a result set of
+    ``shape`` holds them: ``"googlesql"`` (one ChangeRecord STRUCT array a row),
+    ``"postgresql"`` (JSONB text) or ``"proto"`` (MUTABLE_KEY_RANGE protos)."""
+    if shape == "googlesql":
+        return googlesql_column_type(), [encode_googlesql([r]) for r in records]
+    if shape == "postgresql":
+        return postgresql_column_type(), [encode_postgresql(r) for r in records]
+    if shape == "proto":
+        return proto_column_type(), [proto_value(r) for r in records]
+    msg = f"rows_of({shape!r}): use 'googlesql', 'postgresql' or 'proto'"
+    raise ValueError(msg)
 
 
 # --- partial result sets --------------------------------------------------------------------

@@ -64,14 +64,7 @@ RECORDS: list[DataChangeRecord] = [
 def _decode(shape: str, shaper: RecordShaper, records: list[ChangeRecord] | None = None
             ) -> list[ChangeRecord]:
     records = list(RECORDS) if records is None else records
-    if shape == "postgresql":
-        column, values = wire.postgresql_column_type(), [wire.encode_postgresql(r)
-                                                          for r in records]
-    elif shape == "proto":
-        column, values = wire.proto_column_type(), [wire.proto_value(r) for r in records]
-    else:
-        column, values = wire.googlesql_column_type(), [wire.encode_googlesql([r])
-                                                         for r in records]
+    column, values = wire.rows_of("googlesql" if shape == "stock" else shape, records)
     messages = wire.partial_result_sets(wire.row_type(column), values, rows_per_message=2)
     if shape == "stock":
         rows = StreamedResultSet(iter([PartialResultSet.wrap(m) for m in messages]))

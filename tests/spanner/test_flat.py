@@ -159,14 +159,7 @@ def _chunked_in_the_middle(column: Any, values: list[Any]) -> list[Any]:
 @pytest.mark.parametrize("shape", ["googlesql", "postgresql", "proto"])
 def test_rows_around_a_chunked_value(shape: str) -> None:
     records = [_data(i) for i in range(5)]
-    if shape == "postgresql":
-        column, values = wire.postgresql_column_type(), [wire.encode_postgresql(r)
-                                                          for r in records]
-    elif shape == "proto":
-        column, values = wire.proto_column_type(), [wire.proto_value(r) for r in records]
-    else:
-        column, values = wire.googlesql_column_type(), [wire.encode_googlesql([r])
-                                                         for r in records]
+    column, values = wire.rows_of(shape, records)
     messages = _chunked_in_the_middle(column, values)
     assert _both(messages) == records
     # protobuf messages take the same way (serialized first)
@@ -183,14 +176,7 @@ def test_every_data_record_comes_measured_a_chunked_large_one_too(shape: str) ->
 
     records = [_data(i, mods=[Mod({"Id": i}, {"Name": ("x" if i != 2 else "y") * 200_000}, {})])
                for i in range(5)]
-    if shape == "postgresql":
-        column, values = wire.postgresql_column_type(), [wire.encode_postgresql(r)
-                                                          for r in records]
-    elif shape == "proto":
-        column, values = wire.proto_column_type(), [wire.proto_value(r) for r in records]
-    else:
-        column, values = wire.googlesql_column_type(), [wire.encode_googlesql([r])
-                                                         for r in records]
+    column, values = wire.rows_of(shape, records)
     decoder = MessageDecoder(RecordShaper())
     sizes = []
     for message in _chunked_in_the_middle(column, values):
