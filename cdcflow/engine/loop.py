@@ -252,6 +252,10 @@ class Engine:
                         )
 
                     if opts.reset:
+                        _log.info("pipeline %s: resetting; output its old progress owes a "
+                                  "sink goes there first, and a run stopped before the reset "
+                                  "is done keeps the old progress (run with --reset again)",
+                                  name)
                         # what the old progress owes is read from the stream it was made on
                         old = source_of_record(program.source, stored_source(self.store, name))
                         settling = (None if old is None else
@@ -264,6 +268,8 @@ class Engine:
                         if forgotten:
                             self._reset_from = low_watermark(forgotten)
                         self.store.reset(name)
+                        _log.info("pipeline %s: reset done; the progress of %d partition(s) "
+                                  "is forgotten and reading starts over", name, len(forgotten))
                     batches = make_batches(self._first_run(program))
                     try:
                         with guarding(guard):

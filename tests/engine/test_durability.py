@@ -5,6 +5,7 @@ not is lost (the engine replays the batch log above its durable mark, to it alon
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -228,10 +229,12 @@ class BatchFileSink(cf.Sink[int, list[int]]):
 
 @pytest.mark.parametrize("crash", ["after store commit 5", "stage 6"])
 def test_a_reset_first_delivers_what_the_old_progress_owed_every_sink(
-    runner: Runner, tmp_path: Path, crash: str
+    runner: Runner, tmp_path: Path, crash: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Batches committed but only staged, and a batch left pending, reach the staging sink
-    before a reset forgets the old progress: both sinks then hold the same changes."""
+    before a reset forgets the old progress: both sinks then hold the same changes. The log
+    says a reset is under way before that delivery (a run stopped during it keeps the old
+    progress) and when it is done."""
     staged_out, files_out = tmp_path / "staged", tmp_path / "files"
 
     def run(start: int, sink: SegmentSink, reset: bool = False,
@@ -258,8 +261,17 @@ def test_a_reset_first_delivers_what_the_old_progress_owed_every_sink(
         run(T0, first, listener=listener)
     assert SegmentSink(staged_out, 100).values() == []  # nothing durable there yet
     # reset, starting after every change: what follows comes from before the reset only
-    summary = run(T0 + 21 * S // 2, SegmentSink(staged_out, every=100), reset=True)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cdcflow"):
+        summary = run(T0 + 21 * S // 2, SegmentSink(staged_out, every=100), reset=True)
     assert summary.reason == "end reached"
+    said = [r.getMessage() for r in caplog.records]
+    begun = next(i for i, m in enumerate(said) if "resetting;" in m)
+    again = [i for i, m in enumerate(said) if " again for " in m]
+    done = next(i for i, m in enumerate(said) if "reset done" in m)
+    assert "run with --reset again" in said[begun]
+    assert again and begun < min(again) and max(again) < done
+    assert "partition(s) is forgotten" in said[done]
     staged = SegmentSink(staged_out, 100).values()
     files = BatchFileSink(files_out).values()
     assert len(staged) == len(set(staged)) and len(files) == len(set(files))
