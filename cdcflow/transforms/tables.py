@@ -55,30 +55,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import socket
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-import fsspec
-import orjson
-
 from cdcflow.durations import parse_size, positive_seconds
 from cdcflow.errors import (
-    OutputConflictError,
     PipelineDefinitionError,
     SinkError,
     SinkIOError,
     SinkSetupError,
     TransientError,
 )
-from cdcflow.model import DataChangeRecord, Timestamp
-from cdcflow.transforms._fileio import create_exclusive, local_prefix, quiet_cut_requests, sweep
+from cdcflow.model import DataChangeRecord
+from cdcflow.transforms._fileio import local_prefix, sweep
 from cdcflow.transforms._tablebuild import conform
 from cdcflow.transforms._tableread import file_schema, table_schema
 from cdcflow.transforms._tablerows import Format, RowStyle, Schema, Unit
@@ -90,8 +84,8 @@ from cdcflow.transforms._tablespool import (
     Usage,
     encode,
     storage_cause,
-    storage_errors,
 )
+from cdcflow.transforms._tablestorage import TableStorage
 from cdcflow.transforms._tabletask import Group, TaskRows, Writer, next_version
 from cdcflow.transforms.base import Sink, SinkContext, SinkWriter, WriterContext
 
@@ -112,18 +106,6 @@ def _never() -> bool:
 
 def _free() -> None:
     return None
-
-
-_PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
-
-
-#: fsspec protocols of object stores: no directories to make (on S3, makedirs is a request)
-_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 class WriteTables(Sink[DataChangeRecord, TaskRows]):
@@ -219,8 +201,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def _reset(self) -> None:
         self._stopping: Callable[[], bool] = _never
         self._guard: Callable[[], None] = _free  # may this run still write (see setup)
-        self._fs: Any = None
-        self._root = ""
+        self._out: TableStorage | None = None  # the output location (set up by setup)
         self._stage_dir: str | None = None
         # open files in the order they were opened: by `opened` and by `first`
         self._open: dict[Key, OpenFile] = {}
@@ -235,12 +216,11 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._files = 0
         self._cuts: Counter[str] = Counter()  # files cut, by reason (metrics)
         self._uploads: Uploader | None = None
-        self._made: set[str] = set()  # directories made in storage
         self._driver_host: str | None = None  # where setup ran: tasks there may spool
         self._driver_pid: int | None = None  # whose process reads (and sweeps) their spool
         self._pipeline = ""  # the pipeline whose output the URL holds (set up by setup)
 
-    _DRIVER_STATE = ("_fs", "_open", "_usage", "_flushed", "_schemas", "_uploads", "_made",
+    _DRIVER_STATE = ("_out", "_open", "_usage", "_flushed", "_schemas", "_uploads",
                      "_stopping", "_guard")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -252,8 +232,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._fs, self._open, self._flushed, self._schemas = None, {}, {}, {}
-        self._uploads, self._made, self._usage = None, set(), Usage()
+        self._out, self._open, self._flushed, self._schemas = None, {}, {}, {}
+        self._uploads, self._usage = None, Usage()
         self._stopping, self._guard = _never, _free
 
     def describe_params(self) -> str:
@@ -276,28 +256,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         url = self.url
         if "://" not in url:
             url = os.path.abspath(os.path.join(ctx.base_dir, os.path.expanduser(url)))
-        try:
-            self._fs, self._root = fsspec.core.url_to_fs(url, **self.storage_options)
-            self._root = self._root.rstrip("/")
-            quiet_cut_requests(self._fs)
-            if _OBJECT_STORES & set(_protocols(self._fs)):
-                # no directories to make, and a bucket is never made (on S3, makedirs
-                # would create a bucket a typo names)
-                bucket = self._root.split("/", 1)[0]
-                try:
-                    self._fs.info(bucket)
-                except FileNotFoundError:
-                    msg = (f"WriteTables: the bucket {bucket!r} of {self.url} does not exist "
-                           "(or these credentials cannot see it); create it, or fix the URL")
-                    raise SinkSetupError(msg) from None
-            else:
-                self._fs.makedirs(self._root, exist_ok=True)
-        except storage_errors(SinkIOError, ValueError, ImportError) as exc:
-            raise self._setup_error(exc) from exc
-        if "file" in _protocols(self._fs) and not os.access(self._root, os.W_OK | os.X_OK):
-            msg = (f"WriteTables cannot write in {self._root} (a read-only filesystem or no "
-                   "permission); choose a writable path")
-            raise SinkSetupError(msg)
+        self._out = TableStorage(url, self.url, self.storage_options)
         # Claimed when first asked for its durable batch (the engine asks right after it has
         # checked the pipeline's sinks against each other): a pipeline refused at start
         # leaves no claim behind.
@@ -325,68 +284,11 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                    "directory of this machine it can write")
             raise SinkSetupError(msg)
 
-    def _setup_error(self, exc: BaseException) -> SinkSetupError:
-        return SinkSetupError(
-            f"WriteTables cannot open {self.url}: {type(exc).__name__}: {exc}; check the URL, "
-            "that the storage answers, and the credentials")
-
-    def _claim(self) -> int:
-        """Make the URL this pipeline's and return its durable batch: ``durable.json`` names
-        the pipeline whose output it holds. Another pipeline's output there is refused (its
-        batch ids are not this pipeline's: a replay would skip this pipeline's rows as
-        written)."""
-        path = self._path("_cdcflow", "durable.json")
-        try:
-            data = self._read(path)
-            if data is None:
-                try:
-                    self._create(path, self._mark_doc(0))
-                    return 0
-                except FileExistsError:  # another run claimed it since we looked
-                    data = self._read(path)
-            doc = orjson.loads(data) if data else {}
-            owner, durable = doc.get("pipeline"), int(doc.get("durable_batch", 0))
-            if owner is None:  # written before marks named their pipeline
-                self._put(path, self._mark_doc(durable))
-            else:
-                self._owned = durable  # this pipeline's own durable output (checked below)
-        except storage_errors(SinkIOError) as exc:
-            raise self._setup_error(exc) from exc
-        if owner is not None and owner != self._pipeline:
-            msg = (f"WriteTables: {self.url} holds the output of pipeline {owner!r}, not "
-                   f"{self._pipeline!r}; give each pipeline its own URL (for a renamed "
-                   "pipeline, write its new name in _cdcflow/durable.json there)")
-            raise OutputConflictError(msg)
-        return durable
-
-    def _create(self, path: str, data: bytes) -> None:
-        """Write ``path`` only if it does not exist (FileExistsError if it does): a link
-        on local disk, a conditional PUT where the store has one (S3's If-None-Match)."""
-        fs = self._storage()
-        if "file" in fs.protocol:
-            temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-            if not create_exclusive(path, temp, data):
-                raise FileExistsError(path)
-            return
-        try:
-            fs.pipe_file(path, data, mode="create")
-        except TypeError:  # a filesystem that has no exclusive write
-            self._put(path, data)
-        except FileExistsError:
-            raise
-        except storage_errors() as exc:
-            msg = f"WriteTables cannot write {path}: {exc}"
-            raise SinkIOError(msg) from exc
-
-    def _mark_doc(self, durable: int) -> bytes:
-        return orjson.dumps({"durable_batch": durable, "pipeline": self._pipeline,
-                             "at": str(Timestamp.now())})
-
-    def _storage(self) -> Any:
-        if self._fs is None:
+    def _storage(self) -> TableStorage:
+        if self._out is None:
             msg = "WriteTables was not set up: the engine must call setup() before commits"
             raise SinkError(msg)
-        return self._fs
+        return self._out
 
     def _queue(self) -> Uploader:
         if self._uploads is None:
@@ -394,50 +296,14 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             raise SinkError(msg)
         return self._uploads
 
-    def _path(self, *parts: str) -> str:
-        return "/".join([self._root, *[p for p in parts if p]])
-
     def output_location(self) -> str:
-        return f"{_protocols(self._storage())[0]}://{self._root}/"
-
-    def _read(self, path: str) -> bytes | None:
-        try:
-            data: bytes = self._storage().cat_file(path)
-            return data
-        except FileNotFoundError:
-            return None
-        except storage_errors() as exc:
-            msg = f"WriteTables cannot read {path}: {exc}"
-            raise SinkIOError(msg) from exc
-
-    def _put(self, path: str, data: bytes | None = None, local: str | None = None) -> None:
-        """One atomic write of ``path``: a PUT on object stores; a temporary name and a
-        rename on local disk (where a reader could see a half-written file)."""
-        fs = self._storage()
-        try:
-            target = path
-            if "file" in fs.protocol:
-                target = path.rsplit("/", 1)[0] + "/." + path.rsplit("/", 1)[1] + ".tmp"
-            parent = path.rsplit("/", 1)[0]
-            if parent not in self._made and not _OBJECT_STORES & set(_protocols(fs)):
-                fs.makedirs(parent, exist_ok=True)  # once per directory
-                self._made.add(parent)
-            if local is not None:
-                fs.put_file(local, target)
-            else:
-                fs.pipe_file(target, data)
-            if target != path:
-                fs.mv(target, path)
-        except storage_errors() as exc:
-            self._made.discard(parent)  # made again at the next try (removed meanwhile?)
-            msg = f"WriteTables cannot write {path}: {exc}; the batch will be retried"
-            raise SinkIOError(msg) from exc
+        return self._storage().location()
 
     def durable_batch(self) -> int:
         if self._durable is None:
-            if self._fs is None:
+            if self._out is None:
                 return 0  # asked before setup(): whether this sink stages, not where it is
-            self._durable = self._claim()
+            self._durable, self._owned = self._out.claim(self._pipeline)
             self._staged_through = max(self._staged_through, self._durable)
         if self._uploads is not None:
             self._uploads.check()
@@ -472,45 +338,19 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         return self._owned
 
     def last_committed_batch(self) -> int:
-        fs = self._storage()
-        try:
-            names = fs.find(self._root) if fs.exists(self._root) else []
-        except storage_errors() as exc:
-            msg = f"WriteTables cannot list {self._root}: {exc}"
-            raise SinkIOError(msg) from exc
-        lasts = [int(m.group(2)) for n in names if (m := _PART.search(n))]
-        return max([self.durable_batch(), *lasts])
+        return max(self.durable_batch(), self._storage().last_batch())
 
     def _key_flushed(self, key: Key) -> int:
         if key not in self._flushed:
-            pattern = self._path(key[0], key[1], "part-*")
-            try:
-                names = self._storage().glob(pattern)
-            except storage_errors() as exc:
-                msg = f"WriteTables cannot list {pattern}: {exc}"
-                raise SinkIOError(msg) from exc
-            self._flushed[key] = max(
-                (int(m.group(2)) for n in names if (m := _PART.search(n))), default=0)
+            self._flushed[key] = self._storage().last_of(*key)
         return self._flushed[key]
 
     def _schema(self, table: str) -> Schema | None:
         if table not in self._schemas:
-            try:
-                names = self._storage().glob(self._path(table, "_schema", "v*.json"))
-            except storage_errors() as exc:
-                msg = f"WriteTables cannot list {table}'s schemas: {exc}"
-                raise SinkIOError(msg) from exc
-            versions = sorted(int(m.group(1)) for n in names
-                              if (m := re.search(r"v(\d+)\.json$", n)))
-            if not versions:
+            schema = self._storage().latest_schema(table)
+            if schema is None:
                 return None
-            data = self._read(self._path(table, "_schema", f"v{versions[-1]}.json"))
-            try:
-                self._schemas[table] = Schema.parse(data or b"")
-            except (KeyError, TypeError, ValueError) as exc:
-                msg = (f"WriteTables: {table}/_schema/v{versions[-1]}.json is not a schema "
-                       f"this sink wrote ({exc}); restore it or write to another URL")
-                raise SinkError(msg) from exc
+            self._schemas[table] = schema
         return self._schemas[table]
 
     def commit(self, batch_id: int, messages: Sequence[TaskRows]) -> None:
@@ -587,8 +427,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         # Drain: every earlier row of the table is in storage before the new version.
         self._cut([k for k in self._open if k[0] == table], batch_id, "schema")
         self.drain()
-        self._put(self._path(table, "_schema", f"v{new.version}.json"),
-                  new.to_json(self.rows, self.format, self.partition_by, self._unit))
+        out = self._storage()
+        out.put(out.path(table, "_schema", f"v{new.version}.json"),
+                new.to_json(self.rows, self.format, self.partition_by, self._unit))
         self._schemas[table] = new
 
     def _stage(self, key: Key, group: Group, batch_id: int, incoming: dict[Key, int]) -> None:
@@ -755,7 +596,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def _upload(self, cut: Cut) -> None:
         """Runs on the upload thread: one file to storage."""
         self._may_write()
-        self._put(self._path(cut.key[0], cut.key[1], cut.name), data=cut.data, local=cut.local)
+        out = self._storage()
+        out.put(out.path(cut.key[0], cut.key[1], cut.name), data=cut.data, local=cut.local)
 
     def _may_write(self) -> None:
         """Before each upload: whether this run may still write (``SinkContext.guard``). A
@@ -785,7 +627,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._checkpoint("uploaded", cut.batch_id)
         durable = self._mark()
         self._may_write()
-        self._put(self._path("_cdcflow", "durable.json"), self._mark_doc(durable))
+        self._storage().mark(self._pipeline, durable)
         self._durable = max(self._durable or 0, durable)
         self._checkpoint("marked", cut.batch_id)
 

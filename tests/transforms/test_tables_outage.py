@@ -29,6 +29,7 @@ from cdcflow.errors import OutputConflictError, PipelineDefinitionError, SinkSet
 from cdcflow.metadata import SQLiteStore
 from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.testing import ScriptedChangeStream
+from cdcflow.transforms._tablestorage import TableStorage
 from cdcflow.transforms.base import SinkContext
 from cdcflow.transforms.tables import WriteTables
 
@@ -300,16 +301,16 @@ def test_two_pipelines_claiming_an_empty_url_at_once_one_is_refused(
     url = str(tmp_path / "lake") if where == "local" else f"s3://outages/{uuid.uuid4().hex}"
     both_looked = threading.Barrier(2, timeout=20)
     looked: set[int] = set()
-    real = WriteTables._read
+    real = TableStorage.read
 
-    def read(self: WriteTables, path: str) -> bytes | None:
+    def read(self: TableStorage, path: str) -> bytes | None:
         data = real(self, path)
         if path.endswith("durable.json") and id(self) not in looked:
             looked.add(id(self))
             both_looked.wait()
         return data
 
-    monkeypatch.setattr(WriteTables, "_read", read)
+    monkeypatch.setattr(TableStorage, "read", read)
     outcome: dict[str, str] = {}
 
     def claim(pipeline: str) -> None:

@@ -1,0 +1,226 @@
+"""Where a WriteTables sink's output lives: an fsspec filesystem and the URL's root, and
+every read and write the sink makes there (the layout is in ``tables``'s docstring).
+
+A write is atomic: one PUT on an object store, a temporary name and a rename on local disk
+(where a reader could see a half-written file). The claim (``_cdcflow/durable.json``, which
+names the pipeline whose output the URL holds) is an exclusive create: a link on local
+disk, a conditional PUT where the store has one (S3's If-None-Match), so of two pipelines
+claiming an empty URL at once one is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+import orjson
+
+from cdcflow.errors import OutputConflictError, SinkError, SinkIOError, SinkSetupError
+from cdcflow.model import Timestamp
+from cdcflow.transforms._fileio import create_exclusive, quiet_cut_requests
+from cdcflow.transforms._tablerows import Schema
+from cdcflow.transforms._tablespool import storage_errors
+
+__all__ = ["TableStorage"]
+
+_PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
+_VERSION = re.compile(r"v(\d+)\.json$")
+#: fsspec protocols of object stores: no directories to make (on S3, makedirs is a request)
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _lasts(names: list[str]) -> int:
+    """The largest ``last`` among the part files ``names`` (0: none)."""
+    return max((int(m.group(2)) for n in names if (m := _PART.search(n))), default=0)
+
+
+class TableStorage:
+    """The output location of one WriteTables sink on the driver. ``url`` is absolute (a
+    local path made absolute, or any fsspec URL); ``shown`` is the URL as the user gave it,
+    for messages. Opening it checks that it can be written (raises SinkSetupError naming
+    the fix): a local root is made, an object store's bucket must exist (it is never made:
+    on S3, makedirs would create a bucket a typo names)."""
+
+    def __init__(self, url: str, shown: str, storage_options: Mapping[str, Any]) -> None:
+        self.shown = shown
+        self._made: set[str] = set()  # directories made in storage
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+            self.root: str = root.rstrip("/")
+            quiet_cut_requests(self.fs)
+            if self._object_store:
+                bucket = self.root.split("/", 1)[0]
+                try:
+                    self.fs.info(bucket)
+                except FileNotFoundError:
+                    msg = (f"WriteTables: the bucket {bucket!r} of {shown} does not exist "
+                           "(or these credentials cannot see it); create it, or fix the URL")
+                    raise SinkSetupError(msg) from None
+            else:
+                self.fs.makedirs(self.root, exist_ok=True)
+        except storage_errors(SinkIOError, ValueError, ImportError) as exc:
+            raise self._setup_error(exc) from exc
+        if self._local and not os.access(self.root, os.W_OK | os.X_OK):
+            msg = (f"WriteTables cannot write in {self.root} (a read-only filesystem or no "
+                   "permission); choose a writable path")
+            raise SinkSetupError(msg)
+
+    @property
+    def _local(self) -> bool:
+        return "file" in _protocols(self.fs)
+
+    @property
+    def _object_store(self) -> bool:
+        return bool(_OBJECT_STORES & set(_protocols(self.fs)))
+
+    def _setup_error(self, exc: BaseException) -> SinkSetupError:
+        return SinkSetupError(
+            f"WriteTables cannot open {self.shown}: {type(exc).__name__}: {exc}; check the "
+            "URL, that the storage answers, and the credentials")
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *[p for p in parts if p]])
+
+    def location(self) -> str:
+        return f"{_protocols(self.fs)[0]}://{self.root}/"
+
+    # -- the claim and the durable mark ------------------------------------------------------
+
+    def claim(self, pipeline: str) -> tuple[int, int]:
+        """Make the URL ``pipeline``'s; returns (its durable batch, the durable batch the
+        mark held for this pipeline before: 0 when claimed now or when the mark named no
+        pipeline). Another pipeline's output there is refused (OutputConflictError: its
+        batch ids are not this pipeline's, so a replay would skip this pipeline's rows as
+        written)."""
+        path = self.path("_cdcflow", "durable.json")
+        owned = 0
+        try:
+            data = self.read(path)
+            if data is None:
+                try:
+                    self.create(path, self._mark_doc(pipeline, 0))
+                    return 0, 0
+                except FileExistsError:  # another run claimed it since we looked
+                    data = self.read(path)
+            doc = orjson.loads(data) if data else {}
+            owner, durable = doc.get("pipeline"), int(doc.get("durable_batch", 0))
+            if owner is None:  # written before marks named their pipeline
+                self.put(path, self._mark_doc(pipeline, durable))
+            else:
+                owned = durable  # this pipeline's own durable output (checked below)
+        except storage_errors(SinkIOError) as exc:
+            raise self._setup_error(exc) from exc
+        if owner is not None and owner != pipeline:
+            msg = (f"WriteTables: {self.shown} holds the output of pipeline {owner!r}, not "
+                   f"{pipeline!r}; give each pipeline its own URL (for a renamed "
+                   "pipeline, write its new name in _cdcflow/durable.json there)")
+            raise OutputConflictError(msg)
+        return durable, owned
+
+    def mark(self, pipeline: str, durable: int) -> None:
+        """Write the durable mark (after the data it covers)."""
+        self.put(self.path("_cdcflow", "durable.json"), self._mark_doc(pipeline, durable))
+
+    @staticmethod
+    def _mark_doc(pipeline: str, durable: int) -> bytes:
+        return orjson.dumps({"durable_batch": durable, "pipeline": pipeline,
+                             "at": str(Timestamp.now())})
+
+    # -- listings ----------------------------------------------------------------------------
+
+    def last_batch(self) -> int:
+        """The largest batch any part file under the root holds (0: none)."""
+        try:
+            names = self.fs.find(self.root) if self.fs.exists(self.root) else []
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot list {self.root}: {exc}"
+            raise SinkIOError(msg) from exc
+        return _lasts(names)
+
+    def last_of(self, table: str, directory: str) -> int:
+        """The largest batch a part file of this (table, partition directory) holds."""
+        pattern = self.path(table, directory, "part-*")
+        try:
+            names = self.fs.glob(pattern)
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot list {pattern}: {exc}"
+            raise SinkIOError(msg) from exc
+        return _lasts(names)
+
+    def latest_schema(self, table: str) -> Schema | None:
+        """The table's newest ``_schema/v<k>.json`` (None: the table has none yet)."""
+        try:
+            names = self.fs.glob(self.path(table, "_schema", "v*.json"))
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot list {table}'s schemas: {exc}"
+            raise SinkIOError(msg) from exc
+        versions = sorted(int(m.group(1)) for n in names if (m := _VERSION.search(n)))
+        if not versions:
+            return None
+        data = self.read(self.path(table, "_schema", f"v{versions[-1]}.json"))
+        try:
+            return Schema.parse(data or b"")
+        except (KeyError, TypeError, ValueError) as exc:
+            msg = (f"WriteTables: {table}/_schema/v{versions[-1]}.json is not a schema "
+                   f"this sink wrote ({exc}); restore it or write to another URL")
+            raise SinkError(msg) from exc
+
+    # -- reads and writes --------------------------------------------------------------------
+
+    def read(self, path: str) -> bytes | None:
+        try:
+            data: bytes = self.fs.cat_file(path)
+            return data
+        except FileNotFoundError:
+            return None
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot read {path}: {exc}"
+            raise SinkIOError(msg) from exc
+
+    def put(self, path: str, data: bytes | None = None, local: str | None = None) -> None:
+        """One atomic write of ``path``, of ``data`` or of the local file ``local``."""
+        fs = self.fs
+        parent = path.rsplit("/", 1)[0]
+        try:
+            target = path
+            if self._local:
+                target = parent + "/." + path.rsplit("/", 1)[1] + ".tmp"
+            if parent not in self._made and not self._object_store:
+                fs.makedirs(parent, exist_ok=True)  # once per directory
+                self._made.add(parent)
+            if local is not None:
+                fs.put_file(local, target)
+            else:
+                fs.pipe_file(target, data)
+            if target != path:
+                fs.mv(target, path)
+        except storage_errors() as exc:
+            self._made.discard(parent)  # made again at the next try (removed meanwhile?)
+            msg = f"WriteTables cannot write {path}: {exc}; the batch will be retried"
+            raise SinkIOError(msg) from exc
+
+    def create(self, path: str, data: bytes) -> None:
+        """Write ``path`` only if it does not exist (FileExistsError if it does)."""
+        if self._local:
+            temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            if not create_exclusive(path, temp, data):
+                raise FileExistsError(path)
+            return
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except TypeError:  # a filesystem that has no exclusive write
+            self.put(path, data)
+        except FileExistsError:
+            raise
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot write {path}: {exc}"
+            raise SinkIOError(msg) from exc
