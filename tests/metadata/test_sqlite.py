@@ -38,7 +38,7 @@ def test_the_database_is_in_wal_mode_with_a_busy_timeout(db: Path) -> None:
     store = SQLiteStore(db, busy_timeout=2.5)
     with sqlite3.connect(db) as raw:
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    conn = store._conn
+    conn = store._db.connection()
     assert conn is not None
     assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 2500
     store.close()

@@ -113,7 +113,7 @@ def test_a_write_sqlite_refuses_before_any_write_succeeded_is_a_setup_error(
     _store_with_state(db)
     # The access check misses it (as on a file system whose permissions access(2) cannot
     # tell): SQLite itself refuses the write.
-    monkeypatch.setattr("cdcflow.metadata.sqlite._unwritable", lambda path: None)
+    monkeypatch.setattr("cdcflow.metadata._sqlite_file._unwritable", lambda path: None)
     with read_only(*_files(db)):
         store = SQLiteStore(db)
         try:
@@ -158,7 +158,7 @@ def test_a_full_disk_is_a_store_error_and_leaves_nothing_written(tmp_path: Path)
     db = tmp_path / "state.db"
     store = _planned_store(db)
     try:
-        raw = store._connection()
+        raw = store._db.connection()
         pages = raw.execute("PRAGMA page_count").fetchone()[0]
         raw.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's own "disk is full"
         with pytest.raises(StoreError, match=r"disk of the SQLite store .* is full.*free "
@@ -189,7 +189,7 @@ def test_an_error_inside_a_statement_rolls_back_and_is_a_store_error(tmp_path: P
     db = tmp_path / "state.db"
     store = _planned_store(db)
     try:
-        raw = store._connection()
+        raw = store._db.connection()
         calls = 0
 
         def interrupt_late() -> int:  # once, after the first statements of the commit ran
