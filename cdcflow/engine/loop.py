@@ -252,10 +252,10 @@ class Engine:
                         )
 
                     if opts.reset:
-                        _log.info("pipeline %s: resetting; output its old progress owes a "
-                                  "sink goes there first, and a run stopped before the reset "
-                                  "is done keeps the old progress (run with --reset again)",
-                                  name)
+                        _log.info("pipeline %s: resetting; what its old progress still "
+                                  "owes its sinks is delivered first, and a run stopped "
+                                  "before the reset is done keeps the old progress (run with "
+                                  "--reset again)", name)
                         # what the old progress owes is read from the stream it was made on
                         old = source_of_record(program.source, stored_source(self.store, name))
                         settling = (None if old is None else
