@@ -74,6 +74,7 @@ from cdcflow.errors import (
 from cdcflow.model import DataChangeRecord
 from cdcflow.transforms._fileio import local_prefix, sweep
 from cdcflow.transforms._tablebuild import conform
+from cdcflow.transforms._tablecast import recast
 from cdcflow.transforms._tableread import file_schema, table_schema
 from cdcflow.transforms._tablerows import Format, RowStyle, Schema, Unit
 from cdcflow.transforms._tablespool import (
@@ -442,7 +443,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         schema = self._schemas[key[0]]
         arrow = (file.arrow if file is not None else None if self.format == "jsonl"
                  else schema.arrow(self.rows, self.format, self._unit))
-        chunk, nbytes = encode(group.data if arrow is None else conform(group.data, arrow),
+        data = recast(group.data, group.columns, schema, self.format, self.rows)
+        chunk, nbytes = encode(data if arrow is None else conform(data, arrow),
                                self.format == "csv")
         raw = incoming.pop(key, None)
         if file is not None and raw is not None:

@@ -4,10 +4,12 @@ a replayed batch from before a change does not start one."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from tests.transforms.test_tables import INT, STR, T0, _close_sinks, _commit, _record, _sink
 
@@ -94,3 +96,49 @@ def test_a_column_retyped_within_a_batch_takes_its_newest_type(tmp_path: Path) -
     assert _names(tmp_path) == ["part-1-1-1.parquet", "part-2-2-2.parquet"]
     rows = pq.read_table(tmp_path / "T" / "part-2-2-2.parquet").to_pylist()
     assert sorted((r["id"], r["q"]) for r in rows) == [(2, "2"), (3, "x3")]
+
+
+BYT = {"code": "BYTES"}
+RETYPED = {  # (old type, row 2's value), (new type, row 3's value), what row 2 reads as
+    "STRING->BYTES": ((STR, "h\u00e9 +/="), (BYT, b"\x00\xff"), "h\u00e9 +/=".encode()),
+    "BYTES->STRING": ((BYT, "h\u00e9".encode()), (STR, "x3"), "h\u00e9"),
+    "INT64->STRING": ((INT, 2), (STR, "x3"), "2"),
+}
+
+
+def _read_q(path: Path, fmt: str, rows: str, new: dict[str, str]) -> dict[int, object]:
+    """Each row's q as the file's schema version says to read it (BYTES: base64 in text)."""
+    if fmt == "parquet":
+        table = pq.read_table(path).to_pylist()
+        got = [(r["id"], r["q"]) if rows == "flat" else (r["after"]["id"], r["after"]["q"])
+               for r in table]
+    else:
+        if fmt == "jsonl":
+            lines = [json.loads(line) for line in path.read_text().splitlines()]
+            pairs = [(r["id"], r["q"]) if rows == "flat" else (r["after"]["id"], r["after"]["q"])
+                     for r in lines]
+        else:
+            import csv
+            prefix = "" if rows == "flat" else "after."
+            pairs = [(int(r[f"{prefix}id"]), r[f"{prefix}q"])
+                     for r in csv.DictReader(path.read_text().splitlines())]
+        got = [(int(i), base64.b64decode(q) if new == BYT else q) for i, q in pairs]
+    return dict(got)
+
+
+@pytest.mark.parametrize("rows", ["flat", "debezium"])
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "csv"])
+@pytest.mark.parametrize("change", sorted(RETYPED))
+def test_rows_cast_to_a_columns_new_type_read_the_same_in_every_format(
+    tmp_path: Path, fmt: str, rows: str, change: str
+) -> None:
+    """A batch's rows from before the column's new type are cast to it alike in every
+    format: text files write the cast value's own form (BYTES as the base64 of the text's
+    UTF-8, a STRING from BYTES as the decoded text), not the old form under the new type."""
+    (old, before), (new, after), expected = RETYPED[change]
+    sink = _sink(str(tmp_path), format=fmt, rows=rows, flush_interval="1h")
+    _commit(sink, 1, [_record("T", 2, at=T0 + 1000, extra={"q": (old, before)}),
+                      _record("T", 3, at=T0 + 2000, extra={"q": (new, after)})])
+    sink.flush()
+    (path,) = (tmp_path / "T").glob("part-*")
+    assert _read_q(path, fmt, rows, new) == {2: expected, 3: after}
