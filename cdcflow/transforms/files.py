@@ -509,7 +509,12 @@ class WriteFiles(Sink[Any, WrittenFile]):
             existing = self._read_manifest(batch_id)
             manifest = self._merge(batch_id, existing, messages)
             claimed = set() if existing is None else {e.name for e in existing.files}
-            pending = [m for m in messages if self._pending(batch_id, m, claimed)]
+            try:
+                pending = [m for m in messages if self._pending(batch_id, m, claimed)]
+            except SinkError:
+                # A file gone: another run committing here may have swept it.
+                self._check_other_run(batch_id, existing)
+                raise
             self._check_no_later_batch(batch_id)
             # 2. the manifest, before any final name can appear
             if manifest != existing:
@@ -546,14 +551,25 @@ class WriteFiles(Sink[Any, WrittenFile]):
         self._manifests = {int(m.group(1)) for m in map(_MANIFEST_NAME.fullmatch, names) if m}
         later = max(self._manifests, default=0)
         if later > batch_id:
-            pipeline, _ = self._identity()
-            msg = (
-                f"WriteFiles {self._dir()}: batch {later} was committed here by another run "
-                f"while this run commits batch {batch_id}: two runs of pipeline {pipeline!r} "
-                "write this output (each with its own metadata store?); nothing of this "
-                "batch was written: stop the run whose store is not the pipeline's"
-            )
-            raise OutputConflictError(msg)
+            raise self._two_runs(later, batch_id)
+
+    def _check_other_run(self, batch_id: int, seen: _Manifest | None) -> None:
+        """Raise OutputConflictError when another run committed here since this commit
+        looked: a later batch, or this batch's manifest changed (both runs at one batch id;
+        its commit sweeps the batch's temporary files, this run's too)."""
+        self._check_no_later_batch(batch_id)
+        if self._read_manifest(batch_id) != seen:
+            raise self._two_runs(batch_id, batch_id)
+
+    def _two_runs(self, theirs: int, ours: int) -> OutputConflictError:
+        pipeline, _ = self._identity()
+        msg = (
+            f"WriteFiles {self._dir()}: batch {theirs} was committed here by another run "
+            f"while this run commits batch {ours}: two runs of pipeline {pipeline!r} "
+            "write this output (each with its own metadata store?); nothing of this "
+            "batch was written: stop the run whose store is not the pipeline's"
+        )
+        return OutputConflictError(msg)
 
     def _conflict(self, batch_id: int, why: str) -> OutputConflictError:
         msg = (

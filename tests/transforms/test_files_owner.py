@@ -290,3 +290,39 @@ def test_two_runs_of_the_pipeline_on_two_stores_cannot_both_write_the_directory(
     assert not list(tmp_path.glob("part-0000000006-*"))  # nothing of batch 6 is visible
     other.commit(10, [_run_task(other, 10, "tok", [{"v": 2}], "d")])  # the later goes on
     assert len(list(tmp_path.glob("part-0000000010-*"))) == 1
+
+
+def test_two_runs_committing_one_batch_id_at_once_are_named_not_taken_for_a_bad_path(
+    tmp_path: Path,
+) -> None:
+    """The reset run on another store plans its first batch at the id the first run is
+    committing. Its commit, between the first run's look at the directory and its renames,
+    swept the batch's temporary files, the first run's too: the first run said neither its
+    temporary file nor its final one exists and blamed a path not shared by the executors
+    (exit 1). It is refused as one of two runs writing the output (exit 2)."""
+    from tests.transforms.test_files import _run_task
+
+    def sink() -> WriteFiles:
+        s = WriteFiles(tmp_path)
+        s.setup(SinkContext("p", "out", "/"))
+        return s
+
+    first, other = sink(), sink()
+    first.commit(9, [_run_task(first, 9, "tok-a", [{"v": 1}], "a")])
+    ours = _run_task(first, 10, "tok-a", [{"v": 2}], "b")
+    theirs = _run_task(other, 10, "tok-b", [{"v": 9}], "c")
+    looked = first._read_manifest
+
+    def look_then_other_commits(batch_id: int) -> object:
+        seen = looked(batch_id)
+        if not first_looked:
+            first_looked.append(batch_id)
+            other.commit(10, [theirs])  # sweeps tmp/0000000010/, the first run's file too
+        return seen
+
+    first_looked: list[int] = []
+    first._read_manifest = look_then_other_commits  # type: ignore[method-assign]
+    with pytest.raises(OutputConflictError,
+                       match=r"batch 10 was committed here by another run while this run "
+                             r"commits batch 10: two runs of pipeline 'p'"):
+        first.commit(10, [ours])
