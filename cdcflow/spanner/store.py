@@ -75,6 +75,7 @@ judges a lease's expiry by the same clock. google-cloud-spanner is imported lazi
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -141,6 +142,8 @@ _T = TypeVar("_T")
 
 # Set while this thread renews or releases a lease (LEASE_RETRY_DEADLINE applies).
 _LEASE_OP = threading.local()
+
+_log = logging.getLogger("cdcflow.store")
 
 
 @contextlib.contextmanager
@@ -337,12 +340,21 @@ class SpannerStore:
             self._instance_id, configuration_name=config, display_name=self._instance_id,
             node_count=1,
         )
+        made = []
         if not instance.exists():
             with contextlib.suppress(AlreadyExists):
                 instance.create().result(120)
+                made.append(f"instance {self._instance_id!r}")
         db = instance.database(self._database_id)
         with contextlib.suppress(AlreadyExists):  # created meanwhile by another store
             db.create().result(120)
+            made.append(f"database {self._database_id!r}")
+        if made:  # a typo in the URL would otherwise give an empty store without a word
+            # a new instance is the likelier typo: said louder
+            _log.log(logging.WARNING if len(made) == 2 else logging.INFO,
+                     "the metadata store %s did not exist on the emulator at %s: created its "
+                     "%s (Cloud Spanner refuses a missing instance or database)", self.url,
+                     emulator_host(), " and ".join(made))
         return db
 
     def _not_found(self, missing: str) -> StoreNotFoundError:

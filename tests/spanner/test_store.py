@@ -8,6 +8,7 @@ test_store_limits.py.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -608,3 +609,24 @@ def test_a_store_opened_without_create_does_not_upgrade_an_earlier_version(
              r"holds cdcflow metadata of an earlier version, or in part \(it lacks "
              r"Meta_Pipelines, .*Meta_Batches.Stats\): complete it with `cdcflow metadata init")
     assert _ddl(spanner_emulator, name) == before
+
+
+@pytest.mark.emulator
+def test_a_store_made_on_the_emulator_says_what_it_created(
+    spanner_emulator: Emulator, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On the emulator a run makes a missing instance and database for its store; a URL
+    with a mistyped instance so gave a new, empty store without a word. A new instance is a
+    warning, a new database in an existing one a note."""
+    instance = f"typo-{uuid.uuid4().hex[:8]}"
+    with caplog.at_level(logging.INFO, logger="cdcflow"):
+        init_store(f"spanner://{spanner_emulator.database_path(name, instance)}")
+    (made,) = [r for r in caplog.records if "did not exist on the emulator" in r.getMessage()]
+    assert made.levelno == logging.WARNING
+    assert f"created its instance '{instance}' and database '{name}'" in made.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cdcflow"):
+        init_store(f"spanner://{spanner_emulator.database_path(name + '2', instance)}")
+    (made,) = [r for r in caplog.records if "did not exist on the emulator" in r.getMessage()]
+    assert made.levelno == logging.INFO
+    assert f"created its database '{name}2'" in made.getMessage()
