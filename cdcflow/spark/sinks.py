@@ -121,8 +121,8 @@ def _remove_tree(path: str) -> None:
 def _storage_error(action: str, path: str, exc: OSError) -> SinkIOError:
     reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
     msg = (
-        f"WriteSpark cannot {action} {path}: {reason}; the batch is retried with backoff — "
-        "free space, fix permissions or the staging filesystem"
+        f"WriteSpark cannot {action} {path}: {reason}; free space, fix permissions or the "
+        "staging filesystem"
     )
     return SinkIOError(msg)
 

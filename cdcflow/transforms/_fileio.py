@@ -62,8 +62,8 @@ class WrittenFile:
 def _io_message(action: str, path: str, exc: OSError) -> str:
     reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
     return (
-        f"cannot {action} {path}: {reason}; the batch is retried with backoff — free space, "
-        "fix permissions or the mount of that filesystem"
+        f"cannot {action} {path}: {reason}; free space, fix permissions or the mount of "
+        "that filesystem"
     )
 
 

@@ -205,7 +205,7 @@ class TableStorage:
                 fs.mv(target, path)
         except storage_errors() as exc:
             self._made.discard(parent)  # made again at the next try (removed meanwhile?)
-            msg = f"WriteTables cannot write {path}: {exc}; the batch will be retried"
+            msg = f"WriteTables cannot write {path}: {exc}"
             raise SinkIOError(msg) from exc
 
     def create(self, path: str, data: bytes) -> None:

@@ -218,7 +218,7 @@ def test_a_staging_storage_failure_is_a_sink_io_error(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "_cdcflow_staging").write_text("a file where a directory must go")
     writer = sink.open_writer(WriterContext("pipe", "out", 1, "a", 0, 10, "x"))
-    with pytest.raises(SinkIOError, match=r"cannot write .*retried with backoff") as info:
+    with pytest.raises(SinkIOError, match=r"cannot write .*; free space") as info:
         writer.write({"id": 1})
     assert isinstance(info.value.__cause__, OSError)
     with pytest.raises(SinkIOError):  # the writer stays failed: the task cannot succeed
