@@ -6,10 +6,18 @@ A write is atomic: one PUT on an object store, a temporary name and a rename on 
 names the pipeline whose output the URL holds) is an exclusive create: a link on local
 disk, a conditional PUT where the store has one (S3's If-None-Match), so of two pipelines
 claiming an empty URL at once one is refused.
+
+Each file is claimed the same way before its upload (``_cdcflow/claims/<table>/
+[<partition>/]<first>.json`` names its batches ``first..last`` and schema version): of two
+runs about to write files starting at one batch of a key, a stale one (paused past its
+lease while its upload was on the wire) and the one that took over, one claim wins; the
+other run's file is never uploaded, or follows the claim to the same name (``tables``).
+A claim is removed once its file is uploaded: the file's name then says the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -29,6 +37,7 @@ __all__ = ["TableStorage"]
 
 _PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
 _VERSION = re.compile(r"v(\d+)\.json$")
+_CLAIM = re.compile(r"/(\d+)\.json$")
 #: fsspec protocols of object stores: no directories to make (on S3, makedirs is a request)
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
 
@@ -40,7 +49,8 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 def _lasts(names: list[str]) -> int:
     """The largest ``last`` among the part files ``names`` (0: none)."""
-    return max((int(m.group(2)) for n in names if (m := _PART.search(n))), default=0)
+    return max((int(m.group(2)) for n in names
+                if "/_cdcflow/" not in n and (m := _PART.search(n))), default=0)
 
 
 class TableStorage:
@@ -134,6 +144,71 @@ class TableStorage:
     def _mark_doc(pipeline: str, durable: int) -> bytes:
         return orjson.dumps({"durable_batch": durable, "pipeline": pipeline,
                              "at": str(Timestamp.now())})
+
+    # -- file claims -------------------------------------------------------------------------
+
+    def _claim_path(self, table: str, directory: str, first: int) -> str:
+        return self.path("_cdcflow", "claims", table, directory, f"{first}.json")
+
+    def claims(self, table: str, directory: str, above: int) -> dict[int, tuple[int, int]]:
+        """The files of (table, directory) claimed but not uploaded whose first batch is
+        above ``above``: {first: (last, schema version)}."""
+        pattern = self.path("_cdcflow", "claims", table, directory, "*.json")
+        try:
+            names = self.fs.glob(pattern)
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot list {pattern}: {exc}"
+            raise SinkIOError(msg) from exc
+        found: dict[int, tuple[int, int]] = {}
+        for name in names:
+            if (m := _CLAIM.search(name)) is None or (first := int(m.group(1))) <= above:
+                continue
+            doc = orjson.loads(self.read(self._claim_path(table, directory, first)) or b"{}")
+            found[first] = (int(doc.get("last", first)), int(doc.get("version", 0)))
+        return found
+
+    def claim_file(self, table: str, directory: str, first: int, last: int,
+                   version: int) -> None:
+        """Claim the file ``part-<first>-<last>-<version>`` before its upload; raises
+        SinkError when another run claimed other batches from ``first`` (its claim won)."""
+        path = self._claim_path(table, directory, first)
+        try:
+            self.create(path, orjson.dumps({"first": first, "last": last, "version": version}))
+            return
+        except FileExistsError:
+            doc = orjson.loads(self.read(path) or b"{}")
+        theirs = (doc.get("last"), doc.get("version"))
+        if theirs == (last, version):
+            return  # this file's claim (an earlier try, or the claim this run followed)
+        where = "/".join(p for p in (table, directory) if p)
+        msg = (f"WriteTables: {where}: another run claimed the file of batches {first}.."
+               f"{theirs[0]} (schema v{theirs[1]}) before this run could upload "
+               f"part-{first}-{last}-{version}: a run that lost the pipeline may still write "
+               "it, so this run stops writing; the next run writes that file as claimed")
+        raise SinkError(msg)
+
+    def release_claim(self, table: str, directory: str, first: int) -> None:
+        """Remove the claim of an uploaded file (best effort: a claim left behind is one
+        whose file exists, which a later run passes over)."""
+        path = self._claim_path(table, directory, first)
+        with contextlib.suppress(*storage_errors()):
+            self.fs.rm_file(path)
+
+    def last_claimed(self) -> int:
+        """The largest batch a claim names (0: none): a run with a new store numbers its
+        batches above it, so it never follows a claim of other data."""
+        try:
+            names = self.fs.glob(self.path("_cdcflow", "claims", "**", "*.json"))
+        except FileNotFoundError:
+            return 0
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot list the claims under {self.root}: {exc}"
+            raise SinkIOError(msg) from exc
+        lasts = [0]
+        for name in names:
+            doc = orjson.loads(self.read(name) or b"{}")
+            lasts.append(int(doc.get("last", 0)))
+        return max(lasts)
 
     # -- listings ----------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ Layout under ``url``::
     <table>/[date=YYYY-MM-DD/[hour=HH/]]part-<first>-<last>-<k>.<parquet|jsonl|csv>
     _cdcflow/durable.json                                     {"durable_batch": D,
                                                                "pipeline": name, ...}
+    _cdcflow/claims/<table>/[<partition>/]<first>.json        a file being uploaded:
+                                                              {"first", "last", "version"}
 
 A *key* is one (table, date partition) directory. Each key has at most one open file,
 staged in the driver's spool (memory, spilling to local disk past ``spool_memory``; see
@@ -31,7 +33,10 @@ Why this is exactly-once (the two-stage ack of ``cdcflow.engine.durability``):
    already), and stages the others. Files of a key are contiguous in batch order, so a
    replay neither repeats nor drops a row, whatever the cut points of the replay (which
    may differ: ``flush_interval`` is wall-clock time).
-3. ``durable_batch()`` is ``B`` only when every key's open file and every file waiting
+3. A file is claimed before its upload (``_tablestorage``): a stale run's upload that was
+   on the wire when it lost the pipeline lands a file the run that took over writes too,
+   with the same name and rows, because that run cuts its file where the claim says.
+4. ``durable_batch()`` is ``B`` only when every key's open file and every file waiting
    for its upload holds batches above ``B`` (the minimum of their ``first - 1``; with
    none, the last batch staged). When the upload queue empties it is also written to
    ``_cdcflow/durable.json`` (after the data), so a restart finds a lower bound of it in
@@ -208,6 +213,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._open: dict[Key, OpenFile] = {}
         self._usage = Usage()  # bytes of the open files
         self._flushed: dict[Key, int] = {}  # a key's largest `last` in storage
+        # a key's files claimed by an earlier run and not uploaded: {first: (last, version)}
+        self._claims: dict[Key, dict[int, tuple[int, int]]] = {}
         self._schemas: dict[str, Schema] = {}
         self._staged_through = 0
         self._durable: int | None = None
@@ -221,7 +228,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         self._driver_pid: int | None = None  # whose process reads (and sweeps) their spool
         self._pipeline = ""  # the pipeline whose output the URL holds (set up by setup)
 
-    _DRIVER_STATE = ("_out", "_open", "_usage", "_flushed", "_schemas", "_uploads",
+    _DRIVER_STATE = ("_out", "_open", "_usage", "_flushed", "_claims", "_schemas", "_uploads",
                      "_stopping", "_guard")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -234,6 +241,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._out, self._open, self._flushed, self._schemas = None, {}, {}, {}
+        self._claims = {}
         self._uploads, self._usage = None, Usage()
         self._stopping, self._guard = _never, _free
 
@@ -339,12 +347,29 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         return self._owned
 
     def last_committed_batch(self) -> int:
-        return max(self.durable_batch(), self._storage().last_batch())
+        out = self._storage()
+        return max(self.durable_batch(), out.last_batch(), out.last_claimed())
 
     def _key_flushed(self, key: Key) -> int:
+        """The key's largest ``last`` in storage; with it, read once, the files of the key
+        an earlier run claimed and did not upload (this run writes them as claimed)."""
         if key not in self._flushed:
-            self._flushed[key] = self._storage().last_of(*key)
+            out = self._storage()
+            flushed = self._flushed[key] = out.last_of(*key)
+            claims = out.claims(*key, above=flushed)
+            if claims:
+                self._claims[key] = claims
+                _log.info("WriteTables: %s: an earlier run claimed %s and did not upload "
+                          "it (it may still, if it lost the pipeline while uploading): this "
+                          "run writes it as claimed", "/".join(p for p in key if p),
+                          ", ".join(f"batches {f}..{last}" for f, (last, _) in
+                                    sorted(claims.items())))
         return self._flushed[key]
+
+    def _claimed(self, file: OpenFile) -> tuple[int, int] | None:
+        """The (last batch, version) an earlier run claimed for ``file`` (None: none)."""
+        claims = self._claims.get(file.key)
+        return None if not claims else claims.get(file.first)
 
     def _schema(self, table: str) -> Schema | None:
         if table not in self._schemas:
@@ -399,22 +424,29 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             raise SinkError(msg) from exc
         self._staged_through = batch_id
         due = self._due(by_key)
-        for reason in ("size", "interval"):
+        for reason in ("size", "interval", "claim"):
             self._cut([k for k, why in due.items() if why == reason], batch_id, reason)
         self._bound(batch_id)
 
     def _due(self, staged: Mapping[Key, object]) -> dict[Key, str]:
         """The open files to cut, with why: those that grew past ``file_size`` (only files
         staged to can have), and those opened ``flush_interval`` ago or more (the first ones
-        in ``_open``, which holds them in the order they were opened). The work follows the
-        tables with data, not the open files."""
+        in ``_open``, which holds them in the order they were opened); a file an earlier
+        run claimed, once it holds the claimed batches, and not before. The work follows
+        the tables with data, not the open files."""
         due = {k: "size" for k in staged if (o := self._open.get(k)) is not None
-               and o.size(self._ratio(o)) >= self.file_size}
+               and self._claimed(o) is None and o.size(self._ratio(o)) >= self.file_size}
         now = time.monotonic()
         for key, file in self._open.items():
             if now - file.opened < self.flush_interval:
                 break
-            due.setdefault(key, "interval")
+            if self._claimed(file) is None:
+                due.setdefault(key, "interval")
+        if self._claims:  # a claimed file is cut where the claim says, and only there
+            for key in staged:
+                if (o := self._open.get(key)) is not None and (
+                        claim := self._claimed(o)) is not None and o.last >= claim[0]:
+                    due[key] = "claim"
         return due
 
     def _evolve(self, table: str, groups: Sequence[Group], batch_id: int) -> None:
@@ -447,7 +479,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         chunk, nbytes = encode(data if arrow is None else conform(data, arrow),
                                self.format == "csv")
         raw = incoming.pop(key, None)
-        if file is not None and raw is not None:
+        if file is not None and raw is not None and self._claimed(file) is None:
             ratio = self._ratio(file)
             size = file.size(ratio)
             batch = raw * nbytes / max(1, group.nbytes)  # as this group encodes
@@ -456,6 +488,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                 self._cut([key], batch_id, "size")
                 file = None
         if file is None:
+            self._check_claims(key, batch_id, schema.version)
             self._files += 1
             number = self._files
             file = OpenFile(key, schema, arrow,
@@ -465,6 +498,19 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                             usage=self._usage)
             self._open[key] = file
         file.append(chunk, nbytes, batch_id)
+
+    def _check_claims(self, key: Key, batch_id: int, version: int) -> None:
+        """A file of ``key`` opening at ``batch_id`` must start where a claim of the key
+        starts, or past every claim (the replay reads what the claiming run read)."""
+        for first, (last, claimed) in self._claims.get(key, {}).items():
+            if first < batch_id <= last or (first == batch_id and claimed != version):
+                where = "/".join(p for p in key if p)
+                msg = (f"WriteTables: {where}: an earlier run claimed the file of batches "
+                       f"{first}..{last} (schema v{claimed}), which this run cannot write "
+                       f"as claimed (its file opens at batch {batch_id}, schema v{version}); "
+                       "remove that claim under _cdcflow/claims once no earlier run can "
+                       "write, then run again")
+                raise SinkError(msg)
 
     def _spill_dir(self) -> str:
         """The local directory rows spill to, made at the first spill (under ``local_dir``,
@@ -547,10 +593,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         target = limit // 2
         open_bytes = self._usage.memory + self._usage.disk
         if open_bytes > target:  # the open files alone hold it: cut the largest
-            self._cut([o.key for o in sorted(self._open.values(),
-                                             key=lambda o: -(o.memory + o.disk))][:max(
-                                                 1, len(self._open) // 2)], batch_id,
-                      "spool")
+            free = [o for o in self._open.values() if self._claimed(o) is None]
+            self._cut([o.key for o in sorted(free, key=lambda o: -(o.memory + o.disk))][
+                :max(1, len(free) // 2)], batch_id, "spool")
         # Until the uploads drained the spool to the target, or have nothing left to upload
         # (what the open files hold then stays: waiting longer would not free it). Failing
         # uploads are retried until the storage is back, so the commit (and reading behind
@@ -590,16 +635,23 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
                 "upload_seconds_total": uploads.upload_seconds,
                 "upload_errors_total": uploads.errors, "uploads_queued": len(uploads.queue)}
         numbers.update({f"files_cut_{why}_total": self._cuts[why]
-                        for why in ("size", "interval", "schema", "spool", "flush")})
+                        for why in ("size", "interval", "schema", "spool", "flush", "claim")})
         numbers.update(spool_memory_bytes=self._memory(), spool_disk_bytes=self._disk(),
                        open_files=len(self._open), durable_batch=self.durable_batch())
         return numbers
 
     def _upload(self, cut: Cut) -> None:
-        """Runs on the upload thread: one file to storage."""
-        self._may_write()
+        """Runs on the upload thread: one file to storage, claimed first (a stale run's
+        upload of other batches from the same first batch then never lands beside it; see
+        ``_tablestorage``), its claim removed once it is there."""
         out = self._storage()
-        out.put(out.path(cut.key[0], cut.key[1], cut.name), data=cut.data, local=cut.local)
+        table, directory = cut.key
+        version = int(cut.name.rsplit(".", 1)[0].rsplit("-", 1)[1])
+        self._may_write()
+        out.claim_file(table, directory, cut.first, cut.last, version)
+        self._may_write()  # the claim may have waited on the storage: asked again
+        out.put(out.path(table, directory, cut.name), data=cut.data, local=cut.local)
+        out.release_claim(table, directory, cut.first)
 
     def _may_write(self) -> None:
         """Before each upload: whether this run may still write (``SinkContext.guard``). A
@@ -621,6 +673,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             with contextlib.suppress(OSError):
                 os.remove(cut.local)
         self._flushed[cut.key] = max(self._flushed.get(cut.key, 0), cut.last)
+        if (claims := self._claims.get(cut.key)) is not None:
+            claims.pop(cut.first, None)  # written as claimed
         uploads = self._queue()
         with uploads.lock:
             more = bool(uploads.queue)
@@ -648,7 +702,9 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         SinkIOError once they failed twice in a row, or an upload has not finished after
         :data:`STOP_PATIENCE` seconds (a storage that does not answer fails no call); the
         next run writes the rows again."""
-        self._cut(list(self._open), self._staged_through, "flush")
+        # a claimed file not complete yet stays open (not durable): the next run replays it
+        self._cut([k for k, o in self._open.items() if (c := self._claimed(o)) is None
+                   or o.last >= c[0]], self._staged_through, "flush")
         uploads = self._queue()
         with uploads.lock:
             waiting = len(uploads.queue)

@@ -330,7 +330,7 @@ def test_a_replay_completes_a_commit_that_failed_after_its_manifest(
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
-    with pytest.raises(SinkIOError, match=r"cannot rename .*Input/output error.*retried") as info:
+    with pytest.raises(SinkIOError, match=r"cannot rename .*Input/output error; free") as info:
         crashed.commit(4, batch(crashed, "x"))
     assert isinstance(info.value.__cause__, OSError)
     monkeypatch.undo()

@@ -1,0 +1,116 @@
+"""WriteTables file claims: a run that lost the pipeline while its upload was on the wire
+(paused past its lease) and the run that took over never both land the same batches.
+
+Run A cuts batches 8..11 of table T and claims the file; its upload hangs (the storage, or
+the process, stalled). Run B takes over from the durable mark (7) and replays 8..22."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from cdcflow.errors import SinkError
+from tests.transforms.test_tables import T0, _close_sinks, _commit, _record, _sink
+
+__all__ = ["_close_sinks"]  # the autouse fixture that closes the sinks these tests set up
+
+
+def _batch(b: int) -> list[Any]:
+    return [_record("T", 10 * b + i, at=T0 + 10 * b + i) for i in range(2)]
+
+
+def _ids(out: Path) -> Counter[int]:
+    files = sorted((out / "T").glob("part-*"))
+    return Counter(i for f in files for i in pq.read_table(f).column("id").to_pylist())
+
+
+def _parts(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "T").glob("part-*"))
+
+
+def _stale_run(out: Path) -> tuple[Any, threading.Event, threading.Thread]:
+    """Run A: batches 1..7 durable, then 8..11 cut and claimed, its upload held until the
+    event is set (the thread flushing it ends then)."""
+    a = _sink(str(out), flush_interval="1h")
+    for b in range(1, 8):
+        _commit(a, b, _batch(b))
+    a.flush()
+    assert a.durable_batch() == 7
+    for b in range(8, 12):
+        _commit(a, b, _batch(b))
+    held = threading.Event()
+    put = a._out.put
+
+    def stalled_put(path: str, *args: Any, **kwargs: Any) -> None:
+        if "part-8-11-" in path:
+            held.wait(30)
+        put(path, *args, **kwargs)
+
+    a._out.put = stalled_put
+    flushing = threading.Thread(target=a.flush, daemon=True)
+    flushing.start()
+    claim = out / "_cdcflow" / "claims" / "T" / "8.json"
+    for _ in range(500):
+        if claim.exists():
+            break
+        threading.Event().wait(0.01)
+    assert claim.exists()
+    return a, held, flushing
+
+
+def test_the_run_that_took_over_writes_the_stale_runs_claimed_file_as_claimed(
+    tmp_path: Path,
+) -> None:
+    """B finds A's claim of 8..11, cuts its file there too: A's late upload is the same
+    file with the same rows. Without claims B wrote 8..22 in one file, and A's file landed
+    beside it: batches 8..11 twice in the lake."""
+    _, held, flushing = _stale_run(tmp_path)
+    b = _sink(str(tmp_path), flush_interval="1h")
+    assert b.durable_batch() == 7
+    for batch in range(8, 23):
+        _commit(b, batch, _batch(batch))
+    b.flush()
+    assert _parts(tmp_path) == ["part-1-7-1.parquet", "part-12-22-1.parquet",
+                                "part-8-11-1.parquet"]
+    held.set()  # A goes on: its upload lands
+    flushing.join(30)
+    assert _parts(tmp_path) == ["part-1-7-1.parquet", "part-12-22-1.parquet",
+                                "part-8-11-1.parquet"]
+    ids = _ids(tmp_path)
+    assert set(ids.values()) == {1} and len(ids) == 2 * 22
+    assert not list((tmp_path / "_cdcflow" / "claims").rglob("*.json"))  # all uploaded
+
+
+def test_a_claim_of_the_stale_run_that_wins_stops_the_run_that_took_over(
+    tmp_path: Path,
+) -> None:
+    """A's claim lands after B looked (its request was on the wire): B's own claim of a
+    file from batch 8 loses, so B stops without uploading it; the next run follows A's
+    claim."""
+    a, held, flushing = _stale_run(tmp_path)
+    claim = tmp_path / "_cdcflow" / "claims" / "T" / "8.json"
+    text = claim.read_bytes()
+    claim.unlink()  # as if not there yet when B looks
+    b = _sink(str(tmp_path), flush_interval="1h")
+    assert b.durable_batch() == 7
+    for batch in range(8, 13):
+        _commit(b, batch, _batch(batch))
+    claim.write_bytes(text)  # A's claim lands
+    with pytest.raises(SinkError, match=r"another run claimed the file of batches 8\.\.11"):
+        b.flush()
+    assert "part-8-12-1.parquet" not in _parts(tmp_path)
+    held.set()
+    flushing.join(30)
+    assert "part-8-11-1.parquet" in _parts(tmp_path)  # A's upload landed
+    c = _sink(str(tmp_path), flush_interval="1h")  # the next run
+    for batch in range(c.durable_batch() + 1, 23):  # 8, or 12 after A's durable mark
+        _commit(c, batch, _batch(batch))
+    c.flush()
+    ids = _ids(tmp_path)
+    assert set(ids.values()) == {1} and len(ids) == 2 * 22
+    a.close()
