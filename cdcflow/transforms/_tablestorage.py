@@ -152,7 +152,8 @@ class TableStorage:
 
     def claims(self, table: str, directory: str, above: int) -> dict[int, tuple[int, int]]:
         """The files of (table, directory) claimed but not uploaded whose first batch is
-        above ``above``: {first: (last, schema version)}."""
+        above ``above``: {first: (last, schema version)}. Claims at or below it, whose files
+        are there, are removed."""
         pattern = self.path("_cdcflow", "claims", table, directory, "*.json")
         try:
             names = self.fs.glob(pattern)
@@ -161,7 +162,11 @@ class TableStorage:
             raise SinkIOError(msg) from exc
         found: dict[int, tuple[int, int]] = {}
         for name in names:
-            if (m := _CLAIM.search(name)) is None or (first := int(m.group(1))) <= above:
+            if (m := _CLAIM.search(name)) is None:
+                continue
+            if (first := int(m.group(1))) <= above:
+                # its file is there (a run stopped between the upload and the removal)
+                self.release_claim(table, directory, first)
                 continue
             doc = orjson.loads(self.read(self._claim_path(table, directory, first)) or b"{}")
             found[first] = (int(doc.get("last", first)), int(doc.get("version", 0)))

@@ -114,3 +114,23 @@ def test_a_claim_of_the_stale_run_that_wins_stops_the_run_that_took_over(
     ids = _ids(tmp_path)
     assert set(ids.values()) == {1} and len(ids) == 2 * 22
     a.close()
+
+
+def test_a_claim_left_behind_by_a_run_stopped_after_its_upload_is_removed(
+    tmp_path: Path,
+) -> None:
+    """A run stopped between an upload and the removal of its claim: the next run passes
+    over that claim (its file is there) and removes it."""
+    a = _sink(str(tmp_path), flush_interval="1h")
+    for b in range(1, 4):
+        _commit(a, b, _batch(b))
+    a.flush()
+    claim = tmp_path / "_cdcflow" / "claims" / "T" / "1.json"
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    claim.write_text('{"first": 1, "last": 3, "version": 1}')
+    b = _sink(str(tmp_path), flush_interval="1h")
+    for batch in range(4, 6):
+        _commit(b, batch, _batch(batch))
+    b.flush()
+    assert not claim.exists()
+    assert _parts(tmp_path) == ["part-1-3-1.parquet", "part-4-5-1.parquet"]
