@@ -263,6 +263,13 @@ def test_the_cli_refuses_a_second_pipeline_in_one_line_with_exit_2(tmp_path: Pat
     assert "Traceback" not in refused.stderr
 
 
+def _set_up(directory: Path) -> WriteFiles:
+    """A sink of pipeline p writing ``directory``, set up as a run's is."""
+    sink = WriteFiles(directory)
+    sink.setup(SinkContext("p", "out", "/"))
+    return sink
+
+
 def test_two_runs_of_the_pipeline_on_two_stores_cannot_both_write_the_directory(
     tmp_path: Path,
 ) -> None:
@@ -273,12 +280,7 @@ def test_two_runs_of_the_pipeline_on_two_stores_cannot_both_write_the_directory(
     committed by the other run is refused, and writes nothing."""
     from tests.transforms.test_files import _run_task
 
-    def sink() -> WriteFiles:
-        s = WriteFiles(tmp_path)
-        s.setup(SinkContext("p", "out", "/"))
-        return s
-
-    first, other = sink(), sink()
+    first, other = _set_up(tmp_path), _set_up(tmp_path)
     first.commit(5, [_run_task(first, 5, "tok", [{"v": 1}], "a")])
     other.commit(9, [_run_task(other, 9, "tok", [{"v": 1}], "b")])  # the reset run's ids
     message = _run_task(first, 6, "tok", [{"v": 2}], "c")
@@ -302,12 +304,7 @@ def test_two_runs_committing_one_batch_id_at_once_are_named_not_taken_for_a_bad_
     (exit 1). It is refused as one of two runs writing the output (exit 2)."""
     from tests.transforms.test_files import _run_task
 
-    def sink() -> WriteFiles:
-        s = WriteFiles(tmp_path)
-        s.setup(SinkContext("p", "out", "/"))
-        return s
-
-    first, other = sink(), sink()
+    first, other = _set_up(tmp_path), _set_up(tmp_path)
     first.commit(9, [_run_task(first, 9, "tok-a", [{"v": 1}], "a")])
     ours = _run_task(first, 10, "tok-a", [{"v": 2}], "b")
     theirs = _run_task(other, 10, "tok-b", [{"v": 9}], "c")
