@@ -174,23 +174,45 @@ class TableStorage:
 
     def claim_file(self, table: str, directory: str, first: int, last: int,
                    version: int) -> None:
-        """Claim the file ``part-<first>-<last>-<version>`` before its upload; raises
-        SinkError when another run claimed other batches from ``first`` (its claim won)."""
+        """Claim the file ``part-<first>-<last>-<version>`` before its upload. Raises
+        SinkError when another run claimed other batches from ``first`` (its claim won), or
+        when a file of other batches from ``first`` on is there already: a claim is removed
+        once its file is uploaded, so a stale run's claim that was on the wire meanwhile
+        can be created after that; the file it would duplicate then says so."""
+        where = "/".join(p for p in (table, directory) if p)
+        name = f"part-{first}-{last}-{version}"
         path = self._claim_path(table, directory, first)
         try:
             self.create(path, orjson.dumps({"first": first, "last": last, "version": version}))
-            return
         except FileExistsError:
             doc = orjson.loads(self.read(path) or b"{}")
-        theirs = (doc.get("last"), doc.get("version"))
-        if theirs == (last, version):
-            return  # this file's claim (an earlier try, or the claim this run followed)
-        where = "/".join(p for p in (table, directory) if p)
-        msg = (f"WriteTables: {where}: another run claimed the file of batches {first}.."
-               f"{theirs[0]} (schema v{theirs[1]}) before this run could upload "
-               f"part-{first}-{last}-{version}: a run that lost the pipeline may still write "
-               "it, so this run stops writing; the next run writes that file as claimed")
-        raise SinkError(msg)
+            theirs = (doc.get("last"), doc.get("version"))
+            if theirs != (last, version):
+                msg = (f"WriteTables: {where}: another run claimed the file of batches "
+                       f"{first}..{theirs[0]} (schema v{theirs[1]}) before this run could "
+                       f"upload {name}: a run that lost the pipeline may still write it, so "
+                       "this run stops writing; the next run writes that file as claimed")
+                raise SinkError(msg) from None
+            # this file's claim (an earlier try, or the claim this run followed)
+        others = [n for n in self._parts(table, directory)
+                  if (m := _PART.search(n)) is not None and not n.rsplit("/", 1)[-1]
+                  .startswith(name + ".") and int(m.group(1)) <= last
+                  and int(m.group(2)) >= first]
+        if others:
+            self.release_claim(table, directory, first)
+            msg = (f"WriteTables: {where}: {others[0].rsplit('/', 1)[-1]} holds batches of "
+                   f"{name}, written by another run: this run lost the pipeline, and stops "
+                   "writing")
+            raise SinkError(msg)
+
+    def _parts(self, table: str, directory: str) -> list[str]:
+        pattern = self.path(table, directory, "part-*")
+        try:
+            names: list[str] = self.fs.glob(pattern)
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot list {pattern}: {exc}"
+            raise SinkIOError(msg) from exc
+        return names
 
     def release_claim(self, table: str, directory: str, first: int) -> None:
         """Remove the claim of an uploaded file (best effort: a claim left behind is one
@@ -228,13 +250,7 @@ class TableStorage:
 
     def last_of(self, table: str, directory: str) -> int:
         """The largest batch a part file of this (table, partition directory) holds."""
-        pattern = self.path(table, directory, "part-*")
-        try:
-            names = self.fs.glob(pattern)
-        except storage_errors() as exc:
-            msg = f"WriteTables cannot list {pattern}: {exc}"
-            raise SinkIOError(msg) from exc
-        return _lasts(names)
+        return _lasts(self._parts(table, directory))
 
     def latest_schema(self, table: str) -> Schema | None:
         """The table's newest ``_schema/v<k>.json`` (None: the table has none yet)."""

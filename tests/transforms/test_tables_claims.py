@@ -134,3 +134,51 @@ def test_a_claim_left_behind_by_a_run_stopped_after_its_upload_is_removed(
     b.flush()
     assert not claim.exists()
     assert _parts(tmp_path) == ["part-1-3-1.parquet", "part-4-5-1.parquet"]
+
+
+def test_a_stale_claim_made_after_the_new_runs_file_was_uploaded_uploads_nothing(
+    tmp_path: Path,
+) -> None:
+    """A's claim was on the wire while B claimed, uploaded 8..22 and removed its claim:
+    A's exclusive create then succeeds, but B's file holds A's batches, so A stops before
+    its upload (and removes its claim). Without that look A uploaded part-8-11 whenever it
+    had not yet learnt that it lost the pipeline: batches 8..11 twice."""
+    a = _sink(str(tmp_path), flush_interval="1h")
+    for b in range(1, 8):
+        _commit(a, b, _batch(b))
+    a.flush()
+    for b in range(8, 12):
+        _commit(a, b, _batch(b))
+    held, holding = threading.Event(), threading.Event()
+    create = a._out.create
+
+    def stalled_create(path: str, data: bytes) -> None:
+        if path.endswith("/claims/T/8.json"):
+            holding.set()
+            held.wait(30)
+        create(path, data)
+
+    a._out.create = stalled_create
+    failed: list[BaseException] = []
+
+    def flush() -> None:
+        try:
+            a.flush()
+        except BaseException as exc:  # the uploader's error, raised by the flush
+            failed.append(exc)
+
+    flushing = threading.Thread(target=flush, daemon=True)
+    flushing.start()
+    assert holding.wait(10)
+    b = _sink(str(tmp_path), flush_interval="1h")
+    for batch in range(8, 23):
+        _commit(b, batch, _batch(batch))
+    b.flush()
+    assert _parts(tmp_path) == ["part-1-7-1.parquet", "part-8-22-1.parquet"]
+    held.set()
+    flushing.join(30)
+    assert failed and "part-8-22-1.parquet holds batches of part-8-11-1" in str(failed[0])
+    assert _parts(tmp_path) == ["part-1-7-1.parquet", "part-8-22-1.parquet"]
+    ids = _ids(tmp_path)
+    assert set(ids.values()) == {1} and len(ids) == 2 * 22
+    assert not list((tmp_path / "_cdcflow" / "claims").rglob("*.json"))
