@@ -117,11 +117,6 @@ class _Entry:
         return self.partition_token, self.slice_start, self.slice_end
 
 
-def _span(entry: _Entry) -> str:
-    start, end = Timestamp.from_ns(entry.slice_start), Timestamp.from_ns(entry.slice_end)
-    return f"[{start}, {end})"
-
-
 @attrs.frozen
 class _Manifest:
     """What one batch committed under one naming scope."""
@@ -513,7 +508,7 @@ class WriteFiles(Sink[Any, WrittenFile]):
                 pending = [m for m in messages if self._pending(batch_id, m, claimed)]
             except SinkError:
                 # A file gone: another run committing here may have swept it.
-                self._check_other_run(batch_id, existing)
+                self._check_other_run(batch_id, existing, messages)
                 raise
             self._check_no_later_batch(batch_id)
             # 2. the manifest, before any final name can appear
@@ -553,12 +548,16 @@ class WriteFiles(Sink[Any, WrittenFile]):
         if later > batch_id:
             raise self._two_runs(later, batch_id)
 
-    def _check_other_run(self, batch_id: int, seen: _Manifest | None) -> None:
-        """Raise OutputConflictError when another run committed here since this commit
-        looked: a later batch, or this batch's manifest changed (both runs at one batch id;
-        its commit sweeps the batch's temporary files, this run's too)."""
+    def _check_other_run(self, batch_id: int, seen: _Manifest | None,
+                         messages: Sequence[WrittenFile]) -> None:
+        """Raise OutputConflictError when another run commits here: a later batch, or
+        this batch's manifest changed since this commit looked or lacks this commit's files
+        (both runs at one batch id: its commit sweeps the batch's temporary files, this
+        run's too; a replay of this run's own names them all)."""
         self._check_no_later_batch(batch_id)
-        if self._read_manifest(batch_id) != seen:
+        now = self._read_manifest(batch_id)
+        names = {os.path.basename(m.final) for m in messages}
+        if now != seen or (now is not None and not names <= {e.name for e in now.files}):
             raise self._two_runs(batch_id, batch_id)
 
     def _two_runs(self, theirs: int, ours: int) -> OutputConflictError:
@@ -596,17 +595,21 @@ class WriteFiles(Sink[Any, WrittenFile]):
             raise self._conflict(batch_id, why)
         if existing is None or not existing.files:  # nothing committed yet, or no file
             return _Manifest(pipeline, label, batch_id, tuple(entries[n] for n in sorted(entries)))
+        # The same pipeline and sink, other partitions or slices: the batch was planned
+        # anew elsewhere (a replay plans the same slices).
         old = {e.name: e for e in existing.files}
         shared = [name for name in entries if name in old]
-        if not shared:
-            raise self._conflict(batch_id, "its files come from other partitions")
-        for name in shared:
-            if entries[name].slice != old[name].slice:
-                why = (
-                    f"{name} came from partition {old[name].partition_token!r} slice "
-                    f"{_span(old[name])}, this commit's from {_span(entries[name])}"
-                )
-                raise self._conflict(batch_id, why)
+        if not shared or any(entries[n].slice != old[n].slice for n in shared):
+            pipeline, _ = self._identity()
+            msg = (
+                f"WriteFiles {self._dir()}: batch {batch_id} already holds output this run "
+                f"did not commit (pipeline {pipeline!r} read other partitions or slices for "
+                "it): another run of the pipeline writes here with its own metadata store, "
+                "or this run's store is not the one that wrote it; nothing was overwritten: "
+                "stop the run whose store is not the pipeline's, resume with the metadata "
+                "store that wrote it, or write to a new path"
+            )
+            raise OutputConflictError(msg)
         # A replay names the same files; keep any the first commit had beyond them.
         merged = {**old, **entries}
         return attrs.evolve(existing, files=tuple(merged[n] for n in sorted(merged)))

@@ -323,3 +323,23 @@ def test_two_runs_committing_one_batch_id_at_once_are_named_not_taken_for_a_bad_
                        match=r"batch 10 was committed here by another run while this run "
                              r"commits batch 10: two runs of pipeline 'p'"):
         first.commit(10, [ours])
+
+
+def test_two_runs_at_one_batch_id_are_named_when_the_other_committed_first(
+    tmp_path: Path,
+) -> None:
+    """The other run committed the batch before this one looked, reading one of its
+    partitions with the same slice: its manifest fits that file, and its commit swept
+    this run's temporary file of the other partition. That is two runs, not a path the
+    executors do not share."""
+    from tests.transforms.test_files import _run_task
+
+    first, other = _set_up(tmp_path), _set_up(tmp_path)
+    first.commit(9, [_run_task(first, 9, "tok-a", [{"v": 1}], "a")])
+    ours = [_run_task(first, 10, "tok-a", [{"v": 2}], "b"),
+            _run_task(first, 10, "tok-b", [{"v": 3}], "b")]
+    other.commit(10, [_run_task(other, 10, "tok-a", [{"v": 2}], "c")])
+    with pytest.raises(OutputConflictError,
+                       match=r"batch 10 was committed here by another run while this run "
+                             r"commits batch 10: two runs of pipeline 'p'"):
+        first.commit(10, ours)
