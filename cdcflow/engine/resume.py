@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 
+from cdcflow.durations import is_relative_time, parse_time
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import MAX_NS, PartitionMetadata, Timestamp
@@ -92,6 +93,29 @@ def stored_partitions(
     return capped(store.partitions(pipeline), None if source is None else end_cap(source))
 
 
+def _instant(text: str) -> int | None:
+    """The instant an absolute start_at or end_at stands for (None: relative, or not
+    read as a time)."""
+    if is_relative_time(text):
+        return None
+    try:
+        return int(text) if text.isdigit() else parse_time(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _same(key: str, stored: Any, given: Any) -> bool:
+    """Whether a definition's value is unchanged: equal, or for start_at and end_at the
+    same instant however spelled (``...36Z``, ``...36.000000000Z``, nanoseconds)."""
+    if stored == given:
+        return True
+    if key not in ("start_at", "end_at") or not (isinstance(stored, str)
+                                                   and isinstance(given, str)):
+        return False
+    instant = _instant(stored)
+    return instant is not None and instant == _instant(given)
+
+
 def resume_source(
     store: MetadataStore, pipeline: str, definition: Definition, end_ns: int | None, *,
     strict: bool, partitions: Sequence[PartitionMetadata],
@@ -108,9 +132,10 @@ def resume_source(
     stored = json.loads(text)
     cap = end_cap(stored)
     given = {k: v for k, v in stored.items() if k != END_KEY}
-    if given == definition:
+    changed = sorted(k for k in set(given) | set(definition)
+                     if not _same(k, given.get(k), definition.get(k)))
+    if not changed:
         return cap
-    changed = sorted(k for k in set(given) | set(definition) if given.get(k) != definition.get(k))
     summary = ", ".join(f"{k} {given.get(k)!r} -> {definition.get(k)!r}" for k in changed)
     msg = f"pipeline {pipeline!r}: its source changed since its stored progress began ({summary}); "
     if {"database", "stream"} & set(changed):

@@ -139,6 +139,29 @@ def test_a_change_besides_end_at_still_warns(caplog: pytest.LogCaptureFixture) -
     assert len(warned) == 1 and "start_at" in warned[0] and "end_at" in warned[0]
 
 
+@pytest.mark.parametrize("spelling", ["2023-11-14T22:13:20.000000000Z",
+                                      "2023-11-14T22:13:20+00:00", T0])
+def test_the_same_start_spelled_otherwise_is_no_change(
+    spelling: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """start_at is compared as the instant it stands for: a catch-up run that spells the
+    stored ``...20Z`` otherwise was warned of a changed source (and refused with strict)."""
+    stream, sink, store = _stream(), cf.Collect[DataChangeRecord](), MemoryStore()
+
+    def run(start: Any, **options: Any) -> RunSummary:
+        p = cf.Pipeline(NAME)
+        p | cf.DetectPartitions(stream="S", start_at=start, end_at=T0 + 2 * S,
+                                client=stream) | cf.ReadPartition() | sink
+        return Engine(p, store, InMemoryRunner(),
+                      RunOptions(batch_interval=0, max_batch_span=1.0, **options)).run()
+
+    assert run("2023-11-14T22:13:20Z", max_batches=1).reason == "max batches"
+    with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):
+        assert run(spelling, strict=True).reason == "end reached"
+    assert not [r for r in caplog.records if "source changed" in r.getMessage()]
+    assert _keys(sink.items) == _keys(stream.expected_records(T0, T0 + 2 * S + 1))
+
+
 def test_an_unchanged_end_at_holds_to_the_nanosecond() -> None:
     """A Timestamp end_at keeps its nanoseconds across a resume (its stored text does not:
     the partitions carry the end, and only an end applied on resume caps them)."""
