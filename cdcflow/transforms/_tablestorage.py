@@ -150,6 +150,19 @@ class TableStorage:
     def _claim_path(self, table: str, directory: str, first: int) -> str:
         return self.path("_cdcflow", "claims", table, directory, f"{first}.json")
 
+    def _claim_doc(self, path: str) -> dict[str, Any]:
+        """A claim's contents ({} when it is gone meanwhile)."""
+        data = self.read(path)
+        try:
+            doc = orjson.loads(data) if data else {}
+            if not isinstance(doc, dict):
+                raise TypeError(type(doc).__name__)
+            return doc
+        except (TypeError, ValueError) as exc:
+            msg = (f"WriteTables: {path} is not a claim this sink wrote ({exc}); remove it "
+                   "once no earlier run of the pipeline can still write, then run again")
+            raise SinkError(msg) from exc
+
     def claims(self, table: str, directory: str, above: int) -> dict[int, tuple[int, int]]:
         """The files of (table, directory) claimed but not uploaded whose first batch is
         above ``above``: {first: (last, schema version)}. Claims at or below it, whose files
@@ -168,7 +181,7 @@ class TableStorage:
                 # its file is there (a run stopped between the upload and the removal)
                 self.release_claim(table, directory, first)
                 continue
-            doc = orjson.loads(self.read(self._claim_path(table, directory, first)) or b"{}")
+            doc = self._claim_doc(self._claim_path(table, directory, first))
             found[first] = (int(doc.get("last", first)), int(doc.get("version", 0)))
         return found
 
@@ -185,7 +198,7 @@ class TableStorage:
         try:
             self.create(path, orjson.dumps({"first": first, "last": last, "version": version}))
         except FileExistsError:
-            doc = orjson.loads(self.read(path) or b"{}")
+            doc = self._claim_doc(path)
             theirs = (doc.get("last"), doc.get("version"))
             if theirs != (last, version):
                 msg = (f"WriteTables: {where}: another run claimed the file of batches "
@@ -233,8 +246,7 @@ class TableStorage:
             raise SinkIOError(msg) from exc
         lasts = [0]
         for name in names:
-            doc = orjson.loads(self.read(name) or b"{}")
-            lasts.append(int(doc.get("last", 0)))
+            lasts.append(int(self._claim_doc(name).get("last", 0)))
         return max(lasts)
 
     # -- listings ----------------------------------------------------------------------------

@@ -182,3 +182,15 @@ def test_a_stale_claim_made_after_the_new_runs_file_was_uploaded_uploads_nothing
     ids = _ids(tmp_path)
     assert set(ids.values()) == {1} and len(ids) == 2 * 22
     assert not list((tmp_path / "_cdcflow" / "claims").rglob("*.json"))
+
+
+def test_a_claim_that_is_not_one_is_named(tmp_path: Path) -> None:
+    a = _sink(str(tmp_path), flush_interval="1h")
+    _commit(a, 1, _batch(1))
+    a.flush()
+    claim = tmp_path / "_cdcflow" / "claims" / "T" / "8.json"
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    claim.write_text("not json")
+    b = _sink(str(tmp_path), flush_interval="1h")
+    with pytest.raises(SinkError, match=r"8\.json is not a claim this sink wrote .*remove it"):
+        _commit(b, 2, _batch(2))
