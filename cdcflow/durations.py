@@ -44,14 +44,14 @@ def parse_duration(text: str | float | int) -> float:
 
 
 def positive_seconds(value: str | float, name: str, example: str) -> float:
-    """Seconds > 0 for a duration given as text or a number; ``name`` (such as
+    """Finite seconds > 0 for a duration given as text or a number; ``name`` (such as
     ``DetectPartitions(query_timeout=...)``) is what an error names, with ``example``."""
     try:
         seconds = parse_duration(value)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise PipelineDefinitionError(f"{name}: {e}") from None
-    if seconds <= 0:
-        msg = f"{name.replace('...', repr(value))}: use a time > 0, such as {example!r}"
+    if not (seconds > 0 and math.isfinite(seconds)):
+        msg = f"{name.replace('...', repr(value))}: use a finite time > 0, such as {example!r}"
         raise PipelineDefinitionError(msg)
     return seconds
 

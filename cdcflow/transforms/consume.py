@@ -21,11 +21,10 @@ idempotent, keyed by what identifies a change: :func:`idempotency_key`.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from cdcflow.durations import parse_duration
+from cdcflow.durations import positive_seconds
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.model import DataChangeRecord
 from cdcflow.transforms._consumepool import Consumed, ConsumeWriter
@@ -44,18 +43,6 @@ def idempotency_key(record: DataChangeRecord) -> str:
     transaction id and record sequence. A replayed batch gives the same keys, so a side
     effect keyed by it (an upsert, an Idempotency-Key header) is not repeated."""
     return f"{record.commit_timestamp.ns}/{record.server_transaction_id}/{record.record_sequence}"
-
-
-def _seconds(value: float | str, what: str) -> float:
-    try:
-        seconds = parse_duration(value) if isinstance(value, str) else float(value)
-    except (TypeError, ValueError) as exc:
-        msg = f"Consume({what}={value!r}): use seconds or a duration such as '5s' ({exc})"
-        raise PipelineDefinitionError(msg) from None
-    if not (seconds > 0 and math.isfinite(seconds)):
-        msg = f"Consume({what}={value!r}): use a finite time > 0"
-        raise PipelineDefinitionError(msg)
-    return seconds
 
 
 class _Totals:
@@ -155,8 +142,10 @@ class Consume(Sink[E, Consumed]):
         self.key = key
         self._fn_name = callable_name(fn)  # named where the pipeline is built (see Map)
         self.max_inflight = max_inflight
-        self.timeout = None if timeout is None else _seconds(timeout, "timeout")
-        self.drain_timeout = _seconds(drain_timeout, "drain_timeout")
+        self.timeout = (None if timeout is None
+                        else positive_seconds(timeout, "Consume(timeout=...)", "5s"))
+        self.drain_timeout = positive_seconds(drain_timeout, "Consume(drain_timeout=...)",
+                                              "30s")
         #: Consume's own policy; None: the pipeline's
         self.on_error = on_error
         self._totals = _Totals()

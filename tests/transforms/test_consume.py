@@ -535,9 +535,11 @@ def test_bad_definitions_are_refused_with_the_fix() -> None:
         Consume("print")  # type: ignore[arg-type]
     with pytest.raises(PipelineDefinitionError, match="whole number >= 1"):
         Consume(print, max_inflight=0)
-    with pytest.raises(PipelineDefinitionError, match="finite time > 0"):
+    with pytest.raises(PipelineDefinitionError,
+                       match=r"Consume\(timeout=0\): use a finite time > 0"):
         Consume(print, timeout=0)
-    with pytest.raises(PipelineDefinitionError, match="duration such as"):
+    with pytest.raises(PipelineDefinitionError,
+                       match=r"Consume\(drain_timeout=\.\.\.\): not a duration: 'soon'"):
         Consume(print, drain_timeout="soon")
     dead = ErrorPolicy(then="skip", dead_letter=Collect())
     with pytest.raises(PipelineDefinitionError, match="go to the pipeline's dead-letter sink"):

@@ -109,7 +109,7 @@ def test_arguments_reach_the_primitives() -> None:
         ({"database": DB, "stream": "Orders", "query_timeout": ["1s"]},
          r"query_timeout=\.\.\.\): not a duration"),
         ({"database": DB, "stream": "Orders", "query_timeout": -1},
-         r"query_timeout=-1\): use a time > 0"),
+         r"query_timeout=-1\): use a finite time > 0"),
         ({"database": DB, "stream": "Orders", "heartbeat": "often"},
          r"heartbeat=\.\.\.\): not a duration: 'often'"),
         ({"stream": "Orders", "client": 5}, r"client=5\): pass a change stream client"),

@@ -358,8 +358,10 @@ def test_sizes_are_checked_and_name_their_setting() -> None:
                      (dict(file_size="4XB"), r"WriteTables\(file_size='4XB'\) is not a size"),
                      (dict(flush_interval="soon"),
                       r"WriteTables\(flush_interval=\.\.\.\): not a duration: 'soon'"),
-                     (dict(flush_interval=-1), r"WriteTables\(flush_interval=-1\): use a time > 0"),
-                     (dict(flush_interval=0), r"WriteTables\(flush_interval=0\): use a time > 0")):
+                     (dict(flush_interval=-1),
+                      r"WriteTables\(flush_interval=-1\): use a finite time > 0"),
+                     (dict(flush_interval=0),
+                      r"WriteTables\(flush_interval=0\): use a finite time > 0")):
         with pytest.raises(PipelineDefinitionError, match=text):
             WriteTables("memory://x", **kw)
     assert WriteTables("memory://x", spool_memory=0, spool_disk=2.0).spool_disk == 2
