@@ -69,7 +69,8 @@ def _casts(columns: Sequence[Column], schema: Schema, jsonl: bool) -> dict[str, 
     target = {c.name: c.type for c in schema.columns}
     casts: dict[str, Cast] = {}
     for c in columns:
-        if c.name in target and (cast := _cast(c.type, target[c.name], jsonl)) is not None:
+        new = target.get(c.name)  # an unchanged type (the usual case) needs no look
+        if new is not None and new != c.type and (cast := _cast(c.type, new, jsonl)):
             casts[c.name] = cast
     return casts
 

@@ -185,15 +185,18 @@ class TableStorage:
             found[first] = (int(doc.get("last", first)), int(doc.get("version", 0)))
         return found
 
-    def claim_file(self, table: str, directory: str, first: int, last: int,
-                   version: int) -> None:
-        """Claim the file ``part-<first>-<last>-<version>`` before its upload. Raises
-        SinkError when another run claimed other batches from ``first`` (its claim won), or
-        when a file of other batches from ``first`` on is there already: a claim is removed
-        once its file is uploaded, so a stale run's claim that was on the wire meanwhile
-        can be created after that; the file it would duplicate then says so."""
+    def claim_file(self, table: str, directory: str, file: str) -> None:
+        """Claim the file named ``file`` (``part-<first>-<last>-<version>.<ext>``) of
+        (table, directory) before its upload. Raises SinkError when another run claimed
+        other batches from ``first`` (its claim won), or when a file of other batches from
+        ``first`` on is there already: a claim is removed once its file is uploaded, so a
+        stale run's claim that was on the wire meanwhile can be created after that; the
+        file it would duplicate then says so."""
         where = "/".join(p for p in (table, directory) if p)
-        name = f"part-{first}-{last}-{version}"
+        part = _PART.search(file)
+        assert part is not None, file  # the sink names its files so
+        first, last, version = (int(part.group(i)) for i in (1, 2, 3))
+        name = file.rsplit(".", 1)[0]
         path = self._claim_path(table, directory, first)
         try:
             self.create(path, orjson.dumps({"first": first, "last": last, "version": version}))

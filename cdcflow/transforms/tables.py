@@ -646,9 +646,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         ``_tablestorage``), its claim removed once it is there."""
         out = self._storage()
         table, directory = cut.key
-        version = int(cut.name.rsplit(".", 1)[0].rsplit("-", 1)[1])
         self._may_write()
-        out.claim_file(table, directory, cut.first, cut.last, version)
+        out.claim_file(table, directory, cut.name)
         self._may_write()  # the claim may have waited on the storage: asked again
         out.put(out.path(table, directory, cut.name), data=cut.data, local=cut.local)
         out.release_claim(table, directory, cut.first)
