@@ -101,10 +101,10 @@ def _child(mb: int, quota_mb: int, sink_name: str, tasks: int = _PARTITIONS
     from cdcflow.engine.loop import Engine, RunOptions
     from cdcflow.engine.quota import process_quota
     from cdcflow.metadata import MemoryStore
-    from cdcflow.processes import choose_arrow_pool, limit_malloc_arenas
+    from cdcflow.processes import choose_arrow_pool, tune_malloc
     from cdcflow.runners.in_memory import InMemoryRunner
 
-    limit_malloc_arenas()  # as `cdcflow run` does
+    tune_malloc()  # as `cdcflow run` does
     choose_arrow_pool()
     from cdcflow.transforms import (
         Consume,

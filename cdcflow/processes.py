@@ -1,6 +1,6 @@
 """This host's processes: whether one still lives (what the lease's same-host check and
 the sweeps of files a dead run left behind ask), the memory allocators of cdcflow's own
-processes (:func:`limit_malloc_arenas`, :func:`choose_arrow_pool`) and the garbage
+processes (:func:`tune_malloc`, :func:`choose_arrow_pool`) and the garbage
 collector while batches run (:func:`settled_heap`)."""
 
 from __future__ import annotations
@@ -14,34 +14,53 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 __all__ = [
-    "ARROW_MEMORY_POOL", "MALLOC_ARENAS", "YOUNG_COLLECTION_THRESHOLD", "choose_arrow_pool",
-    "limit_malloc_arenas", "process_alive", "settle_collector", "settled_heap",
+    "ARROW_MEMORY_POOL", "MALLOC_ARENAS", "MMAP_THRESHOLD", "YOUNG_COLLECTION_THRESHOLD",
+    "choose_arrow_pool", "process_alive", "settle_collector", "settled_heap", "tune_malloc",
 ]
 
 #: The malloc arenas of a process cdcflow starts (glibc), unless ``MALLOC_ARENA_MAX`` says.
 MALLOC_ARENAS = 2
-_M_ARENA_MAX = -8  # glibc's mallopt parameter
+#: The size from which glibc's malloc maps a block of its own (and unmaps it when freed),
+#: unless ``MALLOC_MMAP_THRESHOLD_`` says.
+MMAP_THRESHOLD = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameters
+_M_ARENA_MAX = -8
 
 
-def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
-    """Cap glibc's malloc arenas at ``arenas`` in this process (True when set): call it
-    before threads start, in a process cdcflow owns (the command line, Spark's Python
-    workers), never from a library call inside someone else's program.
+def tune_malloc(arenas: int = MALLOC_ARENAS, mmap_threshold: int = MMAP_THRESHOLD) -> bool:
+    """Set glibc's malloc up for a run in this process (True when set): call it before
+    threads start, in a process cdcflow owns (the command line, Spark's Python workers),
+    never from a library call inside someone else's program. Each setting that the
+    environment makes (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``) stands; elsewhere
+    than glibc, nothing is done.
 
-    glibc gives each thread that allocates at once its own arena, up to eight per core,
-    and memory freed in one is not reused by another: a run's threads (tasks, readers
-    ahead, uploads) passing large records between them kept memory resident for nothing.
-    Measured with ``cdcflow run`` on the emulator, 400 changes of 1 MB into a slow sink:
-    peak RSS 169-228 MB against 225-264 MB at an 8 MiB byte quota (four runs each),
-    166-171 MB against 194-219 MB at 32 MiB; a 100,000-change catch-up took 1.73-1.81 s
-    against 1.82-2.00 s. ``MALLOC_ARENA_MAX`` in the environment wins; elsewhere than
-    glibc, nothing is done."""
-    if os.environ.get("MALLOC_ARENA_MAX") or platform.libc_ver()[0] != "glibc":
+    * Arenas capped at ``arenas``. glibc gives each thread that allocates at once its own
+      arena, up to eight per core, and memory freed in one is not reused by another: a
+      run's threads (tasks, readers ahead, uploads) passing large records between them
+      kept memory resident for nothing. Measured with ``cdcflow run`` on the emulator, 400
+      changes of 1 MB into a slow sink: peak RSS 169-228 MB against 225-264 MB at an 8 MiB
+      byte quota (four runs each), 166-171 MB against 194-219 MB at 32 MiB; a
+      100,000-change catch-up took 1.73-1.81 s against 1.82-2.00 s.
+    * Blocks of ``mmap_threshold`` bytes and more mapped on their own, and so given back
+      to the system the moment they are freed. glibc's threshold otherwise grows to the
+      largest block freed (up to 32 MiB), after which a large record's transient copies (the
+      message received, its text, the parsed values) come from the heap, whose freed space
+      stays resident. Measured with ``cdcflow run`` on the emulator, 100 changes of 7.4 MiB
+      into a slow sink at a 32 MiB byte quota (base 107 MB): peak RSS 182-187 MB against
+      209-252 MB (six runs), a 4 MiB threshold 197-201 MB; the pipeline and catch-up
+      benchmarks (small records) did not move."""
+    if platform.libc_ver()[0] != "glibc":
         return False
     try:  # the process's own symbols: glibc's (finding libc by name runs ldconfig, 10 ms)
-        return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas))
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
+    done = False
+    if not os.environ.get("MALLOC_ARENA_MAX"):
+        done = bool(mallopt(_M_ARENA_MAX, arenas))
+    if not os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        done = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) or done
+    return done
 
 
 #: Container objects allocated (net) between two collections of the youngest generation
@@ -93,7 +112,7 @@ ARROW_MEMORY_POOL = "jemalloc"
 
 def choose_arrow_pool(pool: str = ARROW_MEMORY_POOL) -> bool:
     """Have Arrow allocate from ``pool`` in this process (True when set): call it before
-    pyarrow is imported, in a process cdcflow owns (as :func:`limit_malloc_arenas`).
+    pyarrow is imported, in a process cdcflow owns (as :func:`tune_malloc`).
 
     Arrow's default on Linux, mimalloc, keeps what a thread freed for that thread, and
     each task's Parquet writer builds and frees its chunks on its own thread: measured

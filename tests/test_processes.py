@@ -35,14 +35,48 @@ def test_a_killed_process_its_parent_has_not_reaped_is_not_alive() -> None:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_malloc_arenas_are_capped_unless_the_environment_says() -> None:
-    code = "from cdcflow.processes import limit_malloc_arenas as f; print(f())"
+    code = ("import os; os.environ['MALLOC_MMAP_THRESHOLD_'] = '1';"
+            "from cdcflow.processes import tune_malloc as f; print(f())")
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, check=True)
     assert done.stdout.strip() == "True"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**env, "MALLOC_ARENA_MAX": "4"}, check=True)
-    assert done.stdout.strip() == "False"  # the user's own setting stands
+    assert done.stdout.strip() == "False"  # the user's own settings stand
+
+
+_MAPPED_AFTER_REUSE = """
+import ctypes, sys
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+                .split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+if sys.argv[1] == "tuned":
+    from cdcflow.processes import tune_malloc
+    tune_malloc()
+before = libc.mallinfo2().hblkhd
+block = bytearray(4 << 20)
+del block  # glibc's own threshold grows to this block's size here
+block = bytearray(4 << 20)
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_a_large_block_is_mapped_on_its_own_so_freeing_it_gives_it_back() -> None:
+    def mapped(how: str, **env: str) -> int:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        done = subprocess.run([sys.executable, "-c", _MAPPED_AFTER_REUSE, how],
+                              capture_output=True, text=True, env={**environ, **env},
+                              check=True)
+        return int(done.stdout)
+
+    assert mapped("untuned") < 4 << 20  # the second block came from the heap
+    assert mapped("tuned") >= 4 << 20  # mapped: its memory leaves when it is freed
+    assert mapped("tuned", MALLOC_MMAP_THRESHOLD_=str(8 << 20)) < 4 << 20  # the user's
 
 
 def test_the_heap_settles_while_batches_run_and_is_given_back() -> None:

@@ -49,7 +49,7 @@ from cdcflow.launch import (
     run_pipeline,
     runner_factory,
 )
-from cdcflow.processes import choose_arrow_pool, limit_malloc_arenas
+from cdcflow.processes import choose_arrow_pool, tune_malloc
 from cdcflow.progress import LOG_FORMATS, LiveProgress
 
 __all__ = [
@@ -494,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if own_process:
         term_as_interrupt()
-        limit_malloc_arenas()
+        tune_malloc()
         choose_arrow_pool()
     debug = "--debug" in argv or os.environ.get("CDCFLOW_DEBUG", "") not in ("", "0")
     # Known before parsing, so that a usage error is reported in the format asked for.

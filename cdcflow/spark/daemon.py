@@ -16,7 +16,7 @@ from typing import Any
 
 from pyspark import daemon as _daemon
 
-from cdcflow.processes import choose_arrow_pool, limit_malloc_arenas
+from cdcflow.processes import choose_arrow_pool, tune_malloc
 
 __all__ = ["main", "worker"]
 
@@ -43,7 +43,7 @@ def _preload() -> None:
 
 
 def main() -> None:
-    limit_malloc_arenas()  # the workers it forks inherit it
+    tune_malloc()  # the workers it forks inherit it
     choose_arrow_pool()  # and this
     _preload()
     _daemon.worker = worker  # manager() looks it up in its module at every task
