@@ -39,10 +39,11 @@ Metrics (type; labels besides ``pipeline``):
   keeps, such as Consume's queue, is charged to the quota but not counted here),
   ``cdcflow_quota_used_bytes`` (gauge, live: what this process's quota holds at the
   scrape, within a long batch too, Consume's queue included; the in-memory runner's tasks
-  run in this process, Spark executors' do not),
+  run in this process, Spark executors' do not), ``cdcflow_quota_waiting`` (gauge, live
+  the same way: reads waiting for room in that quota now),
   ``cdcflow_inflight_bytes_limit`` (gauge: that quota, ``max_inflight_bytes``),
   ``cdcflow_quota_waits_total`` and ``cdcflow_quota_wait_seconds_total`` (counters: reads
-  that waited for room in the quota, and how long);
+  that waited for room in the quota, and how long, counted when their batch ends);
 - ``cdcflow_batch_span_seconds`` (gauge: the span of commit time the next batch plans,
   ``max_batch_span`` paced by ``max_task_bytes``);
 - ``cdcflow_sink_<name>{sink}``: what each sink reports after a batch (``Sink.metrics()``;
@@ -380,11 +381,15 @@ class PipelineMetrics(EngineListener):
                     "(read and not taken by every sink, and what sinks keep charged): live, "
                     "within a batch too; the tasks of this process only (the in-memory "
                     "runner's; not Spark executors').", 0 if quota is None else quota.used)
+        yield gauge("cdcflow_quota_waiting", "Reads of this process's tasks waiting for room "
+                    "in its byte quota now: live, within a batch too (the in-memory runner's "
+                    "tasks; not Spark executors').", 0 if quota is None else quota.waiting)
         yield gauge("cdcflow_inflight_bytes_limit", "The byte quota of the processes that "
                     "run the tasks (max_inflight_bytes; 0 before the first batch).",
                     inflight_limit)
         yield counter("cdcflow_quota_waits", "Reads that waited for in-flight room "
-                      "(max_inflight, max_inflight_bytes).", counts["quota_waits"])
+                      "(max_inflight, max_inflight_bytes), counted when their batch ends.",
+                      counts["quota_waits"])
         yield counter("cdcflow_quota_wait_seconds", "Seconds reads waited for in-flight room.",
                       counts["quota_wait_us"] / 1e6)
         yield gauge("cdcflow_batch_span_seconds", "The span of commit time the next batch "

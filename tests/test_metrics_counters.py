@@ -214,6 +214,37 @@ def test_the_quota_in_use_is_live_within_a_long_batch() -> None:
     assert len(out.items) == 20
 
 
+def test_reads_waiting_for_the_quota_are_live_within_a_long_batch() -> None:
+    """A quota smaller than what a held-back step keeps: the read waiting for room shows
+    at once in the live gauge, long before the batch ends and counts its wait."""
+    _release.clear()
+    stream = ScriptedChangeStream("Orders", partitions=1, origin=NOW)
+    for i in range(20):
+        stream.write("Orders", {"id": i}, "INSERT", {"n": "x" * 1000}, at=NOW + (i + 1) * 1000)
+    pipeline = cf.Pipeline("waiting")
+    out = cf.Collect()
+    (pipeline
+     | cf.DetectPartitions(stream="Orders", start_at=NOW, end_at=NOW + S, client=stream)
+     | cf.ReadPartition(heartbeat="100ms", max_inflight=4, max_inflight_bytes=2500)
+     | cf.Map(_held_back) | out)
+    urls: list[str] = []
+    run = threading.Thread(target=pipeline.run, args=("memory", "memory://"), kwargs=dict(
+        metrics_port=0, on_metrics=urls.append, batch_interval=0, max_batch_span="2s"))
+    run.start()
+    try:
+        deadline = time.monotonic() + 30
+        waiting = 0.0
+        while waiting == 0 and time.monotonic() < deadline:
+            if urls:
+                waiting = value(scrape(urls[0]), "cdcflow_quota_waiting", pipeline="waiting")
+            time.sleep(0.05)
+        assert waiting == 1  # the one reader, blocked: the Map holds what the quota has
+    finally:
+        _release.set()
+        run.join(60)
+    assert len(out.items) == 20
+
+
 def _every_third_fails(record: Any) -> None:
     if record.mods[0].new_values["n"] % 3 == 0:
         msg = f"bad {record.mods[0].new_values['n']}"

@@ -110,6 +110,12 @@ class ByteQuota:
         with self._cond:
             return self._used
 
+    @property
+    def waiting(self) -> int:
+        """Acquirers blocked now, waiting for room."""
+        with self._cond:
+            return len(self._queue)
+
     def resize(self, limit: int) -> None:
         """Change the limit; bytes already held stay held, waiters re-check at once."""
         _check_limit(limit)
