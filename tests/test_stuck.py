@@ -270,3 +270,22 @@ def test_a_created_partition_a_batch_reads_is_reported_as_running(
         (stuck,) = watch.check()
     assert stuck.state == PartitionState.RUNNING
     assert "partition child (running) has not advanced" in caplog.text
+
+
+def test_a_read_that_waits_again_and_again_stays_held_back_between_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slow sink lets a read go for a moment now and then: a check at such a moment
+    still says the read is held back, until it has gone on for a while without waiting."""
+    from cdcflow.engine import listener
+
+    listener.note_task_held_back("again", 4, "p0", "sink 'slow' to take its elements")
+    assert listener.tasks_held_back("again", 4) == {"p0": "sink 'slow' to take its elements"}
+    listener.note_task_held_back("again", 4, "p0", None)  # admitted: it reads on, briefly
+    assert listener.tasks_held_back("again", 4) == {"p0": "sink 'slow' to take its elements"}
+    monkeypatch.setattr(listener, "HELD_BACK_RECENTLY", 0.0)
+    time.sleep(0.01)
+    assert listener.tasks_held_back("again", 4) == {}  # reading on for a while: not held back
+    listener.note_task_held_back("again", 4, "p0", "room in the byte quota")
+    note_task_done("again", 4, "p0")
+    assert listener.tasks_held_back("again", 4) == {}  # done: it waits for nothing

@@ -7,13 +7,14 @@ While a batch runs, :func:`tasks_done` tells which of its tasks finished in this
 (tasks note it with :func:`note_task_done`): where tasks run in the driver's process (the
 in-memory runner) an observer can tell a read that hangs from the reads that are done and
 wait for the batch to commit. Elsewhere (Spark executors) it knows nothing and says so.
-Likewise :func:`tasks_held_back` tells which tasks wait, right now, for something other
-than their read (a sink that has not taken their elements, the byte quota).
+Likewise :func:`tasks_held_back` tells which tasks wait for something other than their
+read (a sink that has not taken their elements, the byte quota), now or a moment ago.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -43,6 +44,7 @@ def note_task_done(pipeline: str, batch_id: int, token: str) -> None:
     (its result is on its way to the driver)."""
     key = (pipeline, batch_id)
     with _done_lock:
+        _held_back.pop((pipeline, batch_id, token), None)
         tokens = _done.get(key)
         if tokens is None:
             tokens = _done[key] = set()
@@ -58,9 +60,13 @@ def tasks_done(pipeline: str, batch_id: int) -> frozenset[str]:
         return frozenset(_done.get((pipeline, batch_id), ()))
 
 
-# (pipeline, batch id, token) -> what the task reading that partition waits for now, while
-# it waits (set and cleared around each wait: it holds only tasks waiting now).
-_held_back: dict[tuple[str, int, str], str] = {}
+# (pipeline, batch id, token) -> what the task reading that partition waits for, and when
+# it last stopped waiting (None: it waits now). Kept until the task is done, so that a read
+# that waits again and again (a slow sink) is said to be held back between two waits too.
+_held_back: dict[tuple[str, int, str], tuple[str, float | None]] = {}
+#: A read that waited this many seconds ago at most counts as held back still.
+HELD_BACK_RECENTLY = 2.0
+_HELD_BACK_KEPT = 4096  # entries past this: those of reads that stopped waiting go first
 
 
 def note_task_held_back(pipeline: str, batch_id: int, token: str, by: str | None) -> None:
@@ -68,19 +74,25 @@ def note_task_held_back(pipeline: str, batch_id: int, token: str, by: str | None
     ``by`` (a sink that has not taken its elements, the byte quota), not for its read; None
     once it no longer does."""
     key = (pipeline, batch_id, token)
+    now = time.monotonic()
     with _done_lock:
-        if by is None:
-            _held_back.pop(key, None)
-        else:
-            _held_back[key] = by
+        if by is not None:
+            _held_back[key] = (by, None)
+            if len(_held_back) > _HELD_BACK_KEPT:
+                for old in [k for k, (_, since) in _held_back.items() if since is not None]:
+                    del _held_back[old]
+        elif (last := _held_back.get(key)) is not None:
+            _held_back[key] = (last[0], now)
 
 
 def tasks_held_back(pipeline: str, batch_id: int) -> dict[str, str]:
     """Token -> what its task of batch ``batch_id`` waits for, for the tasks of this
-    process that wait now (see :func:`note_task_held_back`)."""
+    process that wait now or did :data:`HELD_BACK_RECENTLY` (see
+    :func:`note_task_held_back`)."""
+    recently = time.monotonic() - HELD_BACK_RECENTLY
     with _done_lock:
-        return {token: by for (p, b, token), by in _held_back.items()
-                if p == pipeline and b == batch_id}
+        return {token: by for (p, b, token), (by, since) in _held_back.items()
+                if p == pipeline and b == batch_id and (since is None or since >= recently)}
 
 
 @attrs.frozen
