@@ -147,6 +147,7 @@ class SQLiteFile:
     def __init__(self, path: Path, *, busy_timeout: float, create: bool) -> None:
         self._path = path
         self._create = create
+        self._busy_timeout = busy_timeout
         self._lock = threading.RLock()
         self._opening = True  # every failure until the store is open is a setup error
         self._wrote = False  # a write committed since: a refused write is no setup error
@@ -296,8 +297,12 @@ class SQLiteFile:
                    "location")
             setup = setup or not self._wrote
         elif name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
-            msg = (f"{where} stayed locked by another process ({e}); stop the other run of "
-                   "this pipeline or raise busy_timeout")
+            msg = (f"{where} stayed locked by another process for {self._busy_timeout:g} s "
+                   f"({e}): another run of this pipeline, or a program using the file, "
+                   "holds its write lock; a run that is paused or hung (a stopped process, "
+                   "a stalled VM) keeps it until it goes on or ends, and --takeover cannot "
+                   "break it: end that process (a killed run loses nothing: the next run "
+                   "replays its batch), then run again")
             setup = False  # contention, not a store that cannot be used
         elif name.startswith("SQLITE_FULL"):
             msg = f"the disk of {where} is full ({e}); free space, then run again"
