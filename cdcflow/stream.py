@@ -7,7 +7,7 @@ This module imports nothing of google-cloud-spanner. The real implementation liv
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
@@ -40,6 +40,10 @@ class ChangeStreamQuery:
     ``partition_token`` None is the root query, which returns the stream's first child
     partitions. The change stream function's bounds are inclusive, so a client passes
     ``end_timestamp = end - 1 ns``: consecutive slices neither gap nor overlap.
+
+    ``stopping`` (None: never) tells whether the run was asked to stop: a client may then
+    give up a read that is failing or gets nothing (it raises; the run stops and the next
+    run reads the slice again) instead of retrying it or waiting out its stall.
     """
 
     stream: str
@@ -47,6 +51,7 @@ class ChangeStreamQuery:
     start: int
     end: int
     heartbeat_millis: int = 1000
+    stopping: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen

@@ -36,6 +36,7 @@ import threading
 import cloudpickle
 
 from cdcflow.engine.chain import Chain
+from cdcflow.engine.guard import stopping_for
 from cdcflow.engine.program import DEAD_LETTER_LABEL, TaskProgram
 from cdcflow.engine.quota import approx_size
 from cdcflow.engine.runner import ChildSeen, CommitTimeSample, Task, TaskResult
@@ -164,6 +165,7 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
         start=sl.start,
         end=sl.end,
         heartbeat_millis=program.heartbeat_millis,
+        stopping=stopping_for(program.pipeline),
     )
     tracker = TimestampRangeTracker(TimestampRange(sl.start, sl.end))
     chain = Chain(program, task)

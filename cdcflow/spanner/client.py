@@ -48,7 +48,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from cdcflow.backoff import RetryPolicy
@@ -71,12 +71,19 @@ from cdcflow.model import (
     record_position,
 )
 from cdcflow.spanner.flat import MessageDecoder
-from cdcflow.spanner.retry import ObservedRead, QueryStats, is_transient, status_name
+from cdcflow.spanner.retry import (
+    ObservedRead,
+    QueryStats,
+    RetryLog,
+    is_transient,
+    status_name,
+)
 from cdcflow.spanner.shape import RecordShaper
 from cdcflow.spanner.snapshot import read_snapshot, split_snapshot
 from cdcflow.spanner.tracked import tracked_columns
 from cdcflow.spanner.translate import error_text, session_gone, translate, unreachable
 from cdcflow.spanner.transport import (
+    STOP_POLL_S,
     GrpcTransport,
     Param,
     Transport,
@@ -87,6 +94,7 @@ from cdcflow.spanner.transport import (
 from cdcflow.stream import ChangeStreamClient, ChangeStreamQuery, RecordFilter, StreamInfo
 
 _log = logging.getLogger("cdcflow.spanner")
+_retry_log = RetryLog(_log)
 
 __all__ = ["SpannerChangeStreamClient", "cached_client"]
 
@@ -296,23 +304,42 @@ class SpannerChangeStreamClient:
         return True
 
     def _retry_after(
-        self, exc: Exception, failed: int, streak_began: float, what: str = "a query"
+        self, exc: Exception, failed: int, streak_began: float, what: str = "a query",
+        stopping: Callable[[], bool] | None = None,
     ) -> bool:
         """After ``failed`` failures in a row, the first of them begun at ``streak_began``
         (on the policy's clock): sleep and return True to retry, or return False when the
         error is not retryable (the caller translates it). Raises TransientError when the
-        policy's attempts or deadline are spent. A retry is logged (``what`` failed): at
-        INFO, and as a warning from the third failure in a row on."""
+        policy's attempts or deadline are spent, or once ``stopping()`` (the run was asked
+        to stop: no retry, nor the rest of a delay). A retry is logged (``what`` failed):
+        at INFO, and as a warning from the third failure in a row on."""
         if not self._retry_if(exc):
             return False
         delay = self.retry.delay(failed)
         if not self.retry.allows(failed, self.retry.clock() - streak_began, delay):
             raise self._failure(exc, None, failed) from exc
-        _log.log(logging.WARNING if failed >= 3 else logging.INFO,
-                 "%s failed (%s: %s); trying again in %.1f s (failure %d in a row)",
-                 what, status_name(exc), error_text(exc), delay, failed)
-        self.retry.sleep(delay)
+        if stopping is not None and stopping():
+            raise self._given_up(exc, what) from exc
+        _retry_log.log(logging.WARNING if failed >= 3 else logging.INFO,
+                       "%s failed (%s: %s); trying again in %.1f s (failure %d in a row)",
+                       what, status_name(exc), error_text(exc), delay, failed)
+        if stopping is None:
+            self.retry.sleep(delay)
+            return True
+        left = delay
+        while left > 0:  # in steps: a stop that comes meanwhile waits no longer
+            if stopping():
+                raise self._given_up(exc, what) from exc
+            step = min(left, STOP_POLL_S)
+            self.retry.sleep(step)
+            left -= step
         return True
+
+    @staticmethod
+    def _given_up(exc: Exception, what: str) -> TransientError:
+        msg = (f"{what} was given up, as the run was asked to stop, where it failed "
+               f"({status_name(exc)}: {error_text(exc)}); the next run reads it again")
+        return TransientError(msg)
 
     def _failure(self, exc: Exception, query: ChangeStreamQuery | None, failed: int
                  ) -> Exception:
@@ -505,7 +532,7 @@ class SpannerChangeStreamClient:
 
     def _query(
         self, info: StreamInfo, token: str | None, start: int, end: int, heartbeat: int,
-        stats: QueryStats, sizes: dict[int, int],
+        stats: QueryStats, sizes: dict[int, int], stopping: Callable[[], bool] | None = None,
     ) -> Iterator[list[ChangeRecord]]:
         """The records of one query, a message's at a time (the caller handles them all
         before it asks for the next: the time it holds them is not the query's)."""
@@ -517,9 +544,15 @@ class SpannerChangeStreamClient:
         paused: float | None = None
         first: float | None = None
         try:
-            responses = self.transport.execute_streaming_sql(
-                sql, params, priority=self.priority, timeout=self.query_timeout,
-                idle=self._stall_after(heartbeat),
+            stall = self._stall_after(heartbeat)
+            responses = (
+                self.transport.execute_streaming_sql(
+                    sql, params, priority=self.priority, timeout=self.query_timeout,
+                    idle=stall,
+                ) if stopping is None else self.transport.execute_streaming_sql(
+                    sql, params, priority=self.priority, timeout=self.query_timeout,
+                    idle=stall, stopping=stopping,
+                )
             )
             decoder = MessageDecoder(self._shaper, sizes)
             decode = decoder.decode
@@ -585,7 +618,8 @@ class SpannerChangeStreamClient:
             began = self.retry.clock()
             try:
                 for records in self._query(
-                    info, token, start, end, query.heartbeat_millis, stats, sizes
+                    info, token, start, end, query.heartbeat_millis, stats, sizes,
+                    query.stopping,
                 ):
                     if not records:
                         continue
@@ -631,7 +665,7 @@ class SpannerChangeStreamClient:
                     end = narrower
                     continue
                 failed += 1
-                if not self._retry_after(exc, failed, streak_began, what):
+                if not self._retry_after(exc, failed, streak_began, what, query.stopping):
                     translated = self._translate(exc, query)
                     if translated is exc:
                         raise

@@ -11,8 +11,12 @@ restart loop has neither a bound nor a delay); callers pass :func:`is_transient`
 from __future__ import annotations
 
 import itertools
+import logging
+import math
+import threading
+import time
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from cdcflow.backoff import RetryPolicy
@@ -23,11 +27,45 @@ __all__ = [
     "TRANSIENT_CODES",
     "ObservedRead",
     "QueryStats",
+    "RetryLog",
     "RetryPolicy",
     "is_transient",
     "query_bucket_labels",
     "status_name",
 ]
+
+#: The retries of change stream queries a process logs: one line per this many seconds.
+RETRY_LOG_WINDOW_S = 10.0
+
+
+class RetryLog:
+    """The log lines of this process's change stream query retries, at most one per
+    ``window`` seconds and level: in an outage every partition's read fails at once, again
+    and again, and a line each (with its 200-character token) buried the log. A line
+    logged after quiet ones says how many of its level were left out. Thread-safe."""
+
+    def __init__(self, logger: logging.Logger, window: float = RETRY_LOG_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger = logger
+        self._window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._next: dict[int, float] = {}  # level -> when its next line may be logged
+        self._left_out: dict[int, int] = {}
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        now = self._clock()
+        with self._lock:
+            if now < self._next.get(level, -math.inf):
+                self._left_out[level] = self._left_out.get(level, 0) + 1
+                return
+            left_out = self._left_out.pop(level, 0)
+            self._next[level] = now + self._window
+        if left_out:
+            msg += " (and %d more failed change stream queries in the last %.0f s)"
+            args = (*args, left_out, self._window)
+        self._logger.log(level, msg, *args)
+
 
 #: gRPC status codes worth retrying: the server may well answer next time.
 TRANSIENT_CODES = frozenset({"UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"})

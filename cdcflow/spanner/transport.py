@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from cdcflow.errors import ConfigurationError
@@ -29,7 +29,8 @@ from cdcflow.spanner.connection import Connection, connection_api
 from cdcflow.spanner.retry import status_name
 
 __all__ = [
-    "GrpcTransport", "Param", "RowAssembler", "Transport", "assemble_rows", "merge_values",
+    "STOP_POLL_S", "STOP_SILENCE_S", "GrpcTransport", "Param", "RowAssembler", "Transport",
+    "assemble_rows", "merge_values",
 ]
 
 #: A query parameter: (Spanner type code name, wire value as text or None for NULL).
@@ -46,11 +47,14 @@ class Transport(Protocol):
 
     ``timeout`` bounds the whole query; ``idle`` (None: no bound), the seconds the reader
     may wait for the next message: a stream silent for longer stalled (an open connection
-    that carries nothing), and the transport ends it with a transient error."""
+    that carries nothing), and the transport ends it with a transient error. Once
+    ``stopping()`` is true (the run was asked to stop), a transport may end a stream
+    silent for :data:`STOP_SILENCE_S` the same way, instead of waiting out ``idle``: the
+    caller gives the read up."""
 
     def execute_streaming_sql(
         self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
-        idle: float | None = None,
+        idle: float | None = None, stopping: Callable[[], bool] | None = None,
     ) -> Iterator[Any]: ...
 
     def reset_session(self) -> None:
@@ -62,6 +66,11 @@ class Transport(Protocol):
 
 #: Deadline of a session RPC, in seconds.
 _RPC_TIMEOUT = 30.0
+#: Once the run is asked to stop, a stream silent this long is ended (seconds): a read of
+#: a batch whose end has passed answers at once, so silence that long is a stall.
+STOP_SILENCE_S = 5.0
+#: How often a reader waiting for a message looks whether the run was asked to stop.
+STOP_POLL_S = 0.5
 
 
 def emulator_host() -> str | None:
@@ -206,20 +215,21 @@ class GrpcTransport:
 
     def execute_streaming_sql(
         self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
-        idle: float | None = None, read_at: int | None = None,
+        idle: float | None = None, stopping: Callable[[], bool] | None = None,
+        read_at: int | None = None,
     ) -> Iterator[Any]:
         """The query's partial result sets: a strong read, or one as of ``read_at`` (ns)."""
         api = self._spanner_api()
         self._connection.deadline(timeout)
         request = _request(self.session(), sql, params, priority, read_at)
         try:
-            yield from self._stream(api, request, timeout, idle)
+            yield from self._stream(api, request, timeout, idle, stopping)
         except Exception as exc:
             self._connection.failed(api, exc)
             raise
 
-    def _stream(self, api: Any, request: Any, timeout: float, idle: float | None
-                ) -> Iterator[Any]:
+    def _stream(self, api: Any, request: Any, timeout: float, idle: float | None,
+                stopping: Callable[[], bool] | None) -> Iterator[Any]:
         from google.api_core import gapic_v1
         from google.cloud.spanner_v1.types import PartialResultSet
 
@@ -248,7 +258,7 @@ class GrpcTransport:
                 if cancel is not None:
                     cancel()
             return
-        yield from _prefetched(stream, to_pb, self.prefetch, idle)
+        yield from _prefetched(stream, to_pb, self.prefetch, idle, stopping)
 
     def close(self) -> None:
         with self._lock:
@@ -269,14 +279,15 @@ _END = object()
 
 
 def _prefetched(
-    stream: Any, to_pb: Any, depth: int, idle: float | None = None
+    stream: Any, to_pb: Any, depth: int, idle: float | None = None,
+    stopping: Callable[[], bool] | None = None,
 ) -> Iterator[Any]:
     """``to_pb`` of every item of ``stream`` (a gRPC response iterator), received up to
     ``depth`` items ahead on a daemon thread. An error of the stream is raised here, after
     the items before it; so is a stall: no item for ``idle`` seconds while the reader
-    waits (DEADLINE_EXCEEDED, which the reader retries). Leaving early (an exception,
-    ``close()``) cancels the call, which ends the thread even while it waits for the
-    server."""
+    waits (DEADLINE_EXCEEDED, which the reader retries), or for :data:`STOP_SILENCE_S`
+    once ``stopping()`` is true. Leaving early (an exception, ``close()``) cancels the
+    call, which ends the thread even while it waits for the server."""
     items: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
     room = threading.Semaphore(depth)
     stop = threading.Event()
@@ -295,10 +306,13 @@ def _prefetched(
     threading.Thread(target=pump, name="cdcflow-prefetch", daemon=True).start()
     try:
         while True:
-            try:
-                item, error = items.get(timeout=idle)
-            except queue.Empty:
-                raise _stalled(idle) from None
+            if stopping is None:
+                try:
+                    item, error = items.get(timeout=idle)
+                except queue.Empty:
+                    raise _stalled(idle) from None
+            else:
+                item, error = _next_unless_stopped(items, idle, stopping)
             if item is _END:
                 if error is not None:
                     raise error
@@ -314,11 +328,36 @@ def _prefetched(
             cancel()
 
 
-def _stalled(idle: float | None) -> Exception:
+def _next_unless_stopped(
+    items: queue.SimpleQueue[tuple[Any, BaseException | None]], idle: float | None,
+    stopping: Callable[[], bool],
+) -> tuple[Any, BaseException | None]:
+    """The next item of ``items``, looking every :data:`STOP_POLL_S` whether the run was
+    asked to stop: a stall (see :func:`_prefetched`) raises."""
+    began = time.monotonic()
+    while True:
+        waited = time.monotonic() - began
+        left = None if idle is None else idle - waited
+        try:
+            return items.get(timeout=STOP_POLL_S if left is None else
+                             max(0.0, min(left, STOP_POLL_S)))
+        except queue.Empty:
+            waited = time.monotonic() - began
+            if idle is not None and waited >= idle:
+                raise _stalled(idle) from None
+            if waited >= STOP_SILENCE_S and stopping():
+                raise _stalled(waited, stopping=True) from None
+
+
+def _stalled(idle: float | None, *, stopping: bool = False) -> Exception:
     from google.api_core.exceptions import DeadlineExceeded
 
-    message = (f"no message from Spanner for {idle:g} s: the stream stalled (its connection "
-               "is open but carries nothing)")
+    if stopping:
+        message = (f"no message from Spanner for {idle:.0f} s since the run was asked to "
+                   "stop: the read is given up")
+    else:
+        message = (f"no message from Spanner for {idle:g} s: the stream stalled (its "
+                   "connection is open but carries nothing)")
     return DeadlineExceeded(message)  # type: ignore[no-untyped-call]
 
 

@@ -122,7 +122,7 @@ class ScriptedTransport:
 
     def execute_streaming_sql(
         self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
-        idle: float | None = None,
+        idle: float | None = None, stopping: Callable[[], bool] | None = None,
     ) -> Iterator[Any]:
         if "information_schema" in sql:
             return iter(self._metadata(sql))

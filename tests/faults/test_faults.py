@@ -284,13 +284,18 @@ def test_faults_and_kills_keep_exactly_once(
 
 
 def _start_behind(
-    proxy: FaultProxy, case: Case, *, seed: int, seconds: float, extra: tuple[str, ...] = ()
+    proxy: FaultProxy, case: Case, *, seed: int, seconds: float, extra: tuple[str, ...] = (),
+    query_timeout: float | None = QUERY_TIMEOUT,
 ) -> tuple[Workload, threading.Thread, Path, subprocess.Popen[bytes]]:
     """A workload of ``seconds`` straight to the emulator, and a run reading it through
     ``proxy`` (its reads and its store), its window ending 2 s after the workload's end:
-    the workload, its thread, the run's log file and process."""
+    the workload, its thread, the run's log file and process. ``query_timeout`` None: the
+    reader's own (a stalled stream is then seen after 60 s)."""
     case.env["SPANNER_EMULATOR_HOST"] = proxy.host
-    case.env["E2E_QUERY_TIMEOUT"] = f"{QUERY_TIMEOUT}s"
+    if query_timeout is not None:
+        case.env["E2E_QUERY_TIMEOUT"] = f"{query_timeout}s"
+    else:
+        case.env.pop("E2E_QUERY_TIMEOUT", None)
     start = Timestamp.now()
     workload = Workload(case.database, rate=15, seed=seed)
     thread = workload.start(seconds=seconds)
@@ -409,6 +414,45 @@ def test_sigterm_during_an_outage_stops_at_once_then_a_restart_resumes(
             assert stopped_after < 10  # the 20 s backoff and the other retries: not waited
             assert "stopping without retrying it" in text
             restart = case.run()  # the network is back: the restart resumes to the end
+            assert "end reached" in restart.stderr
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            workload.stop()
+            progress.close()
+    assert not thread.is_alive()
+    assert check_exactly_once(case, workload) > 20
+
+
+def test_sigterm_while_spanner_stalls_gives_the_read_up_within_seconds(
+    spanner_emulator: Emulator, tmp_path: Path
+) -> None:
+    """A supervisor stops the run while Spanner holds its read without a word (a stall:
+    the connection open, nothing on it), with the reader's own stall bound (60 s). The run
+    gives the read up seconds after the stop instead of waiting out the stall and its
+    retries, exits as interrupted, and the restart finishes with every change exactly
+    once."""
+    case = Case(spanner_emulator, tmp_path, store="sqlite")
+    progress = _Progress(case)
+    with FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy:
+        workload, thread, log, proc = _start_behind(proxy, case, seed=5, seconds=6,
+                                                    query_timeout=None)
+        try:
+            _until_batch(progress, proc, 2)
+            proxy.stall(OUTAGE + 20)
+            time.sleep(3)  # batches run every second: one now waits in a stalled read
+            assert proc.poll() is None, log.read_text()[-2000:]
+            os.kill(proc.pid, signal.SIGTERM)
+            signalled = time.monotonic()
+            code = proc.wait(OUTAGE)
+            stopped_after = time.monotonic() - signalled
+            proxy.heal()
+            text = log.read_text()
+            print(f"\nSIGTERM during a stall: exit {code} after {stopped_after:.2f}s")
+            assert code == 130, text[-2000:]
+            assert stopped_after < 12, text[-2000:]  # 5 s of silence after the stop
+            assert "since the run was asked to stop: the read is given up" in text
+            restart = case.run()
             assert "end reached" in restart.stderr
         finally:
             if proc.poll() is None:

@@ -4,6 +4,7 @@ for failures the emulator cannot produce)."""
 from __future__ import annotations
 
 import pickle
+import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -481,6 +482,39 @@ def test_session_not_found_gets_a_new_session(
     got = list(client.read(ChangeStreamQuery("OrdersStream", None, now - 10**6, now)))
     assert got and all(isinstance(r, ChildPartitionsRecord) for r in got)
     assert failing.resets == 1
+
+
+class _Longest(random.Random):
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def test_a_run_asked_to_stop_gives_a_failing_read_up_instead_of_retrying_it() -> None:
+    """Once the run is asked to stop, a read that fails is not tried again, and a stop
+    that comes during the backoff ends the wait: the run stops, the next run reads."""
+    t = Timestamp.parse("2024-05-01T12:00:00Z").ns
+    records: list[ChangeRecord] = [_data(i, t + i, f"t{i}") for i in range(4)]
+    sleeps: list[float] = []
+    client = SpannerChangeStreamClient(
+        "projects/p/instances/i/databases/d",
+        retry=RetryPolicy(attempts=6, initial=3.0, maximum=3.0, sleep=sleeps.append,
+                          rng=_Longest()),
+    )
+    scripted = ScriptedTransport(records, fail_after=[2, 2, 2])
+    client.transport = scripted
+    query = ChangeStreamQuery("S", "tok", t, t + 100, stopping=lambda: True)
+    got: list[ChangeRecord] = []
+    with pytest.raises(TransientError, match="given up, as the run was asked to stop"):
+        got.extend(client.read(query))
+    assert got == records[:2] and len(scripted.queries) == 1 and sleeps == []
+
+    # the stop comes while the retry waits out its 3 s: it waits no longer
+    scripted = ScriptedTransport(records, fail_after=[2, 2, 2])
+    client.transport = scripted
+    query = ChangeStreamQuery("S", "tok", t, t + 100, stopping=lambda: len(sleeps) >= 2)
+    with pytest.raises(TransientError, match="given up"):
+        list(client.read(query))
+    assert len(scripted.queries) == 1 and len(sleeps) == 2 and sum(sleeps) < 3.0
 
 
 # --- dedupe across retries, exactly (scripted transport) ------------------------------------

@@ -184,3 +184,31 @@ def test_a_web_server_at_the_endpoint_is_a_configuration_error(
     where = f"SPANNER_EMULATOR_HOST={emulator}" if emulator else "the Spanner endpoint"
     assert str(translated) == (f"{where} answered as a web server, not Spanner (HTTP status "
                                "404): fix the host:port")
+
+
+def test_query_retries_log_one_line_per_window_and_level_and_count_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An outage fails every partition's read at once, again and again: the log gets one
+    line per 10 s and level, the next saying how many it left out, not a line each."""
+    import logging
+
+    from cdcflow.spanner.retry import RetryLog
+
+    now = [0.0]
+    log = RetryLog(logging.getLogger("cdcflow.test.retries"), window=10.0,
+                   clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="cdcflow.test.retries"):
+        for partition in range(30):  # 30 reads fail within a second
+            log.log(logging.WARNING, "the read of %s failed", f"p{partition}")
+            log.log(logging.INFO, "the first failure of %s", f"p{partition}")
+            now[0] += 0.03
+        now[0] = 10.5
+        log.log(logging.WARNING, "the read of %s failed", "p7")
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        (logging.WARNING, "the read of p0 failed"),
+        (logging.INFO, "the first failure of p0"),
+        (logging.WARNING, "the read of p7 failed (and 29 more failed change stream queries "
+                          "in the last 10 s)"),
+    ]

@@ -104,6 +104,34 @@ def test_a_stream_silent_past_the_idle_bound_stalled_and_is_cancelled() -> None:
     _wait_no_prefetch_threads()
 
 
+def test_once_the_run_stops_a_silent_stream_is_given_up_before_its_idle_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from google.api_core.exceptions import DeadlineExceeded
+
+    from cdcflow.spanner import transport
+
+    monkeypatch.setattr(transport, "STOP_SILENCE_S", 0.3)
+    monkeypatch.setattr(transport, "STOP_POLL_S", 0.05)
+    stop = threading.Event()
+    stream = _Stream([1, 2], finite=False)
+    got = []
+    began = time.monotonic()
+    threading.Timer(0.5, stop.set).start()  # silent past STOP_SILENCE_S before the stop
+    with pytest.raises(DeadlineExceeded, match="since the run was asked to stop"):
+        for item in _prefetched(stream, lambda x: x, 2, idle=60, stopping=stop.is_set):
+            got.append(item)
+    assert got == [1, 2] and 0.5 <= time.monotonic() - began < 5  # not the 60 s bound
+    assert stream.cancelled.is_set()
+    _wait_no_prefetch_threads()
+
+    # a stream that answers is not given up: the stop waits for its batch
+    stop.set()
+    slow = _Stream(list(range(5)))
+    assert list(_prefetched(slow, lambda x: x, 2, idle=60, stopping=stop.is_set)) == [
+        0, 1, 2, 3, 4]
+
+
 def test_the_idle_bound_counts_only_the_readers_wait() -> None:
     # A reader that holds each message longer than the bound (a slow sink) is not a stall:
     # the messages were there when it asked.
