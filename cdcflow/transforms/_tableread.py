@@ -59,6 +59,7 @@ def table_schema(url: str, *, storage_options: Mapping[str, Any] | None = None) 
     version apart).
     """
     fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    fs.invalidate_cache()  # the versions written since this process last listed them too
     names = fs.glob(root.rstrip("/") + "/_schema/v*.json")
     found = sorted((int(m.group(1)), n) for n in names
                    if (m := re.search(r"/v(\d+)\.json$", n)))

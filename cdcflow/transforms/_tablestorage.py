@@ -97,6 +97,15 @@ class TableStorage:
             f"WriteTables cannot open {self.shown}: {type(exc).__name__}: {exc}; check the "
             "URL, that the storage answers, and the credentials")
 
+    def _listed(self) -> Any:
+        """The filesystem, its listings cache emptied first: every listing here must see
+        what other runs wrote meanwhile. fsspec's object stores (s3fs, gcsfs) serve a
+        directory listed once from a cache until this process writes into that very
+        directory, so a run that took over listed the lake at start and missed the file
+        the run before it uploaded just then, and wrote its batches again."""
+        self.fs.invalidate_cache()
+        return self.fs
+
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *[p for p in parts if p]])
 
@@ -169,7 +178,7 @@ class TableStorage:
         are there, are removed."""
         pattern = self.path("_cdcflow", "claims", table, directory, "*.json")
         try:
-            names = self.fs.glob(pattern)
+            names = self._listed().glob(pattern)
         except storage_errors() as exc:
             msg = f"WriteTables cannot list {pattern}: {exc}"
             raise SinkIOError(msg) from exc
@@ -224,7 +233,7 @@ class TableStorage:
     def _parts(self, table: str, directory: str) -> list[str]:
         pattern = self.path(table, directory, "part-*")
         try:
-            names: list[str] = self.fs.glob(pattern)
+            names: list[str] = self._listed().glob(pattern)
         except storage_errors() as exc:
             msg = f"WriteTables cannot list {pattern}: {exc}"
             raise SinkIOError(msg) from exc
@@ -241,7 +250,7 @@ class TableStorage:
         """The largest batch a claim names (0: none): a run with a new store numbers its
         batches above it, so it never follows a claim of other data."""
         try:
-            names = self.fs.glob(self.path("_cdcflow", "claims", "**", "*.json"))
+            names = self._listed().glob(self.path("_cdcflow", "claims", "**", "*.json"))
         except FileNotFoundError:
             return 0
         except storage_errors() as exc:
@@ -257,7 +266,8 @@ class TableStorage:
     def last_batch(self) -> int:
         """The largest batch any part file under the root holds (0: none)."""
         try:
-            names = self.fs.find(self.root) if self.fs.exists(self.root) else []
+            fs = self._listed()
+            names = fs.find(self.root) if fs.exists(self.root) else []
         except storage_errors() as exc:
             msg = f"WriteTables cannot list {self.root}: {exc}"
             raise SinkIOError(msg) from exc
@@ -270,7 +280,7 @@ class TableStorage:
     def latest_schema(self, table: str) -> Schema | None:
         """The table's newest ``_schema/v<k>.json`` (None: the table has none yet)."""
         try:
-            names = self.fs.glob(self.path(table, "_schema", "v*.json"))
+            names = self._listed().glob(self.path(table, "_schema", "v*.json"))
         except storage_errors() as exc:
             msg = f"WriteTables cannot list {table}'s schemas: {exc}"
             raise SinkIOError(msg) from exc

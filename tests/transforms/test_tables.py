@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import date
@@ -365,6 +366,8 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
+    # moto keeps its buckets in the process, across servers: each test starts empty
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"))
     for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                         "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}.items():
         monkeypatch.setenv(name, value)

@@ -11,13 +11,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pyarrow.parquet as pq
 import pytest
 
 from cdcflow.errors import SinkError
-from tests.transforms.test_tables import T0, _close_sinks, _commit, _record, _sink
+from tests.transforms.test_tables import T0, _close_sinks, _commit, _record, _sink, s3
 
-__all__ = ["_close_sinks"]  # the autouse fixture that closes the sinks these tests set up
+# the autouse fixture that closes the sinks these tests set up, and the S3 server
+__all__ = ["_close_sinks", "s3"]
 
 
 def _batch(b: int) -> list[Any]:
@@ -136,14 +138,47 @@ def test_a_claim_left_behind_by_a_run_stopped_after_its_upload_is_removed(
     assert _parts(tmp_path) == ["part-1-3-1.parquet", "part-4-5-1.parquet"]
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_stale_claim_made_after_the_new_runs_file_was_uploaded_uploads_nothing(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest, where: str,
 ) -> None:
     """A's claim was on the wire while B claimed, uploaded 8..22 and removed its claim:
     A's exclusive create then succeeds, but B's file holds A's batches, so A stops before
     its upload (and removes its claim). Without that look A uploaded part-8-11 whenever it
-    had not yet learnt that it lost the pipeline: batches 8..11 twice."""
-    a = _sink(str(tmp_path), flush_interval="1h")
+    had not yet learnt that it lost the pipeline: batches 8..11 twice. On S3 the two runs
+    are two processes (a filesystem instance each): A had listed the table's directory
+    before B's upload, and s3fs served that listing from its cache, without B's file,
+    until listings were made fresh."""
+    if where == "s3":
+        request.getfixturevalue("s3")
+        url, options = "s3://bucket/lake", {"storage_options": {"skip_instance_cache": True}}
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+
+        def parts() -> list[str]:
+            fs.invalidate_cache()
+            return sorted(n.rsplit("/", 1)[-1] for n in fs.glob("bucket/lake/T/part-*"))
+
+        def ids() -> Counter[int]:
+            fs.invalidate_cache()
+            return Counter(i for n in sorted(fs.glob("bucket/lake/T/part-*"))
+                           for i in pq.read_table(n, filesystem=fs).column("id").to_pylist())
+
+        def claims() -> list[str]:
+            fs.invalidate_cache()
+            return fs.glob("bucket/lake/_cdcflow/claims/**/*.json")
+    else:
+        url, options = str(tmp_path), {}
+
+        def parts() -> list[str]:
+            return _parts(tmp_path)
+
+        def ids() -> Counter[int]:
+            return _ids(tmp_path)
+
+        def claims() -> list[str]:
+            return [str(p) for p in (tmp_path / "_cdcflow" / "claims").rglob("*.json")]
+
+    a = _sink(url, flush_interval="1h", **options)
     for b in range(1, 8):
         _commit(a, b, _batch(b))
     a.flush()
@@ -170,18 +205,18 @@ def test_a_stale_claim_made_after_the_new_runs_file_was_uploaded_uploads_nothing
     flushing = threading.Thread(target=flush, daemon=True)
     flushing.start()
     assert holding.wait(10)
-    b = _sink(str(tmp_path), flush_interval="1h")
+    b = _sink(url, flush_interval="1h", **options)
     for batch in range(8, 23):
         _commit(b, batch, _batch(batch))
     b.flush()
-    assert _parts(tmp_path) == ["part-1-7-1.parquet", "part-8-22-1.parquet"]
+    assert parts() == ["part-1-7-1.parquet", "part-8-22-1.parquet"]
     held.set()
     flushing.join(30)
     assert failed and "part-8-22-1.parquet holds batches of part-8-11-1" in str(failed[0])
-    assert _parts(tmp_path) == ["part-1-7-1.parquet", "part-8-22-1.parquet"]
-    ids = _ids(tmp_path)
-    assert set(ids.values()) == {1} and len(ids) == 2 * 22
-    assert not list((tmp_path / "_cdcflow" / "claims").rglob("*.json"))
+    assert parts() == ["part-1-7-1.parquet", "part-8-22-1.parquet"]
+    counted = ids()
+    assert set(counted.values()) == {1} and len(counted) == 2 * 22
+    assert not claims()
 
 
 def test_a_claim_that_is_not_one_is_named(tmp_path: Path) -> None:
@@ -194,3 +229,33 @@ def test_a_claim_that_is_not_one_is_named(tmp_path: Path) -> None:
     b = _sink(str(tmp_path), flush_interval="1h")
     with pytest.raises(SinkError, match=r"8\.json is not a claim this sink wrote .*remove it"):
         _commit(b, 2, _batch(2))
+
+
+def test_a_run_on_s3_sees_the_file_an_earlier_run_uploaded_after_it_listed_the_lake(
+    s3: str,
+) -> None:
+    """The run that takes over lists the lake at start (``last_committed_batch``), then
+    the earlier run, still owning the pipeline, uploads batches 8..11. Every later listing
+    of the new run must see that file: s3fs served the table's directory from its start
+    listing, so the new run wrote 8..11 again in part-8-22."""
+    url, options = "s3://bucket/lake", {"skip_instance_cache": True}
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    a = _sink(url, flush_interval="1h", storage_options=options)
+    for b in range(1, 8):
+        _commit(a, b, _batch(b))
+    a.flush()
+    for b in range(8, 12):
+        _commit(a, b, _batch(b))
+    b = _sink(url, flush_interval="1h", storage_options=options)
+    assert b.last_committed_batch() == 7  # the lake as the new run found it at start
+    a.flush()  # the earlier run's last upload lands now
+    for batch in range(8, 23):
+        _commit(b, batch, _batch(batch))
+    b.flush()
+    fs.invalidate_cache()
+    names = sorted(fs.glob("bucket/lake/T/part-*"))
+    assert [n.rsplit("/", 1)[-1] for n in names] == [
+        "part-1-7-1.parquet", "part-12-22-1.parquet", "part-8-11-1.parquet"]
+    ids = Counter(i for n in names
+                  for i in pq.read_table(n, filesystem=fs).column("id").to_pylist())
+    assert set(ids.values()) == {1} and len(ids) == 2 * 22
