@@ -183,66 +183,51 @@ def _held_back(record: Any) -> Any:
     return record
 
 
-def test_the_quota_in_use_is_live_within_a_long_batch() -> None:
-    """A step that holds a batch back (a slow sink facing a backlog): the per-batch
-    in-flight figures wait for the batch's end, the quota's live use does not."""
+def _live_mid_batch(name: str, metric: str, read: cf.ReadPartition) -> float:
+    """Run 20 records of 1 KB through ``read`` into a step that holds them until the test
+    has scraped ``metric`` above 0 mid-batch (or 30 s passed); its value then. The run's
+    end then delivers every record."""
     _release.clear()
     stream = ScriptedChangeStream("Orders", partitions=1, origin=NOW)
     for i in range(20):
         stream.write("Orders", {"id": i}, "INSERT", {"n": "x" * 1000}, at=NOW + (i + 1) * 1000)
-    pipeline = cf.Pipeline("held")
+    pipeline = cf.Pipeline(name)
     out = cf.Collect()
     (pipeline
      | cf.DetectPartitions(stream="Orders", start_at=NOW, end_at=NOW + S, client=stream)
-     | cf.ReadPartition(heartbeat="100ms", max_inflight=4)
-     | cf.Map(_held_back) | out)
+     | read | cf.Map(_held_back) | out)
     urls: list[str] = []
     run = threading.Thread(target=pipeline.run, args=("memory", "memory://"), kwargs=dict(
         metrics_port=0, on_metrics=urls.append, batch_interval=0, max_batch_span="2s"))
     run.start()
     try:
         deadline = time.monotonic() + 30
-        held = 0.0
-        while held == 0 and time.monotonic() < deadline:
+        seen = 0.0
+        while seen == 0 and time.monotonic() < deadline:
             if urls:
-                held = value(scrape(urls[0]), "cdcflow_quota_used_bytes", pipeline="held")
+                seen = value(scrape(urls[0]), metric, pipeline=name)
             time.sleep(0.05)
-        assert held >= 1000  # records read, waiting in the Map, seen before the batch ends
     finally:
         _release.set()
         run.join(60)
     assert len(out.items) == 20
+    return seen
+
+
+def test_the_quota_in_use_is_live_within_a_long_batch() -> None:
+    """A step that holds a batch back (a slow sink facing a backlog): the per-batch
+    in-flight figures wait for the batch's end, the quota's live use does not."""
+    held = _live_mid_batch("held", "cdcflow_quota_used_bytes",
+                           cf.ReadPartition(heartbeat="100ms", max_inflight=4))
+    assert held >= 1000  # records read, waiting in the Map, seen before the batch ends
 
 
 def test_reads_waiting_for_the_quota_are_live_within_a_long_batch() -> None:
     """A quota smaller than what a held-back step keeps: the read waiting for room shows
     at once in the live gauge, long before the batch ends and counts its wait."""
-    _release.clear()
-    stream = ScriptedChangeStream("Orders", partitions=1, origin=NOW)
-    for i in range(20):
-        stream.write("Orders", {"id": i}, "INSERT", {"n": "x" * 1000}, at=NOW + (i + 1) * 1000)
-    pipeline = cf.Pipeline("waiting")
-    out = cf.Collect()
-    (pipeline
-     | cf.DetectPartitions(stream="Orders", start_at=NOW, end_at=NOW + S, client=stream)
-     | cf.ReadPartition(heartbeat="100ms", max_inflight=4, max_inflight_bytes=2500)
-     | cf.Map(_held_back) | out)
-    urls: list[str] = []
-    run = threading.Thread(target=pipeline.run, args=("memory", "memory://"), kwargs=dict(
-        metrics_port=0, on_metrics=urls.append, batch_interval=0, max_batch_span="2s"))
-    run.start()
-    try:
-        deadline = time.monotonic() + 30
-        waiting = 0.0
-        while waiting == 0 and time.monotonic() < deadline:
-            if urls:
-                waiting = value(scrape(urls[0]), "cdcflow_quota_waiting", pipeline="waiting")
-            time.sleep(0.05)
-        assert waiting == 1  # the one reader, blocked: the Map holds what the quota has
-    finally:
-        _release.set()
-        run.join(60)
-    assert len(out.items) == 20
+    waiting = _live_mid_batch("waiting", "cdcflow_quota_waiting", cf.ReadPartition(
+        heartbeat="100ms", max_inflight=4, max_inflight_bytes=2500))
+    assert waiting == 1  # the one reader, blocked: the Map holds what the quota has
 
 
 def _every_third_fails(record: Any) -> None:

@@ -379,6 +379,20 @@ def test_outage_past_the_retry_budget_fails_the_run_then_a_restart_resumes(
         assert "UNAVAILABLE" in error and "batch" in error
 
 
+def _stop(proc: subprocess.Popen[bytes], log: Path, proxy: FaultProxy, during: str
+          ) -> tuple[int, float, str]:
+    """SIGTERM the run (alive) as a supervisor does ``during`` a fault, wait for it, then
+    heal the network: its exit code, how long it took to stop, and its log."""
+    assert proc.poll() is None, log.read_text()[-2000:]
+    os.kill(proc.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    code = proc.wait(OUTAGE)
+    stopped_after = time.monotonic() - signalled
+    proxy.heal()
+    print(f"\nSIGTERM during {during}: exit {code} after {stopped_after:.2f}s")
+    return code, stopped_after, log.read_text()
+
+
 @pytest.mark.parametrize("store", ["sqlite", "spanner"])
 def test_sigterm_during_an_outage_stops_at_once_then_a_restart_resumes(
     spanner_emulator: Emulator, tmp_path: Path, store: str
@@ -402,14 +416,7 @@ def test_sigterm_during_an_outage_stops_at_once_then_a_restart_resumes(
                    and (store == "sqlite" or time.monotonic() - dropped < 4)):
                 assert time.monotonic() - dropped < OUTAGE, "no batch retry during the outage"
                 time.sleep(0.05)
-            assert proc.poll() is None, log.read_text()[-2000:]
-            os.kill(proc.pid, signal.SIGTERM)
-            signalled = time.monotonic()
-            code = proc.wait(OUTAGE)
-            stopped_after = time.monotonic() - signalled
-            proxy.heal()
-            text = log.read_text()
-            print(f"\nSIGTERM during the outage: exit {code} after {stopped_after:.2f}s")
+            code, stopped_after, text = _stop(proc, log, proxy, "the outage")
             assert code == 130, text[-2000:]
             assert stopped_after < 10  # the 20 s backoff and the other retries: not waited
             assert "stopping without retrying it" in text
@@ -441,14 +448,7 @@ def test_sigterm_while_spanner_stalls_gives_the_read_up_within_seconds(
             _until_batch(progress, proc, 2)
             proxy.stall(OUTAGE + 20)
             time.sleep(3)  # batches run every second: one now waits in a stalled read
-            assert proc.poll() is None, log.read_text()[-2000:]
-            os.kill(proc.pid, signal.SIGTERM)
-            signalled = time.monotonic()
-            code = proc.wait(OUTAGE)
-            stopped_after = time.monotonic() - signalled
-            proxy.heal()
-            text = log.read_text()
-            print(f"\nSIGTERM during a stall: exit {code} after {stopped_after:.2f}s")
+            code, stopped_after, text = _stop(proc, log, proxy, "a stall")
             assert code == 130, text[-2000:]
             assert stopped_after < 12, text[-2000:]  # 5 s of silence after the stop
             assert "since the run was asked to stop: the read is given up" in text
