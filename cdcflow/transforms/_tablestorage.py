@@ -60,8 +60,10 @@ class TableStorage:
     the fix): a local root is made, an object store's bucket must exist (it is never made:
     on S3, makedirs would create a bucket a typo names)."""
 
-    def __init__(self, url: str, shown: str, storage_options: Mapping[str, Any]) -> None:
+    def __init__(self, url: str, shown: str, storage_options: Mapping[str, Any],
+                 format: str = "parquet") -> None:
         self.shown = shown
+        self.format = format  # of the files written here: the durable mark names it
         self._made: set[str] = set()  # directories made in storage
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
@@ -119,7 +121,8 @@ class TableStorage:
         mark held for this pipeline before: 0 when claimed now or when the mark named no
         pipeline). Another pipeline's output there is refused (OutputConflictError: its
         batch ids are not this pipeline's, so a replay would skip this pipeline's rows as
-        written)."""
+        written), and so are files of another format (a file an earlier run claimed would
+        land twice, once in each format, and a schema version names one format)."""
         path = self.path("_cdcflow", "durable.json")
         owned = 0
         try:
@@ -132,6 +135,7 @@ class TableStorage:
                     data = self.read(path)
             doc = orjson.loads(data) if data else {}
             owner, durable = doc.get("pipeline"), int(doc.get("durable_batch", 0))
+            written = doc.get("format")
             if owner is None:  # written before marks named their pipeline
                 self.put(path, self._mark_doc(pipeline, durable))
             else:
@@ -143,16 +147,20 @@ class TableStorage:
                    f"{pipeline!r}; give each pipeline its own URL (for a renamed "
                    "pipeline, write its new name in _cdcflow/durable.json there)")
             raise OutputConflictError(msg)
+        if written is not None and written != self.format:
+            msg = (f"WriteTables: {self.shown} holds {written} files of pipeline "
+                   f"{pipeline!r}, and this sink writes {self.format}: a URL holds one "
+                   f"format; keep format={written!r}, or write {self.format} to another URL")
+            raise OutputConflictError(msg)
         return durable, owned
 
     def mark(self, pipeline: str, durable: int) -> None:
         """Write the durable mark (after the data it covers)."""
         self.put(self.path("_cdcflow", "durable.json"), self._mark_doc(pipeline, durable))
 
-    @staticmethod
-    def _mark_doc(pipeline: str, durable: int) -> bytes:
+    def _mark_doc(self, pipeline: str, durable: int) -> bytes:
         return orjson.dumps({"durable_batch": durable, "pipeline": pipeline,
-                             "at": str(Timestamp.now())})
+                             "format": self.format, "at": str(Timestamp.now())})
 
     # -- file claims -------------------------------------------------------------------------
 
@@ -166,6 +174,10 @@ class TableStorage:
             doc = orjson.loads(data) if data else {}
             if not isinstance(doc, dict):
                 raise TypeError(type(doc).__name__)
+            for key in ("first", "last", "version"):
+                if key in doc and (type(doc[key]) is not int or doc[key] < 0):
+                    msg = f"its {key} is {doc[key]!r}, not a batch or version number"
+                    raise TypeError(msg)
             return doc
         except (TypeError, ValueError) as exc:
             msg = (f"WriteTables: {path} is not a claim this sink wrote ({exc}); remove it "

@@ -15,7 +15,7 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from cdcflow.errors import SinkError
+from cdcflow.errors import OutputConflictError, SinkError
 from tests.transforms.test_tables import T0, _close_sinks, _commit, _record, _sink, s3
 
 # the autouse fixture that closes the sinks these tests set up, and the S3 server
@@ -219,16 +219,37 @@ def test_a_stale_claim_made_after_the_new_runs_file_was_uploaded_uploads_nothing
     assert not claims()
 
 
-def test_a_claim_that_is_not_one_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"first": 8, "last": "x"}',
+                                  '{"first": 8, "last": 9, "version": -1}'])
+def test_a_claim_that_is_not_one_is_named(tmp_path: Path, text: str) -> None:
     a = _sink(str(tmp_path), flush_interval="1h")
     _commit(a, 1, _batch(1))
     a.flush()
     claim = tmp_path / "_cdcflow" / "claims" / "T" / "8.json"
     claim.parent.mkdir(parents=True, exist_ok=True)
-    claim.write_text("not json")
+    claim.write_text(text)
     b = _sink(str(tmp_path), flush_interval="1h")
     with pytest.raises(SinkError, match=r"8\.json is not a claim this sink wrote .*remove it"):
+        b.last_committed_batch()  # at start
+    with pytest.raises(SinkError, match=r"8\.json is not a claim this sink wrote .*remove it"):
         _commit(b, 2, _batch(2))
+
+
+def test_a_url_holds_one_format_so_a_claimed_file_never_lands_in_two(tmp_path: Path) -> None:
+    """Run A (Parquet) claimed batches 8..11 and its upload hangs; a run restarted with
+    JSON lines would write the claimed batches as a .jsonl file while A's late .parquet
+    file lands too: both formats' readers then see them twice. The URL's durable mark
+    names its format, and another format is refused at start."""
+    a = _sink(str(tmp_path), flush_interval="1h")
+    for b in range(1, 8):
+        _commit(a, b, _batch(b))
+    a.flush()
+    b = _sink(str(tmp_path), flush_interval="1h", format="jsonl")
+    with pytest.raises(OutputConflictError, match=r"holds parquet files of pipeline 'p', and "
+                       r"this sink writes jsonl: .*keep format='parquet', or write jsonl to "
+                       r"another URL"):
+        b.durable_batch()
+    assert _sink(str(tmp_path), flush_interval="1h").durable_batch() == 7  # the same format
 
 
 def test_a_run_on_s3_sees_the_file_an_earlier_run_uploaded_after_it_listed_the_lake(
