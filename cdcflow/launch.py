@@ -123,7 +123,8 @@ LATENCY_PRESETS: dict[str, dict[str, float]] = {
 
 
 def default_store_url(directory: str | Path = ".") -> str:
-    """``sqlite:///<directory>/.cdcflow/state.db``, creating the ``.cdcflow`` folder.
+    """``sqlite:///<directory>/.cdcflow/state.db`` (the store makes the ``.cdcflow`` folder
+    when it opens, or says in one line that it cannot).
 
     Two defaults use it: ``pipeline.run()`` keeps state under the current directory
     (``default_store_url()``), ``cdcflow run FILE`` next to the pipeline file
@@ -131,7 +132,6 @@ def default_store_url(directory: str | Path = ".") -> str:
     command was typed.
     """
     state = Path(directory).resolve() / ".cdcflow"
-    state.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{state / 'state.db'}"
 
 
@@ -444,7 +444,7 @@ def run_pipeline(
         if isinstance(metadata, MetadataStore):
             store = metadata
         else:
-            store = open_store(metadata or default_store_url())
+            store = open_store(default_store_url() if metadata is None else metadata)
             stack.callback(store.close)
         if observe.metrics_port is not None:
             metrics = PipelineMetrics(dag.name, detector=detector)

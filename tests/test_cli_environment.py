@@ -126,6 +126,26 @@ def test_a_sqlite_store_that_cannot_be_opened_is_one_line_and_exit_2(tmp_path: P
         assert says in _error_line(done)
 
 
+def test_a_default_store_that_cannot_be_made_or_an_empty_url_is_one_line_and_exit_2(
+    tmp_path: Path,
+) -> None:
+    """The default store beside the pipeline file cannot be made (a read-only image, here
+    a file where its folder goes): one line naming --metadata, not a bare OSError. An
+    empty --metadata ("$UNSET") is refused, not taken for the default."""
+    path = _pipeline(tmp_path, "projects/p/instances/i/databases/d")
+    (tmp_path / ".cdcflow").write_text("")
+    done, _ = _cdcflow("run", str(path), "--for", "3s", cwd=tmp_path, env=_env())
+    line = _error_line(done)
+    assert "cannot create the directory of the SQLite store" in line
+    assert "--metadata sqlite:///PATH" in line
+    (tmp_path / ".cdcflow").unlink()
+    for command in (("run", str(path), "--for", "3s"), ("status",)):
+        done, _ = _cdcflow(*command, "--metadata", "", cwd=tmp_path, env=_env())
+        line = _error_line(done)
+        assert "not a metadata store URL" in line and "''" in line
+    assert not (tmp_path / ".cdcflow").exists()
+
+
 def test_a_spanner_store_that_does_not_answer_is_one_line_and_exit_2(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -268,7 +268,8 @@ def test_default_store_url_names_a_directory(
 ) -> None:
     url = default_store_url(tmp_path / "a" / "b")
     assert url == f"sqlite:///{tmp_path / 'a' / 'b' / '.cdcflow' / 'state.db'}"
-    assert (tmp_path / "a" / "b" / ".cdcflow").is_dir()
+    assert not (tmp_path / "a").exists()  # the store makes its folder when it opens
+    (tmp_path / "a").mkdir()
     monkeypatch.chdir(tmp_path / "a")
     assert default_store_url() == f"sqlite:///{tmp_path / 'a' / '.cdcflow' / 'state.db'}"
 

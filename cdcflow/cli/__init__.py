@@ -279,7 +279,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for flag in ("metrics_port", "metrics_host", "stuck_after"):
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
-    url = args.metadata or default_store_url(base)  # state next to the file, not the cwd
+    # state next to the file, not the cwd; an empty --metadata ("$UNSET") is no default
+    url = default_store_url(base) if args.metadata is None else args.metadata
 
     def show_metrics(metrics_url: str) -> None:
         if isinstance(progress, LiveProgress):
@@ -377,7 +378,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         watch_status,
     )
 
-    if args.metadata:
+    if args.metadata is not None:
         url = args.metadata
     elif args.file:
         path, _ = split_target(args.file)

@@ -160,7 +160,8 @@ class SQLiteFile:
                 self._path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 msg = f"cannot create the directory of the SQLite store {self._path}: {e}; "
-                msg += "choose a writable location"
+                msg += ("choose a writable location (cdcflow run --metadata sqlite:///PATH, "
+                        "or pipeline.run(metadata=...))")
                 raise StoreSetupError(msg) from e
         # A store this process cannot write is opened read-only: reads (cdcflow status)
         # work, and the first write says what to fix (StoreSetupError).
