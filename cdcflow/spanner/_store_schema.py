@@ -107,7 +107,9 @@ def parse_spanner_url(url: str) -> tuple[str, str]:
     if DATABASE_PATH.match(path) is None:
         why = (
             "the Spanner database is written projects/PROJECT/instances/INSTANCE/databases/"
-            "DATABASE (lower-case ids)"
+            "DATABASE, with Spanner's ids: lower-case letters, digits and hyphens (and '_' in "
+            "a database), starting with a letter; a project and an instance 2-64 "
+            "characters, a database 2-30"
         )
         raise _rules.url_error(url, why)
     table = DEFAULT_TABLE

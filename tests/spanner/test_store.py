@@ -71,7 +71,8 @@ def test_a_url_names_the_database_and_optionally_the_table() -> None:
     [
         ("spanner://projects/p/instances/i", "projects/PROJECT/instances/INSTANCE/databases"),
         ("spanner://projects/p-1/instances/inst-1/databases/db_1/extra", "databases/DATABASE"),
-        ("spanner://projects/P/instances/inst-1/databases/db_1", "lower-case ids"),
+        ("spanner://projects/P/instances/inst-1/databases/db_1", "lower-case letters"),
+        ("spanner://projects/p/instances/i/databases/meta", "an instance 2-64 characters"),
         (f"spanner://{PATH}?table=1abc", "not a Spanner identifier"),
         (f"spanner://{PATH}?table=a-b", "not a Spanner identifier"),
         (f"spanner://{PATH}?table=", "not a Spanner identifier"),
