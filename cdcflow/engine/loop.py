@@ -385,7 +385,8 @@ class Engine:
         if stored_parts or self.store.pending_plan(name) is not None:
             # known to the pipeline already (read only when there is a sink to ask about)
             staging = self.store.durable_marks(name) if self._empty_sinks else {}
-            self._joining = [s for s in self._empty_sinks if s not in staging]
+            if self._empty_sinks and self._read_before(name, stored_parts):
+                self._joining = [s for s in self._empty_sinks if s not in staging]
             self._emptied = self._emptied_sinks(
                 {s: staging[s] for s in self._empty_sinks if staging.get(s, 0) > 0})
             absolute = source.end_at is not None and not is_relative_time(source.end_at)
@@ -421,6 +422,13 @@ class Engine:
                 Timestamp.from_ns(self._reset_from), Timestamp.from_ns(start), source.start_at,
                 Timestamp.from_ns(self._reset_from))
         return None
+
+    def _read_before(self, name: str, partitions: Sequence[PartitionMetadata]) -> bool:
+        """Whether the pipeline's stored progress went past its start: a batch committed
+        (a watermark moved, or the log says so). A run that stopped before its first batch
+        committed left progress that delivered nothing, so a sink joins nothing there."""
+        return (any(p.watermark > p.start for p in partitions)
+                or any(b.committed_at for b in self.store.batches(name, 2)))
 
     def _emptied_sinks(self, marks: dict[str, int]) -> dict[str, int]:
         """Of the staging sinks that hold nothing where they write though the store has

@@ -186,6 +186,23 @@ def test_a_sink_added_to_a_pipeline_with_progress_is_named_in_a_warning(
     store.close()
 
 
+def test_a_sink_is_not_called_new_after_a_run_that_committed_no_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A first run that stopped before its first batch committed (``--for 0``) stored
+    progress that delivered nothing: the next run warned that the sink was new to the
+    pipeline and would miss what was committed before, which was nothing."""
+    store = SQLiteStore(tmp_path / "s.db")
+    summary = _run(_files(cf.Pipeline("late"), "a" >> cf.WriteFiles("a")), store, tmp_path,
+                   duration=0)
+    assert summary.batches == 0 and store.partitions("late")
+    with caplog.at_level(logging.WARNING, logger="cdcflow"):
+        _run(_files(cf.Pipeline("late"), "a" >> cf.WriteFiles("a")), store, tmp_path)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert not [m for m in said if "holds no output" in m], said
+    store.close()
+
+
 def test_a_quiet_pipeline_s_files_sink_is_not_called_new_when_it_resumes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
