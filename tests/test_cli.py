@@ -1206,3 +1206,19 @@ def test_a_sigterm_before_the_run_starts_ends_it_in_one_line(tmp_path: Path) -> 
         proc.kill()
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_a_set_value_for_a_runner_parameter_without_a_type_is_read_as_python() -> None:
+    """A plugin runner's ``__init__(self, workers=None)``: ``--set workers=2`` gave it the
+    text '2'. Numbers and true/false are read as such there; a typed parameter keeps its
+    own conversion, and other text stays text."""
+    from cdcflow.cli._options import convert
+    from cdcflow.launch import OptionSpec
+
+    untyped = OptionSpec("workers", "any", True, "runner")
+    assert convert("workers", "2", untyped) == 2
+    assert convert("workers", "1.5", untyped) == 1.5
+    assert convert("workers", "true", untyped) is True
+    assert convert("workers", "none", untyped) is None
+    assert convert("workers", "two", untyped) == "two"
+    assert convert("name", "2", OptionSpec("name", "text", False, "runner")) == "2"

@@ -78,6 +78,23 @@ def convert(key: str, text: str, spec: OptionSpec) -> Any:
     except (KeyError, ValueError, PipelineDefinitionError):
         msg = f"--set {key}={text}: {key} takes {spec.describe()}"
         raise UserInputError(msg) from None
+    if spec.kind == "any":  # a plugin runner's parameter without a type: read it as Python
+        return _literal(text)
+    return text
+
+
+def _literal(text: str) -> Any:
+    """``text`` as the number, True/False or None it spells, else the text itself."""
+    word = text.strip()
+    if word in ("True", "true"):
+        return True
+    if word in ("False", "false"):
+        return False
+    for kind in (int, float):
+        try:
+            return kind(word)
+        except ValueError:
+            continue
     return text
 
 
