@@ -103,7 +103,8 @@ def load_plugin(group: str, name: str) -> Any:
     try:
         return eps[0].load()
     except Exception as e:  # a broken plugin must not take the CLI down with a traceback
-        msg = f"plugin {name!r} ({eps[0].value}) failed to load: {type(e).__name__}: {e}"
+        msg = (f"plugin {name!r} ({eps[0].value}, package {_dist(eps[0])}) failed to load: "
+               f"{type(e).__name__}: {e}; reinstall that package, or uninstall it")
         raise PluginError(msg) from e
 
 

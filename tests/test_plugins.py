@@ -31,6 +31,7 @@ broken = _cdcflow_no_such_module:Nope
 lines = {_MODULE}:Lines
 both = {_MODULE}:Lines
 map_as_sink = {_MODULE}:Upper
+number_sink = {_MODULE}:make_number
 
 [cdcflow.runners]
 raising = {_MODULE}:RaisingRunner
@@ -160,7 +161,9 @@ def test_load_plugin_returns_the_registered_object(fake_dist: Path) -> None:
 
 
 def test_load_plugin_of_a_broken_plugin_is_a_plugin_error(fake_dist: Path) -> None:
-    with pytest.raises(PluginError, match=r"'broken'.*failed to load: ModuleNotFoundError"):
+    with pytest.raises(PluginError, match=r"'broken' \(_cdcflow_no_such_module:Nope, package "
+                       r"cdcflow-fake-plugin\) failed to load: ModuleNotFoundError: .*; "
+                       r"reinstall that package, or uninstall it"):
         load_plugin("cdcflow.sinks", "broken")
 
 
@@ -202,6 +205,9 @@ def test_plugin_errors_name_the_problem(fake_dist: Path) -> None:
         plugin("not_a_transform")
     with pytest.raises(PluginError, match=r"under cdcflow.sinks but built .*not a Sink"):
         plugin("map_as_sink")
+    with pytest.raises(PluginError, match=r"under cdcflow.sinks but built 42, which is not a "
+                                          r"Sink"):
+        plugin("number_sink")
 
 
 def test_runner_and_store_plugins_that_cannot_start_name_the_problem(fake_dist: Path) -> None:
