@@ -27,6 +27,8 @@ def parse_duration(text: str | float | int) -> float:
     if not isinstance(text, str):
         raise ValueError(msg)
     s = text.strip().lower()
+    if s.startswith("-") and not s.startswith("--") and _is_duration(s[1:]):
+        msg = f"not a duration: {text!r} is negative; write a time of 0 or more, e.g. 1s or 5m"
     try:
         total = float(s)
     except ValueError:
@@ -41,6 +43,14 @@ def parse_duration(text: str | float | int) -> float:
     if not math.isfinite(total):
         raise ValueError(msg)
     return total
+
+
+def _is_duration(text: str) -> bool:
+    try:
+        parse_duration(text)
+    except ValueError:
+        return False
+    return True
 
 
 def positive_seconds(value: str | float, name: str, example: str) -> float:

@@ -30,3 +30,8 @@ def test_durations_and_what_is_not_one() -> None:
     for bad in ("nan", "NaN", "inf", "-inf", "1e400", float("nan"), float("inf"), "5 parsecs"):
         with pytest.raises(ValueError, match=r"not a duration: .*write e\.g\. 250ms"):
             parse_duration(bad)
+
+
+def test_a_negative_duration_is_named_as_such() -> None:
+    with pytest.raises(ValueError, match=r"'-1s' is negative; write a time of 0 or more"):
+        parse_duration("-1s")
