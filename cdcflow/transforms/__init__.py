@@ -106,16 +106,18 @@ def plugin(name: str, *args: Any, **kwargs: Any) -> PTransform[Any, Any]:
         msg = f"plugin {name!r} in {found[0]} is {factory!r}, not a transform class or factory"
         raise PluginError(msg)
     transform = factory(*args, **kwargs)
-    if found[0] == "cdcflow.transforms" and not isinstance(transform, PTransform):
+    if found[0] == "cdcflow.sinks":
+        if not isinstance(transform, Sink):
+            msg = (
+                f"plugin {name!r} is registered under cdcflow.sinks but built {transform!r}, "
+                "which is not a Sink; its package must register a Sink subclass there"
+            )
+            raise PluginError(msg)
+        return transform
+    if not isinstance(transform, PTransform):
         msg = (
             f"plugin {name!r} in {found[0]} built {transform!r}, not a transform; its package "
             "must register a PTransform subclass there (or a function returning one)"
-        )
-        raise PluginError(msg)
-    if found[0] == "cdcflow.sinks" and not isinstance(transform, Sink):
-        msg = (
-            f"plugin {name!r} is registered under cdcflow.sinks but built {transform!r}, "
-            "which is not a Sink; its package must register a Sink subclass there"
         )
         raise PluginError(msg)
     return transform
