@@ -152,7 +152,10 @@ class RecordFilter:
             # in any case: names are matched to the stream's so (see resolved)
             if ((wanted is not None and table.lower() not in {t.lower() for t in wanted})
                     or table.lower() in {t.lower() for t in excluded}):
-                msg = f"columns={{{table!r}: ...}}: table {table!r} is not read (see tables=...)"
+                given = (f"tables={sorted(wanted)!r}" if wanted is not None
+                         else f"exclude_tables={sorted(excluded)!r}")
+                msg = (f"columns={{{table!r}: ...}}: table {table!r} is not read ({given}): "
+                       "name it in both, as the stream spells it")
                 raise PipelineDefinitionError(msg)
             kept.append((table, cols))
         types = None
