@@ -544,15 +544,11 @@ class SpannerChangeStreamClient:
         paused: float | None = None
         first: float | None = None
         try:
-            stall = self._stall_after(heartbeat)
-            responses = (
-                self.transport.execute_streaming_sql(
-                    sql, params, priority=self.priority, timeout=self.query_timeout,
-                    idle=stall,
-                ) if stopping is None else self.transport.execute_streaming_sql(
-                    sql, params, priority=self.priority, timeout=self.query_timeout,
-                    idle=stall, stopping=stopping,
-                )
+            # passed only when there is one: a transport written before it is called as then
+            told = {} if stopping is None else {"stopping": stopping}
+            responses = self.transport.execute_streaming_sql(
+                sql, params, priority=self.priority, timeout=self.query_timeout,
+                idle=self._stall_after(heartbeat), **told,
             )
             decoder = MessageDecoder(self._shaper, sizes)
             decode = decoder.decode
