@@ -38,6 +38,8 @@ __all__ = ["TableStorage"]
 _PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.(parquet|jsonl|csv)$")
 _VERSION = re.compile(r"v(\d+)\.json$")
 _CLAIM = re.compile(r"/(\d+)\.json$")
+#: How often a claim that another run removes while this one looks is looked at again.
+_LOOKS = 5
 #: fsspec protocols of object stores: no directories to make (on S3, makedirs is a request)
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
 
@@ -167,11 +169,13 @@ class TableStorage:
     def _claim_path(self, table: str, directory: str, first: int) -> str:
         return self.path("_cdcflow", "claims", table, directory, f"{first}.json")
 
-    def _claim_doc(self, path: str) -> dict[str, Any]:
-        """A claim's contents ({} when it is gone meanwhile)."""
+    def _claim_doc(self, path: str) -> dict[str, Any] | None:
+        """A claim's contents (None when it is gone meanwhile)."""
         data = self.read(path)
+        if data is None:
+            return None
         try:
-            doc = orjson.loads(data) if data else {}
+            doc = orjson.loads(data)
             if not isinstance(doc, dict):
                 raise TypeError(type(doc).__name__)
             for key in ("first", "last", "version"):
@@ -184,10 +188,24 @@ class TableStorage:
                    "once no earlier run of the pipeline can still write, then run again")
             raise SinkError(msg) from exc
 
-    def claims(self, table: str, directory: str, above: int) -> dict[int, tuple[int, int]]:
-        """The files of (table, directory) claimed but not uploaded whose first batch is
-        above ``above``: {first: (last, schema version)}. Claims at or below it, whose files
-        are there, are removed."""
+    def key_state(self, table: str, directory: str) -> tuple[int, dict[int, tuple[int, int]]]:
+        """The largest ``last`` of the part files of (table, directory), and the files of it
+        claimed but not uploaded above that: {first: (last, schema version)}. Claims at or
+        below it, whose files are there, are removed. A claim removed between the listing
+        and its read was an upload that landed meanwhile: both are looked at again."""
+        for _ in range(_LOOKS):
+            flushed = self.last_of(table, directory)
+            found = self._claims(table, directory, flushed)
+            if found is not None:
+                return flushed, found
+        msg = (f"WriteTables: the claims of {table}/{directory} changed at each of "
+               f"{_LOOKS} looks: another run writes there at the same time")
+        raise SinkIOError(msg)
+
+    def _claims(self, table: str, directory: str, above: int
+                ) -> dict[int, tuple[int, int]] | None:
+        """The claims of (table, directory) above ``above`` (see :meth:`key_state`); None
+        when one of them was removed while this looked."""
         pattern = self.path("_cdcflow", "claims", table, directory, "*.json")
         try:
             names = self._listed().glob(pattern)
@@ -203,6 +221,8 @@ class TableStorage:
                 self.release_claim(table, directory, first)
                 continue
             doc = self._claim_doc(self._claim_path(table, directory, first))
+            if doc is None:
+                return None  # uploaded and released meanwhile
             found[first] = (int(doc.get("last", first)), int(doc.get("version", 0)))
         return found
 
@@ -219,18 +239,28 @@ class TableStorage:
         first, last, version = (int(part.group(i)) for i in (1, 2, 3))
         name = file.rsplit(".", 1)[0]
         path = self._claim_path(table, directory, first)
-        try:
-            self.create(path, orjson.dumps({"first": first, "last": last, "version": version}))
-        except FileExistsError:
-            doc = self._claim_doc(path)
-            theirs = (doc.get("last"), doc.get("version"))
-            if theirs != (last, version):
-                msg = (f"WriteTables: {where}: another run claimed the file of batches "
-                       f"{first}..{theirs[0]} (schema v{theirs[1]}) before this run could "
-                       f"upload {name}: a run that lost the pipeline may still write it, so "
-                       "this run stops writing; the next run writes that file as claimed")
-                raise SinkError(msg) from None
-            # this file's claim (an earlier try, or the claim this run followed)
+        for look in range(_LOOKS):
+            try:
+                self.create(path, orjson.dumps({"first": first, "last": last,
+                                                "version": version}))
+                break
+            except FileExistsError:
+                doc = self._claim_doc(path)
+                if doc is None:  # its file was uploaded and the claim released meanwhile
+                    if look < _LOOKS - 1:
+                        continue
+                    msg = (f"WriteTables: the claim {path} was there and gone at each of "
+                           f"{_LOOKS} looks: another run writes there at the same time")
+                    raise SinkIOError(msg) from None
+                theirs = (doc.get("last"), doc.get("version"))
+                if theirs != (last, version):
+                    msg = (f"WriteTables: {where}: another run claimed the file of batches "
+                           f"{first}..{theirs[0]} (schema v{theirs[1]}) before this run "
+                           f"could upload {name}: a run that lost the pipeline may still "
+                           "write it, so this run stops writing; the next run writes that "
+                           "file as claimed")
+                    raise SinkError(msg) from None
+                break  # this file's claim (an earlier try, or the claim this run followed)
         others = [n for n in self._parts(table, directory)
                   if (m := _PART.search(n)) is not None and not n.rsplit("/", 1)[-1]
                   .startswith(name + ".") and int(m.group(1)) <= last
@@ -270,7 +300,8 @@ class TableStorage:
             raise SinkIOError(msg) from exc
         lasts = [0]
         for name in names:
-            lasts.append(int(self._claim_doc(name).get("last", 0)))
+            doc = self._claim_doc(name)
+            lasts.append(0 if doc is None else int(doc.get("last", 0)))
         return max(lasts)
 
     # -- listings ----------------------------------------------------------------------------

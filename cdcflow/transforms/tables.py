@@ -355,8 +355,8 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         an earlier run claimed and did not upload (this run writes them as claimed)."""
         if key not in self._flushed:
             out = self._storage()
-            flushed = self._flushed[key] = out.last_of(*key)
-            claims = out.claims(*key, above=flushed)
+            flushed, claims = out.key_state(*key)
+            self._flushed[key] = flushed
             if claims:
                 self._claims[key] = claims
                 _log.info("WriteTables: %s: an earlier run claimed %s and did not upload "

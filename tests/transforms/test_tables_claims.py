@@ -280,3 +280,32 @@ def test_a_run_on_s3_sees_the_file_an_earlier_run_uploaded_after_it_listed_the_l
     ids = Counter(i for n in names
                   for i in pq.read_table(n, filesystem=fs).column("id").to_pylist())
     assert set(ids.values()) == {1} and len(ids) == 2 * 22
+
+
+def test_a_claim_released_while_the_new_run_looks_is_its_uploaded_file(tmp_path: Path) -> None:
+    """The new run lists the key's files (largest last 7) and its claims (8.json); before
+    it reads the claim, the earlier run's upload of 8..11 lands and the claim is removed.
+    The new run looks again and finds the file: it took the vanished claim for one of
+    schema v0 and stopped, telling the operator to remove a claim that was not there."""
+    a = _sink(str(tmp_path), flush_interval="1h")
+    for b in range(1, 8):
+        _commit(a, b, _batch(b))
+    a.flush()
+    for b in range(8, 12):
+        _commit(a, b, _batch(b))
+    b = _sink(str(tmp_path), flush_interval="1h")
+    out = b._storage()
+    claim = tmp_path / "_cdcflow" / "claims" / "T" / "8.json"
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    claim.write_text('{"first": 8, "last": 11, "version": 1}')  # A's, its upload on the wire
+    read = out.read
+
+    def landing(path: str) -> bytes | None:
+        if path.endswith("/claims/T/8.json") and claim.exists():
+            a.flush()  # A's file lands now, and A removes its claim
+            assert not claim.exists()
+        return read(path)
+
+    out.read = landing  # type: ignore[method-assign]
+    assert out.key_state("T", "") == (11, {})
+    assert _parts(tmp_path) == ["part-1-7-1.parquet", "part-8-11-1.parquet"]
