@@ -169,7 +169,9 @@ class SQLiteFile:
         try:
             conn = self._connect(busy_timeout)
         except sqlite3.Error as e:
-            msg = f"cannot open the SQLite store {self._path}: {e}; check the path and permissions"
+            msg = (f"cannot open the SQLite store {self._path}: {e}; check the path and "
+                   "permissions, or choose another location (cdcflow run --metadata "
+                   "sqlite:///PATH, or pipeline.run(metadata=...))")
             raise StoreSetupError(msg) from e
         self._conn: sqlite3.Connection | None = conn
         try:

@@ -353,7 +353,7 @@ def _stalled(idle: float | None, *, stopping: bool = False) -> Exception:
     from google.api_core.exceptions import DeadlineExceeded
 
     if stopping:
-        message = (f"no message from Spanner for {idle:.0f} s since the run was asked to "
+        message = (f"no message from Spanner for {idle:.0f} s, and the run was asked to "
                    "stop: the read is given up")
     else:
         message = (f"no message from Spanner for {idle:g} s: the stream stalled (its "

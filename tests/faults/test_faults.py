@@ -451,7 +451,7 @@ def test_sigterm_while_spanner_stalls_gives_the_read_up_within_seconds(
             code, stopped_after, text = _stop(proc, log, proxy, "a stall")
             assert code == 130, text[-2000:]
             assert stopped_after < 12, text[-2000:]  # 5 s of silence after the stop
-            assert "since the run was asked to stop: the read is given up" in text
+            assert "and the run was asked to stop: the read is given up" in text
             restart = case.run()
             assert "end reached" in restart.stderr
         finally:

@@ -118,7 +118,7 @@ def test_once_the_run_stops_a_silent_stream_is_given_up_before_its_idle_bound(
     got = []
     began = time.monotonic()
     threading.Timer(0.5, stop.set).start()  # silent past STOP_SILENCE_S before the stop
-    with pytest.raises(DeadlineExceeded, match="since the run was asked to stop"):
+    with pytest.raises(DeadlineExceeded, match="and the run was asked to stop"):
         for item in _prefetched(stream, lambda x: x, 2, idle=60, stopping=stop.is_set):
             got.append(item)
     assert got == [1, 2] and 0.5 <= time.monotonic() - began < 5  # not the 60 s bound
