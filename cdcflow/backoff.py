@@ -67,6 +67,9 @@ class RetryPolicy:
     sleep: Callable[[float], None] = attrs.field(default=time.sleep, eq=False, repr=False)
     clock: Callable[[], float] = attrs.field(default=time.monotonic, eq=False, repr=False)
     rng: random.Random = attrs.field(factory=random.Random, eq=False, repr=False)
+    #: What the attempts are of, and the setting that bounds them, for the note on the
+    #: error it re-raises (None: "the retry policy (attempts=N)").
+    bounded_by: str | None = attrs.field(default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.attempts < 1:
@@ -159,8 +162,9 @@ class RetryPolicy:
                     raise
                 if not self.allows(failed):
                     exc.add_note(
-                        f"gave up after {_plural(failed)}, all that the retry policy allows "
-                        f"(attempts={self.attempts})"
+                        f"gave up after {_plural(failed)}, all that "
+                        f"{self.bounded_by or f'the retry policy (attempts={self.attempts})'} "
+                        "allows"
                     )
                     raise
                 delay = self.delay(failed)

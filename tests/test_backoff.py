@@ -155,8 +155,8 @@ def test_call_makes_at_most_attempts_calls_then_raises_the_last_error(attempts: 
     assert len(fake.slept) == attempts - 1
     plural = "attempt" if attempts == 1 else "attempts"
     assert notes(info.value) == [
-        f"gave up after {attempts} {plural}, all that the retry policy allows "
-        f"(attempts={attempts})"
+        f"gave up after {attempts} {plural}, all that the retry policy "
+        f"(attempts={attempts}) allows"
     ]
 
 

@@ -124,6 +124,7 @@ class Engine:
         self._batch_retry = RetryPolicy(
             attempts=opts.batch_retries + 1, initial=opts.retry_backoff, maximum=math.inf,
             sleep=self._backoff_wait,
+            bounded_by=f"the batch's retries (batch_retries={opts.batch_retries})",
         )
         self._owner: Ownership | None = None
         self._sink_floor = 0

@@ -111,6 +111,13 @@ def parse_spanner_url(url: str) -> tuple[str, str]:
             "a database), starting with a letter; a project and an instance 2-64 "
             "characters, a database 2-30"
         )
+        parts = path.split("/")
+        if len(parts) == 6 and parts[0::2] == ["projects", "instances", "databases"]:
+            for kind, value, rule in zip(("project", "instance", "database"), parts[1::2],
+                                         (_PROJECT, _INSTANCE, _DATABASE), strict=True):
+                if re.fullmatch(rule, value) is None:
+                    why = f"the {kind} id {value!r} is not one Spanner takes; {why}"
+                    break
         raise _rules.url_error(url, why)
     table = DEFAULT_TABLE
     for item in query.split("&") if query else ():

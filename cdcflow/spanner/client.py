@@ -43,6 +43,8 @@ returns the process's cached client.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import os
 import re
@@ -544,9 +546,12 @@ class SpannerChangeStreamClient:
         paused: float | None = None
         first: float | None = None
         try:
-            # passed only when there is one: a transport written before it is called as then
-            told = {} if stopping is None else {"stopping": stopping}
-            responses = self.transport.execute_streaming_sql(
+            transport = self.transport
+            # passed only when there is one, to a transport that takes it (one written
+            # before the check existed is called as then)
+            told = {} if stopping is None or not _takes_stopping(transport) else {
+                "stopping": stopping}
+            responses = transport.execute_streaming_sql(
                 sql, params, priority=self.priority, timeout=self.query_timeout,
                 idle=self._stall_after(heartbeat), **told,
             )
@@ -691,6 +696,23 @@ class SpannerChangeStreamClient:
     def _translate(self, exc: Exception, query: ChangeStreamQuery | None) -> Exception:
         """A cdcflow error naming the fix for a permanent Spanner error."""
         return translate(exc, self.database, query)
+
+
+_TAKES_STOPPING: dict[type, bool] = {}
+
+
+def _takes_stopping(transport: Transport) -> bool:
+    """Whether ``transport.execute_streaming_sql`` takes ``stopping`` (see ``Transport``),
+    by its class."""
+    kind = type(transport)
+    takes = _TAKES_STOPPING.get(kind)
+    if takes is None:
+        params: dict[str, inspect.Parameter] = {}
+        with contextlib.suppress(TypeError, ValueError):
+            params = dict(inspect.signature(transport.execute_streaming_sql).parameters)
+        takes = _TAKES_STOPPING[kind] = "stopping" in params or any(
+            p.kind is p.VAR_KEYWORD for p in params.values())
+    return takes
 
 
 def _check_identifier(stream: str) -> None:

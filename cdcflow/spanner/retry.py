@@ -62,8 +62,8 @@ class RetryLog:
             left_out = self._left_out.pop(level, 0)
             self._next[level] = now + self._window
         if left_out:
-            msg += " (and %d more failed change stream queries in the last %.0f s)"
-            args = (*args, left_out, self._window)
+            msg += " (and %d more failed change stream queries since the last such line)"
+            args = (*args, left_out)
         self._logger.log(level, msg, *args)
 
 

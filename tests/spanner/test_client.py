@@ -832,3 +832,23 @@ def test_spent_retries_name_the_fix_for_their_status(
     with pytest.raises(TransientError, match=advice) as info:
         list(client.read(ChangeStreamQuery("S", "tok", t, t + 10)))
     assert "after 2 attempts" in str(info.value)
+
+
+def test_a_transport_written_before_the_stop_check_is_called_as_then() -> None:
+    """A transport whose execute_streaming_sql takes no ``stopping`` (the Transport seam
+    before it had one) still reads for a run that has a stop check."""
+
+    class Older(ScriptedTransport):
+        def execute_streaming_sql(  # type: ignore[override]
+            self, sql: str, params: Mapping[str, Param], *, priority: str, timeout: float,
+            idle: float | None = None,
+        ) -> Iterator[Any]:
+            return super().execute_streaming_sql(sql, params, priority=priority,
+                                                 timeout=timeout, idle=idle)
+
+    t = Timestamp.parse("2024-05-01T12:00:00Z").ns
+    records: list[ChangeRecord] = [_data(i, t + i, f"t{i}") for i in range(3)]
+    client = SpannerChangeStreamClient("projects/p/instances/i/databases/d")
+    client.transport = Older(records)
+    query = ChangeStreamQuery("S", "tok", t, t + 100, stopping=lambda: False)
+    assert list(client.read(query)) == records

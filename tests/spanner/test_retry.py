@@ -210,5 +210,5 @@ def test_query_retries_log_one_line_per_window_and_level_and_count_the_rest(
         (logging.WARNING, "the read of p0 failed"),
         (logging.INFO, "the first failure of p0"),
         (logging.WARNING, "the read of p7 failed (and 29 more failed change stream queries "
-                          "in the last 10 s)"),
+                          "since the last such line)"),
     ]
