@@ -182,6 +182,14 @@ class TableStorage:
                 if key in doc and (type(doc[key]) is not int or doc[key] < 0):
                     msg = f"its {key} is {doc[key]!r}, not a batch or version number"
                     raise TypeError(msg)
+            named = _CLAIM.search(path)
+            first = doc.get("first", int(named.group(1)) if named else None)
+            if named is not None and first != int(named.group(1)):
+                msg = f"its first batch is {first}, not the {named.group(1)} of its name"
+                raise ValueError(msg)
+            if first is not None and doc.get("last", first) < first:
+                msg = f"its last batch {doc['last']} is before its first, {first}"
+                raise ValueError(msg)
             return doc
         except (TypeError, ValueError) as exc:
             msg = (f"WriteTables: {path} is not a claim this sink wrote ({exc}); remove it "

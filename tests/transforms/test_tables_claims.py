@@ -220,7 +220,9 @@ def test_a_stale_claim_made_after_the_new_runs_file_was_uploaded_uploads_nothing
 
 
 @pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"first": 8, "last": "x"}',
-                                  '{"first": 8, "last": 9, "version": -1}'])
+                                  '{"first": 8, "last": 9, "version": -1}',
+                                  '{"first": 7, "last": 9, "version": 1}',
+                                  '{"first": 8, "last": 6, "version": 1}'])
 def test_a_claim_that_is_not_one_is_named(tmp_path: Path, text: str) -> None:
     a = _sink(str(tmp_path), flush_interval="1h")
     _commit(a, 1, _batch(1))
