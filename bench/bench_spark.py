@@ -102,15 +102,16 @@ def idle_batches(runner: Runner, label: str, batches: int) -> IdleResult:
     origin = time.time_ns() - 3600 * _S  # far behind the clock: batches run back to back
     stream = ScriptedChangeStream("Idle", partitions=4, origin=origin)
     pipeline = Pipeline(f"bench-idle-{runner.name}")
-    (
-        pipeline
-        | DetectPartitions(stream="Idle", start_at=origin, client=stream)
-        | ReadPartition(heartbeat="1s")
-        | Map(_to_row)
-        | WriteFiles(tempfile.mkdtemp(prefix="cdcflow-bench-idle-"), fsync=False)
-    )
     options = RunOptions(batch_interval=0, max_batch_span=1.0, max_batches=batches + _IDLE_WARMUP)
-    stats = _run(pipeline, runner, options)[_IDLE_WARMUP:]
+    with tempfile.TemporaryDirectory(prefix="cdcflow-bench-idle-") as out:
+        (
+            pipeline
+            | DetectPartitions(stream="Idle", start_at=origin, client=stream)
+            | ReadPartition(heartbeat="1s")
+            | Map(_to_row)
+            | WriteFiles(out, fsync=False)
+        )
+        stats = _run(pipeline, runner, options)[_IDLE_WARMUP:]
     ms = [s.seconds * 1000 for s in stats]
     return IdleResult(label, statistics.median(ms), _p90(ms), len(ms))
 
