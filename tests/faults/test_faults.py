@@ -20,6 +20,7 @@ To explore harsher schedules, ``FAULT_MEAN_INTERVAL=S``, ``FAULT_STALL=MIN,MAX``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,14 +285,16 @@ def test_faults_and_kills_keep_exactly_once(
     assert partitions_read(case) >= 2
 
 
-def _start_behind(
-    proxy: FaultProxy, case: Case, *, seed: int, seconds: float, extra: tuple[str, ...] = (),
-    query_timeout: float | None = QUERY_TIMEOUT,
-) -> tuple[Workload, threading.Thread, Path, subprocess.Popen[bytes]]:
+@contextlib.contextmanager
+def _running_behind(
+    proxy: FaultProxy, case: Case, progress: _Progress, *, seed: int, seconds: float,
+    extra: tuple[str, ...] = (), query_timeout: float | None = QUERY_TIMEOUT,
+) -> Iterator[tuple[Workload, threading.Thread, Path, subprocess.Popen[bytes]]]:
     """A workload of ``seconds`` straight to the emulator, and a run reading it through
     ``proxy`` (its reads and its store), its window ending 2 s after the workload's end:
     the workload, its thread, the run's log file and process. ``query_timeout`` None: the
-    reader's own (a stalled stream is then seen after 60 s)."""
+    reader's own (a stalled stream is then seen after 60 s). Leaving the block kills the
+    run if it still lives, stops the workload and closes ``progress``."""
     case.env["SPANNER_EMULATOR_HOST"] = proxy.host
     if query_timeout is not None:
         case.env["E2E_QUERY_TIMEOUT"] = f"{query_timeout}s"
@@ -306,7 +310,13 @@ def _start_behind(
             case.command(*extra), env=case.env, stdout=subprocess.DEVNULL, stderr=err,
             start_new_session=True,
         )
-    return workload, thread, log, proc
+    try:
+        yield workload, thread, log, proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        workload.stop()
+        progress.close()
 
 
 def _until_batch(progress: _Progress, proc: subprocess.Popen[bytes], batch: int) -> None:
@@ -332,8 +342,8 @@ def test_outage_past_the_retry_budget_fails_the_run_then_a_restart_resumes(
     case = Case(spanner_emulator, tmp_path, store=store)
     progress = _Progress(case)
     with FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy:
-        workload, thread, log, proc = _start_behind(proxy, case, seed=3, seconds=8)
-        try:
+        with _running_behind(proxy, case, progress, seed=3, seconds=8) as (
+                workload, thread, log, proc):
             _until_batch(progress, proc, 2)
             cpu = cpu_end = _cpu_seconds(proc.pid)
             proxy.drop(OUTAGE)
@@ -354,11 +364,6 @@ def test_outage_past_the_retry_budget_fails_the_run_then_a_restart_resumes(
                 recovered = time.monotonic() - healed
                 code = proc.wait(BUDGET)
             proxy.heal()
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            workload.stop()
-            progress.close()
         error = _error_line(log) if code else ""
         print(f"\n[{store}] {OUTAGE:.0f}s outage at batch 2: exit {code}"
               + (f" {failed_after:.2f}s into it: {error}" if code else " (rode it out)")
@@ -404,29 +409,24 @@ def test_sigterm_during_an_outage_stops_at_once_then_a_restart_resumes(
     outage's error; the restart finishes with every change exactly once."""
     case = Case(spanner_emulator, tmp_path, store=store)
     progress = _Progress(case)
-    with FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy:
-        workload, thread, log, proc = _start_behind(proxy, case, seed=4, seconds=6,
-                                                    extra=("--set", "retry_backoff=20s"))
-        try:
-            _until_batch(progress, proc, 2)
-            proxy.drop(OUTAGE)
-            dropped = time.monotonic()
-            # in the batch's retries (a SQLite store), or 4 s into a store call's (Spanner)
-            while ("retry 1/" not in log.read_text() and proc.poll() is None
-                   and (store == "sqlite" or time.monotonic() - dropped < 4)):
-                assert time.monotonic() - dropped < OUTAGE, "no batch retry during the outage"
-                time.sleep(0.05)
-            code, stopped_after, text = _stop(proc, log, proxy, "the outage")
-            assert code == 130, text[-2000:]
-            assert stopped_after < 10  # the 20 s backoff and the other retries: not waited
-            assert "stopping without retrying it" in text
-            restart = case.run()  # the network is back: the restart resumes to the end
-            assert "end reached" in restart.stderr
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            workload.stop()
-            progress.close()
+    with (FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy,
+          _running_behind(proxy, case, progress, seed=4, seconds=6,
+                          extra=("--set", "retry_backoff=20s")) as (workload, thread, log,
+                                                                   proc)):
+        _until_batch(progress, proc, 2)
+        proxy.drop(OUTAGE)
+        dropped = time.monotonic()
+        # in the batch's retries (a SQLite store), or 4 s into a store call's (Spanner)
+        while ("retry 1/" not in log.read_text() and proc.poll() is None
+               and (store == "sqlite" or time.monotonic() - dropped < 4)):
+            assert time.monotonic() - dropped < OUTAGE, "no batch retry during the outage"
+            time.sleep(0.05)
+        code, stopped_after, text = _stop(proc, log, proxy, "the outage")
+        assert code == 130, text[-2000:]
+        assert stopped_after < 10  # the 20 s backoff and the other retries: not waited
+        assert "stopping without retrying it" in text
+        restart = case.run()  # the network is back: the restart resumes to the end
+        assert "end reached" in restart.stderr
     assert not thread.is_alive()
     assert check_exactly_once(case, workload) > 20
 
@@ -441,24 +441,18 @@ def test_sigterm_while_spanner_stalls_gives_the_read_up_within_seconds(
     once."""
     case = Case(spanner_emulator, tmp_path, store="sqlite")
     progress = _Progress(case)
-    with FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy:
-        workload, thread, log, proc = _start_behind(proxy, case, seed=5, seconds=6,
-                                                    query_timeout=None)
-        try:
-            _until_batch(progress, proc, 2)
-            proxy.stall(OUTAGE + 20)
-            time.sleep(3)  # batches run every second: one now waits in a stalled read
-            code, stopped_after, text = _stop(proc, log, proxy, "a stall")
-            assert code == 130, text[-2000:]
-            assert stopped_after < 12, text[-2000:]  # 5 s of silence after the stop
-            assert "and the run was asked to stop: the read is given up" in text
-            restart = case.run()
-            assert "end reached" in restart.stderr
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            workload.stop()
-            progress.close()
+    with (FaultProxy(spanner_emulator.host, lifetime=BUDGET + OUTAGE) as proxy,
+          _running_behind(proxy, case, progress, seed=5, seconds=6,
+                          query_timeout=None) as (workload, thread, log, proc)):
+        _until_batch(progress, proc, 2)
+        proxy.stall(OUTAGE + 20)
+        time.sleep(3)  # batches run every second: one now waits in a stalled read
+        code, stopped_after, text = _stop(proc, log, proxy, "a stall")
+        assert code == 130, text[-2000:]
+        assert stopped_after < 12, text[-2000:]  # 5 s of silence after the stop
+        assert "and the run was asked to stop: the read is given up" in text
+        restart = case.run()
+        assert "end reached" in restart.stderr
     assert not thread.is_alive()
     assert check_exactly_once(case, workload) > 20
 
@@ -474,17 +468,12 @@ def test_a_connection_that_dies_mid_run_is_replaced_and_the_run_finishes(
     case = Case(spanner_emulator, tmp_path, store=store)
     progress = _Progress(case)
     with FaultProxy(spanner_emulator.host, lifetime=BUDGET + 30) as proxy:
-        workload, thread, log, proc = _start_behind(proxy, case, seed=5, seconds=8)
-        try:
+        with _running_behind(proxy, case, progress, seed=5, seconds=8) as (
+                workload, thread, log, proc):
             _until_batch(progress, proc, 2)
             accepted = proxy.stats.accepted
             dead = proxy.blackhole()
             code = proc.wait(BUDGET)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            workload.stop()
-            progress.close()
         text = log.read_text()
         print(f"\n[{store}] {dead} connection(s) went dead at batch 2: exit {code}, "
               f"{proxy.stats.accepted - accepted} new connection(s), "
