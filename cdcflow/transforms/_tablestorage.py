@@ -110,6 +110,18 @@ class TableStorage:
         self.fs.invalidate_cache()
         return self.fs
 
+    def _glob(self, pattern: str) -> list[str]:
+        """The paths matching ``pattern``, listed afresh (:meth:`_listed`): none where the
+        directory is not there, SinkIOError when the storage fails."""
+        try:
+            names: list[str] = self._listed().glob(pattern)
+        except FileNotFoundError:
+            return []
+        except storage_errors() as exc:
+            msg = f"WriteTables cannot list {pattern}: {exc}"
+            raise SinkIOError(msg) from exc
+        return names
+
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *[p for p in parts if p]])
 
@@ -214,14 +226,8 @@ class TableStorage:
                 ) -> dict[int, tuple[int, int]] | None:
         """The claims of (table, directory) above ``above`` (see :meth:`key_state`); None
         when one of them was removed while this looked."""
-        pattern = self.path("_cdcflow", "claims", table, directory, "*.json")
-        try:
-            names = self._listed().glob(pattern)
-        except storage_errors() as exc:
-            msg = f"WriteTables cannot list {pattern}: {exc}"
-            raise SinkIOError(msg) from exc
         found: dict[int, tuple[int, int]] = {}
-        for name in names:
+        for name in self._glob(self.path("_cdcflow", "claims", table, directory, "*.json")):
             if (m := _CLAIM.search(name)) is None:
                 continue
             if (first := int(m.group(1))) <= above:
@@ -281,13 +287,7 @@ class TableStorage:
             raise SinkError(msg)
 
     def _parts(self, table: str, directory: str) -> list[str]:
-        pattern = self.path(table, directory, "part-*")
-        try:
-            names: list[str] = self._listed().glob(pattern)
-        except storage_errors() as exc:
-            msg = f"WriteTables cannot list {pattern}: {exc}"
-            raise SinkIOError(msg) from exc
-        return names
+        return self._glob(self.path(table, directory, "part-*"))
 
     def release_claim(self, table: str, directory: str, first: int) -> None:
         """Remove the claim of an uploaded file (best effort: a claim left behind is one
@@ -299,15 +299,8 @@ class TableStorage:
     def last_claimed(self) -> int:
         """The largest batch a claim names (0: none): a run with a new store numbers its
         batches above it, so it never follows a claim of other data."""
-        try:
-            names = self._listed().glob(self.path("_cdcflow", "claims", "**", "*.json"))
-        except FileNotFoundError:
-            return 0
-        except storage_errors() as exc:
-            msg = f"WriteTables cannot list the claims under {self.root}: {exc}"
-            raise SinkIOError(msg) from exc
         lasts = [0]
-        for name in names:
+        for name in self._glob(self.path("_cdcflow", "claims", "**", "*.json")):
             doc = self._claim_doc(name)
             lasts.append(0 if doc is None else int(doc.get("last", 0)))
         return max(lasts)
@@ -330,11 +323,7 @@ class TableStorage:
 
     def latest_schema(self, table: str) -> Schema | None:
         """The table's newest ``_schema/v<k>.json`` (None: the table has none yet)."""
-        try:
-            names = self._listed().glob(self.path(table, "_schema", "v*.json"))
-        except storage_errors() as exc:
-            msg = f"WriteTables cannot list {table}'s schemas: {exc}"
-            raise SinkIOError(msg) from exc
+        names = self._glob(self.path(table, "_schema", "v*.json"))
         versions = sorted(int(m.group(1)) for n in names if (m := _VERSION.search(n)))
         if not versions:
             return None
