@@ -23,7 +23,8 @@ Python workers), the other batches, and ``end`` (from the last batch to the proc
 closing sinks, the runner, the interpreter). The reading rate (changes per second of
 reading alone) shows what start-up costs each reader.
 
-``python -m bench.bench_catchup [--shapes CHANGESxROWS_PER_TRANSACTION,...] [--no-spark]``;
+``python -m bench.bench_catchup [--shapes CHANGESxROWS_PER_TRANSACTION,...] [--no-spark]
+[--set NAME=VALUE ...]`` (``--set`` passes a run option to the cdcflow runs);
 ``CDCFLOW_BENCH_CATCHUP_CHANGES`` sets the default's changes (e.g. 20000 for a quick run).
 """
 
@@ -392,6 +393,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="backlogs to read, CHANGESxROWS_PER_TRANSACTION separated by "
                              "commas (default: 200000x20,40000x1); the first is judged")
     parser.add_argument("--no-spark", dest="spark", action="store_false")
+    parser.add_argument("--set", dest="options", action="append", default=[],
+                        type=_option, metavar="NAME=VALUE",
+                        help="a run option for the cdcflow runs (repeatable), as `cdcflow "
+                             "run --set` takes it, e.g. max_batch_span=60s")
     parser.add_argument("--stock", nargs=4, help=argparse.SUPPRESS)  # DB START END OUT
     parser.add_argument("--ceiling", nargs=4, help=argparse.SUPPRESS)  # DB START END OUT
     args = parser.parse_args(argv)
@@ -422,9 +427,18 @@ def main(argv: list[str] | None = None) -> None:
                   f"per transaction), start-up included"
                   + (" (the targets are judged on this shape)" if i == 0 else ""), flush=True)
             results = _run_shape(emulator, Path(tmp) / f"shape-{i}", changes, per_txn,
-                                 args.spark, f"catchup{i}")
+                                 args.spark, f"catchup{i}", args.options)
             _report(results, changes, judged=i == 0)
             print(flush=True)
+
+
+def _option(text: str) -> str:
+    """``max_batch_span=60s``: passed on to ``cdcflow run --set``, which checks the value."""
+    name, eq, _ = text.partition("=")
+    if not eq or not name.strip():
+        msg = f"{text!r}: give NAME=VALUE, such as max_batch_span=60s"
+        raise argparse.ArgumentTypeError(msg)
+    return text
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -443,7 +457,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _run_shape(emulator: Any, tmp: Path, changes: int, per_txn: int, spark: bool,
-               database_id: str) -> list[Run]:
+               database_id: str, options: list[str]) -> list[Run]:
     """Load a backlog into a database of its own and time every reader on it."""
     tmp.mkdir()
     root = Path(__file__).resolve().parent.parent
@@ -473,7 +487,8 @@ def _run_shape(emulator: Any, tmp: Path, changes: int, per_txn: int, spark: bool
                 database=database, stream=STREAM, start=start, end=end, count=str(count))))
             argv_i = [sys.executable, "-m", "cdcflow", "run", str(path),
                       "--metadata", f"sqlite:///{tmp / f'state-{i}.db'}",
-                      "--log-format", "json", *extra]
+                      "--log-format", "json", *extra,
+                      *itertools.chain.from_iterable(("--set", o) for o in options)]
         cpu_before, emulator_before = _children_cpu(), _cpu_seconds(emulator.pid)
         launched, exited, stderr = _timed(argv_i, env)
         own_cpu = _children_cpu() - cpu_before

@@ -101,7 +101,7 @@ class RunOptions:
     """
 
     batch_interval: float = attrs.field(default=1.0, validator=_interval)
-    max_batch_span: float = attrs.field(default=10.0, validator=_positive)
+    max_batch_span: float = attrs.field(default=60.0, validator=_positive)
     max_batches: int | None = attrs.field(default=None, validator=_positive)
     duration: float | None = attrs.field(default=None, validator=_non_negative)
     reset: bool = False

@@ -34,6 +34,8 @@ CASES: dict[str, list[tuple[list[str], str, dict[str, str]]]] = {
         (["--shapes", "-3"], "argument --shapes:", {}),
         (["--shapes", "300x0"], "argument --shapes:", {}),
         (["--shapes", "300x20,"], "argument --shapes:", {}),
+        (["--set", "max_batch_span"], "argument --set:", {}),
+        (["--set", "=60s"], "argument --set:", {}),
         (["--no-spark"], "CDCFLOW_BENCH_CATCHUP_CHANGES:", {"CDCFLOW_BENCH_CATCHUP_CHANGES": "0"}),
     ],
     "bench.bench_consume": [

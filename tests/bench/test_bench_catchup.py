@@ -15,7 +15,7 @@ pytestmark = pytest.mark.emulator
 def test_a_small_backlog_is_read_whole_by_the_stock_reader_and_cdcflow(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    bench_catchup.main(["--shapes", "300x20", "--no-spark"])
+    bench_catchup.main(["--shapes", "300x20", "--no-spark", "--set", "max_batch_span=30s"])
     out = capsys.readouterr().out
     names = ("stock reader (1 thread)", "cdcflow run (in-memory)")
     rows: dict[str, list[list[str]]] = {name: [] for name in names}

@@ -11,7 +11,7 @@ import pytest
 import cdcflow as cf
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.engine.pacing import MIN_SPAN_NS, Pacer
+from cdcflow.engine.pacing import FIRST_SPAN_NS, MIN_SPAN_NS, Pacer
 from cdcflow.engine.runner import TaskResult
 from cdcflow.metadata import MemoryStore
 from cdcflow.model import BatchPlan, BatchRecord, Slice, snapshot_token
@@ -113,3 +113,47 @@ def test_a_backlog_of_large_changes_commits_in_batches_of_about_max_task_bytes()
     assert 2 * MiB * 0.9 < max(paced[3:-1]) < 2 * MiB * 1.1, paced
     unpaced, _ = _backlog(None)
     assert max(unpaced) > 12 * MiB, unpaced  # a 2 s span of changes: 12.6 MiB
+
+
+def test_a_first_batch_spans_ten_seconds_and_the_spans_double_up_to_max_batch_span() -> None:
+    pacer = Pacer(60 * S, 8 * MiB)
+    assert pacer.span_ns == FIRST_SPAN_NS == 10 * S
+    spans = []
+    for _ in range(4):  # tasks that read little: the span doubles, up to the cap
+        pacer.observe(*_batch([("a", 0, pacer.span_ns, 1024)]))
+        spans.append(pacer.span_ns // S)
+    assert spans == [20, 40, 60, 60]
+    assert Pacer(2 * S, 8 * MiB).span_ns == 2 * S  # a cap under ten seconds
+    assert Pacer(60 * S).span_ns == 60 * S  # unpaced: every batch spans the cap
+    assert Pacer.resume(60 * S, MiB, []).span_ns == 10 * S  # a pipeline's first run
+
+
+class _Ends(EngineListener):
+    def __init__(self) -> None:
+        self.ends: list[int] = []
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self.ends.append(stats.end)
+
+
+def test_a_sparse_backlog_catches_up_in_wider_and_wider_batches() -> None:
+    """Five minutes of one small change every 5 s, read with the default options: each
+    batch queries every partition, so the spans grow (10, 20, 40, 60 s past the low
+    watermark) and few batches read it all."""
+    origin = time.time_ns() - 600 * S
+    stream = ScriptedChangeStream("S", origin=origin)
+    for i in range(60):
+        stream.write("T", i, "INSERT", {"v": i}, at=origin + S + i * 5 * S)
+    out: cf.Collect[Any] = cf.Collect()
+    p = cf.Pipeline("sparse")
+    (p | cf.DetectPartitions(stream="S", start_at=origin, end_at=origin + 301 * S,
+                             client=stream)
+     | cf.ReadPartition() | out)
+    listener = _Ends()
+    opts = RunOptions(batch_interval=0)
+    summary = Engine(p, MemoryStore(), InMemoryRunner(workers=1), opts, listener).run()
+    assert summary.reason == "end reached"
+    assert sorted(r.mods[0].keys["id"] for r in out.items) == list(range(60))
+    # Batch 1 reads the root partition up to 10 s; its children start at the origin.
+    ends = [(end - origin) // S for end in listener.ends]
+    assert ends == [10, 20, 60, 120, 180, 240, 300, 360], ends  # 10 s spans: 32 batches
