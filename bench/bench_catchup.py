@@ -111,6 +111,8 @@ def _load(emulator: Any, changes: int, per_txn: int = ROWS_PER_TXN,
           database_id: str = _DATABASE) -> tuple[str, str, str]:
     """Create the database and commit the backlog, ``per_txn`` rows per transaction;
     (database path, start, end) as RFC 3339."""
+    from google.api_core.exceptions import Aborted
+
     from cdcflow.model import Timestamp
 
     db = emulator.create_database(database_id, [
@@ -127,12 +129,20 @@ def _load(emulator: Any, changes: int, per_txn: int = ROWS_PER_TXN,
             (i, f"customer-{i % 997}", "NEW", i % 13, i * 0.25)
             for i in range(first, min(changes, first + per_txn))
         ]
-        with db.batch() as batch:
-            batch.insert(TABLE, columns, rows)
-        return batch.committed
+        for attempt in itertools.count(1):
+            try:
+                with db.batch() as batch:
+                    batch.insert(TABLE, columns, rows)
+                return batch.committed
+            except Aborted:  # the client's own retries ran out on a busy machine
+                if attempt == 5:
+                    raise
+                time.sleep(0.1 * attempt)
+        return None  # pragma: no cover - the loop returns or raises
 
-    # A few writers at once: the emulator commits one at a time, but the client's round
-    # trips overlap. Distinct keys: blind writes that never conflict.
+    # A few writers at once: the emulator commits one at a time (it aborts a commit while
+    # another runs, which the client retries), but the client's round trips overlap.
+    # Distinct keys: blind writes that never conflict.
     with ThreadPoolExecutor(4) as pool:
         stamps = list(pool.map(commit, firsts))
     first_commit, last = min(stamps), max(stamps)
