@@ -7,6 +7,7 @@ an error of SQLite into a StoreError naming the file and the fix. The store's op
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -25,6 +26,12 @@ __all__ = ["SCHEMA_VERSION", "SQLiteFile", "parse_url", "sqlite_url"]
 SCHEMA_VERSION = 4
 
 PREFIX = "sqlite:///"
+
+#: A write that has waited this long (seconds) for another process's write lock says so
+#: in a warning, then waits out the rest of its busy timeout.
+LOCK_NOTE_AFTER = 2.0
+
+_log = logging.getLogger("cdcflow.store")
 
 _SCHEMA = """
 CREATE TABLE partitions (
@@ -376,7 +383,10 @@ class SQLiteFile:
         with self._lock:
             conn = self.connection()
             try:
-                conn.execute(begin)
+                if begin == "BEGIN":
+                    conn.execute(begin)  # a reader in WAL mode waits for no lock
+                else:
+                    self._begin_writing(conn, begin)
                 if gone is not None:
                     self._check_file(gone)  # under the write lock: one stat per write
                 yield conn
@@ -392,6 +402,32 @@ class SQLiteFile:
                 raise
             if begin != "BEGIN":
                 self._wrote = True
+
+    def _begin_writing(self, conn: sqlite3.Connection, begin: str) -> None:
+        """``begin`` a write transaction, waiting up to the busy timeout for another
+        process's write lock; a wait past LOCK_NOTE_AFTER is logged as it goes on, so a
+        run that waits on a paused one says why it is silent."""
+        timeout = self._busy_timeout
+        if timeout <= LOCK_NOTE_AFTER:
+            conn.execute(begin)
+            return
+        conn.execute(f"PRAGMA busy_timeout = {int(LOCK_NOTE_AFTER * 1000)}")
+        try:
+            try:
+                conn.execute(begin)
+                return
+            except sqlite3.OperationalError as e:
+                if not _error_name(e).startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+                    raise
+            _log.warning(
+                "the SQLite store %s is locked by another process (another run of this "
+                "pipeline, or a program using the file); waiting up to %g s more for its "
+                "write lock. A run that is paused or hung keeps it until it goes on or ends",
+                self._path, timeout - LOCK_NOTE_AFTER)
+            conn.execute(f"PRAGMA busy_timeout = {int((timeout - LOCK_NOTE_AFTER) * 1000)}")
+            conn.execute(begin)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
 
     def close(self) -> None:
         """Close the connection; later calls raise StoreError. Closing twice is harmless."""

@@ -73,7 +73,8 @@ class SQLiteStore:
     """A MetadataStore in one SQLite file; see the protocol for the contract.
 
     Thread-safe (one connection behind a lock). ``busy_timeout`` is how long a write waits
-    for another process's transaction before raising StoreError. ``create=False`` opens
+    for another process's transaction before raising StoreError (a wait of more than 2 s
+    is logged as it goes on). ``create=False`` opens
     only a file that holds a store of this version, creating and changing nothing (see the
     module docstring).
     """

@@ -24,7 +24,7 @@ import pytest
 
 from cdcflow.engine.ownership import Ownership
 from cdcflow.errors import FencedError, StoreError, StoreSetupError
-from cdcflow.metadata import SQLiteStore, open_store, sqlite_url
+from cdcflow.metadata import SQLiteStore, _sqlite_file, open_store, sqlite_url
 from cdcflow.model import BatchPlan, PartitionMetadata, PartitionUpdate, Slice
 from tests.fs_helpers import ROOT, read_only
 
@@ -182,6 +182,36 @@ def test_a_lock_held_past_the_timeout_is_a_store_error(tmp_path: Path) -> None:
         assert not isinstance(info.value, StoreSetupError)
     finally:
         other.execute("ROLLBACK")
+        other.close()
+        store.close()
+
+
+def test_a_write_that_waits_for_the_lock_says_so_then_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_sqlite_file, "LOCK_NOTE_AFTER", 0.2)
+    db = tmp_path / "state.db"
+    store = SQLiteStore(db, busy_timeout=5.0)
+    other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(1.0, lambda: other.execute("ROLLBACK"))
+    release.start()
+    try:
+        with caplog.at_level("WARNING", logger="cdcflow.store"):
+            began = time.monotonic()
+            lease = store.acquire_lease(P, "host:1", "run1", 60 * NS)  # waits, then writes
+            waited = time.monotonic() - began
+        notes = [r.getMessage() for r in caplog.records]
+        assert len(notes) == 1, notes
+        assert f"the SQLite store {db} is locked by another process" in notes[0]
+        assert "waiting up to 4.8 s more" in notes[0] and "paused or hung" in notes[0]
+        assert 0.9 < waited < 4.0
+        assert store._db.connection().execute("PRAGMA busy_timeout").fetchone()[0] == 5000
+        caplog.clear()
+        store.renew_lease(P, lease, 60 * NS)  # no wait, no note
+        assert not caplog.records
+    finally:
+        release.join()
         other.close()
         store.close()
 
