@@ -206,7 +206,7 @@ class TableStorage:
         except (TypeError, ValueError) as exc:
             msg = (f"WriteTables: {path} is not a claim this sink wrote ({exc}); remove it "
                    "once no earlier run of the pipeline can still write, then run again")
-            raise SinkError(msg) from exc
+            raise SinkSetupError(msg) from exc
 
     def key_state(self, table: str, directory: str) -> tuple[int, dict[int, tuple[int, int]]]:
         """The largest ``last`` of the part files of (table, directory), and the files of it
@@ -333,7 +333,7 @@ class TableStorage:
         except (KeyError, TypeError, ValueError) as exc:
             msg = (f"WriteTables: {table}/_schema/v{versions[-1]}.json is not a schema "
                    f"this sink wrote ({exc}); restore it or write to another URL")
-            raise SinkError(msg) from exc
+            raise SinkSetupError(msg) from exc
 
     # -- reads and writes --------------------------------------------------------------------
 

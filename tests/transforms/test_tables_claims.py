@@ -15,7 +15,7 @@ import fsspec
 import pyarrow.parquet as pq
 import pytest
 
-from cdcflow.errors import OutputConflictError, SinkError
+from cdcflow.errors import OutputConflictError, SinkError, SinkSetupError
 from tests.transforms.test_tables import T0, _close_sinks, _commit, _record, _sink, s3
 
 # the autouse fixture that closes the sinks these tests set up, and the S3 server
@@ -231,9 +231,23 @@ def test_a_claim_that_is_not_one_is_named(tmp_path: Path, text: str) -> None:
     claim.parent.mkdir(parents=True, exist_ok=True)
     claim.write_text(text)
     b = _sink(str(tmp_path), flush_interval="1h")
-    with pytest.raises(SinkError, match=r"8\.json is not a claim this sink wrote .*remove it"):
+    # a file that breaks the sink's storage: a bad environment, named with its fix (exit 2)
+    with pytest.raises(SinkSetupError,
+                       match=r"8\.json is not a claim this sink wrote .*remove it"):
         b.last_committed_batch()  # at start
-    with pytest.raises(SinkError, match=r"8\.json is not a claim this sink wrote .*remove it"):
+    with pytest.raises(SinkSetupError,
+                       match=r"8\.json is not a claim this sink wrote .*remove it"):
+        _commit(b, 2, _batch(2))
+
+
+def test_a_schema_file_that_is_not_one_is_named(tmp_path: Path) -> None:
+    a = _sink(str(tmp_path), flush_interval="1h")
+    _commit(a, 1, _batch(1))
+    a.flush()
+    (tmp_path / "T" / "_schema" / "v1.json").write_text("[1, 2]")
+    b = _sink(str(tmp_path), flush_interval="1h")
+    with pytest.raises(SinkSetupError, match=r"T/_schema/v1\.json is not a schema this sink "
+                       r"wrote .*restore it or write to another URL"):
         _commit(b, 2, _batch(2))
 
 
