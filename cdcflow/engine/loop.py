@@ -55,7 +55,7 @@ from cdcflow.engine.lifecycle import (
 from cdcflow.engine.listener import EngineListener, RunSummary
 from cdcflow.engine.options import RunOptions
 from cdcflow.engine.ownership import Ownership
-from cdcflow.engine.pacing import Pacer
+from cdcflow.engine.pacing import STEP_BATCH_BYTES, Pacer
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.quota import quota_limit
 from cdcflow.engine.resume import resume_source, source_of_record, stored_source
@@ -246,7 +246,8 @@ class Engine:
                             steps=steps, staged=staged, sinks=sinks,
                             program_bytes=code,
                             pacer=Pacer.resume(int(opts.max_batch_span * _NS),
-                                               opts.max_task_bytes, self.store.batches(name, 4)),
+                                               opts.max_task_bytes, self.store.batches(name, 4),
+                                               STEP_BATCH_BYTES if steps else None),
                             gc_ttl_ns=int(opts.gc_ttl * _NS),
                             snapshot_slices=program.source.snapshot_tasks_per_batch,
                             stopping=self._stop.is_set,

@@ -12,9 +12,18 @@ read little, up to ``max_batch_span`` (60 s by default). Fewer, wider batches ar
 a sparse backlog fast: each batch queries every partition again (on the emulator 0.3 to 1
 CPU s a batch), so 40,000 single-row transactions (a minute of commits) caught up about
 1.8 times faster with a 60 s cap than with a 10 s one, at the emulator CPU of a reader that
-queries every partition once. A dense backlog is paced by its bytes either way. The batch
-log keeps the span each batch left for the next, and a run goes on from the last one, so a
-run that crashed and resumed plans the same batches as one that did not.
+queries every partition once. A dense backlog is paced by its bytes either way.
+
+A BatchStep (GroupTransactions, SchemaChanges) keeps what the low watermark has not passed,
+and a partition that splits holds the watermark back at the split until its children are
+read in the next batch: the state then holds the other partitions' changes since the split,
+up to a whole batch of them. In a pipeline with BatchSteps the span is therefore also paced
+so that all tasks of a batch read about ``STEP_BATCH_BYTES`` (32 MiB) together: the span is
+at most that over the sum of the tasks' rates, which keeps the state well within what the
+stores keep however wide a sparse backlog's spans grow.
+
+The batch log keeps the span each batch left for the next, and a run goes on from the last
+one, so a run that crashed and resumed plans the same batches as one that did not.
 
 Why the span and not a cut inside a task: every partition of a batch is read up to the same
 end T, which keeps a key's changes in order where keys move between live partitions
@@ -33,12 +42,15 @@ from collections.abc import Sequence
 from cdcflow.engine.runner import TaskResult
 from cdcflow.model import BatchPlan, BatchRecord, is_snapshot_token
 
-__all__ = ["FIRST_SPAN_NS", "MIN_SPAN_NS", "Pacer"]
+__all__ = ["FIRST_SPAN_NS", "MIN_SPAN_NS", "STEP_BATCH_BYTES", "Pacer"]
 
 #: The shortest span a paced batch plans.
 MIN_SPAN_NS = 1_000_000
 #: The span of a paced pipeline's first batch (at most ``max_batch_span``).
 FIRST_SPAN_NS = 10_000_000_000
+#: What all tasks of a batch read together, at most, in a pipeline with BatchSteps: half
+#: the state the Spanner store keeps (``_store_limits.MAX_STATE_BYTES``).
+STEP_BATCH_BYTES = 32 << 20
 
 
 class Pacer:
@@ -46,7 +58,7 @@ class Pacer:
     ``max_span_ns``."""
 
     def __init__(self, max_span_ns: int, max_bytes: int | None = None,
-                 span_ns: int | None = None) -> None:
+                 span_ns: int | None = None, batch_bytes: int | None = None) -> None:
         if max_span_ns <= 0:
             msg = f"max_span_ns must be positive, got {max_span_ns}"
             raise ValueError(msg)
@@ -55,6 +67,7 @@ class Pacer:
             raise ValueError(msg)
         self.max_span_ns = max_span_ns
         self.max_bytes = max_bytes
+        self.batch_bytes = batch_bytes
         if max_bytes is None:
             self.span_ns = max_span_ns
         elif span_ns is None:
@@ -63,15 +76,18 @@ class Pacer:
             self.span_ns = min(max_span_ns, max(MIN_SPAN_NS, span_ns))
 
     @classmethod
-    def resume(cls, max_span_ns: int, max_bytes: int | None, log: Sequence[BatchRecord]
-               ) -> Pacer:
+    def resume(cls, max_span_ns: int, max_bytes: int | None, log: Sequence[BatchRecord],
+               batch_bytes: int | None = None) -> Pacer:
         """The pacer of a run whose pipeline has the batch ``log`` (newest first): it goes
-        on from the span the newest committed batch left (``max_span_ns`` without one)."""
+        on from the span the newest committed batch left (a first batch's without one).
+        ``batch_bytes``: what all tasks of a batch read together, at most (None: no bound;
+        STEP_BATCH_BYTES for a pipeline with BatchSteps)."""
         for entry in log:
             if entry.committed_at is not None:
                 left = entry.stats.get("next_span_ns")
-                return cls(max_span_ns, max_bytes, None if left is None else int(left))
-        return cls(max_span_ns, max_bytes)
+                return cls(max_span_ns, max_bytes, None if left is None else int(left),
+                           batch_bytes)
+        return cls(max_span_ns, max_bytes, batch_bytes=batch_bytes)
 
     def observe(self, plan: BatchPlan, results: Sequence[TaskResult]) -> None:
         """Set the next span from what ``plan``'s tasks read (``results``). Snapshot tasks
@@ -80,12 +96,16 @@ class Pacer:
             return
         starts = {s.token: s.start for s in plan.slices if not is_snapshot_token(s.token)}
         read, covered = 0, 1  # the fastest task's bytes and commit time (ns)
+        rates = 0.0  # all tasks' bytes per ns of commit time
         for r in results:
             start = starts.get(r.token)
-            if start is not None and r.position > start and r.bytes * covered > read * (
-                r.position - start
-            ):
+            if start is None or r.position <= start:
+                continue
+            rates += r.bytes / (r.position - start)
+            if r.bytes * covered > read * (r.position - start):
                 read, covered = r.bytes, r.position - start
         grown = 2 * self.span_ns
         span = grown if read == 0 else min(grown, self.max_bytes * covered // read)
+        if self.batch_bytes is not None and rates > 0:
+            span = min(span, round(self.batch_bytes / rates))
         self.span_ns = min(self.max_span_ns, max(MIN_SPAN_NS, span))

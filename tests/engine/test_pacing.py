@@ -157,3 +157,57 @@ def test_a_sparse_backlog_catches_up_in_wider_and_wider_batches() -> None:
     # Batch 1 reads the root partition up to 10 s; its children start at the origin.
     ends = [(end - origin) // S for end in listener.ends]
     assert ends == [10, 20, 60, 120, 180, 240, 300, 360], ends  # 10 s spans: 32 batches
+
+
+def test_with_batch_steps_all_tasks_of_a_batch_read_about_batch_bytes() -> None:
+    pacer = Pacer(60 * S, 128 * MiB, batch_bytes=8 * MiB)
+    # four tasks, 1 MiB per second each: 4 MiB/s in all, so two seconds hold 8 MiB
+    pacer.observe(*_batch([(t, 0, 10 * S, 10 * MiB) for t in "abcd"]))
+    assert pacer.span_ns == 2 * S
+    pacer.observe(*_batch([("a", 0, S, 1024)]))  # a quiet batch: twice the span
+    assert pacer.span_ns == 4 * S
+    assert Pacer.resume(60 * S, MiB, [], 8 * MiB).batch_bytes == 8 * MiB
+
+
+def _held_state(bounded: bool, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A minute of 10 KB changes on four partitions, three of which split, read through
+    GroupTransactions with the default 60 s cap: the step state (bytes) after each batch;
+    ``bounded``: all tasks of a batch paced to 4 MiB (else no such bound)."""
+    from cdcflow.engine import loop
+    from cdcflow.transforms import GroupTransactions
+
+    monkeypatch.setattr(loop, "STEP_BATCH_BYTES", 4 * MiB if bounded else None)
+    origin = time.time_ns() - 600 * S
+    stream = ScriptedChangeStream("S", partitions=4, origin=origin)
+    for i in range(3000):  # 50 a second
+        stream.write("T", i, "INSERT", {"blob": "x" * 10_000}, at=origin + S + i * S // 50)
+    for k, at in enumerate((15, 35, 50)):
+        stream.split(f"p{k}", at=origin + at * S)
+    store = MemoryStore()
+    sizes: list[int] = []
+
+    class _State(EngineListener):
+        def on_batch(self, stats: BatchStats) -> None:
+            sizes.append(len(store.step_state("held") or b""))
+
+    out: cf.Collect[Any] = cf.Collect()
+    p = cf.Pipeline("held")
+    (p | cf.DetectPartitions(stream="S", start_at=origin, end_at=origin + 70 * S, client=stream)
+     | cf.ReadPartition() | GroupTransactions() | out)
+    summary = Engine(p, store, InMemoryRunner(workers=1), RunOptions(batch_interval=0),
+                     _State()).run()
+    assert summary.reason == "end reached"
+    assert sorted(t.records[0].mods[0].keys["id"] for t in out.items) == list(range(3000))
+    return sizes
+
+
+def test_a_pipeline_with_batch_steps_keeps_its_state_near_the_batch_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A split holds the low watermark back until its children are read, one batch later:
+    GroupTransactions then holds the other partitions' changes of the batch since the
+    split. Pacing all tasks of a batch to ``STEP_BATCH_BYTES`` (4 MiB here) bounds it."""
+    paced = _held_state(True, monkeypatch)
+    assert 0 < max(paced) < 4 * MiB, paced
+    unpaced = _held_state(False, monkeypatch)
+    assert max(unpaced) > 2 * max(paced), (paced, unpaced)  # 7.0 MB against 1.9 MB
