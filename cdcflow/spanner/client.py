@@ -17,11 +17,8 @@ Retries. Transient errors (see :func:`cdcflow.spanner.retry.is_transient`) are r
 with the delays of a :class:`~cdcflow.backoff.RetryPolicy` (capped exponential backoff,
 full jitter): at most ``attempts`` calls in a row without progress and, if the policy has
 a ``deadline``, none starting later than that after the first failing one. A retry
-re-issues the query from the timestamp ``T`` of the last record the caller consumed and
-drops what the caller already has: records before ``T``, heartbeats at ``T``, and records
-at ``T`` whose identity (kind, record sequence, server transaction id) was already
-yielded. The identity test does not depend on the server returning records at one
-timestamp in the same order twice.
+re-issues the query from the timestamp of the last record the caller consumed and drops
+what the caller already has (:mod:`cdcflow.spanner.resumption`).
 
 Values and filters. Mod values are typed from the records' column types (``typed=True``,
 see :mod:`cdcflow.spanner.values`) or kept in the wire form; a
@@ -65,14 +62,11 @@ from cdcflow.model import (
     INITIAL_PARTITION_TOKEN,
     MAX_NS,
     ChangeRecord,
-    ChildPartitionsRecord,
     DataChangeRecord,
-    HeartbeatRecord,
-    PartitionEndRecord,
     Timestamp,
-    record_position,
 )
 from cdcflow.spanner.flat import MessageDecoder
+from cdcflow.spanner.resumption import Resumption
 from cdcflow.spanner.retry import (
     ObservedRead,
     QueryStats,
@@ -108,7 +102,6 @@ _UNIT_NS = {"s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86_400 * 10**9}
 _DEFAULT_RETENTION_NS = 86_400 * 10**9
 #: MUTABLE_KEY_RANGE change stream queries accept at most 30 minutes between start and end.
 _MUTABLE_WINDOW_NS = 30 * 60 * 10**9
-_ENDS = (ChildPartitionsRecord, PartitionEndRecord)
 #: The narrowest window RESOURCE_EXHAUSTED narrows a query to (see the module docstring).
 NARROWEST_WINDOW_NS = 1_000_000
 #: A change stream query with no message for this many heartbeat intervals (and at least
@@ -130,55 +123,6 @@ def _retention_ns(text: str | None) -> int:
     if m is None:
         return _DEFAULT_RETENTION_NS
     return int(float(m.group(1)) * _UNIT_NS[m.group(2)])
-
-
-def _identity(record: ChangeRecord) -> tuple[str, str, str]:
-    if isinstance(record, DataChangeRecord):
-        return ("data", record.record_sequence, record.server_transaction_id)
-    sequence = getattr(record, "record_sequence", "")
-    return (type(record).__name__, str(sequence), "")
-
-
-def _identities_at_end(
-    records: Sequence[ChangeRecord], position: int
-) -> Iterator[tuple[str, str, str]]:
-    """The identities of the last of ``records``, those at ``position``."""
-    at = len(records)
-    while at > 0 and record_position(records[at - 1]) == position:
-        at -= 1
-    for record in records[at:]:
-        yield _identity(record)
-
-
-def _through_end(records: Sequence[ChangeRecord]) -> tuple[Sequence[ChangeRecord], bool]:
-    """``records`` through the first that ends the partition (a ChildPartitionsRecord, or
-    MUTABLE_KEY_RANGE's PartitionEndRecord: nothing of the partition follows it), and
-    whether there was one."""
-    for at, record in enumerate(records):
-        if type(record) in _ENDS:
-            return records[:at + 1], True
-    return records, False
-
-
-def _kept(
-    records: Sequence[ChangeRecord], resume: int | None, seen: set[tuple[str, str, str]],
-    end: int,
-) -> list[ChangeRecord]:
-    """What of ``records`` a read gives: none before ``end``, and while re-reading after a
-    failure none at or before ``resume`` that the failed read gave (``seen``), and no
-    heartbeat at ``resume``."""
-    kept: list[ChangeRecord] = []
-    for record in records:
-        pos = record_position(record)
-        if resume is not None and pos <= resume and (
-            pos < resume or isinstance(record, HeartbeatRecord) or _identity(record) in seen
-        ):
-            continue
-        if pos >= end:
-            # The server's bounds are inclusive of end - 1 ns; never past it.
-            continue
-        kept.append(record)
-    return kept
 
 
 class SpannerChangeStreamClient:
@@ -605,15 +549,11 @@ class SpannerChangeStreamClient:
         widest = _MUTABLE_WINDOW_NS if info.partition_mode == "MUTABLE_KEY_RANGE" else MAX_NS
         start = query.start
         end = min(query.end, start + min(widest, self._width))
-        last: int | None = None  # position of the last record given
-        at_last: set[tuple[str, str, str]] = set()  # identities given at ``last``
-        seen: set[tuple[str, str, str]] = set()  # while re-reading: those of the failed read
-        resume: int | None = None  # while re-reading: drop what is at or before this
-        failed = 0  # failures in a row without progress
-        streak_began = 0.0  # when the first of them began, on the policy's clock
         # The root query's records (the first partitions) come in one window; a partition
         # ends at its ChildPartitionsRecord or PartitionEndRecord.
-        ended = token is None
+        read = Resumption(ended=token is None)
+        failed = 0  # failures in a row without progress
+        streak_began = 0.0  # when the first of them began, on the policy's clock
         while True:
             progressed = False
             began = self.retry.clock()
@@ -622,33 +562,12 @@ class SpannerChangeStreamClient:
                     info, token, start, end, query.heartbeat_millis, stats, sizes,
                     query.stopping,
                 ):
-                    if not records:
+                    given = read.given(records, end) if records else records
+                    if not given:
                         continue
-                    tail = record_position(records[-1])
-                    given: Sequence[ChangeRecord]
-                    if resume is None and tail < end:
-                        # The usual case: all of the message, given as it is (positions
-                        # never decrease in a partition, and the server starts at start).
-                        given = records
-                    else:
-                        given = _kept(records, resume, seen, end)
-                        if resume is not None and tail > resume:
-                            resume = None
-                        if not given:
-                            continue
-                        tail = record_position(given[-1])
-                    if not ended:
-                        given, ended = _through_end(given)
-                        tail = record_position(given[-1])
-                    # A query fails between messages only: what a run gives at its last
-                    # position joins ``at_last`` once, not record by record.
-                    if tail != last:
-                        last = tail
-                        at_last.clear()
-                    at_last.update(_identities_at_end(given, tail))
                     progressed = True
                     yield given
-                    if ended and token is not None:
+                    if read.ended and token is not None:
                         return  # nothing of the partition follows its end
             except Exception as exc:
                 stats.error(exc)
@@ -656,11 +575,9 @@ class SpannerChangeStreamClient:
                     # A stream that made progress failed just now, not when it began.
                     streak_began = self.retry.clock() if progressed else began
                     failed = 0
-                if last is not None:
-                    start = resume = last
-                    # what was yielded at ``last`` by every read so far (``at_last``
-                    # grows while ``last`` holds)
-                    seen = set(at_last)
+                again = read.failed()  # from the last position given, if any
+                if again is not None:
+                    start = again
                 narrower = self._narrower(exc, start, end, what)
                 if narrower is not None:
                     end = narrower
@@ -672,13 +589,14 @@ class SpannerChangeStreamClient:
                         raise
                     raise translated from exc
                 continue
-            if ended or end >= query.end:
+            if read.ended or end >= query.end:
                 return
             # This window is read: the next starts at its end, as wide again (at most).
             self._width = max(self._width, end - start)
             width = min(widest, 2 * (end - start))
             start, end = end, min(query.end, end + width)
-            resume, seen, failed = None, set(), 0
+            read.next_window()
+            failed = 0
 
     def _narrower(self, exc: Exception, start: int, end: int, what: str) -> int | None:
         """After RESOURCE_EXHAUSTED on the window ``[start, end)``, the end of one half as
