@@ -190,16 +190,19 @@ class TableStorage:
             doc = orjson.loads(data)
             if not isinstance(doc, dict):
                 raise TypeError(type(doc).__name__)
-            for key in ("first", "last", "version"):
-                if key in doc and (type(doc[key]) is not int or doc[key] < 0):
-                    msg = f"its {key} is {doc[key]!r}, not a batch or version number"
+            for key in ("first", "last", "version"):  # the sink writes all three
+                if key not in doc:
+                    msg = f"it has no {key}"
+                    raise ValueError(msg)
+                if type(doc[key]) is not int or doc[key] < (1 if key == "version" else 0):
+                    msg = f"its {key} is {doc[key]!r}, not a batch or schema version number"
                     raise TypeError(msg)
             named = _CLAIM.search(path)
-            first = doc.get("first", int(named.group(1)) if named else None)
+            first = doc["first"]
             if named is not None and first != int(named.group(1)):
                 msg = f"its first batch is {first}, not the {named.group(1)} of its name"
                 raise ValueError(msg)
-            if first is not None and doc.get("last", first) < first:
+            if doc["last"] < first:
                 msg = f"its last batch {doc['last']} is before its first, {first}"
                 raise ValueError(msg)
             return doc
@@ -237,7 +240,7 @@ class TableStorage:
             doc = self._claim_doc(self._claim_path(table, directory, first))
             if doc is None:
                 return None  # uploaded and released meanwhile
-            found[first] = (int(doc.get("last", first)), int(doc.get("version", 0)))
+            found[first] = (doc["last"], doc["version"])
         return found
 
     def claim_file(self, table: str, directory: str, file: str) -> None:
@@ -302,7 +305,7 @@ class TableStorage:
         lasts = [0]
         for name in self._glob(self.path("_cdcflow", "claims", "**", "*.json")):
             doc = self._claim_doc(name)
-            lasts.append(0 if doc is None else int(doc.get("last", 0)))
+            lasts.append(0 if doc is None else doc["last"])
         return max(lasts)
 
     # -- listings ----------------------------------------------------------------------------
@@ -327,12 +330,13 @@ class TableStorage:
         versions = sorted(int(m.group(1)) for n in names if (m := _VERSION.search(n)))
         if not versions:
             return None
-        data = self.read(self.path(table, "_schema", f"v{versions[-1]}.json"))
+        path = self.path(table, "_schema", f"v{versions[-1]}.json")
+        data = self.read(path)
         try:
             return Schema.parse(data or b"")
         except (KeyError, TypeError, ValueError) as exc:
-            msg = (f"WriteTables: {table}/_schema/v{versions[-1]}.json is not a schema "
-                   f"this sink wrote ({exc}); restore it or write to another URL")
+            msg = (f"WriteTables: {path} is not a schema this sink wrote ({exc}); restore "
+                   "it or write to another URL")
             raise SinkSetupError(msg) from exc
 
     # -- reads and writes --------------------------------------------------------------------
