@@ -1137,6 +1137,16 @@ def test_json_logs_one_object_per_line(tmp_path: Path) -> None:
     assert failed.returncode == 2
     (error,) = [json.loads(line) for line in failed.stderr.splitlines()]
     assert error["level"] == "ERROR" and "not found" in error["message"]
+    assert error["pipeline"] is None  # no pipeline was loaded
+    # an error that ends a run names its pipeline, as the run's lines do
+    (tmp_path / "broken").mkdir()  # a store of its own
+    broken = write(tmp_path / "broken",
+                   SCRIPTED.replace('"id": record.mods[0].keys["id"]', '"id": 1 / 0'))
+    failed = cdcflow("run", str(broken), "--log-format", "json", "--batch-interval", "0s")
+    assert failed.returncode == 1, failed.stderr
+    docs = [json.loads(line) for line in failed.stderr.splitlines()]
+    assert docs[-1]["level"] == "ERROR" and "ZeroDivisionError" in docs[-1]["message"], docs
+    assert {d["pipeline"] for d in docs} == {"scripted"}
 
 
 def test_debug_goes_before_or_after_the_command(tmp_path: Path) -> None:

@@ -50,7 +50,10 @@ def say(line: str, log_format: str, text: str | None = None, level: int = loggin
 
         message = line.strip().removeprefix("# ") if text is None else text
         record = logging.LogRecord("cdcflow.cli", level, __file__, 0, "%s", (message,), None)
-        print(JsonFormatter().format(record), file=sys.stderr, flush=True)
+        # the run's pipeline, as its log lines name it (None before a run set logging up)
+        pipeline = next((h.formatter.pipeline for h in logging.getLogger().handlers
+                         if isinstance(h.formatter, JsonFormatter)), None)
+        print(JsonFormatter(pipeline).format(record), file=sys.stderr, flush=True)
     else:
         print(line, file=sys.stderr, flush=True)
 
