@@ -6,13 +6,15 @@ the data, so that the busiest task of a batch reads about ``max_task_bytes``: af
 batch the next span is ``max_task_bytes`` over the fastest rate a task read at (its bytes
 over the commit time its slice covered), at most twice the span before it, never more than
 ``max_batch_span`` nor less than a millisecond. A pipeline's first batch spans
-``FIRST_SPAN_NS`` (10 s, or ``max_batch_span`` if that is shorter): a first run into a
-backlog of unknown density reads 10 s of it, and the spans double from there while tasks
-read little, up to ``max_batch_span`` (60 s by default). Fewer, wider batches are what make
-a sparse backlog fast: each batch queries every partition again (on the emulator 0.3 to 1
-CPU s a batch), so 40,000 single-row transactions (a minute of commits) caught up about
-1.8 times faster with a 60 s cap than with a 10 s one, at the emulator CPU of a reader that
-queries every partition once. A dense backlog is paced by its bytes either way.
+``FIRST_SPAN_NS`` (10 s, or ``max_batch_span`` if that is shorter), and the spans double
+from there while tasks read little, up to ``max_batch_span`` (60 s by default). On a first
+run the first batch queries only the stream's root partition (which names the first
+partitions), so the first changes of a backlog of unknown density come in a 20 s span.
+Fewer, wider batches are what make a sparse backlog fast: each batch queries every
+partition again (on the emulator 0.3 to 1.5 CPU s a batch), so 40,000 single-row
+transactions (a minute of commits) caught up in 9.1 to 9.5 s, against 13.8 s with a 10 s
+cap (the emulator's CPU 10.2 s against 17.4 s, about what a reader that queries every
+partition once costs it). A dense backlog is paced by its bytes either way.
 
 A BatchStep (GroupTransactions, SchemaChanges) keeps what the low watermark has not passed,
 and a partition that splits holds the watermark back at the split until its children are
