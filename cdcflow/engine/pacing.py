@@ -22,7 +22,9 @@ read in the next batch: the state then holds the other partitions' changes since
 up to a whole batch of them. In a pipeline with BatchSteps the span is therefore also paced
 so that all tasks of a batch read about ``STEP_BATCH_BYTES`` (32 MiB) together: the span is
 at most that over the sum of the tasks' rates, which keeps the state well within what the
-stores keep however wide a sparse backlog's spans grow.
+stores keep at the rates seen, however wide a sparse backlog's spans grow. Both aims follow
+the rates of the batches before: a burst after a quiet spell passes them, by as much as
+the span (grown while quiet) holds of it; ``max_batch_span`` bounds that.
 
 The batch log keeps the span each batch left for the next, and a run goes on from the last
 one, so a run that crashed and resumed plans the same batches as one that did not.
