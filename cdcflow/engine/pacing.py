@@ -13,8 +13,8 @@ partitions), so the first changes of a backlog of unknown density come in a 20 s
 Fewer, wider batches are what make a sparse backlog fast: each batch queries every
 partition again (on the emulator 0.3 to 1.5 CPU s a batch), so 40,000 single-row
 transactions (a minute of commits) caught up in 9.1 to 9.5 s, against 13.8 s with a 10 s
-cap (the emulator's CPU 10.2 s against 17.4 s, about what a reader that queries every
-partition once costs it). A dense backlog is paced by its bytes either way.
+cap (the emulator's CPU 9.5 to 10.3 s against 17.4 s, about what a reader that queries
+every partition once costs it). A dense backlog is paced by its bytes either way.
 
 A BatchStep (GroupTransactions, SchemaChanges) keeps what the low watermark has not passed,
 and a partition that splits holds the watermark back at the split until its children are
