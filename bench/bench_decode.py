@@ -30,7 +30,12 @@ them the floor of any decoder on
 this protobuf runtime: parsing the messages, pulling out every string and parsing every
 JSON text, making no record and typing nothing.
 
-``python -m bench.bench_decode [--records N] [--rows-per-message K] [--rounds R]``.
+Each figure is a reader's fastest round, of at least ``--rounds`` and more while its
+rounds took less than ``--min-seconds`` in all (1 s): a fast reader's round is a few
+hundredths of a second, which one busy moment of a shared machine doubles.
+
+``python -m bench.bench_decode [--records N] [--rows-per-message K] [--rounds R]
+[--min-seconds S]``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from typing import Any
 
 import attrs
 
-from bench._args import non_negative_int, positive_int
+from bench._args import non_negative_float, non_negative_int, positive_int
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
 from cdcflow.processes import settled_heap
 
@@ -297,15 +302,27 @@ class Result:
         return self.records / self.kept_seconds if self.kept_seconds > 0 else float("inf")
 
 
-def _best(fn: Callable[[], Any], rounds: int) -> tuple[Any, float]:
-    """The output of the last round and the fastest round's seconds."""
+#: Most rounds :func:`_best` runs to fill its ``min_seconds``.
+MAX_ROUNDS = 50
+
+
+def _best(fn: Callable[[], Any], rounds: int, min_seconds: float = 0.0) -> tuple[Any, float]:
+    """The output of the last round and the fastest round's seconds, of ``rounds`` rounds
+    and more while they took less than ``min_seconds`` in all (up to MAX_ROUNDS): a fast
+    reader's round lasts a few hundredths of a second, which one busy moment of the machine
+    doubles, so it gets more rounds for its best to be a fair one."""
     best = float("inf")
     out: Any = None
-    for _ in range(rounds):
+    spent = 0.0
+    done = 0
+    while done < rounds or (spent < min_seconds and done < MAX_ROUNDS):
         out = None  # let the previous round's records go before timing the next
         t0 = time.perf_counter()
         out = fn()
-        best = min(best, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        best = min(best, took)
+        spent += took
+        done += 1
     return out, best
 
 
@@ -318,7 +335,7 @@ def _one_by_one(items: Iterator[Any]) -> int:
 
 def _measure(
     name: str, read: Callable[[], Iterator[Any]], rounds: int,
-    count: Callable[[Any], int] | None = None,
+    count: Callable[[Any], int] | None = None, min_seconds: float = 0.0,
 ) -> tuple[Result, list[Any]]:
     """``read()`` consumed one by one (``count(item)`` records per item, else 1), then
     kept in a list: the result and the kept items of the last round."""
@@ -328,8 +345,8 @@ def _measure(
             return _one_by_one(read())
         return sum(count(item) for item in read())
 
-    n, secs = _best(one_by_one, rounds)
-    kept, kept_secs = _best(lambda: list(read()), rounds)
+    n, secs = _best(one_by_one, rounds, min_seconds)
+    kept, kept_secs = _best(lambda: list(read()), rounds, min_seconds)
     return Result(name, n, secs, kept_secs), kept
 
 
@@ -363,9 +380,11 @@ def _start_server(
 
 def run(
     n: int, *, rows_per_message: int = 1, rounds: int = 3, in_process: bool = False,
-    check: bool = True,
+    check: bool = True, min_seconds: float = 0.0,
 ) -> list[Result]:
-    """Read N records each way; with ``check``, prove all ways give the same records."""
+    """Read N records each way, each reader's best of ``rounds`` rounds and more while
+    they took less than ``min_seconds`` (see :func:`_best`); with ``check``, prove all
+    ways give the same records."""
     from cdcflow.spanner.client import SpannerChangeStreamClient
 
     host, stop = _start_server(n, rows_per_message, in_process)
@@ -375,7 +394,7 @@ def run(
     client = SpannerChangeStreamClient(DATABASE)
     try:
         with settled_heap():
-            results, readers = _measure_all(host, database, client, rounds)
+            results, readers = _measure_all(host, database, client, rounds, min_seconds)
         if check:
             expected = make_records(n)
             if any(records != expected for records in readers):
@@ -392,23 +411,26 @@ def run(
         stop()
 
 
-def _measure_all(host: str, database: Any, client: Any, rounds: int
+def _measure_all(host: str, database: Any, client: Any, rounds: int, min_seconds: float
                  ) -> tuple[list[Result], list[list[Any]]]:
     """Every reader's result, and the records of the readers that make them."""
     raw, _ = _measure("raw grpc (PartialResultSets)", lambda: read_raw(host), rounds,
-                      count=lambda prs: len(prs.values))
+                      count=lambda prs: len(prs.values), min_seconds=min_seconds)
     rows, kept = _measure("stock execute_sql (rows)",
-                          lambda: read_stock(database, to_model=False), rounds)
+                          lambda: read_stock(database, to_model=False), rounds,
+                          min_seconds=min_seconds)
     del kept
     stock_model, stock = _measure("stock execute_sql + model",
-                                  lambda: read_stock(database, to_model=True), rounds)
+                                  lambda: read_stock(database, to_model=True), rounds,
+                                  min_seconds=min_seconds)
     fast_result, fast = _measure("cdcflow client (model)", lambda: read_cdcflow(client),
-                                 rounds)
+                                 rounds, min_seconds=min_seconds)
     results = [raw, rows, stock_model, fast_result]
     readers = [stock, fast]
     if _compiled():
         with _python_decoder():
-            slow_result, slow = _measure(PYTHON_CLIENT, lambda: read_cdcflow(client), rounds)
+            slow_result, slow = _measure(PYTHON_CLIENT, lambda: read_cdcflow(client), rounds,
+                                         min_seconds=min_seconds)
         results.append(slow_result)
         readers.append(slow)
     return results, readers
@@ -466,13 +488,14 @@ def table(results: Sequence[Result], title: str) -> str:
     return "\n".join(lines)
 
 
-def decode_only(n: int, *, tables: int = 10, rows_per_message: int = 50, rounds: int = 3
-                ) -> list[Result]:
+def decode_only(n: int, *, tables: int = 10, rows_per_message: int = 50, rounds: int = 3,
+                min_seconds: float = 0.0) -> list[Result]:
     """Decode N records spread over ``tables`` tables from their serialized messages (the
     reader's path, without a server), one message at a time, each message's records
     dropped once counted: in full (typed, then wire values), with a filter that wants one
     table, and the floor (see the module docstring). Every result counts the N records
-    decoded; the filtered one checks that it kept exactly that table's."""
+    decoded; the filtered one checks that it kept exactly that table's. Each is the best of
+    ``rounds`` rounds and more while they took less than ``min_seconds`` (:func:`_best`)."""
     from cdcflow.model import DataChangeRecord
     from cdcflow.spanner.flat import MessageDecoder
     from cdcflow.spanner.shape import RecordShaper
@@ -500,24 +523,25 @@ def decode_only(n: int, *, tables: int = 10, rows_per_message: int = 50, rounds:
     ]
     results = []
     for name, shaper in cases:
-        (count, data, names), secs = _best(lambda shaper=shaper: decode(shaper), rounds)
+        (count, data, names), secs = _best(lambda shaper=shaper: decode(shaper), rounds,
+                                            min_seconds)
         results.append(Result(name, count, secs))
         if shaper is wanted and (data != len(range(0, n, tables)) or names != {"Orders0"}):
             msg = "the filtered decode kept the wrong records; the benchmark is invalid"
             raise AssertionError(msg)
     if _compiled():
         with _python_decoder():
-            (count, _, _), secs = _best(lambda: decode(RecordShaper()), rounds)
+            (count, _, _), secs = _best(lambda: decode(RecordShaper()), rounds, min_seconds)
         results.append(Result(PYTHON_DECODE, count, secs))
     # the same records as a PostgreSQL-dialect database sends them (one JSONB per row)
     messages = postgresql_messages(n, rows_per_message, tables=tables)
-    (count, data, _), secs = _best(lambda: decode(RecordShaper()), rounds)
+    (count, data, _), secs = _best(lambda: decode(RecordShaper()), rounds, min_seconds)
     if data != n:
         msg = "the PostgreSQL decode did not give every record; the benchmark is invalid"
         raise AssertionError(msg)
     results.append(Result(POSTGRESQL_DECODE, count, secs))
     messages = encoded_messages(n, rows_per_message, tables=tables)
-    texts, secs = _best(lambda: _floor(messages), rounds)
+    texts, secs = _best(lambda: _floor(messages), rounds, min_seconds)
     if texts != 9 * n:
         msg = f"the floor read {texts} JSON texts, not {9 * n}; the benchmark is invalid"
         raise AssertionError(msg)
@@ -582,7 +606,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--records", type=positive_int, default=10_000)
     parser.add_argument("--rows-per-message", type=non_negative_int, default=0,
                         help="records per PartialResultSet (0: run 1 and 50)")
-    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="the fewest rounds of each reader, whose best counts")
+    parser.add_argument("--min-seconds", type=non_negative_float, default=1.0,
+                        help="more rounds while a reader's took less than this in all "
+                             f"(at most {MAX_ROUNDS})")
     parser.add_argument("--in-process", action="store_true", help="serve from this process")
     parser.add_argument("--serve", type=non_negative_int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -594,14 +622,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     raw: Result | None = None
     for rpm in [args.rows_per_message] if args.rows_per_message else [1, 50]:
         results = run(args.records, rows_per_message=rpm, rounds=args.rounds,
-                      in_process=args.in_process)
+                      in_process=args.in_process, min_seconds=args.min_seconds)
         print(table(results, f"decode: {args.records} three-mod data change records, "
                              f"{rpm} per PartialResultSet"))
         print()
         if rpm == 50 or raw is None:
             raw = results[0]
     with settled_heap():  # as the engine sets the collector while batches run
-        decoded = decode_only(args.records, rounds=args.rounds)
+        decoded = decode_only(args.records, rounds=args.rounds, min_seconds=args.min_seconds)
     print(decode_table(
         decoded,
         f"decode only: {args.records} three-mod records over 10 tables, 50 per message, "

@@ -50,6 +50,7 @@ CASES: dict[str, list[tuple[list[str], str, dict[str, str]]]] = {
         (["--rows-per-message", "-1"], "argument --rows-per-message:", {}),
         (["--rounds", "0"], "argument --rounds:", {}),
         (["--serve", "-1"], "argument --serve:", {}),
+        (["--min-seconds", "-1"], "argument --min-seconds:", {}),
     ],
     "bench.bench_engine": [
         (["--sizes", "abc"], "argument --sizes:", {}),

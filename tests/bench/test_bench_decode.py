@@ -19,6 +19,27 @@ def test_in_process_run_agrees_and_reports() -> None:
     assert ("compiled decoder / Python decoder:" in text) == compiled
 
 
+def test_best_runs_more_rounds_until_their_seconds_are_spent() -> None:
+    import time
+
+    calls: list[int] = []
+
+    def round_() -> int:
+        calls.append(1)
+        time.sleep(0.01)
+        return len(calls)
+
+    out, best = bench_decode._best(round_, 2)
+    assert (out, len(calls)) == (2, 2)  # no minimum: exactly the rounds asked
+    assert best >= 0.01
+    calls.clear()
+    out, _ = bench_decode._best(round_, 2, min_seconds=0.1)
+    assert 2 < len(calls) <= 10 and out == len(calls)  # rounds of 0.01 s or more, to 0.1 s
+    calls.clear()
+    bench_decode._best(lambda: calls.append(1), 1, min_seconds=3600)
+    assert len(calls) == bench_decode.MAX_ROUNDS  # a fast round stops at the cap
+
+
 def test_served_messages_decode_to_the_records() -> None:
     from google.cloud.spanner_v1.types import PartialResultSet
 
