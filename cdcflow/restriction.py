@@ -66,8 +66,11 @@ class TimestampRangeTracker:
       the caller must stop reading without emitting the record.
     - A reader whose query ended without reaching ``end`` claims ``end`` itself (which
       returns False) to mark the range done; :meth:`check_done` then passes.
-    - :meth:`try_split` may be called from another thread (e.g. a deadline timer); claims
-      after a checkpoint stop at the new end.
+    - Claims after a checkpoint (:meth:`try_split`) stop at the new end.
+    - One thread claims and splits: like Beam's own trackers, this one takes no lock (a
+      reader claims every record, and on some machines an uncontended lock costs more than
+      the rest of the claim). Splitting from another thread, say a deadline timer, needs a
+      lock around both calls, as Beam's ``ThreadsafeRestrictionTracker`` puts there.
     """
 
     def __init__(self, restriction: TimestampRange) -> None:
@@ -77,16 +80,10 @@ class TimestampRangeTracker:
         self._range = restriction
         self._last_claimed: int | None = None
         self._last_attempted: int | None = None
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        # try_claim's two bounds, kept beside the range for the hot path: the least position
+        # it accepts (the range start, then the last attempt) and the range's end
+        self._floor = restriction.start
+        self._end = restriction.end
 
     def __repr__(self) -> str:
         return (
@@ -114,24 +111,26 @@ class TimestampRangeTracker:
         Returns False when ``position >= end``: the caller must stop. Raises TrackerError
         when ``position < start`` or when it is smaller than the previous attempt.
         """
-        with self._lock:
-            if self._last_attempted is not None and position < self._last_attempted:
-                msg = (
-                    f"try_claim({position}) goes backwards from {self._last_attempted}; a "
-                    "reader must claim positions in non-decreasing order"
-                )
-                raise TrackerError(msg)
-            if position < self._range.start:
-                msg = (
-                    f"try_claim({position}) is before the range start {self._range.start}; "
-                    "the reader's query must start at the restriction's start"
-                )
-                raise TrackerError(msg)
-            self._last_attempted = position
-            if position >= self._range.end:
-                return False
-            self._last_claimed = position
-            return True
+        if position < self._floor:  # a reader claims each record: the usual case is short
+            self._refuse(position)
+        self._floor = self._last_attempted = position
+        if position >= self._end:
+            return False
+        self._last_claimed = position
+        return True
+
+    def _refuse(self, position: int) -> None:
+        if self._last_attempted is not None and position < self._last_attempted:
+            msg = (
+                f"try_claim({position}) goes backwards from {self._last_attempted}; a "
+                "reader must claim positions in non-decreasing order"
+            )
+            raise TrackerError(msg)
+        msg = (
+            f"try_claim({position}) is before the range start {self._range.start}; "
+            "the reader's query must start at the restriction's start"
+        )
+        raise TrackerError(msg)
 
     def try_split(
         self, fraction_of_remainder: float = 0.0
@@ -148,41 +147,36 @@ class TimestampRangeTracker:
         if not 0.0 <= fraction_of_remainder < 1.0:
             msg = f"try_split fraction must be in [0, 1), got {fraction_of_remainder}"
             raise ValueError(msg)
-        with self._lock:
-            start, end = self._range.start, self._range.end
-            if self._last_attempted is not None and self._last_attempted >= end:
-                return None
-            first_unclaimed = start if self._last_claimed is None else self._last_claimed + 1
-            split = first_unclaimed + int((end - first_unclaimed) * fraction_of_remainder)
-            if split >= end:
-                return None
-            primary = TimestampRange(start, split)
-            residual = TimestampRange(split, end)
-            self._range = primary
-            return primary, residual
+        start, end = self._range.start, self._range.end
+        if self._last_attempted is not None and self._last_attempted >= end:
+            return None
+        first_unclaimed = start if self._last_claimed is None else self._last_claimed + 1
+        split = first_unclaimed + int((end - first_unclaimed) * fraction_of_remainder)
+        if split >= end:
+            return None
+        primary = TimestampRange(start, split)
+        residual = TimestampRange(split, end)
+        self._range = primary
+        self._end = split
+        return primary, residual
 
     def is_done(self) -> bool:
         """True when every position of the current range has been claimed or given up."""
-        with self._lock:
-            return self._is_done()
-
-    def _is_done(self) -> bool:
         if self._range.is_empty():
             return True
         return self._last_attempted is not None and self._last_attempted >= self._range.end - 1
 
     def check_done(self) -> None:
         """Raise TrackerError unless the whole current range was claimed or given up."""
-        with self._lock:
-            if self._is_done():
-                return
-            last = self._last_attempted
-            msg = (
-                f"range {self._range} is not done: last attempted position {last}; a reader "
-                f"whose query ended must call try_claim({self._range.end}) (the range end), "
-                "or try_split(0) to hand back the rest"
-            )
-            raise TrackerError(msg)
+        if self.is_done():
+            return
+        last = self._last_attempted
+        msg = (
+            f"range {self._range} is not done: last attempted position {last}; a reader "
+            f"whose query ended must call try_claim({self._range.end}) (the range end), "
+            "or try_split(0) to hand back the rest"
+        )
+        raise TrackerError(msg)
 
     def is_bounded(self) -> bool:
         """False when the range has no end (``end == MAX_NS``)."""

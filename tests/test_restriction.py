@@ -98,6 +98,8 @@ def test_bounded_and_pickle() -> None:
     copy = pickle.loads(pickle.dumps(t))
     assert copy.last_claimed == 5
     assert copy.try_claim(6)
+    with pytest.raises(TrackerError, match="backwards"):
+        copy.try_claim(4)  # the copy keeps the last attempt
 
 
 @given(
