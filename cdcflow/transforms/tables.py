@@ -381,10 +381,13 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
 
     def commit(self, batch_id: int, messages: Sequence[TaskRows]) -> None:
         """Stage ``batch_id`` (skipped at or below the durable batch, and per key at or below
-        the key's last file); cut the files that are due; keep the spool in bounds."""
-        if batch_id <= self.durable_batch():
+        the key's last file); cut the files that are due; keep the spool in bounds. The
+        tasks' spool files are removed once read, or at once when the batch is not staged."""
+        if batch_id <= self.durable_batch():  # a replay of what storage holds
+            self._drop_spools(messages)
             return
         if batch_id <= self._staged_through:  # a retry, after this commit raised: the
+            self._drop_spools(messages)
             self._bound(batch_id)  # spool is checked again, so its bound holds
             return
         self._checkpoint("stage", batch_id)
@@ -421,6 +424,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             # batches above the durable mark.
             msg = (f"{self._local_error(exc)}; batch {batch_id} was staged in part, so the "
                    "run stops: the next run replays it")
+            self._drop_spools(messages)
             raise SinkError(msg) from exc
         self._staged_through = batch_id
         due = self._due(by_key)
@@ -724,6 +728,11 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
             raise SinkIOError(msg)
 
     def abort(self, batch_id: int, messages: Sequence[TaskRows]) -> None:
+        self._drop_spools(messages)
+
+    @staticmethod
+    def _drop_spools(messages: Sequence[TaskRows]) -> None:
+        """Remove the tasks' spool files of ``messages`` (those still there)."""
         for message in messages:
             if message.spool is not None:
                 with contextlib.suppress(OSError):

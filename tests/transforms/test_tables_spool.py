@@ -265,6 +265,32 @@ def test_a_task_names_its_spool_file_after_the_driver(root: str, tmp_path: Any) 
     sink.close()
 
 
+def test_a_replayed_batch_leaves_no_spool_file(root: str) -> None:
+    # After a restart the first batches replay what storage holds already: the sink skips
+    # them, and the spool files their tasks wrote go at once, not when the process ends.
+    sink = WriteTables(f"memory://{root}", spool_size="1KiB", flush_interval="1h")
+    sink.setup(SinkContext("p", "WriteTables", "/"))
+    _commit(sink, 1, list(_large(1, 8, 4096)))
+    sink.flush()
+    assert sink.durable_batch() == 1
+    spools = []
+    for batch in (1, 1):  # the replay, then the engine's retry of the same commit
+        w = sink.open_writer(WriterContext("p", "WriteTables", batch, "p0", 0, 1, "a"))
+        for r in _large(batch, 8, 4096):
+            w.write(r)
+        message = w.close()
+        assert isinstance(message, TaskRows) and message.spool is not None
+        assert os.path.exists(message.spool)
+        sink.commit(batch, [message])
+        spools.append(message.spool)
+    assert not any(os.path.exists(p) for p in spools)
+    _commit(sink, 2, list(_large(2, 8, 4096)))  # staged: its spool file is read, then gone
+    sink.flush()
+    sink.close()
+    assert sorted(_ids(root)) == sorted([100_000 + i for i in range(8)]
+                                        + [200_000 + i for i in range(8)])
+
+
 def _large(batch: int, n: int, payload: int, start: int = 0, tables: int = 1) -> Any:
     """``n`` records of ``payload`` bytes each, made as they are written (none kept)."""
     for i in range(start, start + n):
