@@ -104,6 +104,7 @@ class Batches:
         view: PartitionView, idle: IdleSchedule, steps: BatchSteps, staged: StagedSinks,
         sinks: Mapping[str, Sink[Any, Any]], program_bytes: bytes, pacer: Pacer, gc_ttl_ns: int,
         snapshot_slices: int | None = None, stopping: Callable[[], bool] = lambda: False,
+        guard: Callable[[], None] = lambda: None,
     ) -> None:
         self.name = name
         self.store = store
@@ -116,6 +117,8 @@ class Batches:
         self._fence = fence
         self._retry = retry
         self._stopping = stopping
+        #: Raises when this run may no longer act (:class:`cdcflow.engine.guard.RunGuard`)
+        self._guard = guard
         self.idle = idle
         idle.resume(view.snapshot(), clock())  # a restart spreads its idle partitions' reads
         self._steps = steps
@@ -369,6 +372,10 @@ class Batches:
                 if ready is not None:
                     ready(done, attempts == 1)
                 for label, sink in targets.items():
+                    # A run whose lease ran out (a process paused past it) or was taken
+                    # over commits no more sinks: the run that owns the pipeline now may
+                    # have committed the batch to them (the store fences only its writes).
+                    self._guard()
                     messages = [
                         r.sink_messages[label] for r in done
                         if r.sink_messages.get(label) is not None

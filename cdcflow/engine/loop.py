@@ -250,7 +250,7 @@ class Engine:
                                                STEP_BATCH_BYTES if steps else None),
                             gc_ttl_ns=int(opts.gc_ttl * _NS),
                             snapshot_slices=program.source.snapshot_tasks_per_batch,
-                            stopping=self._stop.is_set,
+                            stopping=self._stop.is_set, guard=guard.check,
                         )
 
                     if opts.reset:

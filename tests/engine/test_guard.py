@@ -125,6 +125,98 @@ def test_a_run_paused_past_its_lease_makes_no_call_after_another_run_took_over(
     assert {v for _, _, v in _calls(calls)} == set(range(400))  # at least once each
 
 
+FILES_PIPELINE = f"""
+import os, time
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+stream = ScriptedChangeStream("S", partitions=1, origin={T0})
+for i in range(400):
+    stream.write("T", i % 7, "UPDATE", {{"v": i}}, at={T0} + (i + 1) * 10_000_000)
+
+
+class Kept:
+    def __init__(self):
+        self.items = []
+
+    def write(self, element):
+        self.items.append(element)
+
+    def close(self):
+        return self.items
+
+    def abort(self):
+        pass
+
+
+class SlowCommit(cf.Sink):
+    # commits a second and a half after it says so in COMMITS
+    def open_writer(self, ctx):
+        return Kept()
+
+    def commit(self, batch_id, messages):
+        with open(os.environ["CALLS"] + ".commits", "a") as f:
+            f.write(f"{{os.getpid()}} {{batch_id}}\\n")
+        time.sleep(1.5)
+
+
+class Append(cf.Sink):
+    # appends the batch's values to OUT at commit: a sink that takes a batch as often as
+    # it is given
+    def open_writer(self, ctx):
+        return Kept()
+
+    def commit(self, batch_id, messages):
+        with open(os.environ["CALLS"] + ".out", "a") as f:
+            for items in messages:
+                for row in items:
+                    f.write(f"{{os.getpid()}} {{row['v']}}\\n")
+
+
+pipeline = cf.Pipeline("paused")
+rows = (pipeline
+        | cf.DetectPartitions(stream="S", start_at={T0}, end_at={T0} + 5 * 10**9,
+                              client=stream)
+        | cf.ReadPartition() | cf.Map(lambda r: r.mods[0].new_values))
+rows | "a-slow" >> SlowCommit()
+rows | "append" >> Append()
+"""
+
+
+def test_a_run_paused_past_its_lease_commits_no_more_sinks_once_another_run_took_over(
+    tmp_path: Path,
+) -> None:
+    # Paused while its first sink commits the batch, the run resumes after the run that
+    # took over committed that batch to both sinks. It commits no other sink, and names its
+    # lease (before: it committed the batch to the second sink again).
+    path, calls = tmp_path / "pipeline.py", tmp_path / "calls"
+    commits = tmp_path / "calls.commits"
+    path.write_text(textwrap.dedent(FILES_PIPELINE))
+    first = _start(path, calls)
+    try:
+        deadline = time.monotonic() + 120
+        while not commits.exists() or " 2" not in commits.read_text():  # the data batch
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr
+            time.sleep(0.02)
+        os.killpg(first.pid, signal.SIGSTOP)
+        time.sleep(3)  # past the lease's 2 s
+        second = _start(path, calls)
+        assert second.wait(timeout=120) == 0  # it replayed the batch and committed it
+        os.killpg(first.pid, signal.SIGCONT)
+        _, err = first.communicate(timeout=60)
+    finally:
+        for proc in (first, locals().get("second")):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert first.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("cdcflow: error: pipeline 'paused': this run's lease"), last
+    assert "no longer current" in last and "Traceback" not in err
+    taken = [line.split() for line in (tmp_path / "calls.out").read_text().splitlines()]
+    assert {int(pid) for pid, _ in taken} == {second.pid}  # the batch came from it alone
+    assert sorted(int(v) for _, v in taken) == list(range(400))  # once each
+
+
 def test_a_second_ctrl_c_ends_the_run_without_more_calls(tmp_path: Path) -> None:
     path, calls = tmp_path / "pipeline.py", tmp_path / "calls.txt"
     path.write_text(textwrap.dedent(PIPELINE))
