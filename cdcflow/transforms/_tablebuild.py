@@ -204,8 +204,9 @@ def array(values: list[Any], c: Column, table: str, *, csv: bool = False,
             return timestamps(values, unit)
         except ValueError as exc:
             fix = ("write this table with format='jsonl' (timestamps as RFC 3339 text)"
-                   if csv else "write Parquet with timestamp_unit='us' (years 1 to 9999) "
-                   "or this table with format='jsonl' (timestamps as RFC 3339 text)")
+                   if csv else "write Parquet with timestamp_unit='us' (years 1 to 9999; to "
+                   "another URL, as a URL holds one unit) or this table with "
+                   "format='jsonl' (timestamps as RFC 3339 text)")
             msg = (f"WriteTables: {table}.{c.name}: {exc}: Parquet and CSV files hold "
                    f"timestamps as such; {fix}")
             raise SinkError(msg) from exc

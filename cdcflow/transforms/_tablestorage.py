@@ -63,9 +63,10 @@ class TableStorage:
     on S3, makedirs would create a bucket a typo names)."""
 
     def __init__(self, url: str, shown: str, storage_options: Mapping[str, Any],
-                 format: str = "parquet") -> None:
+                 format: str = "parquet", unit: str = "ns") -> None:
         self.shown = shown
         self.format = format  # of the files written here: the durable mark names it
+        self.unit = unit  # of their timestamps, in Parquet: the durable mark names it too
         self._made: set[str] = set()  # directories made in storage
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
@@ -136,7 +137,8 @@ class TableStorage:
         pipeline). Another pipeline's output there is refused (OutputConflictError: its
         batch ids are not this pipeline's, so a replay would skip this pipeline's rows as
         written), and so are files of another format (a file an earlier run claimed would
-        land twice, once in each format, and a schema version names one format)."""
+        land twice, once in each format, and a schema version names one format), and
+        Parquet files with timestamps in another unit (a table's schema names one unit)."""
         path = self.path("_cdcflow", "durable.json")
         owned = 0
         try:
@@ -149,7 +151,7 @@ class TableStorage:
                     data = self.read(path)
             doc = orjson.loads(data) if data else {}
             owner, durable = doc.get("pipeline"), int(doc.get("durable_batch", 0))
-            written = doc.get("format")
+            written, unit = doc.get("format"), doc.get("timestamp_unit")
             if owner is None:  # written before marks named their pipeline
                 self.put(path, self._mark_doc(pipeline, durable))
             else:
@@ -166,6 +168,12 @@ class TableStorage:
                    f"{pipeline!r}, and this sink writes {self.format}: a URL holds one "
                    f"format; keep format={written!r}, or write {self.format} to another URL")
             raise OutputConflictError(msg)
+        if unit is not None and self.format == "parquet" and unit != self.unit:
+            msg = (f"WriteTables: {self.shown} holds Parquet files of pipeline {pipeline!r} "
+                   f"with timestamps in {unit}, and this sink writes them in {self.unit}: a "
+                   f"URL holds one timestamp unit (a table's schema names it); keep "
+                   f"timestamp_unit={unit!r}, or write {self.unit} to another URL")
+            raise OutputConflictError(msg)
         return durable, owned
 
     def mark(self, pipeline: str, durable: int) -> None:
@@ -173,8 +181,10 @@ class TableStorage:
         self.put(self.path("_cdcflow", "durable.json"), self._mark_doc(pipeline, durable))
 
     def _mark_doc(self, pipeline: str, durable: int) -> bytes:
-        return orjson.dumps({"durable_batch": durable, "pipeline": pipeline,
-                             "format": self.format, "at": str(Timestamp.now())})
+        doc = {"durable_batch": durable, "pipeline": pipeline, "format": self.format}
+        if self.format == "parquet":
+            doc["timestamp_unit"] = self.unit
+        return orjson.dumps({**doc, "at": str(Timestamp.now())})
 
     # -- file claims -------------------------------------------------------------------------
 

@@ -265,7 +265,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         url = self.url
         if "://" not in url:
             url = os.path.abspath(os.path.join(ctx.base_dir, os.path.expanduser(url)))
-        self._out = TableStorage(url, self.url, self.storage_options, self.format)
+        self._out = TableStorage(url, self.url, self.storage_options, self.format, self._unit)
         # Claimed when first asked for its durable batch (the engine asks right after it has
         # checked the pipeline's sinks against each other): a pipeline refused at start
         # leaves no claim behind.

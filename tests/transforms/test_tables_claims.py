@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import orjson
 import pyarrow.parquet as pq
 import pytest
 
@@ -270,6 +271,35 @@ def test_a_url_holds_one_format_so_a_claimed_file_never_lands_in_two(tmp_path: P
                        r"another URL"):
         b.durable_batch()
     assert _sink(str(tmp_path), flush_interval="1h").durable_batch() == 7  # the same format
+
+
+def test_a_url_holds_one_timestamp_unit(tmp_path: Path) -> None:
+    """Parquet files in nanoseconds, then a run with timestamp_unit="us" (the advice of the
+    error a year-9999 timestamp gives in nanoseconds): it would write version 1's next
+    files in microseconds under a schema that says nanoseconds, and the table would no
+    longer read back with its schema. It is refused at start, as another format is."""
+    a = _sink(str(tmp_path), flush_interval="1h")
+    for b in range(1, 4):
+        _commit(a, b, _batch(b))
+    a.flush()
+    assert orjson.loads((tmp_path / "_cdcflow" / "durable.json").read_bytes())[
+        "timestamp_unit"] == "ns"
+    b = _sink(str(tmp_path), flush_interval="1h", timestamp_unit="us")
+    with pytest.raises(OutputConflictError, match=r"holds Parquet files of pipeline 'p' with "
+                       r"timestamps in ns, and this sink writes them in us: .*keep "
+                       r"timestamp_unit='ns', or write us to another URL"):
+        b.durable_batch()
+    assert _sink(str(tmp_path), flush_interval="1h").durable_batch() == 3  # the same unit
+    # a mark written before it named the unit: taken as it is, and named from then on
+    mark = tmp_path / "_cdcflow" / "durable.json"
+    doc = orjson.loads(mark.read_bytes())
+    del doc["timestamp_unit"]
+    mark.write_bytes(orjson.dumps(doc))
+    c = _sink(str(tmp_path), flush_interval="1h", timestamp_unit="us")
+    assert c.durable_batch() == 3
+    _commit(c, 4, _batch(4))
+    c.flush()
+    assert orjson.loads(mark.read_bytes())["timestamp_unit"] == "us"
 
 
 def test_a_run_on_s3_sees_the_file_an_earlier_run_uploaded_after_it_listed_the_lake(
