@@ -21,7 +21,7 @@ import contextlib
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
@@ -55,6 +55,37 @@ def _lasts(names: list[str]) -> int:
                 if "/_cdcflow/" not in n and (m := _PART.search(n))), default=0)
 
 
+#: The longest a run waits at start for an object store's first answer (its bucket): a
+#: storage that takes connections and never answers would hold the run silent for minutes
+#: (the storage client's timeouts and retries), where one that refuses them is said at once.
+FIRST_ANSWER_SECONDS = 30.0
+
+
+def _answered(call: Callable[[], Any], shown: str) -> Any:
+    """``call()``, or SinkSetupError when it has not returned in FIRST_ANSWER_SECONDS (the
+    call goes on, on a thread of its own, and ends with the storage client's timeouts)."""
+    out: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            out["value"] = call()
+        except BaseException as exc:  # raised in the caller
+            out["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="cdcflow-storage-check", daemon=True).start()
+    if not done.wait(FIRST_ANSWER_SECONDS):
+        msg = (f"WriteTables: the storage of {shown} did not answer in "
+               f"{FIRST_ANSWER_SECONDS:.0f}s; check that it is up and that the URL (and "
+               "its endpoint, such as AWS_ENDPOINT_URL) points at it")
+        raise SinkSetupError(msg)
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
 class TableStorage:
     """The output location of one WriteTables sink on the driver. ``url`` is absolute (a
     local path made absolute, or any fsspec URL); ``shown`` is the URL as the user gave it,
@@ -75,7 +106,7 @@ class TableStorage:
             if self._object_store:
                 bucket = self.root.split("/", 1)[0]
                 try:
-                    self.fs.info(bucket)
+                    _answered(lambda: self.fs.info(bucket), shown)
                 except FileNotFoundError:
                     msg = (f"WriteTables: the bucket {bucket!r} of {shown} does not exist "
                            "(or these credentials cannot see it); create it, or fix the URL")
@@ -98,6 +129,8 @@ class TableStorage:
         return bool(_OBJECT_STORES & set(_protocols(self.fs)))
 
     def _setup_error(self, exc: BaseException) -> SinkSetupError:
+        if isinstance(exc, SinkSetupError):
+            return exc
         return SinkSetupError(
             f"WriteTables cannot open {self.shown}: {type(exc).__name__}: {exc}; check the "
             "URL, that the storage answers, and the credentials")

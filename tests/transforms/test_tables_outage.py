@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,6 +256,31 @@ def test_storage_that_does_not_answer_at_start_is_one_line_and_exit_2(tmp_path: 
                                         "config_kwargs": {"retries": {"max_attempts": 1}}})
     with pytest.raises(SinkSetupError, match="check the URL, that the storage answers"):
         sink.setup(SinkContext("closed", "WriteTables", "/"))
+
+
+def test_storage_that_takes_connections_and_never_answers_is_refused_in_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A storage that takes the connection and never answers (a paused server, a black
+    hole): the run said nothing for minutes, in the storage client's timeouts and retries.
+    Its first call now has a deadline: a SinkSetupError (exit 2) naming the fix."""
+    from cdcflow.transforms import _tablestorage
+
+    monkeypatch.setattr(_tablestorage, "FIRST_ANSWER_SECONDS", 1.0)
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)  # connections complete in the kernel; nothing ever reads or answers
+    try:
+        sink = WriteTables("s3://outages/hole", storage_options={
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{hole.getsockname()[1]}"},
+            "key": "testing", "secret": "testing"})
+        began = time.monotonic()
+        with pytest.raises(SinkSetupError, match=r"the storage of s3://outages/hole did not "
+                           r"answer in 1s; check that it is up"):
+            sink.setup(SinkContext("hole", "WriteTables", "/"))
+        assert time.monotonic() - began < 10
+    finally:
+        hole.close()
 
 
 def test_no_credentials_is_one_line_and_exit_2(s3: tuple[str, Gate], tmp_path: Path) -> None:
