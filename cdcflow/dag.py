@@ -160,8 +160,9 @@ class Dag:
                 msg = f"{label!r}: DetectPartitions must be applied to the pipeline itself"
                 raise PipelineDefinitionError(msg)
             if t.kind != "Source" and up is None:
+                after = "DetectPartitions" if t.kind == "Read" else "ReadPartition"
                 msg = (
-                    f"{label!r} has no input: apply it after ReadPartition, e.g. "
+                    f"{label!r} has no input: apply it after {after}, e.g. "
                     "pipeline | DetectPartitions(...) | ReadPartition() | ..."
                 )
                 raise PipelineDefinitionError(msg)

@@ -207,6 +207,14 @@ def test_validate_sink_right_after_source() -> None:
         p.validate()
 
 
+def test_validate_read_partition_without_a_source_names_detect_partitions() -> None:
+    p = cf.Pipeline("orders")
+    p | cf.ReadPartition() | _Sink()
+    with pytest.raises(PipelineDefinitionError,
+                       match=r"'ReadPartition' has no input: apply it after DetectPartitions"):
+        p.validate()
+
+
 def test_validate_read_partition_in_the_wrong_place() -> None:
     p = cf.Pipeline("orders")
     records(p) | "again" >> cf.ReadPartition() | _Sink()

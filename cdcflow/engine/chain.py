@@ -39,7 +39,7 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -65,6 +65,7 @@ from cdcflow.errors import (
     BatchInterrupted,
     FencedError,
     LeaseExpiredError,
+    PipelineDefinitionError,
     PipelineStopped,
     SinkIOError,
     UserInputError,
@@ -666,6 +667,11 @@ class Chain:
             sl = self._task.slice
             with user_code(f"in open_writer() of sink {label!r}"):
                 writer = self._open_writer(label, sink, sl)
+            if not isinstance(writer, SinkWriter):
+                msg = (f"sink {label!r}: open_writer() returned {type(writer).__name__}, not "
+                       "a SinkWriter (an object with write(element), close() and abort()); "
+                       "fix the sink")
+                raise PipelineDefinitionError(msg)
             self._writers[label] = writer
         return writer
 
@@ -823,4 +829,12 @@ def _process(process: Callable[[Any], Any], element: Any) -> Sequence[Any]:
     produced = process(element)
     if type(produced) is tuple or type(produced) is list:  # Map's, Filter's: as they are
         return produced
-    return [] if produced is None else list(produced)
+    if produced is None:
+        return []
+    if not isinstance(produced, Iterable) or isinstance(produced, str | bytes | Mapping):
+        owner = getattr(process, "__self__", None)
+        msg = (f"{type(owner).__name__ if owner is not None else 'a DoFn'}.process() "
+               f"returned a value of type {type(produced).__name__}; it must return an "
+               "iterable of outputs (a list, or yield them), or None for none")
+        raise TypeError(msg)
+    return list(produced)

@@ -126,7 +126,7 @@ class _FlatMapFn(_CallableDoFn[InT, OutT, Iterable[OutT]]):
         # A str, bytes or dict is iterable, but returning one is nearly always a Map by mistake.
         if isinstance(out, str | bytes | Mapping) or not isinstance(out, Iterable):
             msg = (
-                f"FlatMap({self.fn_name}) returned a {type(out).__name__}; it must "
+                f"FlatMap({self.fn_name}) returned a value of type {type(out).__name__}; it must "
                 "return an iterable of outputs (a list, tuple or generator): use Map for "
                 "exactly one output per element"
             )

@@ -436,3 +436,41 @@ def test_an_error_of_the_pipeline_s_own_code_names_where_under_every_runner(
     text = " ".join([str(info.value), *getattr(info.value, "__notes__", ())])
     assert "needs redis: pip install redis" in text
     assert "in setup() of step 'enrich'" in text
+
+
+class _NotAWriterSink(cf.Sink):
+    def open_writer(self, ctx: WriterContext) -> Any:
+        return {"not": "a writer"}
+
+    def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
+        return None
+
+
+class _Seven(DoFn[Any, int]):
+    def process(self, element: Any) -> Any:
+        return 7
+
+
+def test_a_sink_whose_open_writer_returns_no_writer_is_named_with_the_fix(
+    runner: Runner,
+) -> None:
+    stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+    stream.write("T", 1, "INSERT", {"v": 1}, at=T0 + S)
+    p = cf.Pipeline("not-a-writer")
+    (p | DetectPartitions(stream="S", start_at=T0, end_at=T0 + 3 * S, client=stream)
+     | ReadPartition() | "out" >> _NotAWriterSink())
+    with pytest.raises(Exception) as info:  # on Spark, carried back from the executor
+        run(runner, p)
+    assert ("sink 'out': open_writer() returned dict, not a SinkWriter (an object with "
+            "write(element), close() and abort()); fix the sink") in str(info.value)
+
+
+def test_a_dofn_whose_process_returns_one_value_says_what_it_must_return() -> None:
+    stream = ScriptedChangeStream("S", partitions=1, origin=T0)
+    stream.write("T", 1, "INSERT", {"v": 1}, at=T0 + S)
+    p = cf.Pipeline("one-value", error_policy=ErrorPolicy(retries=0))
+    (p | DetectPartitions(stream="S", start_at=T0, end_at=T0 + 3 * S, client=stream)
+     | ReadPartition() | "seven" >> ParDo(_Seven()) | Collect())
+    with pytest.raises(PipelineStopped, match=r"_Seven.process\(\) returned a value of type "
+                       r"int; it must return an iterable of outputs"):
+        run(InMemoryRunner(workers=1), p)

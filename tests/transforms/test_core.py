@@ -65,7 +65,7 @@ def test_flatmap_emits_zero_or_more_outputs() -> None:
 
 @pytest.mark.parametrize("bad", ["abc", b"abc", {"a": 1}, None, 5])
 def test_flatmap_refuses_a_single_value(bad: Any) -> None:
-    with pytest.raises(TypeError, match=f"returned a {type(bad).__name__}.*use Map"):
+    with pytest.raises(TypeError, match=f"returned a value of type {type(bad).__name__}.*use Map"):
         run(FlatMap(lambda x: bad), [1])
 
 
