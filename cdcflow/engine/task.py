@@ -36,7 +36,7 @@ import threading
 import cloudpickle
 
 from cdcflow.engine.chain import Chain
-from cdcflow.engine.guard import stopping_for
+from cdcflow.engine.guard import guard_for, stopping_for
 from cdcflow.engine.program import DEAD_LETTER_LABEL, TaskProgram
 from cdcflow.engine.quota import approx_size
 from cdcflow.engine.runner import ChildSeen, CommitTimeSample, Task, TaskResult
@@ -138,6 +138,10 @@ def _unpicklable(result: TaskResult) -> str:
     return "the task's result cannot be pickled"
 
 
+#: A task checks its run's guard once in this many records (:func:`run_task`).
+GUARD_EVERY = 16
+
+
 def make_client(source: DetectPartitions) -> ChangeStreamClient:
     """The client tasks read ``source`` with: its own client (tests pass a
     ScriptedChangeStream), else the Spanner reader, cached per worker process."""
@@ -189,6 +193,10 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
     # their size; any other record is measured here.
     size_of = getattr(reading, "size_of", None)
     claim, push, sample = tracker.try_claim, chain.push, commit_times.add
+    # The run's guard (where the run is in this process): a run aborted (a second Ctrl-C),
+    # or one whose lease ran out or was lost, has its tasks stop within GUARD_EVERY records
+    # instead of pushing the rest of their slices through the user's functions.
+    check = guard_for(program.pipeline)
     try:
         for record in reading:
             if ended_at is None and isinstance(record, DataChangeRecord):  # the hot path
@@ -197,6 +205,8 @@ def run_task(program: TaskProgram, task: Task) -> TaskResult:
                     break
                 n = (size_of(record) if size_of is not None else None) or approx_size(record)
                 records += 1
+                if not records % GUARD_EVERY:
+                    check()
                 size += n
                 sample(position)
                 push(record, position, n)

@@ -240,3 +240,61 @@ def test_a_second_ctrl_c_ends_the_run_without_more_calls(tmp_path: Path) -> None
     late = [t for _, t, _ in _calls(calls) if t > aborted + 0.01]
     assert len(late) <= 2, late  # before: every call of the batch, for about 4 s more
     assert ended - aborted < 10  # generous for a loaded machine; the calls above tell
+
+
+ABORT_PIPELINE = f"""
+import os, sys, threading, time
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+stream = ScriptedChangeStream("S", partitions=1, origin={T0})
+for i in range(2000):
+    stream.write("T", i, "INSERT", {{"v": i}}, at={T0} + (i + 1) * 1_000_000)
+
+def slow(record):
+    with open(os.environ["CALLS"], "a") as f:
+        f.write(f"{{time.time():.3f}}\\n")
+    time.sleep(0.02)
+    return record
+
+p = cf.Pipeline("aborted")
+(p | cf.DetectPartitions(stream="S", start_at={T0}, end_at={T0} + 5 * 10**9, client=stream)
+ | cf.ReadPartition() | cf.Map(slow) | cf.Collect())
+try:
+    p.run(metadata="memory://", workers=2)
+except KeyboardInterrupt:
+    print("aborted", time.time(), flush=True)
+    time.sleep(3)  # a notebook's process lives on
+    print("threads", *sorted(t.name for t in threading.enumerate()), flush=True)
+"""
+
+
+def test_an_aborted_api_run_calls_no_more_user_code_in_a_process_that_lives_on(
+    tmp_path: Path,
+) -> None:
+    # pipeline.run() in a long-lived process (a notebook), aborted by a second Ctrl-C: it
+    # raised KeyboardInterrupt, and its task threads went on pushing the rest of their
+    # slices through the Map, for the whole batch.
+    path, calls = tmp_path / "aborted.py", tmp_path / "calls"
+    path.write_text(textwrap.dedent(ABORT_PIPELINE))
+    proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "CALLS": str(calls)})
+    try:
+        deadline = time.monotonic() + 120
+        while not calls.exists() or len(calls.read_text().splitlines()) < 10:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # stop after the batch (40 s of calls)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)  # abort
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    aborted = float(lines[0].split()[1])
+    late = [float(t) for t in calls.read_text().split() if float(t) > aborted + 0.05]
+    assert len(late) <= 2 * 16, len(late)  # a guard check in every 16 records of a task
+    assert lines[1].split()[1:] == ["MainThread"], lines[1]  # no thread of the run left
