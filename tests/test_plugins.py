@@ -10,12 +10,16 @@ import re
 import sys
 import textwrap
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+import cdcflow as cf
 from cdcflow.errors import PluginError
+from cdcflow.metadata import MemoryStore
 from cdcflow.plugins import available, list_plugins, load_plugin
+from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.transforms import Map, Sink, plugin
 
 _MODULE = "_cdcflow_fake_plugin"
@@ -354,3 +358,38 @@ def test_the_ignored_entry_point_is_one_log_line_of_a_run(fake_dist: Path) -> No
     lines = [json.loads(line) for line in done.stderr.splitlines()]
     assert [r["level"] for r in lines if "cdcflow-squatter is ignored" in r["message"]] == [
         "WARNING"]
+
+
+class _OpenRaising(InMemoryRunner):
+    name = "openraise"
+
+    def open(self, app_name: str) -> None:
+        raise RuntimeError("cannot start cluster")
+
+
+class _RunRaising(InMemoryRunner):
+    name = "runraise"
+
+    def run_tasks(self, program: bytes, tasks: Sequence[bytes]) -> list[bytes]:
+        raise RuntimeError("executors lost")
+
+
+def test_a_runner_plugin_that_fails_to_open_or_run_names_itself() -> None:
+    from cdcflow.engine.loop import Engine, RunOptions
+    from cdcflow.testing import ScriptedChangeStream
+
+    def pipeline() -> cf.Pipeline:
+        stream = ScriptedChangeStream("S", partitions=1, origin=10**18)
+        stream.write("T", 1, "INSERT", {"v": 1}, at=10**18 + 10**9)
+        p = cf.Pipeline("runner-plugin")
+        (p | cf.DetectPartitions(stream="S", start_at=10**18, end_at=10**18 + 3 * 10**9,
+                                 client=stream) | cf.ReadPartition() | cf.Collect())
+        return p
+
+    options = RunOptions(batch_interval=0, batch_retries=0)
+    with pytest.raises(PluginError, match=r"the runner 'openraise' could not open: "
+                                          r"RuntimeError: cannot start cluster; check its"):
+        Engine(pipeline(), MemoryStore(), _OpenRaising(), options).run()
+    with pytest.raises(RuntimeError, match="executors lost") as info:
+        Engine(pipeline(), MemoryStore(), _RunRaising(), options).run()
+    assert "in run_tasks() of runner 'runraise'" in info.value.__notes__

@@ -67,6 +67,7 @@ from cdcflow.errors import (
     SinkError,
     TransientError,
     log_failure,
+    user_code,
 )
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
@@ -428,7 +429,11 @@ class Batches:
         """One result per task, in task order; raise RunnerContractError otherwise."""
         if not tasks:
             return []
-        raw = self.runner.run_tasks(self._program, tasks)
+        if type(self.runner).__module__.split(".")[0] == "cdcflow":
+            raw = self.runner.run_tasks(self._program, tasks)
+        else:  # a plugin's failure names the plugin
+            with user_code(f"in run_tasks() of runner {self.runner.name!r}"):
+                raw = self.runner.run_tasks(self._program, tasks)
         if len(raw) != len(tasks):
             msg = (
                 f"runner {self.runner.name!r} returned {len(raw)} results for {len(tasks)} "

@@ -66,9 +66,11 @@ from cdcflow.engine.steps import BatchSteps
 from cdcflow.engine.task import TaskProgram, make_client
 from cdcflow.errors import (
     BatchAbandoned,
+    CdcflowError,
     FencedError,
     LostProgressError,
     PipelineDefinitionError,
+    PluginError,
     SinkIOError,
     StoreError,
     log_failure,
@@ -224,7 +226,7 @@ class Engine:
                 # the child before it execs. A signal waits until it has started (the close
                 # below then stops it): one that interrupts Spark's start leaves a JVM behind.
                 with deferred_signals("the runner starts"):
-                    self.runner.open(name)
+                    _open_runner(self.runner, name)
                 info = make_client(program.source).describe_stream(program.source.stream)
                 if (info.partition_mode == "IMMUTABLE_KEY_RANGE"  # see engine.partitions
                         and info.keys_follow_lineage):
@@ -677,3 +679,19 @@ def _check_locations(sinks: dict[str, Sink[Any, Any]]) -> None:
             raise PipelineDefinitionError(msg)
         seen[where] = label
 
+
+
+def _open_runner(runner: Runner, pipeline: str) -> None:
+    """``runner.open(pipeline)``; a plugin runner that fails to open is one line naming it,
+    exit 2, as a plugin store that fails to open is (cdcflow's own runners say their own)."""
+    if type(runner).__module__.split(".")[0] == "cdcflow":
+        runner.open(pipeline)
+        return
+    try:
+        runner.open(pipeline)
+    except CdcflowError:
+        raise
+    except Exception as exc:
+        msg = (f"the runner {runner.name!r} could not open: {type(exc).__name__}: {exc}; "
+               "check its settings (--set, --master, --conf) and that what it runs on is up")
+        raise PluginError(msg) from exc
