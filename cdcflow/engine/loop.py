@@ -201,9 +201,10 @@ class Engine:
             with user_code(f"in owned_batch() of sink {label!r}"):
                 owned[label] = sink.owned_batch()
         self._sink_floor = max(committed.values(), default=0)
-        # sinks that write somewhere of their own and hold nothing there (see _first_run)
+        # sinks that write somewhere of their own and hold nothing there (see _first_run);
+        # a sink that implements neither method cannot tell, and is not said to hold nothing
         self._empty_sinks = [label for label, s in sinks.items()
-                             if s.output_location() is not None
+                             if s.output_location() is not None and _tells_what_it_holds(s)
                              and committed[label] == 0 and owned[label] == 0]
         self._sink_held = max(owned.items(), key=lambda item: item[1], default=("", 0))
         # Built (and its chain pickled) after setup: tasks need what setup resolved, such as
@@ -695,3 +696,11 @@ def _open_runner(runner: Runner, pipeline: str) -> None:
         msg = (f"the runner {runner.name!r} could not open: {type(exc).__name__}: {exc}; "
                "check its settings (--set, --master, --conf) and that what it runs on is up")
         raise PluginError(msg) from exc
+
+
+def _tells_what_it_holds(sink: Sink[Any, Any]) -> bool:
+    """Whether ``sink`` says what output it holds: it implements ``last_committed_batch`` or
+    ``owned_batch`` (their defaults answer 0, "none, or it cannot tell")."""
+    kind = type(sink)
+    return (kind.last_committed_batch is not Sink.last_committed_batch
+            or kind.owned_batch is not Sink.owned_batch)

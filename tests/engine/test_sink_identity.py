@@ -311,3 +311,54 @@ def test_a_renamed_staging_sink_is_refused_without_being_called_new(
         _run(staged("lake2"), store, tmp_path)
     assert not [r for r in caplog.records if "holds no output" in r.getMessage()]
     store.close()
+
+
+class _Staging(cf.Sink):
+    """A plugin's staging sink that says where it writes and how far it is durable, and
+    not what it holds there (no last_committed_batch, no owned_batch): it cannot tell."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.durable, self.staged = path, 0, 0
+
+    def open_writer(self, ctx: Any) -> Any:
+        class Writer:
+            def write(self, element: Any) -> None:
+                pass
+
+            def close(self) -> None:
+                return None
+
+            def abort(self) -> None:
+                pass
+
+        return Writer()
+
+    def commit(self, batch_id: int, messages: Any) -> None:
+        self.staged = batch_id
+        if batch_id % 2 == 0:
+            self.durable = batch_id
+
+    def durable_batch(self) -> int | None:
+        return self.durable
+
+    def output_location(self) -> str | None:
+        return self.path
+
+
+def test_a_sink_that_cannot_tell_what_it_holds_is_not_said_to_hold_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+
+    def pipeline() -> cf.Pipeline:
+        p = cf.Pipeline("opaque")
+        (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 7 * S, client=_stream())
+         | cf.ReadPartition() | "staging" >> _Staging(str(tmp_path / "out")))
+        return p
+
+    _run(pipeline(), store, tmp_path, max_batches=3)
+    assert store.durable_marks("opaque")["staging"] > 0
+    with caplog.at_level(logging.WARNING, logger="cdcflow"):
+        _run(pipeline(), store, tmp_path, max_batches=1)
+    assert not [r for r in caplog.records if "holds no output" in r.getMessage()]
+    store.close()
