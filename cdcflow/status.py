@@ -170,6 +170,20 @@ def _when(value: Any) -> str:
     return _stamp(int(text)) if text.isdigit() else text
 
 
+def _source_doc(source: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The stored source definition for the JSON document: a start_at or end_at stored as
+    nanoseconds is RFC 3339 text there, its nanoseconds beside it (``start_at_ns``), as the
+    document gives every other time."""
+    if source is None:
+        return None
+    doc = dict(source)
+    for key in ("start_at", "end_at"):
+        value = doc.get(key)
+        if value is not None and str(value).isdigit():
+            doc[key], doc[f"{key}_ns"] = _when(value), int(str(value))
+    return doc
+
+
 def _source_text(source: Mapping[str, Any]) -> str:
     """``stream S of DB, from START to END`` (a definition's times as given)."""
     start, end = source.get("start_at"), source.get("end_at")
@@ -316,7 +330,7 @@ def _pipeline_doc(
     return {
         "name": name,
         "run": _run_doc(store.lease(name), now_ns),
-        "source": source,
+        "source": _source_doc(source),
         "low_watermark": _iso(low),
         "low_watermark_ns": low,
         "lag_seconds": None if low is None else 0.0 if done else _lag_s(low, now_ns),
@@ -343,7 +357,9 @@ def status_document(
 
     ``{"store", "now", "pipelines": [{"name", "run" ({"alive", "owner", "run_id", "since",
     "heartbeat", "expires"}; None: never run), "source" (the stored source definition:
-    {"database", "stream", "start_at", "end_at", ...} as given; None: none stored), "low_watermark",
+    {"database", "stream", "start_at", "end_at", ...}, a time given in nanoseconds as RFC
+    3339 text with its ``start_at_ns``/``end_at_ns`` beside it; None: none stored),
+    "low_watermark",
     "low_watermark_ns", "lag_seconds", "finished", "partitions_by_state", "partitions":
     [{"token", "state", "watermark", "watermark_ns", "lag_seconds", "stuck", "start", "end",
     "parents", ...}], "stuck_partitions" (tokens), "pending_batch", "recent_batches":

@@ -175,7 +175,9 @@ def test_the_source_and_an_end_at_applied_on_resume(tmp_path: Path) -> None:
     try:
         assert any(p.end > end + 1 for p in store.partitions("live"))  # stored as they were
         (live,) = status_document(store, "live", now_ns=NOW)["pipelines"]
-        assert live["source"]["end_at"] == str(end)
+        assert live["source"]["end_at"] == Timestamp.from_ns(end).rfc3339()
+        assert live["source"]["end_at_ns"] == end
+        assert live["source"]["start_at"] == Timestamp.from_ns(T0).rfc3339()
         ends = {p["end"] for p in live["partitions"] if p["state"] != "FINISHED"}
         assert ends == {Timestamp.from_ns(end + 1).rfc3339()}
         text = render_status(store, "live", now_ns=NOW)
