@@ -58,6 +58,7 @@ __all__ = [
     "WatermarkRegressionError",
     "WriterFailed",
     "WriterStopped",
+    "caused_by",
     "describe",
     "log_failure",
     "user_code",
@@ -83,6 +84,20 @@ def user_code(where: str) -> Iterator[None]:
     except Exception as exc:
         exc.add_note(where)
         raise
+
+
+def caused_by(exc: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]
+              ) -> bool:
+    """Whether ``exc``, or an exception it was raised from or while handling (its chain of
+    causes and contexts), is a ``kind``."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def describe(exc: BaseException) -> str:

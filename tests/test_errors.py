@@ -154,3 +154,20 @@ def test_describe_names_an_exception_whose_message_cannot_be_made() -> None:
 
     assert errors.describe(ValueError("bad 3")) == "ValueError: bad 3"
     assert errors.describe(Unprintable()) == "Unprintable (its message could not be printed)"
+
+
+def test_caused_by_follows_causes_and_contexts_and_stops_at_a_cycle() -> None:
+    from cdcflow.errors import caused_by
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as inner:
+            raise ConnectionResetError("reset") from inner
+    except ConnectionResetError as exc:
+        outer = exc
+    assert caused_by(outer, KeyboardInterrupt) and caused_by(outer, (ValueError, OSError))
+    assert not caused_by(outer, ValueError)
+    a, b = ValueError("a"), TypeError("b")
+    a.__context__, b.__context__ = b, a  # a cycle
+    assert caused_by(a, TypeError) and not caused_by(a, KeyError)

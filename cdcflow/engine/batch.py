@@ -66,6 +66,7 @@ from cdcflow.errors import (
     RunnerContractError,
     SinkError,
     TransientError,
+    caused_by,
     log_failure,
     user_code,
 )
@@ -486,14 +487,7 @@ def _abort(batch_id: int, sinks: Mapping[str, Sink[Any, Any]]) -> None:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, TransientError):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
+    return caused_by(exc, TransientError)
 
 
 def _log_stats(

@@ -54,6 +54,7 @@ from cdcflow.errors import (
     TrackerError,
     TransientError,
     UserInputError,
+    caused_by,
 )
 from cdcflow.logformat import WORKER_LOG_ENV, configure_worker_logging
 from cdcflow.model import Timestamp
@@ -283,12 +284,7 @@ def _jvm_gone(exc: BaseException) -> bool:
     """Whether a call into Spark failed because its JVM no longer answers."""
     from py4j.protocol import Py4JNetworkError  # type: ignore[import-untyped]
 
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, Py4JNetworkError | ConnectionRefusedError | ConnectionResetError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return caused_by(exc, (Py4JNetworkError, ConnectionRefusedError, ConnectionResetError))
 
 
 def _cause_text(exc: BaseException) -> str:
@@ -515,6 +511,10 @@ class SparkRunner:
                 msg = (f"the batch was still running {self.stop_grace:g}s after the stop "
                        "request, so its Spark job was cancelled")
                 raise BatchInterrupted(msg) from None
+            # An abort (a second Ctrl-C) that cut py4j's wait short: py4j then says the
+            # JVM's answer was empty, as when the JVM is gone.
+            if caused_by(exc, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
             if _jvm_gone(exc):
                 msg = (f"Spark's JVM is gone ({type(exc).__name__}: {exc}): it was killed, "
                        "or ran out of memory (raise spark.driver.memory with --conf)")

@@ -1,0 +1,77 @@
+"""An abort (a second Ctrl-C or SIGTERM) while a Spark job runs: the KeyboardInterrupt the
+signal handler raised inside py4j's wait comes back as py4j's "Answer from Java side is
+empty", the error of a JVM that is gone; the run said the JVM was killed or out of memory
+(exit 1). No JVM needed: the runner's session is a stand-in whose job fails that way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from py4j.protocol import Py4JNetworkError  # type: ignore[import-untyped]
+
+from cdcflow.errors import SparkTaskError
+from cdcflow.spark.runner import SparkRunner
+
+
+class _Job:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def mapPartitions(self, fn: Any) -> _Job:  # PySpark's names, as they are
+        return self
+
+    def collect(self) -> list[Any]:
+        raise self.error
+
+
+class _Context:
+    defaultParallelism = 2
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def getLocalProperty(self, key: str) -> None:
+        return None
+
+    def setLocalProperty(self, key: str, value: Any) -> None:
+        return None
+
+    def setJobGroup(self, group: str, description: str) -> None:
+        return None
+
+    def broadcast(self, value: bytes) -> Any:
+        return value
+
+    def parallelize(self, elements: Any, n: int) -> _Job:
+        return _Job(self.error)
+
+
+class _Session:
+    def __init__(self, error: BaseException) -> None:
+        self.sparkContext = _Context(error)
+
+
+def _failing_with(error: BaseException) -> SparkRunner:
+    runner = SparkRunner()
+    runner._session = _Session(error)
+    return runner
+
+
+def _empty_answer(cause: BaseException | None) -> Py4JNetworkError:
+    try:
+        try:
+            if cause is not None:
+                raise cause
+            raise ConnectionResetError("connection reset")
+        except BaseException as exc:
+            raise Py4JNetworkError("Answer from Java side is empty") from exc
+    except Py4JNetworkError as err:
+        return err
+
+
+def test_an_abort_inside_a_spark_job_is_an_interrupt_not_a_lost_jvm() -> None:
+    with pytest.raises(KeyboardInterrupt):
+        _failing_with(_empty_answer(KeyboardInterrupt())).run_tasks(b"program", [b"task"])
+    with pytest.raises(SparkTaskError, match="Spark's JVM is gone"):  # a JVM that went away
+        _failing_with(_empty_answer(None)).run_tasks(b"program", [b"task"])
