@@ -280,6 +280,19 @@ def _describe_task(task: bytes, index: int) -> str:
         return f"task {index}"
 
 
+def _check_parallelism(sc: Any) -> None:
+    """Read what every batch reads, ``defaultParallelism``, once the session started: Spark
+    reads ``spark.default.parallelism`` only then, so a bad one failed the first batch
+    (exit 1, and a supervisor restarting the run) instead of the start."""
+    try:
+        sc.defaultParallelism  # noqa: B018 (read for its check)
+    except Exception as exc:
+        said = str(getattr(exc, "java_exception", exc)).splitlines()[0]
+        said = re.sub(r"^[\w.$]+(?:Exception|Error): ", "", said)
+        msg = f"Spark did not start: {said} (check --master and every --conf)"
+        raise ConfigurationError(msg) from None
+
+
 def _jvm_gone(exc: BaseException) -> bool:
     """Whether a call into Spark failed because its JVM no longer answers."""
     from py4j.protocol import Py4JNetworkError  # type: ignore[import-untyped]
@@ -393,6 +406,7 @@ class SparkRunner:
         began = time.monotonic()
         self._session = start_session(builder, settings)
         self._owns_session = True
+        _check_parallelism(self._session.sparkContext)
         quiet_jvm_death(self._session.sparkContext)
         if _is_local(self._session.sparkContext.master):
             self._session.sparkContext.setLogLevel("ERROR")

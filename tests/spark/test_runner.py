@@ -469,6 +469,8 @@ def test_a_master_spark_cannot_use_is_one_line_and_exit_2(tmp_path: Path) -> Non
          "Spark's JVM did not start: Invalid maximum heap size: -Xmx-5 (check --master"),
         (["--conf", "spark.executor.cores=abc"],
          "Spark's JVM did not start: Executor cores must be a positive number"),
+        (["--conf", "spark.default.parallelism=abc"],
+         "Spark did not start: Illegal value for config key spark.default.parallelism"),
         (["--master", "local[00,2]"],
          "Spark did not start: The number of cores per executor (=0) has to be >="),
     ):
