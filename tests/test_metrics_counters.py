@@ -152,6 +152,15 @@ def test_query_counters_travel_in_task_results_to_the_scrape() -> None:
     assert v("cdcflow_batch_span_seconds") == 2.0
 
 
+def test_the_quota_of_a_pipeline_with_a_batch_step_is_the_process_s_once() -> None:
+    # The step's downstream chain reports the same process quota as the tasks: a level,
+    # the largest, not a count (it read 2 x 256 MiB, 3 x with two steps).
+    from cdcflow.transforms import GroupTransactions
+
+    s, _ = _run("stepped", cf.ReadPartition(heartbeat="100ms"), GroupTransactions())
+    assert value(s, "cdcflow_inflight_bytes_limit", pipeline="stepped") == 256 << 20
+
+
 def _slow(record: Any) -> Any:
     time.sleep(0.004)
     return record

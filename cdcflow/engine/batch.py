@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -57,7 +56,7 @@ from cdcflow.engine.lifecycle import (
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.pacing import Pacer
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
-from cdcflow.engine.runner import Runner, Task, TaskResult, outcome, settle
+from cdcflow.engine.runner import Runner, Task, TaskResult, add_counters, outcome, settle
 from cdcflow.engine.steps import BatchSteps, Folded
 from cdcflow.errors import (
     BatchAbandoned,
@@ -77,8 +76,6 @@ from cdcflow.transforms.base import Sink
 __all__ = ["Batches"]
 
 _log = logging.getLogger("cdcflow.engine")
-#: Task counters that are levels (the largest over a batch's tasks), not counts (summed).
-_LARGEST = ("inflight_bytes_peak", "inflight_bytes_limit")
 
 
 @attrs.define
@@ -278,15 +275,11 @@ class Batches:
         lap("sink_commit")
         self.listener.on_sinks_committed(plan.batch_id)
 
-        counters: Counter[str] = Counter()
+        counters: dict[str, int] = {}
         for r in results:
-            counters.update(r.counters)
-        for key in _LARGEST:  # a level, not a count: the largest over the tasks
-            levels = [r.counters[key] for r in results if key in r.counters]
-            if levels:
-                counters[key] = max(levels)
+            add_counters(counters, r.counters)
         if folded is not None:
-            counters.update(folded.counters)
+            add_counters(counters, folded.counters)
         size = sum(r.bytes for r in results)
 
         # 3b. commit the store: the batch's progress, as the lifecycle reads the results.

@@ -18,8 +18,8 @@ import attrs
 from cdcflow.model import Slice
 
 __all__ = [
-    "COMMIT_TIME_SAMPLE", "ChildSeen", "CommitTimeSample", "Runner", "Task", "TaskResult",
-    "outcome", "settle",
+    "COMMIT_TIME_SAMPLE", "LEVELS", "ChildSeen", "CommitTimeSample", "Runner", "Task",
+    "TaskResult", "add_counters", "outcome", "settle",
 ]
 
 _T = TypeVar("_T")
@@ -95,6 +95,21 @@ class TaskResult:
     counters: Mapping[str, int] = attrs.field(factory=dict)
     commit_times: tuple[int, ...] = ()
     step_inputs: Mapping[str, builtins.bytes] = attrs.field(factory=dict)
+
+
+#: Task counters that are levels, not counts: the largest of several chains' (the
+#: tasks' of a batch, a batch step's downstream chains), not their sum.
+LEVELS = frozenset({"inflight_bytes_peak", "inflight_bytes_limit"})
+
+
+def add_counters(total: dict[str, int], more: Mapping[str, int]) -> None:
+    """Add a chain's counters ``more`` to ``total``: counts summed, :data:`LEVELS` the
+    largest."""
+    for key, value in more.items():
+        if key in LEVELS:
+            total[key] = max(total.get(key, value), value)
+        else:
+            total[key] = total.get(key, 0) + value
 
 
 #: Most commit timestamps a task samples for the commit-to-sink latency.

@@ -33,7 +33,6 @@ store keeps only the current one.
 from __future__ import annotations
 
 import pickle
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +43,7 @@ from cdcflow.dag import Dag
 from cdcflow.engine.chain import Chain
 from cdcflow.engine.lifecycle import BatchOutcome, fold, low_watermark
 from cdcflow.engine.program import TaskProgram
-from cdcflow.engine.runner import Task, TaskResult
+from cdcflow.engine.runner import Task, TaskResult, add_counters
 from cdcflow.errors import PipelineDefinitionError
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState, Slice, Timestamp
@@ -111,7 +110,7 @@ class BatchSteps:
         low = Timestamp.from_ns(low_after(parts, fold({p.token: p for p in parts}, results, 0)))
         start = min((s.start for s in plan.slices), default=plan.end)
         folded = Folded()
-        counters: Counter[str] = Counter()
+        counters: dict[str, int] = {}
         for label, program in self.programs.items():
             step = self._pipeline.transform(label)
             assert isinstance(step, BatchStep)
@@ -125,8 +124,8 @@ class BatchSteps:
             folded.states[label] = state
             # Counted like a chain's steps, so elements_total{step} accounts for what the
             # step took and emitted (records read = its input in a pipeline through it).
-            counters[f"elements_in/{label}"] += len(elements)
-            counters[f"elements_out/{label}"] += len(outputs)
+            add_counters(counters, {f"elements_in/{label}": len(elements),
+                                    f"elements_out/{label}": len(outputs)})
             # The downstream runs like a task of its own, with a slice of its own (the same
             # on every replay, so sinks that record slices see no conflict).
             task = Task(self._pipeline.name, plan.batch_id,
@@ -142,8 +141,8 @@ class BatchSteps:
             for sink_label, message in done.items():
                 if message is not None:
                     folded.messages.setdefault(sink_label, []).append(message)
-            counters.update(chain.counters())
-        folded.counters = dict(counters)
+            add_counters(counters, chain.counters())
+        folded.counters = counters
         folded.state = cloudpickle.dumps(folded.states)
         return folded
 
