@@ -293,6 +293,18 @@ def _check_parallelism(sc: Any) -> None:
         raise ConfigurationError(msg) from None
 
 
+def _raise_if_gone(exc: BaseException) -> None:
+    """Raise what a call into the JVM that failed with ``exc`` means, when it is not the
+    call's own failure: an abort (a second Ctrl-C) that cut py4j's wait short (py4j then
+    says the JVM's answer was empty, as when the JVM is gone), or the JVM gone."""
+    if caused_by(exc, KeyboardInterrupt):
+        raise KeyboardInterrupt from None
+    if _jvm_gone(exc):
+        msg = (f"Spark's JVM is gone ({type(exc).__name__}: {exc}): it was killed, or ran "
+               "out of memory (raise spark.driver.memory with --conf)")
+        raise SparkTaskError(msg) from None
+
+
 def _jvm_gone(exc: BaseException) -> bool:
     """Whether a call into Spark failed because its JVM no longer answers."""
     from py4j.protocol import Py4JNetworkError  # type: ignore[import-untyped]
@@ -506,16 +518,21 @@ class SparkRunner:
         """
         if not tasks:
             return []
-        sc = self.session.sparkContext
-        bc = self._broadcast(program)
-        n = min(len(tasks), self.tasks_per_core * max(1, sc.defaultParallelism))
-        groups = _groups(len(tasks), n)
-        # One element per Spark partition (parallelize would batch a flat list its own way):
-        # Spark task g runs group g, so a failure names its slices.
-        elements = [[(i, tasks[i]) for i in group] for group in groups]
-        before = {key: sc.getLocalProperty(key) for key in _JOB_PROPERTIES}
-        sc.setJobGroup(self.job_group, f"cdcflow: {len(tasks)} tasks in {n} Spark tasks")
-        rdd = sc.parallelize(elements, n).mapPartitions(functools.partial(_run_partition, bc))
+        try:  # the calls into the JVM before the job's: a JVM gone fails them first
+            sc = self.session.sparkContext
+            bc = self._broadcast(program)
+            n = min(len(tasks), self.tasks_per_core * max(1, sc.defaultParallelism))
+            groups = _groups(len(tasks), n)
+            # One element per Spark partition (parallelize would batch a flat list its own
+            # way): Spark task g runs group g, so a failure names its slices.
+            elements = [[(i, tasks[i]) for i in group] for group in groups]
+            before = {key: sc.getLocalProperty(key) for key in _JOB_PROPERTIES}
+            sc.setJobGroup(self.job_group, f"cdcflow: {len(tasks)} tasks in {n} Spark tasks")
+            rdd = sc.parallelize(elements, n).mapPartitions(
+                functools.partial(_run_partition, bc))
+        except Exception as exc:
+            _raise_if_gone(exc)
+            raise
         with self._lock:
             self._jobs += 1
         try:
@@ -525,14 +542,7 @@ class SparkRunner:
                 msg = (f"the batch was still running {self.stop_grace:g}s after the stop "
                        "request, so its Spark job was cancelled")
                 raise BatchInterrupted(msg) from None
-            # An abort (a second Ctrl-C) that cut py4j's wait short: py4j then says the
-            # JVM's answer was empty, as when the JVM is gone.
-            if caused_by(exc, KeyboardInterrupt):
-                raise KeyboardInterrupt from None
-            if _jvm_gone(exc):
-                msg = (f"Spark's JVM is gone ({type(exc).__name__}: {exc}): it was killed, "
-                       "or ran out of memory (raise spark.driver.memory with --conf)")
-                raise SparkTaskError(msg) from None
+            _raise_if_gone(exc)
             raise self._task_error(exc, tasks, groups) from exc
         finally:
             with self._lock:

@@ -28,8 +28,9 @@ class _Job:
 class _Context:
     defaultParallelism = 2
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, before_the_job: bool = False) -> None:
         self.error = error
+        self.before_the_job = before_the_job  # the broadcast fails, not the job
 
     def getLocalProperty(self, key: str) -> None:
         return None
@@ -41,6 +42,8 @@ class _Context:
         return None
 
     def broadcast(self, value: bytes) -> Any:
+        if self.before_the_job:
+            raise self.error
         return value
 
     def parallelize(self, elements: Any, n: int) -> _Job:
@@ -48,13 +51,13 @@ class _Context:
 
 
 class _Session:
-    def __init__(self, error: BaseException) -> None:
-        self.sparkContext = _Context(error)
+    def __init__(self, error: BaseException, before_the_job: bool) -> None:
+        self.sparkContext = _Context(error, before_the_job)
 
 
-def _failing_with(error: BaseException) -> SparkRunner:
+def _failing_with(error: BaseException, before_the_job: bool = False) -> SparkRunner:
     runner = SparkRunner()
-    runner._session = _Session(error)
+    runner._session = _Session(error, before_the_job)
     return runner
 
 
@@ -75,3 +78,14 @@ def test_an_abort_inside_a_spark_job_is_an_interrupt_not_a_lost_jvm() -> None:
         _failing_with(_empty_answer(KeyboardInterrupt())).run_tasks(b"program", [b"task"])
     with pytest.raises(SparkTaskError, match="Spark's JVM is gone"):  # a JVM that went away
         _failing_with(_empty_answer(None)).run_tasks(b"program", [b"task"])
+
+
+def test_a_jvm_gone_before_the_job_starts_is_said_so() -> None:
+    # killed between batches: the broadcast of the next batch's program is the call that
+    # fails, with a bare ConnectionRefusedError (it was the run's whole last line)
+    with pytest.raises(SparkTaskError, match="Spark's JVM is gone"):
+        _failing_with(ConnectionRefusedError(111, "Connection refused"),
+                      before_the_job=True).run_tasks(b"program", [b"task"])
+    with pytest.raises(KeyboardInterrupt):
+        _failing_with(_empty_answer(KeyboardInterrupt()),
+                      before_the_job=True).run_tasks(b"program", [b"task"])
