@@ -357,13 +357,19 @@ class Batches:
                 # after the retries; the batch is replayed.
                 raise BatchAbandoned(plan.batch_id, failed) from failed
             attempts += 1
+            given: dict[str, list[Any]] = {}  # each sink's messages, once the tasks ran
             try:
                 if first is not None and attempts == 1:
                     done = outcome(first)
                 else:
                     done = self._run_tasks(plan, tasks)
+                given = {label: [r.sink_messages[label] for r in done
+                                 if r.sink_messages.get(label) is not None]
+                         for label in targets}
                 executed()
                 driver = fold_steps(done) if fold_steps is not None else {}
+                for label in targets:
+                    given[label] += driver.get(label, [])
                 if ready is not None:
                     ready(done, attempts == 1)
                 for label, sink in targets.items():
@@ -371,15 +377,10 @@ class Batches:
                     # over commits no more sinks: the run that owns the pipeline now may
                     # have committed the batch to them (the store fences only its writes).
                     self._guard()
-                    messages = [
-                        r.sink_messages[label] for r in done
-                        if r.sink_messages.get(label) is not None
-                    ]
-                    messages += driver.get(label, [])
-                    _commit(label, sink, plan.batch_id, messages)
+                    _commit(label, sink, plan.batch_id, given[label])
             except BaseException:
                 self.drop_ahead()  # its plan would follow a batch that did not commit
-                _abort(plan.batch_id, targets)
+                _abort(plan.batch_id, targets, given)
                 raise
             return done
 
@@ -470,11 +471,13 @@ def _commit(label: str, sink: Sink[Any, Any], batch_id: int, messages: list[Any]
         raise SinkError(msg) from exc
 
 
-def _abort(batch_id: int, sinks: Mapping[str, Sink[Any, Any]]) -> None:
-    """Let every sink discard what failed tasks of the batch left behind (best effort)."""
+def _abort(batch_id: int, sinks: Mapping[str, Sink[Any, Any]],
+           given: Mapping[str, list[Any]]) -> None:
+    """Let every sink discard what the batch left behind (best effort): the messages its
+    tasks gave (``given``; none when they failed), such as WriteTables' spool files."""
     for label, sink in sinks.items():
         try:
-            sink.abort(batch_id, [])
+            sink.abort(batch_id, given.get(label, []))
         except Exception as exc:
             log_failure(_log, "sink %r failed to abort batch %d", label, batch_id, exc=exc)
 

@@ -25,7 +25,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from cdcflow.errors import SinkIOError
 from cdcflow.model import ColumnType, DataChangeRecord, Mod, Timestamp
-from cdcflow.transforms.base import SinkContext, WriterContext
+from cdcflow.transforms.base import Sink, SinkContext, WriterContext
 from cdcflow.transforms.tables import TaskRows, WriteTables
 
 T0 = 1_700_000_000 * 1_000_000_000
@@ -568,3 +568,68 @@ def test_a_run_asked_to_stop_does_not_wait_for_uploads_that_fail_or_get_no_answe
         sink.close()
     if outage == "failing":
         assert _ids(root) == []  # nothing of batch 1 in storage: the next run writes it
+
+
+class _Kept:
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def write(self, element: Any) -> None:
+        self.items.append(element)
+
+    def close(self) -> list[Any]:
+        return self.items
+
+    def abort(self) -> None:
+        pass
+
+
+class _FailingCommit(Sink[Any, Any]):
+    def open_writer(self, ctx: WriterContext) -> Any:
+        return _Kept()
+
+    def commit(self, batch_id: int, messages: Sequence[Any]) -> None:
+        if any(messages):  # the first batch with data
+            raise ValueError("the other sink's storage refused the batch")
+
+
+def test_a_batch_that_fails_after_its_tasks_leaves_no_spool_file(
+    root: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another sink's commit fails before WriteTables' (which would have read the tasks'
+    # spool files, and removed them): the batch is aborted, and the files went with it only
+    # if the sinks are given the messages (they were given none).
+    import tempfile
+
+    import cdcflow as cf
+    from cdcflow.engine.loop import Engine, RunOptions
+    from cdcflow.errors import SinkError
+    from cdcflow.metadata import MemoryStore
+    from cdcflow.runners.in_memory import InMemoryRunner
+    from cdcflow.testing import ScriptedChangeStream
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    made: list[str] = []
+    mkstemp = tempfile.mkstemp
+
+    def noted(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        fd, path = mkstemp(*args, **kwargs)
+        made.append(path)
+        return fd, path
+
+    monkeypatch.setattr(tempfile, "mkstemp", noted)
+    stream = ScriptedChangeStream("S", partitions=2, origin=T0)
+    for i in range(40):
+        stream.write("T", i, "INSERT", {"payload": "x" * 2000}, at=T0 + (i + 1) * 10**7)
+    p = cf.Pipeline("aborted")
+    rows = (p | cf.DetectPartitions(stream="S", start_at=T0, end_at=T0 + 10**9, client=stream)
+            | cf.ReadPartition())
+    rows | "a-failing" >> _FailingCommit()
+    rows | "lake" >> WriteTables(f"memory://{root}", spool_size="1KiB", flush_interval="1h")
+    with pytest.raises(SinkError, match="refused the batch"):
+        Engine(p, MemoryStore(), InMemoryRunner(workers=2),
+               RunOptions(batch_interval=0, batch_retries=0)).run()
+    assert not list(temp.glob("*.spool"))
+    assert [p for p in made if p.endswith(".spool")]  # the tasks spooled
