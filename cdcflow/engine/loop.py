@@ -694,7 +694,7 @@ def _open_runner(runner: Runner, pipeline: str) -> None:
         raise
     except Exception as exc:
         msg = (f"the runner {runner.name!r} could not open: {type(exc).__name__}: {exc}; "
-               "check its settings (--set, --master, --conf) and that what it runs on is up")
+               "check its settings (--set) and that what it runs on is up")
         raise PluginError(msg) from exc
 
 
