@@ -22,7 +22,8 @@ import attrs
 
 from cdcflow.errors import PluginError
 
-__all__ = ["GROUPS", "PluginInfo", "available", "list_plugins", "load_plugin", "warn_shadowed"]
+__all__ = ["GROUPS", "PluginInfo", "available", "is_own", "list_plugins", "load_plugin",
+           "warn_shadowed"]
 
 _log = logging.getLogger("cdcflow.plugins")
 
@@ -39,6 +40,12 @@ class PluginInfo:
     value: str  # "module:attr"
     distribution: str
     error: str | None = None  # why it failed to load, when it did
+
+
+def is_own(obj: object) -> bool:
+    """Whether ``obj`` is of a class of cdcflow's own (not a plugin's, nor a user's): what
+    cdcflow's own runners and stores raise says where it comes from already."""
+    return type(obj).__module__.split(".")[0] == "cdcflow"
 
 
 def _entry_points(group: str) -> list[EntryPoint]:

@@ -71,6 +71,7 @@ from cdcflow.errors import (
 )
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.model import BatchPlan, PartitionMetadata, PartitionState
+from cdcflow.plugins import is_own
 from cdcflow.transforms.base import Sink
 
 __all__ = ["Batches"]
@@ -424,7 +425,7 @@ class Batches:
         """One result per task, in task order; raise RunnerContractError otherwise."""
         if not tasks:
             return []
-        if type(self.runner).__module__.split(".")[0] == "cdcflow":
+        if is_own(self.runner):
             raw = self.runner.run_tasks(self._program, tasks)
         else:  # a plugin's failure names the plugin
             with user_code(f"in run_tasks() of runner {self.runner.name!r}"):

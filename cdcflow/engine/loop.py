@@ -84,6 +84,7 @@ from cdcflow.model import (
     PartitionState,
     Timestamp,
 )
+from cdcflow.plugins import is_own
 from cdcflow.processes import settled_heap
 from cdcflow.transforms.base import Sink, SinkContext
 
@@ -685,7 +686,7 @@ def _check_locations(sinks: dict[str, Sink[Any, Any]]) -> None:
 def _open_runner(runner: Runner, pipeline: str) -> None:
     """``runner.open(pipeline)``; a plugin runner that fails to open is one line naming it,
     exit 2, as a plugin store that fails to open is (cdcflow's own runners say their own)."""
-    if type(runner).__module__.split(".")[0] == "cdcflow":
+    if is_own(runner):
         runner.open(pipeline)
         return
     try:

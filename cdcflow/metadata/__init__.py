@@ -26,7 +26,7 @@ from cdcflow.metadata._rules import URL_FORMS
 from cdcflow.metadata.base import MetadataStore
 from cdcflow.metadata.memory import MemoryStore
 from cdcflow.metadata.sqlite import SQLiteStore, sqlite_url
-from cdcflow.plugins import available, load_plugin, warn_shadowed
+from cdcflow.plugins import available, is_own, load_plugin, warn_shadowed
 
 __all__ = [
     "URL_FORMS", "MemoryStore", "MetadataStore", "SQLiteStore", "open_store", "sqlite_url",
@@ -101,7 +101,7 @@ def open_store(url: str, *, create: bool = True) -> MetadataStore:
                f"{type(store).__name__}, not a MetadataStore (the methods of "
                "cdcflow.metadata.base.MetadataStore); fix the plugin")
         raise PluginError(msg)
-    if type(store).__module__.split(".")[0] == "cdcflow":
+    if is_own(store):
         return store
     return cast(MetadataStore, _PluginStore(store, scheme))
 

@@ -89,6 +89,14 @@ def _calls(calls: Path) -> list[tuple[int, float, int]]:
     return [(int(p), float(t), int(v)) for p, t, v in lines]
 
 
+def _assert_fenced(run: subprocess.Popen[str], err: str) -> None:
+    """The paused run ended in one line naming its lease, which another run holds now."""
+    assert run.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("cdcflow: error: pipeline 'paused': this run's lease"), last
+    assert "no longer current" in last and "Traceback" not in err
+
+
 def test_a_run_paused_past_its_lease_makes_no_call_after_another_run_took_over(
     tmp_path: Path,
 ) -> None:
@@ -114,10 +122,7 @@ def test_a_run_paused_past_its_lease_makes_no_call_after_another_run_took_over(
         for proc in (first, locals().get("second")):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    assert first.returncode == 1, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("cdcflow: error: pipeline 'paused': this run's lease"), last
-    assert "no longer current" in last and "Traceback" not in err
+    _assert_fenced(first, err)
     late = [t for pid, t, _ in _calls(calls) if pid == first.pid and t > resumed]
     # A call its worker began just before the pause writes its line after it (at most one
     # per worker); before the guard, the paused run went on for the rest of its batch.
@@ -208,10 +213,7 @@ def test_a_run_paused_past_its_lease_commits_no_more_sinks_once_another_run_took
         for proc in (first, locals().get("second")):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    assert first.returncode == 1, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("cdcflow: error: pipeline 'paused': this run's lease"), last
-    assert "no longer current" in last and "Traceback" not in err
+    _assert_fenced(first, err)
     taken = [line.split() for line in (tmp_path / "calls.out").read_text().splitlines()]
     assert {int(pid) for pid, _ in taken} == {second.pid}  # the batch came from it alone
     assert sorted(int(v) for _, v in taken) == list(range(400))  # once each

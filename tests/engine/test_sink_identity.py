@@ -318,7 +318,7 @@ class _Staging(cf.Sink):
     not what it holds there (no last_committed_batch, no owned_batch): it cannot tell."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.durable, self.staged = path, 0, 0
+        self.path, self.durable = path, 0
 
     def open_writer(self, ctx: Any) -> Any:
         class Writer:
@@ -334,8 +334,7 @@ class _Staging(cf.Sink):
         return Writer()
 
     def commit(self, batch_id: int, messages: Any) -> None:
-        self.staged = batch_id
-        if batch_id % 2 == 0:
+        if batch_id % 2 == 0:  # durable every other batch
             self.durable = batch_id
 
     def durable_batch(self) -> int | None:
