@@ -831,10 +831,14 @@ def _process(process: Callable[[Any], Any], element: Any) -> Sequence[Any]:
         return produced
     if produced is None:
         return []
-    if not isinstance(produced, Iterable) or isinstance(produced, str | bytes | Mapping):
-        owner = getattr(process, "__self__", None)
-        msg = (f"{type(owner).__name__ if owner is not None else 'a DoFn'}.process() "
-               f"returned a value of type {type(produced).__name__}; it must return an "
-               "iterable of outputs (a list, or yield them), or None for none")
-        raise TypeError(msg)
-    return list(produced)
+    if not isinstance(produced, str | bytes | dict):  # iterable, yet one value by mistake
+        try:
+            return list(produced)  # a generator, the usual case: no ABC check on its way
+        except TypeError:
+            if isinstance(produced, Iterable):
+                raise  # raised while iterating: the DoFn's own error
+    owner = getattr(process, "__self__", None)
+    msg = (f"{type(owner).__name__ if owner is not None else 'a DoFn'}.process() returned "
+           f"a value of type {type(produced).__name__}; it must return an iterable of "
+           "outputs (a list, or yield them), or None for none")
+    raise TypeError(msg)
