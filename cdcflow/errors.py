@@ -206,15 +206,17 @@ class IncompleteTransactionError(ChangeStreamError):
 
 class BatchAbandoned(CdcflowError):
     """A batch failed transiently after the run was asked to stop, and was not retried: its
-    plan stays in the store and the next run replays it (the engine ends the run as
-    stopped)."""
+    plan stays in the store and the next run replays it, or, when its plan was not written
+    yet (``written`` False: no sink had it), the next run plans it again (the engine ends
+    the run as stopped)."""
 
-    def __init__(self, batch_id: int, cause: BaseException) -> None:
+    def __init__(self, batch_id: int, cause: BaseException, written: bool = True) -> None:
         reason = " ".join(str(cause).split()) or type(cause).__name__
+        then = ("its plan stays in the store and the next run replays it" if written else
+                "the next run plans it again")
         super().__init__(
             f"batch {batch_id} failed after the stop request ({type(cause).__name__}: "
-            f"{reason}); stopping without retrying it: its plan stays in the store and the "
-            "next run replays it"
+            f"{reason}); stopping without retrying it: {then}"
         )
         self.batch_id = batch_id
 
@@ -271,13 +273,13 @@ class WriterFailed(SinkError):
 
 class WriterStopped(TransientError):
     """A writer retrying failed calls gave its batch up because the run was asked to stop
-    (a signal, ``--for``): the batch is not committed, and the next run replays it."""
+    (a signal, ``--for``): the batch is not committed, and the next run reads it again."""
 
 
 class BatchInterrupted(TransientError):
     """The runner cancelled a batch still running a grace period after the run was asked
     to stop, because its tasks cannot see the stop (Spark executors): the batch is not
-    committed, and the next run replays it."""
+    committed, and the next run reads it again."""
 
 
 class SinkIOError(TransientError):
@@ -292,7 +294,7 @@ class SinkIOError(TransientError):
 
 class SparkTaskError(CdcflowError):
     """A task of a batch failed on every attempt Spark allowed; nothing of the batch was
-    committed, and the next run replays it."""
+    committed, and the next run reads it again."""
 
 
 class TaskAttemptError(CdcflowError):

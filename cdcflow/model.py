@@ -530,10 +530,11 @@ class Slice:
 
 @attrs.frozen
 class BatchPlan:
-    """A planned micro-batch, written to the store before any task runs (write-ahead).
+    """A planned micro-batch, written to the store before any sink commits it (write-ahead:
+    once its tasks have returned; see :mod:`cdcflow.engine.batch`).
 
     ``end`` is the batch end T; each slice ends at ``min(T, partition end)``. Replaying a
-    crashed batch re-executes exactly these slices.
+    crashed batch whose plan was written re-executes exactly these slices.
     """
 
     batch_id: int
@@ -575,10 +576,11 @@ class BatchRecord:
 
 #: The names a batch log entry's ``stats`` may hold: seconds of the batch's phases before
 #: its store commit, its bytes read, its elements retried, skipped and dead-lettered, and
-#: the span the batches after it were paced to (ns; see :mod:`cdcflow.engine.pacing`).
+#: the span the batches after it were paced to (ns; see :mod:`cdcflow.engine.pacing`) and
+#: the lease token of the run that committed it.
 BATCH_STATS = (
     "plan_seconds", "execute_seconds", "sink_commit_seconds", "bytes", "retries", "skipped",
-    "dead_lettered", "next_span_ns",
+    "dead_lettered", "next_span_ns", "lease_token",
 )
 
 

@@ -7,15 +7,23 @@ docstring: 2. the runner runs one task per slice; the BatchSteps fold on the dri
 progress in one transaction; 3c. every sink learns the new low watermark; 3d. finished
 partitions are garbage collected.
 
+When the plan is written. The invariant is: *a batch's plan is in the store before any
+sink commits it* (3a), not "before any of its tasks runs": tasks only read and stage
+output that is specific to their attempt (a temporary file, a spool, a buffered message)
+and that nothing commits without the batch's plan. So a batch's plan is written once its
+tasks have returned, before 3a, and a crash while they read leaves no plan: the next run
+plans the batch afresh (:mod:`cdcflow.engine.pacing` halves the span after a crash), where
+a plan written before the tasks ran would have to be replayed with the same slices
+whatever it cost, since a sink might have committed it. A batch that takes longer to read
+than a run lives (runs killed every few seconds) would then never commit; planned afresh,
+narrower after each crash, it does. Once the plan is written, a crash replays it as it is.
+
 Pipelined batches (``RunOptions.pipelined``). While the run lags the clock, batches run
 back to back; then, once batch N's tasks have returned, :meth:`Batches.execute` plans
 batch N+1 from the partitions as N will leave them (a projection: the view itself changes
 only at N's store commit) and runs N+1's tasks on a thread of its own while N's sinks and
 store commit. N+1's plan is written to the store (write-ahead, with the fence) only after
-N's commit, and before any sink commits N+1. The invariant is: *a batch's plan is in the
-store before any sink commits it* (3a), not "before any of its tasks runs": tasks only read
-and stage output that is specific to their attempt (a temporary file, a spool, a buffered
-message) and that nothing commits without the batch's plan. So:
+N's commit, and before any sink commits N+1 (the invariant above). So:
 
 - a crash before N+1's plan is written leaves nothing of N+1 committed; the next run plans
   batch N+1 afresh (perhaps with other slices: nothing of the first attempt is used, and
@@ -225,12 +233,16 @@ class Batches:
     def execute(
         self, plan: BatchPlan, replay: bool, parts: Sequence[PartitionMetadata], began: float,
         read_ahead: Callable[[], bool] | None = None,
+        transitions: Mapping[str, PartitionState] | None = None,
     ) -> BatchStats:
-        """Run and commit ``plan`` (its plan is in the store). ``parts`` are the partitions
-        as stored before the batch (their ends and tokens are all the commit needs; only
-        the commit changes them). ``read_ahead``, when given, is asked once the batch's
-        tasks first returned whether the next batch may be read while this one commits
-        (see the module docstring); None never reads ahead."""
+        """Run and commit ``plan``. ``parts`` are the partitions as stored before the batch
+        (their ends and tokens are all the commit needs; only the commit changes them).
+        ``transitions``: None when the plan is in the store already (a replay, a batch read
+        ahead); else the plan's partition transitions, and the plan is written to the store
+        with them once its tasks have returned, before any sink commits it (see the module
+        docstring). ``read_ahead``, when given, is asked once the batch's tasks first
+        returned whether the next batch may be read while this one commits (see the module
+        docstring); None never reads ahead."""
         phases = {"plan": time.monotonic() - began}
         mark = time.monotonic()
 
@@ -270,8 +282,17 @@ class Batches:
             if first_attempt and read_ahead is not None and read_ahead():
                 self._read_ahead(plan, done, now)
 
+        def write_plan() -> None:
+            # Write-ahead: the plan is in the store before any sink commits the batch; a
+            # crash while its tasks read leaves nothing of it, and the next run plans again.
+            nonlocal transitions
+            if transitions is not None:
+                self.store.write_plan(self.name, plan, transitions, fence=self._fence())
+                self.view.planned(transitions, plan.planned_at)
+                transitions = None
+
         results = self.deliver(plan, None, lambda: lap("execute"),
-                               fold_steps if self._steps else None, ready, first)
+                               fold_steps if self._steps else None, ready, first, write_plan)
         sinks_committed_at = self._clock()
         lap("sink_commit")
         self.listener.on_sinks_committed(plan.batch_id)
@@ -290,7 +311,7 @@ class Batches:
             self.name, plan.batch_id, list(outcome.updates), list(outcome.children),
             outcome.records, fence=self._fence(), durable=self._staged.marks(),
             state=None if folded is None else folded.state,
-            stats=_log_stats(phases, size, counters, self.pacer.span_ns),
+            stats=_log_stats(phases, size, counters, self.pacer.span_ns, self._fence()),
         )
         if folded is not None:
             self._steps.committed(folded)
@@ -332,6 +353,7 @@ class Batches:
         fold_steps: Callable[[list[TaskResult]], Mapping[str, list[Any]]] | None = None,
         ready: Callable[[list[TaskResult], bool], None] | None = None,
         first: Future[list[TaskResult]] | None = None,
+        write_plan: Callable[[], None] | None = None,
     ) -> list[TaskResult]:
         """Run ``plan``'s tasks and commit their output to the sinks (those in ``only``,
         when given: a replay for sinks that had not made the batch durable).
@@ -339,7 +361,9 @@ class Batches:
         writers' commit messages per sink, committed after the tasks' messages. ``ready``
         is called after that, before the sinks commit, with the results and whether this
         is the first attempt. ``first``: the results of the tasks already started (read
-        ahead), for the first attempt.
+        ahead), for the first attempt. ``write_plan``, when given, writes the plan to the
+        store if it is not there yet: it is called once the tasks have returned, before
+        anything else.
 
         A transient failure of either (a reader's retries spent, a sink's storage fault)
         drops a batch read ahead meanwhile, aborts the sinks' leftovers and runs both again
@@ -349,14 +373,15 @@ class Batches:
         targets = self._sinks if only is None else {label: self._sinks[label] for label in only}
         attempts = 0
         failed: BaseException | None = None  # the last attempt's error
+        written = write_plan is None  # the plan is in the store
 
         def attempt() -> list[TaskResult]:
-            nonlocal attempts
+            nonlocal attempts, written
             if failed is not None and self._stopping():
                 # Asked to stop (during the backoff, or before a failure: then it is not
                 # retried): a supervisor's SIGTERM in an outage ends the run now, not
                 # after the retries; the batch is replayed.
-                raise BatchAbandoned(plan.batch_id, failed) from failed
+                raise BatchAbandoned(plan.batch_id, failed, written) from failed
             attempts += 1
             given: dict[str, list[Any]] = {}  # each sink's messages, once the tasks ran
             try:
@@ -367,6 +392,9 @@ class Batches:
                 given = {label: [r.sink_messages[label] for r in done
                                  if r.sink_messages.get(label) is not None]
                          for label in targets}
+                if write_plan is not None:
+                    write_plan()
+                    written = True
                 executed()
                 driver = fold_steps(done) if fold_steps is not None else {}
                 for label in targets:
@@ -403,11 +431,8 @@ class Batches:
             raise
         except Exception as exc:
             if self._stopping() and _is_transient(exc):
-                raise BatchAbandoned(plan.batch_id, exc) from exc
-            exc.add_note(
-                f"batch {plan.batch_id} was not committed; its plan stays in the store and "
-                "the next run replays it"
-            )
+                raise BatchAbandoned(plan.batch_id, exc, written) from exc
+            exc.add_note(f"batch {plan.batch_id} was not committed; {_next_run(written)}")
             raise
 
     def restore_staged(self) -> None:
@@ -442,6 +467,13 @@ class Batches:
                 msg = f"runner {self.runner.name!r} returned results out of task order"
                 raise RunnerContractError(msg)
         return results
+
+
+def _next_run(written: bool) -> str:
+    """What the next run does with a batch that did not commit (its plan ``written``)."""
+    if written:
+        return "its plan stays in the store and the next run replays it"
+    return "no sink had it (its plan was not written), and the next run plans it again"
 
 
 def _sink_metrics(sinks: Mapping[str, Sink[Any, Any]]) -> dict[str, dict[str, float]]:
@@ -488,15 +520,18 @@ def _is_transient(exc: BaseException) -> bool:
 
 
 def _log_stats(
-    phases: Mapping[str, float], size: int, counters: Mapping[str, int], next_span_ns: int
+    phases: Mapping[str, float], size: int, counters: Mapping[str, int], next_span_ns: int,
+    lease_token: int,
 ) -> dict[str, float]:
     """What the batch log keeps of a batch (``cdcflow.model.BATCH_STATS``): the phases
-    before the store commit, bytes read, the error policy's counts, and the span the next
-    batch is paced to (a restart goes on from it)."""
+    before the store commit, bytes read, the error policy's counts, the span the next
+    batch is paced to (a restart goes on from it) and the lease token of the run that
+    committed it (a restart counts the runs since that committed nothing)."""
     stats = {f"{phase}_seconds": phases[phase] for phase in ("plan", "execute", "sink_commit")
              if phase in phases}
     stats["bytes"] = size
     for name in ("retries", "skipped", "dead_lettered"):
         stats[name] = counters.get(name, 0)
     stats["next_span_ns"] = next_span_ns
+    stats["lease_token"] = lease_token
     return stats

@@ -6,9 +6,10 @@ in the code below:
 1. plan: a pending plan in the store (a batch planned by an earlier run that did not
    commit) is replayed as it is; otherwise :func:`~cdcflow.engine.lifecycle.plan_batch`
    schedules ready partitions and chooses the batch end ``T`` (never ahead of the clock,
-   at most ``max_batch_span`` after the low watermark), and the plan is written to the
-   store before any sink commits the batch (write-ahead): before its tasks run, or, for a
-   batch read ahead while the previous one committed (pipelined batches, see
+   at most a span after the low watermark: ``max_batch_span``, paced, see
+   :mod:`cdcflow.engine.pacing`), and the plan is written to the store before any sink
+   commits the batch (write-ahead): once its tasks have returned, or, for a batch read
+   ahead while the previous one committed (pipelined batches, see
    :mod:`cdcflow.engine.batch`), once the previous batch has committed;
 2. execute: the runner runs one task per slice (:mod:`cdcflow.engine.task`);
 3. commit: (a) every sink commits the batch (idempotent per batch id); (b) the store
@@ -18,8 +19,11 @@ in the code below:
    whose children have all started are garbage collected after ``gc_ttl``.
 
 A crash at any point leaves either a pending plan, which the next run replays with the
-same slices, or a committed batch (and perhaps the uncommitted, attempt-specific output of
-tasks whose batch was never planned, which nothing commits): with deterministic reads and
+same slices (a sink may have committed it), or a committed batch, or a batch whose plan
+was not written (its tasks were reading): no sink had it, nothing commits the
+attempt-specific output its tasks staged, and the next run plans it afresh, with half the
+span after a crash (:mod:`cdcflow.engine.pacing`), so a batch that takes longer to read
+than runs live does not hold the pipeline back for ever. With deterministic reads and
 idempotent sink commits the output is exactly once. Steps 2 and 3 live in
 :mod:`cdcflow.engine.batch`.
 """
@@ -233,8 +237,9 @@ class Engine:
                 if (info.partition_mode == "IMMUTABLE_KEY_RANGE"  # see engine.partitions
                         and info.keys_follow_lineage):
                     idle = IdleSchedule(opts.batch_interval or 0.1, opts.idle_read_interval)
-                self._owner = Ownership(self.store, name, opts.lease_ttl, self._lost, guard)
-                self._owner.acquire(opts.takeover)
+                self._owner = owner = Ownership(self.store, name, opts.lease_ttl, self._lost,
+                                                guard)
+                owner.acquire(opts.takeover)
                 try:
                     staged = StagedSinks(self.store, name, sinks, lambda: self._fence)
 
@@ -251,7 +256,8 @@ class Engine:
                             program_bytes=code,
                             pacer=Pacer.resume(int(opts.max_batch_span * _NS),
                                                opts.max_task_bytes, self.store.batches(name, 4),
-                                               STEP_BATCH_BYTES if steps else None),
+                                               STEP_BATCH_BYTES if steps else None,
+                                               self._fence, owner.predecessor_crashed),
                             gc_ttl_ns=int(opts.gc_ttl * _NS),
                             snapshot_slices=program.source.snapshot_tasks_per_batch,
                             stopping=self._stop.is_set, guard=guard.check,
@@ -512,10 +518,11 @@ class Engine:
             batch_began = time.monotonic()
             # 1. plan: replay a pending plan as it is; or write the plan of the batch read
             #    ahead while the last one committed (its tasks ran, but no sink commits it
-            #    before its plan is in the store); or plan the next batch and write it to
-            #    the store before any task runs (write-ahead).
+            #    before its plan is in the store); or plan the next batch, written to the
+            #    store once its tasks have returned, before any sink commits it.
             plan, pending = pending, None
             replay = plan is not None
+            unwritten: dict[str, PartitionState] | None = None
             ahead = run.ahead
             if ahead is not None:
                 now = ahead.planned_at
@@ -545,14 +552,7 @@ class Engine:
                     self._wait(min(max(wait, 0.01), max(opts.batch_interval, 0.01)))
                     continue
                 plan = attrs.evolve(plan, planned_at=now)
-                try:
-                    self.store.write_plan(name, plan, transitions, fence=self._fence)
-                except StoreError as exc:
-                    if not self._store_failed_when_stopping(exc, plan.batch_id):
-                        raise
-                    reason = self._stop_reason
-                    break
-                view.planned(transitions, now)
+                unwritten = transitions  # written once its tasks have returned
             next_id = plan.batch_id + 1
             self.listener.on_planned(plan, replay)
             # Caught up with the clock: a slice was read up to now, so the next batch has
@@ -566,7 +566,7 @@ class Engine:
             room = opts.max_batches is None or batches + 1 < opts.max_batches
             read_ahead = may_read_ahead if opts.pipelined and lagging and room else None
             try:
-                stats = run.execute(plan, replay, parts, batch_began, read_ahead)
+                stats = run.execute(plan, replay, parts, batch_began, read_ahead, unwritten)
             except BatchAbandoned as abandoned:
                 _log.warning("%s", abandoned)
                 reason = self._stop_reason

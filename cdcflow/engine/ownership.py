@@ -112,6 +112,9 @@ class Ownership:
         self._failure: str | None = None  # the last renewal's error, until one succeeds
         self._losing = threading.Lock()
         self.lost: StoreError | None = None  # FencedError, or LeaseLapsedError
+        #: The run before this one did not release its lease (it crashed, or was taken
+        #: over); known once the lease is acquired.
+        self.predecessor_crashed = False
 
     @property
     def token(self) -> int:
@@ -125,6 +128,8 @@ class Ownership:
         """Take the lease (raises LeaseHeldError naming a live owner) and start renewing."""
         current = self.store.lease(self.pipeline)
         replace = None
+        self.predecessor_crashed = (current is not None and current.run_id != self.run_id
+                                    and current.expires_at != 0)
         if current is not None and current.run_id != self.run_id:
             if owner_gone(current):
                 if current.expires_at:  # not released: that run did not end cleanly

@@ -26,16 +26,25 @@ stores keep at the rates seen, however wide a sparse backlog's spans grow. Both 
 the rates of the batches before: a burst after a quiet spell passes them, by as much as
 the span (grown while quiet) holds of it; ``max_batch_span`` bounds that.
 
-The batch log keeps the span each batch left for the next, and a run goes on from the last
-one, so a run that crashed and resumed plans the same batches as one that did not.
+The batch log keeps the span each batch left for the next, and the lease token of the run
+that committed it. A run goes on from the last span, so a run that stopped and resumed
+plans the same batches as one that did not; after a crash it halves the span once for each
+run that crashed since that batch: the runs that owned the pipeline since and committed
+nothing (their lease tokens lie between), and the run before when it did not release its
+lease. A batch's plan is written only once its tasks have returned
+(:mod:`cdcflow.engine.batch`), so the batch a run was reading when it died is planned
+afresh, half as wide, and a batch that takes longer to read than runs live (a supervisor
+that kills them every few seconds) gets narrower until one commits it; the spans then
+double back, batch by batch, as they grow after a quiet spell. A span fixed by
+``max_task_bytes=None`` is halved and doubles back the same way, up to ``max_batch_span``.
 
 Why the span and not a cut inside a task: every partition of a batch is read up to the same
 end T, which keeps a key's changes in order where keys move between live partitions
 (MUTABLE_KEY_RANGE streams, the emulator), and a replay re-reads exactly the slices of its
 plan. Bounding T bounds a batch (the work its replay repeats after a crash, the files it
-writes, the time to its commit) with both rules intact. A batch that runs longer than the
-interval between crashes would never commit; paced, a backlog of large changes commits in
-batches of about ``max_task_bytes`` a task. The bound is an aim, not a cap: a span holds
+writes, the time to its commit) with both rules intact: paced, a backlog of large changes
+commits in batches of about ``max_task_bytes`` a task, and narrowed after crashes, in
+batches that runs live to commit. The bound is an aim, not a cap: a span holds
 what was committed in it (one commit timestamp is never split), and the rate can change.
 """
 
@@ -81,22 +90,39 @@ class Pacer:
 
     @classmethod
     def resume(cls, max_span_ns: int, max_bytes: int | None, log: Sequence[BatchRecord],
-               batch_bytes: int | None = None) -> Pacer:
+               batch_bytes: int | None = None, lease_token: int | None = None,
+               crashed: bool = False) -> Pacer:
         """The pacer of a run whose pipeline has the batch ``log`` (newest first): it goes
-        on from the span the newest committed batch left (a first batch's without one).
-        ``batch_bytes``: what all tasks of a batch read together, at most (None: no bound;
-        STEP_BATCH_BYTES for a pipeline with BatchSteps)."""
+        on from the span the newest committed batch left (a first batch's without one),
+        halved once for every run that crashed since that batch (see the module
+        docstring): the runs that owned the pipeline since and committed nothing
+        (``lease_token``, this run's, against the one the batch was committed with), and
+        the last run when it did not release its lease (``crashed``). ``batch_bytes``: what
+        all tasks of a batch read together, at most (None: no bound; STEP_BATCH_BYTES for a
+        pipeline with BatchSteps)."""
         for entry in log:
             if entry.committed_at is not None:
                 left = entry.stats.get("next_span_ns")
-                return cls(max_span_ns, max_bytes, None if left is None else int(left),
-                           batch_bytes)
+                pacer = cls(max_span_ns, max_bytes, None if left is None else int(left),
+                            batch_bytes)
+                committed_with = entry.stats.get("lease_token")
+                if lease_token is not None and committed_with is not None:
+                    # the runs between, which committed nothing, ended by a crash too
+                    pacer.narrow(lease_token - int(committed_with) - 1 + crashed)
+                return pacer
         return cls(max_span_ns, max_bytes, batch_bytes=batch_bytes)
+
+    def narrow(self, runs: int) -> None:
+        """Halve the span once for each of ``runs`` runs that committed nothing (at least
+        :data:`MIN_SPAN_NS`); :meth:`observe` grows it again."""
+        if runs > 0:
+            self.span_ns = max(MIN_SPAN_NS, self.span_ns >> min(runs, 62))
 
     def observe(self, plan: BatchPlan, results: Sequence[TaskResult]) -> None:
         """Set the next span from what ``plan``'s tasks read (``results``). Snapshot tasks
         (a table's rows, not commit time) do not count."""
-        if self.max_bytes is None:
+        if self.max_bytes is None:  # a fixed span (narrowed after runs that failed)
+            self.span_ns = min(self.max_span_ns, 2 * self.span_ns)
             return
         starts = {s.token: s.start for s in plan.slices if not is_snapshot_token(s.token)}
         read, covered = 0, 1  # the fastest task's bytes and commit time (ns)

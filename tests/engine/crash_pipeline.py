@@ -9,7 +9,8 @@ reading and its plan is not written), ``ahead`` (inside the sink commit of batch
 after it, once the tasks of batch BATCH+1, read ahead, have staged output: "ahead" is
 printed first) or ``task`` (inside a task, at the BATCH-th record the process running the
 task reads: this process on the memory runner, a Python worker on Spark); ``none:0`` kills
-nowhere. A further argument ``serial`` runs with ``pipelined=False``. Progress lives in
+nowhere. A further argument ``serial`` runs with ``pipelined=False``, ``wide`` with
+``max_batch_span=30s`` (batches of hundreds of records, not tens). Progress lives in
 STATE_DIR/state.db, output in STATE_DIR/out. Without a kill point the run goes to its end
 and prints the number of records it read.
 
@@ -175,7 +176,8 @@ def main() -> None:
                   os.getpid()))
     store = open_store(f"sqlite:///{os.path.join(state, 'state.db')}")
     listener = KillAt(stage, int(batch)) if stage not in ("task", "ahead") else None
-    options = RunOptions(max_batch_span=2.0, batch_interval=0.0, base_dir=state,
+    options = RunOptions(max_batch_span=30.0 if "wide" in sys.argv[4:] else 2.0,
+                         batch_interval=0.0, base_dir=state,
                          pipelined="serial" not in sys.argv[4:])
     summary = Engine(p, store, runner, options, listener).run()
     store.close()

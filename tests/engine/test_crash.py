@@ -78,7 +78,29 @@ def test_killed_runs_resume_without_loss_or_duplicates(
     done = _run(runner, tmp_path, None, *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("end reached")
+    _assert_exactly_once(tmp_path)
 
+
+def test_a_batch_no_run_lives_to_commit_is_planned_narrower_after_each_crash(
+    tmp_path: Path,
+) -> None:
+    # Every run dies at the 150th record it reads: a batch of more records than that never
+    # commits if it is read again as it was (its plan written before its tasks ran). It is
+    # not: nothing is written before the tasks return, and each run after a crash halves
+    # the span, so the runs commit smaller batches and get through the stream.
+    runs = []
+    for _ in range(12):
+        ran = _run("memory", tmp_path, "task:150", "wide")
+        runs.append(ran.returncode)
+        if ran.returncode == 0:
+            break
+        assert ran.returncode == -signal.SIGKILL, ran.stderr[-3000:]
+    assert runs[-1] == 0, runs  # the stream's 600 records, through runs that die at 150
+    assert len(runs) > 3  # it took kills
+    _assert_exactly_once(tmp_path)
+
+
+def _assert_exactly_once(tmp_path: Path) -> None:
     module = _script()
     expected = module.stream().expected_records(module.T0, module.END)
     out = tmp_path / "out"

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -396,7 +396,9 @@ def test_transient_read_failures_are_retried_per_batch(runner: Runner, tmp_path:
     assert sorted(map(ident, out.items)) == sorted(map(ident, s.expected_records(T0, END)))
 
 
-def test_transient_failures_beyond_the_retries_leave_the_plan_pending(runner: Runner) -> None:
+def test_transient_failures_beyond_the_retries_leave_nothing_planned(runner: Runner) -> None:
+    # The tasks failed: no sink had the batch, so its plan was not written, and the next
+    # run plans it again (perhaps narrower: see engine.pacing).
     s = churn_stream(writes=10).fail_reads(50)
     store = MemoryStore()
     with pytest.raises(TransientError) as info:
@@ -406,8 +408,30 @@ def test_transient_failures_beyond_the_retries_leave_the_plan_pending(runner: Ru
         # Spark gave up after its own task attempts; the task's own error reaches the
         # engine (so its batch retries applied), with a note naming the Spark task's slice.
         assert any(INITIAL_PARTITION_TOKEN in note for note in info.value.__notes__)
+    assert any("the next run plans it again" in note for note in info.value.__notes__)
+    assert store.pending_plan("eng") is None and store.last_batch_id("eng") == 0
+    out = Collect()
+    again = churn_stream(writes=10)
+    assert run(runner, pipeline(again, out), store).reason == "end reached"
+    assert sorted(map(ident, out.items)) == sorted(map(ident, again.expected_records(T0, END)))
+
+
+def test_a_sink_commit_failing_past_the_retries_leaves_the_plan_pending(
+    runner: Runner,
+) -> None:
+    # A sink may have committed the batch before another failed: the next run replays the
+    # plan as it is, with the same slices.
+    class Failing(Collect[Any]):
+        def commit(self, batch_id: int, messages: Sequence[list[Any]]) -> None:
+            raise TransientError("the sink's storage is down")
+
+    s = churn_stream(writes=10)
+    store = MemoryStore()
+    with pytest.raises(TransientError) as info:
+        run(runner, pipeline(s, Failing()), store, batch_retries=1, retry_backoff=0.001)
     assert any("replays it" in note for note in info.value.__notes__)
-    assert store.pending_plan("eng") is not None
+    pending = store.pending_plan("eng")
+    assert pending is not None and pending.batch_id == 1
 
 
 def _slow_value(r: DataChangeRecord) -> tuple[int, int]:
@@ -504,7 +528,8 @@ def test_relative_sink_paths_resolve_against_base_dir(runner: Runner, tmp_path: 
 
 def test_a_stop_during_the_batch_retries_ends_the_run_without_them(runner: Runner) -> None:
     # A supervisor's SIGTERM during an outage: the run stops at once as interrupted, not
-    # after the remaining retries with the outage's error; the next run replays the batch.
+    # after the remaining retries with the outage's error; the next run plans the batch
+    # again (its tasks failed, so no sink had it and its plan was not written).
     s = churn_stream(writes=10)
     failing = churn_stream(writes=10).fail_reads(50)
     store = MemoryStore()
@@ -528,8 +553,7 @@ def test_a_stop_during_the_batch_retries_ends_the_run_without_them(runner: Runne
     assert summary.reason == "interrupted" and summary.batches == 0
     assert listener.retries == [1]  # one failure, no retry after the stop (no 30 s backoff)
     assert time.monotonic() - began < 20
-    pending = store.pending_plan("eng")
-    assert pending is not None and pending.batch_id == 1
+    assert store.pending_plan("eng") is None and store.last_batch_id("eng") == 0
 
     out = Collect()
     again = run(runner, pipeline(s, out), store)

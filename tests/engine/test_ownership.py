@@ -16,7 +16,7 @@ import pytest
 
 import cdcflow as cf
 from cdcflow.engine.loop import Engine, RunOptions
-from cdcflow.engine.ownership import owner_gone
+from cdcflow.engine.ownership import Ownership, owner_gone
 from cdcflow.errors import FencedError, LeaseHeldError, PipelineDefinitionError
 from cdcflow.metadata import MemoryStore, SQLiteStore
 from cdcflow.metadata.base import MetadataStore
@@ -161,6 +161,27 @@ def test_a_crashed_run_on_this_host_is_taken_over_at_once(
     with caplog.at_level(logging.INFO, logger="cdcflow.engine"):
         assert _engine(_pipeline(_stream(), cf.Collect()), store).run().reason == "end reached"
     assert not [r for r in caplog.records if "taking over" in r.getMessage()]
+
+
+def test_a_run_knows_whether_the_run_before_it_released_its_lease() -> None:
+    # (a crashed run's successor plans narrower batches: see engine.pacing)
+    store = MemoryStore()
+    first = Ownership(store, "owned", 3600.0, lambda e: None)
+    first.acquire(takeover=False)
+    assert not first.predecessor_crashed  # none before it
+    first.release()
+    second = Ownership(store, "owned", 3600.0, lambda e: None)
+    second.acquire(takeover=False)
+    assert not second.predecessor_crashed  # released
+    second.release()
+    # as a crash leaves it: held, not released
+    lease = store.lease("owned")
+    assert lease is not None
+    store.acquire_lease("owned", "elsewhere:1", "crashed", 3600 * S, replace=lease.token)
+    third = Ownership(store, "owned", 3600.0, lambda e: None)
+    third.acquire(takeover=True)
+    assert third.predecessor_crashed
+    third.release()
 
 
 def test_an_owner_killed_but_not_reaped_yet_is_gone() -> None:

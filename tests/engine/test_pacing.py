@@ -68,6 +68,31 @@ def test_a_run_goes_on_from_the_span_the_last_committed_batch_left() -> None:
     assert Pacer.resume(10 * S, None, log).span_ns == 10 * S
 
 
+def test_a_run_after_crashes_halves_the_span_once_per_crashed_run() -> None:
+    def log(lease_token: int) -> list[BatchRecord]:
+        stats = {"next_span_ns": 8 * S, "lease_token": lease_token}
+        return [BatchRecord(9, 0, 0, None, 1), BatchRecord(8, 0, 0, 1, 1, stats=stats)]
+
+    # The run that committed batch 8 (lease 5) ended cleanly: this one (6) goes on from it.
+    assert Pacer.resume(10 * S, MiB, log(5), lease_token=6).span_ns == 8 * S
+    # It crashed (its lease was not released): half.
+    assert Pacer.resume(10 * S, MiB, log(5), lease_token=6, crashed=True).span_ns == 4 * S
+    # Two more runs owned the pipeline since and committed nothing: they crashed too.
+    assert Pacer.resume(10 * S, MiB, log(5), lease_token=8, crashed=True).span_ns == S
+    assert Pacer.resume(10 * S, MiB, log(5), lease_token=99).span_ns == MIN_SPAN_NS
+    # An entry committed before the lease token was logged, or no lease token: as it was.
+    older = [BatchRecord(8, 0, 0, 1, 1, stats={"next_span_ns": 8 * S})]
+    assert Pacer.resume(10 * S, MiB, older, lease_token=9, crashed=True).span_ns == 8 * S
+    assert Pacer.resume(10 * S, MiB, log(5)).span_ns == 8 * S
+    # A fixed span (no max_task_bytes) is narrowed too, and doubles back batch by batch.
+    fixed = Pacer.resume(10 * S, None, log(5), lease_token=7, crashed=True)
+    assert fixed.span_ns == 10 * S // 4
+    fixed.observe(*_batch([("a", 0, S, 10**12)]))
+    assert fixed.span_ns == 5 * S
+    fixed.observe(*_batch([("a", 0, S, 10**12)]))
+    assert fixed.span_ns == 10 * S
+
+
 def test_max_task_bytes_takes_sizes() -> None:
     assert RunOptions(max_task_bytes="64MiB").max_task_bytes == 64 * MiB
     assert RunOptions(max_task_bytes=None).max_task_bytes is None
