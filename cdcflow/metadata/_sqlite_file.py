@@ -323,6 +323,7 @@ class SQLiteFile:
         elif self._opening or name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")):
             msg = (f"{self._path} is not a usable SQLite database ({e}); point the URL at "
                    "a new file or at a cdcflow store")
+            setup = True  # a damaged page found later is the same bad file (exit 2)
         else:
             msg = f"{where} failed: {type(e).__name__}: {e}"
         return StoreSetupError(msg) if setup else StoreError(msg)

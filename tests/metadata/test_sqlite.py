@@ -75,6 +75,31 @@ def test_a_file_that_is_not_a_database_is_refused(db: Path) -> None:
         SQLiteStore(db)
 
 
+def test_a_damaged_page_found_after_opening_is_a_setup_error(db: Path) -> None:
+    # (exit 2, as a file that cannot be opened: retrying cannot mend it)
+    store = SQLiteStore(db)
+    store.insert_partitions(P, [part(f"t{i:05d}") for i in range(2000)])
+    store.close()
+    raw = db.read_bytes()
+    found = 0
+    for page in range(2, len(raw) // 4096):
+        bad = db.with_name(f"bad{page}.db")
+        bad.write_bytes(raw[:4096 * page] + b"\xde\xad" * 2048 + raw[4096 * (page + 1):])
+        try:
+            damaged = SQLiteStore(bad)
+        except StoreSetupError:  # found while opening
+            continue
+        try:
+            damaged.partitions(P)
+        except StoreError as e:
+            assert isinstance(e, StoreSetupError), e
+            assert "is not a usable SQLite database" in str(e)
+            found += 1
+        finally:
+            damaged.close()
+    assert found
+
+
 def test_positions_keep_the_full_int64_range(db: Path) -> None:
     store = SQLiteStore(db)
     store.insert_partitions(P, [PartitionMetadata("x", (), 0, MAX_NS, MAX_NS - 1, "CREATED")])
