@@ -92,6 +92,17 @@ def test_an_unknown_host_fails_as_a_closed_port_does(tmp_path: Path) -> None:
     assert "is the host:port right?" in line
 
 
+def test_an_emulator_host_with_a_scheme_is_named_with_the_value_to_export(
+    tmp_path: Path,
+) -> None:
+    path = _pipeline(tmp_path, "projects/p/instances/i/databases/d")
+    done, _ = _cdcflow("run", str(path), "--for", "3s", cwd=tmp_path,
+                       env=_env(SPANNER_EMULATOR_HOST="http://127.0.0.1:1/"))
+    line = _error_line(done)
+    assert "has a scheme" in line and "export SPANNER_EMULATOR_HOST=127.0.0.1:1)" in line
+    assert "Warning" not in done.stderr  # the client's warning came first, on two lines
+
+
 @pytest.mark.emulator
 def test_an_unknown_instance_is_a_configuration_error(
     tmp_path: Path, spanner_emulator: Emulator

@@ -91,6 +91,12 @@ def new_client(project: str) -> Any:
     from google.auth.exceptions import DefaultCredentialsError
     from google.cloud import spanner
 
+    host = emulator_host()
+    if host is not None and "://" in host:  # the client would warn, then fail to resolve it
+        bare = host.split("://", 1)[1].rstrip("/")
+        msg = (f"SPANNER_EMULATOR_HOST={host} has a scheme: give host:port alone "
+               f"(export SPANNER_EMULATOR_HOST={bare})")
+        raise ConfigurationError(msg)
     try:
         try:
             return spanner.Client(project=project, disable_builtin_metrics=True)
