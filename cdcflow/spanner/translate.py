@@ -68,9 +68,9 @@ def translate(exc: Exception, database: str, query: ChangeStreamQuery | None) ->
         msg = (
             f"start {start} is before what change stream {stream!r} holds (changes since "
             "it was created, for its retention_period, 1 day by default): start later "
-            "(start_at='now' or a time after the stream's creation), or raise the "
-            f"stream's retention_period; reset the pipeline if its stored position is too "
-            f"old ({text})"
+            "with --reset (the metadata store keeps the pipeline's position, so a changed "
+            "start_at alone does not move it; start_at='now' or a time after the stream's "
+            f"creation), or raise the stream's retention_period ({text})"
         )
         return StartTooEarlyError(msg)
     if "partition_token is invalid" in text:
