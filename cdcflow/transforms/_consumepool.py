@@ -103,9 +103,10 @@ class _Call:
 class _Worker:
     """A pool thread and the call it runs (if any)."""
 
-    __slots__ = ("abandoned", "call", "deadline", "thread")
+    __slots__ = ("abandoned", "call", "deadline", "starting", "thread")
 
     def __init__(self) -> None:
+        self.starting = True  # counted as idle until it first looks for a key
         self.call: _Call | None = None
         self.deadline: float | None = None
         self.abandoned = False
@@ -163,6 +164,7 @@ class ConsumeWriter(Generic[E]):
         self._delays = itertools.count()
         self._pending = 0
         self._workers: list[_Worker] = []
+        self._idle = 0  # workers waiting in _next for a key, or starting
         self._abandoned: list[_Worker] = []
         self._started = False
         self._ended = False
@@ -211,6 +213,7 @@ class ConsumeWriter(Generic[E]):
                 self._queues[key] = deque((call,))
                 self._ready.append(key)
                 self._work.notify()
+                self._grow()
             else:
                 queue.append(call)  # picked up when the key's running call ends
             self._pending += 1
@@ -325,18 +328,26 @@ class ConsumeWriter(Generic[E]):
     # -- the pool ---------------------------------------------------------------------------
 
     def _start(self) -> None:
+        # Workers start as keys become due (_grow), up to max_inflight: a task with a few
+        # elements starts a few threads, however large the pool may grow.
         self._started = True
-        with self._lock:
-            for _ in range(self._size):
-                self._spawn()
         if self._timeout is not None:
             threading.Thread(
                 target=self._watch, name=f"cdcflow-consume-watchdog-{self._label}", daemon=True
             ).start()
 
+    def _grow(self) -> None:
+        """Start a worker (under the lock) when more keys are due than workers wait for
+        one, or a key waits out a Retry's delay with no worker waiting to take it when it
+        is due; never more than ``max_inflight``."""
+        wanted = len(self._ready) + (1 if self._delayed else 0)
+        if wanted > self._idle and len(self._workers) < self._size and not self._ended:
+            self._spawn()
+
     def _spawn(self) -> None:
         """Start a worker thread (under the lock)."""
         worker = _Worker()
+        self._idle += 1
         # Daemon threads: an abandoned call must not keep the process (a Spark worker) alive.
         worker.thread = threading.Thread(
             target=self._run, args=(worker,), name=f"cdcflow-consume-{self._label}", daemon=True
@@ -344,24 +355,33 @@ class ConsumeWriter(Generic[E]):
         self._workers.append(worker)
         worker.thread.start()
 
-    def _next(self) -> Hashable | None:
+    def _next(self, worker: _Worker) -> Hashable | None:
         """Wait (under the lock) for a key whose first call is due: that key, or None once
         the writer ended. A key waiting out a Retry's delay holds no thread: it is due
         again at the end of the delay (nothing of its key passes it)."""
+        if worker.starting:
+            worker.starting = False
+            self._idle -= 1
         while not self._ended:
             delayed = self._delayed
             now = time.monotonic()
             while delayed and delayed[0][0] <= now:
                 self._ready.appendleft(heapq.heappop(delayed)[2])
             if self._ready:
-                return self._ready.popleft()
-            self._work.wait(delayed[0][0] - now if delayed else None)
+                key = self._ready.popleft()
+                self._grow()  # the keys still due, and a delay, want workers of their own
+                return key
+            self._idle += 1
+            try:
+                self._work.wait(delayed[0][0] - now if delayed else None)
+            finally:
+                self._idle -= 1
         return None
 
     def _run(self, worker: _Worker) -> None:
         while True:
             with self._lock:
-                key = self._next()
+                key = self._next(worker)
                 if key is None:
                     return
                 call = self._queues[key].popleft()
@@ -441,7 +461,7 @@ class ConsumeWriter(Generic[E]):
             self._let_go(call.size)
         queue = self._queues[call.key]
         if queue:
-            self._ready.append(call.key)
+            self._ready.append(call.key)  # the worker that finished takes it, or another
             self._work.notify()
         else:
             del self._queues[call.key]
@@ -474,7 +494,7 @@ class ConsumeWriter(Generic[E]):
                     heapq.heappush(self._delayed, (due, next(self._delays), call.key))
                 else:
                     self._ready.appendleft(call.key)
-                self._work.notify()
+                self._work.notify()  # the worker back in _next takes it (or waits for it)
                 self._room.notify_all()  # progress, for the drain deadline
                 return
             if isinstance(decision, Skip):

@@ -133,6 +133,44 @@ def test_max_inflight_runs_calls_concurrently() -> None:
     assert 8 <= most[16] <= 16, most
 
 
+def test_a_task_with_few_elements_starts_few_threads() -> None:
+    """Workers start as keys become due: a task with two keys starts two threads, not
+    max_inflight (at 10,000 partitions, 64 threads per task cost seconds a batch)."""
+    seen: list[int] = []
+
+    def fn(e: int) -> None:
+        seen.append(sum(t.name == "cdcflow-consume-consume" for t in threading.enumerate()))
+        time.sleep(0.05)
+
+    writer = _writer(Consume(fn, max_inflight=64, key=lambda e: e % 2))
+    for i in range(6):
+        writer.write(i)
+    assert writer.close() == Consumed(elements=6, acked=6, calls=6)
+    assert seen and max(seen) == 2, seen
+
+
+def test_a_retry_due_while_every_started_thread_is_busy_gets_a_thread_of_its_own() -> None:
+    calls: list[tuple[str, float]] = []
+    began = time.monotonic()
+
+    def fn(e: str) -> None:
+        calls.append((e, time.monotonic() - began))
+        if e == "a" and len(calls) == 1:
+            raise ConnectionError("once")
+        if e == "b":
+            time.sleep(1.0)
+
+    policy = ErrorPolicy(handler=lambda err, el, tok, n: Retry(after=0.2))
+    writer = _writer(Consume(fn, max_inflight=2, key=lambda e: e, on_error=policy))
+    writer.write("a")
+    _eventually(lambda: len(calls) == 1)  # a failed: its one thread waits out the delay...
+    time.sleep(0.02)
+    writer.write("b")  # ...and takes b, which runs 1 s: a, due at 0.2 s, needs another
+    assert writer.close() == Consumed(elements=2, acked=2, calls=3, retries=1)
+    (again,) = [at for e, at in calls[1:] if e == "a"]
+    assert 0.2 <= again < 0.8, calls  # not after b's 1 s call
+
+
 def test_writes_block_while_the_pool_and_its_queue_are_full() -> None:
     release = threading.Event()
     writer = _writer(Consume(lambda e: release.wait(10), max_inflight=2))
