@@ -43,3 +43,27 @@ def test_pipeline_example_loads_and_validates(tmp_path: Path) -> None:
         "ReadChangeStream/DetectPartitions", "ReadChangeStream/ReadPartition", "no deletes",
         "as rows", "WriteFiles",
     ]
+
+
+def test_consume_example_calls_fn_once_per_changed_row(tmp_path: Path) -> None:
+    # A record holds every row its transaction changed in the table: the example splits
+    # it into rows, each keyed by its own order id and idempotency key.
+    from cdcflow.testing import ScriptedChangeStream
+
+    code = python_block("# notify.py")
+    sent: list[tuple[int, str]] = []
+    namespace: dict[str, object] = {"send": lambda order_id, key: sent.append((order_id, key))}
+    exec(compile(code, "notify.py", "exec"), namespace)  # the README's code
+    rows, notify, order_id = namespace["rows"], namespace["notify"], namespace["order_id"]
+    t0 = 1_700_000_000 * 10**9
+    stream = ScriptedChangeStream("OrdersStream", origin=t0)
+    with stream.transaction(at=t0 + 10**9) as tx:
+        for oid in (1, 2, 3):
+            tx.write("Orders", {"OrderId": oid}, "INSERT", {"Total": oid})
+    (record,) = stream.expected_records(t0, t0 + 2 * 10**9)
+    assert len(record.mods) == 3
+    for row in rows(record):  # type: ignore[operator]
+        assert order_id(row) == row[0].mods[row[1]].keys["OrderId"]  # type: ignore[operator]
+        notify(row)  # type: ignore[operator]
+    assert sorted(oid for oid, _ in sent) == [1, 2, 3]
+    assert len({key for _, key in sent}) == 3  # one idempotency key per row

@@ -38,11 +38,14 @@ E = TypeVar("E")
 
 _log = logging.getLogger("cdcflow.consume")
 
-def idempotency_key(record: DataChangeRecord) -> str:
+def idempotency_key(record: DataChangeRecord, mod: int | None = None) -> str:
     """A text identifying ``record`` across replays: its commit timestamp (ns), server
-    transaction id and record sequence. A replayed batch gives the same keys, so a side
-    effect keyed by it (an upsert, an Idempotency-Key header) is not repeated."""
-    return f"{record.commit_timestamp.ns}/{record.server_transaction_id}/{record.record_sequence}"
+    transaction id and record sequence; with ``mod``, one row of it (``record.mods[mod]``:
+    a record holds every row its transaction changed in one table, and they share the
+    record's key). A replayed batch gives the same keys, so a side effect keyed by it (an
+    upsert, an Idempotency-Key header) is not repeated."""
+    key = f"{record.commit_timestamp.ns}/{record.server_transaction_id}/{record.record_sequence}"
+    return key if mod is None else f"{key}/{mod}"
 
 
 class _Totals:
