@@ -428,13 +428,31 @@ class WriteFiles(Sink[Any, WrittenFile]):
                 except FileExistsError:  # another run claimed it since we looked
                     owner = self._read_owner(path) or pipeline
         if owner != pipeline:
-            msg = (
-                f"WriteFiles {self._dir()} holds the output of pipeline {owner!r}, not "
-                f"{pipeline!r}; nothing was written: give each pipeline its own directory, "
-                f"or, for a renamed pipeline, write its new name in {path}"
-            )
+            if self._holds_output():
+                msg = (
+                    f"WriteFiles {self._dir()} holds the output of pipeline {owner!r}, not "
+                    f"{pipeline!r}; nothing was written: give each pipeline its own "
+                    f"directory, or, for a renamed pipeline, write its new name in {path}"
+                )
+            else:  # claimed by a run that wrote nothing (it failed at start, say)
+                msg = (
+                    f"WriteFiles {self._dir()} was claimed by pipeline {owner!r} ({path}), "
+                    f"which wrote no output there; nothing was written: if no run of "
+                    f"{owner!r} writes there, delete {path} (or write {pipeline!r} in it), "
+                    "or give this pipeline its own directory"
+                )
             raise OutputConflictError(msg)
         self._claimed = True
+
+    def _holds_output(self) -> bool:
+        """Whether the directory holds anything but its ``_cdcflow`` records, or a
+        manifest of a committed batch."""
+        with storage("list", self._dir()):
+            names = _listdir(self._dir())
+        if any(not name.startswith((_MANIFESTS, ".")) for name in names):
+            return True
+        with storage("list", self._manifest_dir()):
+            return any(map(_MANIFEST_NAME.fullmatch, _listdir(self._manifest_dir())))
 
     def _read_owner(self, path: str) -> str | None:
         data = _read_if_there(path)

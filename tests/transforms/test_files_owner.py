@@ -115,6 +115,22 @@ def test_a_directory_is_one_pipelines_whatever_the_prefix(tmp_path: Path) -> Non
     assert _values(out) == _values(out, "b") == list(range(N))
 
 
+def test_a_claim_of_a_run_that_wrote_nothing_says_so_and_how_to_drop_it(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    (out / OWNER).parent.mkdir(parents=True)
+    (out / OWNER).write_bytes(orjson.dumps({"pipeline": "kv-A"}))  # a run that failed at start
+    with pytest.raises(OutputConflictError) as refused:
+        _run("kv-B", out, tmp_path / "b.db")
+    text = str(refused.value)
+    assert "was claimed by pipeline 'kv-A'" in text and "which wrote no output there" in text
+    assert f"delete {out / OWNER}" in text
+    (out / OWNER).unlink()  # the fix it names
+    assert _run("kv-B", out, tmp_path / "b.db").reason == "end reached"
+    assert _values(out) == list(range(N))
+
+
 def test_output_written_before_owners_were_recorded_is_adopted(tmp_path: Path) -> None:
     out = tmp_path / "shared"
     _run("kv-A", out, tmp_path / "a.db")
