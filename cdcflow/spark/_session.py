@@ -237,6 +237,16 @@ def _make_active(session: Any) -> None:
     SparkSession._activeSession = session
 
 
+def _java_home_fault() -> str | None:
+    """What is wrong with JAVA_HOME when it names no Java (Spark's launcher runs
+    ``$JAVA_HOME/bin/java``), else None."""
+    home = os.environ.get("JAVA_HOME")
+    if not home or os.access(os.path.join(home, "bin", "java"), os.X_OK):
+        return None
+    return (f"JAVA_HOME={home} holds no bin/java: point it at a Java 17 or later install, "
+            "or unset it to use java on PATH")
+
+
 def _launch(settings: Mapping[str, str]) -> JvmOutput:
     """Start the JVM (the gateway PySpark's SparkContext then uses); its output, held."""
     from pyspark import SparkContext
@@ -255,8 +265,8 @@ def _launch(settings: Mapping[str, str]) -> JvmOutput:
                            output_text.rstrip())
             said = jvm_said(output_text)
             if said.strip():
-                msg = (f"Spark's JVM did not start: {failure_line(said)} (check --master "
-                       "and every --conf)")
+                msg = (f"Spark's JVM did not start: {failure_line(said)} "
+                       f"({_java_home_fault() or 'check --master and every --conf'})")
                 raise ConfigurationError(msg) from None
             if attempt < _LAUNCH_ATTEMPTS:
                 _log.warning("the Spark JVM launcher exited at start (attempt %d of %d); "

@@ -481,6 +481,15 @@ def test_a_master_spark_cannot_use_is_one_line_and_exit_2(tmp_path: Path) -> Non
         assert done.returncode == 2, done.stderr[-3000:]
         assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr[-3000:]
         assert done.stderr.startswith(f"cdcflow: error: {says}"), done.stderr
+    # A JAVA_HOME that names no Java: the fix is JAVA_HOME, not --master or a --conf.
+    done = subprocess.run(
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--runner", "spark"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        env={**env, "JAVA_HOME": str(tmp_path / "nojava")},
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr[-3000:]
+    assert f"JAVA_HOME={tmp_path / 'nojava'} holds no bin/java" in done.stderr, done.stderr
 
 
 def test_a_failing_task_is_one_line_not_every_attempt_s_traceback(tmp_path: Path) -> None:
