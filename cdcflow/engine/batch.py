@@ -22,16 +22,16 @@ Pipelined batches (``RunOptions.pipelined``). While the run lags the clock, batc
 back to back; then, once batch N's tasks have returned, :meth:`Batches.execute` plans
 batch N+1 from the partitions as N will leave them (a projection: the view itself changes
 only at N's store commit) and runs N+1's tasks on a thread of its own while N's sinks and
-store commit. N+1's plan is written to the store (write-ahead, with the fence) only after
-N's commit, and before any sink commits N+1 (the invariant above). So:
+store commit. N+1's plan is written to the store (with the fence) once N has committed and
+N+1's tasks have returned, before any sink commits N+1 (the invariant above). So:
 
 - a crash before N+1's plan is written leaves nothing of N+1 committed; the next run plans
   batch N+1 afresh (perhaps with other slices: nothing of the first attempt is used, and
   the sinks sweep its leftovers when they commit or abort the batch id);
 - a crash after it is written is the ordinary case of a pending plan: the next run replays
   it, as it is, with the same slices;
-- when N's commit fails, or the run stops (a stop request, ``duration``) before N+1's plan
-  is written, N+1's tasks are awaited, their output aborted, and N+1 is never planned.
+- when N's commit fails, or the run stops (a stop request, ``duration``) before N+1 is
+  taken up, N+1's tasks are awaited, their output aborted, and N+1 is never planned.
 
 A replayed pending plan, a replay for staging sinks and the batch after a failed attempt
 are never overlapped; when the run is caught up with the clock, batches are paced by
@@ -89,13 +89,13 @@ _log = logging.getLogger("cdcflow.engine")
 
 @attrs.define
 class _Ahead:
-    """The next batch, planned and reading while the current one commits. ``written``: its
-    plan is in the store (its tasks' results then go to its first attempt)."""
+    """The next batch, planned and reading while the current one commits. ``taken``: it is
+    the batch the engine executes now (its tasks' results go to its first attempt)."""
 
     plan: BatchPlan
     transitions: dict[str, PartitionState]
     future: Future[list[TaskResult]]
-    written: bool = False
+    taken: bool = False
 
 
 class Batches:
@@ -145,26 +145,23 @@ class Batches:
 
     @property
     def ahead(self) -> BatchPlan | None:
-        """The plan of the batch read ahead whose plan is not written yet, if any."""
-        return None if self._ahead is None or self._ahead.written else self._ahead.plan
+        """The plan of the batch read ahead, if any and not taken yet."""
+        return None if self._ahead is None or self._ahead.taken else self._ahead.plan
 
-    def write_ahead(self) -> tuple[BatchPlan, list[PartitionMetadata]]:
-        """Write the plan of the batch read ahead to the store (with the fence) and return
-        it with the partitions as stored before it. Call once the batch before it has
-        committed (3b-3d), before anything else of the read-ahead batch; if this raises, the
-        caller must :meth:`drop_ahead` (its tasks are still running)."""
+    def take_ahead(
+        self,
+    ) -> tuple[BatchPlan, dict[str, PartitionState], list[PartitionMetadata]]:
+        """The batch read ahead, to execute next: its plan, the transitions to write with
+        it (:meth:`execute` writes the plan once its tasks have returned) and the partitions
+        as stored before it. Call once the batch before it has committed (3b-3d)."""
         ahead = self._ahead
-        assert ahead is not None and not ahead.written
-        parts = self.view.snapshot()
-        self.store.write_plan(self.name, ahead.plan, ahead.transitions, fence=self._fence())
-        self.view.planned(ahead.transitions, ahead.plan.planned_at)
-        ahead.written = True
-        return ahead.plan, parts
+        assert ahead is not None and not ahead.taken
+        ahead.taken = True
+        return ahead.plan, ahead.transitions, self.view.snapshot()
 
     def drop_ahead(self) -> None:
         """Give up the batch read ahead, if any: wait for its tasks, then abort their output
-        in every sink (nothing of it was committed). Its plan, when written, stays pending
-        in the store: the next run replays it."""
+        in every sink (nothing of it was committed, nor its plan written)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
@@ -255,7 +252,7 @@ class Batches:
         # The tasks of a batch read ahead have run already (or still run): the first
         # attempt takes their results.
         first: Future[list[TaskResult]] | None = None
-        if self._ahead is not None and self._ahead.written:
+        if self._ahead is not None and self._ahead.taken:
             assert self._ahead.plan.batch_id == plan.batch_id
             first, self._ahead = self._ahead.future, None
 

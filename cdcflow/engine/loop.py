@@ -8,9 +8,9 @@ in the code below:
    schedules ready partitions and chooses the batch end ``T`` (never ahead of the clock,
    at most a span after the low watermark: ``max_batch_span``, paced, see
    :mod:`cdcflow.engine.pacing`), and the plan is written to the store before any sink
-   commits the batch (write-ahead): once its tasks have returned, or, for a batch read
-   ahead while the previous one committed (pipelined batches, see
-   :mod:`cdcflow.engine.batch`), once the previous batch has committed;
+   commits the batch (write-ahead): once its tasks have returned (for a batch read ahead
+   while the previous one committed, pipelined batches, see :mod:`cdcflow.engine.batch`:
+   once the previous batch has committed, too);
 2. execute: the runner runs one task per slice (:mod:`cdcflow.engine.task`);
 3. commit: (a) every sink commits the batch (idempotent per batch id); (b) the store
    commits all progress of the batch in one transaction — watermarks, finished
@@ -516,23 +516,16 @@ class Engine:
                 reason = "max batches"
                 break
             batch_began = time.monotonic()
-            # 1. plan: replay a pending plan as it is; or write the plan of the batch read
-            #    ahead while the last one committed (its tasks ran, but no sink commits it
-            #    before its plan is in the store); or plan the next batch, written to the
-            #    store once its tasks have returned, before any sink commits it.
+            # 1. plan: replay a pending plan as it is; or take up the batch read ahead while
+            #    the last one committed; or plan the next batch. A new plan is written to
+            #    the store once its tasks have returned, before any sink commits it.
             plan, pending = pending, None
             replay = plan is not None
             unwritten: dict[str, PartitionState] | None = None
             ahead = run.ahead
             if ahead is not None:
                 now = ahead.planned_at
-                try:
-                    plan, parts = run.write_ahead()
-                except StoreError as exc:
-                    if not self._store_failed_when_stopping(exc, ahead.batch_id):
-                        raise
-                    reason = self._stop_reason
-                    break
+                plan, unwritten, parts = run.take_ahead()
             else:
                 now = self._clock()
                 parts = view.snapshot()

@@ -2,8 +2,10 @@
 
     python crash_pipeline.py RUNNER STATE_DIR [STAGE:BATCH]
 
-RUNNER is ``memory`` or ``spark`` (``local[2]``). STAGE is ``planned`` (plan durable, no
-sink committed it; with pipelined batches its tasks may have run already), ``sinks`` (sinks
+RUNNER is ``memory`` or ``spark`` (``local[2]``). STAGE is ``planned`` (planned, its plan
+not written yet: that happens once its tasks return; with pipelined batches its tasks may
+have run already), ``committing`` (plan durable, no sink committed it: at the start of
+the sink's commit), ``sinks`` (sinks
 committed, store not), ``batch`` (store committed; with pipelined batches the next batch is
 reading and its plan is not written), ``ahead`` (inside the sink commit of batch BATCH,
 after it, once the tasks of batch BATCH+1, read ahead, have staged output: "ahead" is
@@ -116,16 +118,19 @@ class KillOnRecord:
 
 class AheadFiles(WriteFiles):
     """WriteFiles that dies inside the sink commit of batch ``kill_after``, once it has
-    committed and the next batch's tasks (read ahead meanwhile) have staged a file."""
+    committed and the next batch's tasks (read ahead meanwhile) have staged a file; or at
+    the start of the sink commit of batch ``kill_before`` (its plan is in the store)."""
 
-    def __init__(self, path: str, kill_after: int, driver: int) -> None:
+    def __init__(self, path: str, kill_after: int, driver: int, kill_before: int = 0) -> None:
         super().__init__(path)
-        self.kill_after, self.driver = kill_after, driver
+        self.kill_after, self.kill_before, self.driver = kill_after, kill_before, driver
 
     def default_label(self) -> str:
         return "WriteFiles"
 
     def commit(self, batch_id: int, messages: Any) -> None:
+        if batch_id == self.kill_before:
+            _die(self.driver)
         super().commit(batch_id, messages)
         if batch_id != self.kill_after:
             return
@@ -173,9 +178,10 @@ def main() -> None:
      | ReadPartition(heartbeat="500ms")
      | Map(KillOnRecord(int(batch) if stage == "task" else 0, os.getpid()))
      | AheadFiles(os.path.join(state, "out"), int(batch) if stage == "ahead" else 0,
-                  os.getpid()))
+                  os.getpid(), int(batch) if stage == "committing" else 0))
     store = open_store(f"sqlite:///{os.path.join(state, 'state.db')}")
-    listener = KillAt(stage, int(batch)) if stage not in ("task", "ahead") else None
+    listener = (KillAt(stage, int(batch)) if stage not in ("task", "ahead", "committing")
+                else None)
     options = RunOptions(max_batch_span=30.0 if "wide" in sys.argv[4:] else 2.0,
                          batch_interval=0.0, base_dir=state,
                          pipelined="serial" not in sys.argv[4:])

@@ -47,6 +47,9 @@ def _run(
     ("runner", "kills", "mode"),
     [
         pytest.param("memory", ["planned:2", "planned:5", "planned:9"], "", id="memory-planned"),
+        # committing:N kills as the sink begins to commit batch N: its plan is written
+        pytest.param("memory", ["committing:2", "committing:5", "committing:9"], "",
+                     id="memory-committing"),
         pytest.param("memory", ["sinks:2", "sinks:5", "sinks:9"], "", id="memory-sinks"),
         pytest.param("memory", ["batch:1", "batch:6", "batch:11"], "", id="memory-batch"),
         # task:N kills at the N-th record the process running the task reads
@@ -57,7 +60,7 @@ def _run(
         pytest.param("memory", ["ahead:2", "ahead:5", "ahead:9"], "", id="memory-ahead"),
         pytest.param("memory", ["ahead:3", "batch:6", "planned:8", "task:300"], "",
                      id="memory-mixed"),
-        pytest.param("memory", ["planned:3", "sinks:5", "batch:8"], "serial",
+        pytest.param("memory", ["planned:3", "committing:4", "sinks:5", "batch:8"], "serial",
                      id="memory-serial"),
         # On Spark: a kill inside an executor's task, and one of the driver while it reads
         # ahead (the driver's other kill points are the in-memory runner's own code).
@@ -75,6 +78,11 @@ def test_killed_runs_resume_without_loss_or_duplicates(
         assert killed.returncode == -signal.SIGKILL, (kill, killed.stderr[-3000:])
         if kill.startswith("ahead:"):  # the next batch was reading while this one committed
             assert killed.stdout.strip().endswith("ahead"), (kill, killed.stderr[-3000:])
+        stage, _, batch = kill.partition(":")
+        if stage == "planned":  # its plan is written once its tasks return: not yet
+            assert _pending(tmp_path) is None
+        elif stage == "committing":  # written before the sink began to commit it
+            assert _pending(tmp_path) == int(batch)
     done = _run(runner, tmp_path, None, *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("end reached")
@@ -98,6 +106,18 @@ def test_a_batch_no_run_lives_to_commit_is_planned_narrower_after_each_crash(
     assert runs[-1] == 0, runs  # the stream's 600 records, through runs that die at 150
     assert len(runs) > 3  # it took kills
     _assert_exactly_once(tmp_path)
+
+
+def _pending(state: Path) -> int | None:
+    """The id of the pipeline's pending plan, if any."""
+    from cdcflow.metadata import open_store
+
+    store = open_store(f"sqlite:///{state / 'state.db'}")
+    try:
+        plan = store.pending_plan("crash")
+        return None if plan is None else plan.batch_id
+    finally:
+        store.close()
 
 
 def _assert_exactly_once(tmp_path: Path) -> None:
