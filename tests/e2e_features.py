@@ -248,6 +248,19 @@ class Feature:
         finally:
             store.close()
 
+    def stored_partitions(self) -> int:
+        """How many partitions the store holds (a first run stores its first ones before it
+        plans a batch)."""
+        if self.store_url.startswith("sqlite:") and not self.state_file.exists():
+            return 0
+        store = open_store(self.store_url)
+        try:
+            return len(store.partitions(self.name))
+        except Exception:  # the store's tables are not created yet
+            return 0
+        finally:
+            store.close()
+
     def planned_batches(self) -> int:
         if self.store_url.startswith("sqlite:") and not self.state_file.exists():
             return 0

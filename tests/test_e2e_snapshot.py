@@ -105,12 +105,14 @@ def test_a_snapshot_killed_midway_replays_to_the_database(
     end = start + 10 * S
     feature.window(start, end)
     try:
-        # Killed a random moment after the snapshot's batch was planned, before it commits.
+        # Killed a random moment after the run stored its first partitions (the tables'
+        # snapshots), while it reads them: before the snapshot's batch commits (its plan is
+        # written when its tasks have read it).
         killed = feature.kill_at_random(
-            1, seed=start, after=(0.2, 1.0), progress=feature.planned_batches
+            1, seed=start, after=(0.2, 1.0), progress=feature.stored_partitions
         )
         assert killed == 1
-        assert feature.planned_batches() >= 1
+        assert feature.stored_partitions() >= 1
         assert feature.committed_batches() == 0, "the snapshot committed before the kill"
     finally:
         writing.join(30)  # its 8 s of changes, also while the pipeline is down

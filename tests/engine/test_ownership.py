@@ -132,9 +132,11 @@ def test_a_driver_that_finds_its_lease_lost_says_so_once(
     assert "no longer current" in str(errors[0])  # the run ends with it: the last line
     assert "after the stop request" not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # said once
+    # the heartbeat says so once when it finds out first; when the run's own plan write
+    # is fenced first (a busy machine), that error is the only word
     lost = [r.getMessage() for r in caplog.records if "is lost" in r.getMessage()]
-    assert lost == ["the lease of pipeline owned is lost (FencedError): stopping after the "
-                    "current batch"]
+    assert lost in ([], ["the lease of pipeline owned is lost (FencedError): stopping after "
+                         "the current batch"]), lost
 
 
 def test_a_crashed_run_on_this_host_is_taken_over_at_once(

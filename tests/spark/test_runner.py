@@ -17,6 +17,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -348,12 +349,13 @@ def reference_output(tmp_path: Path) -> dict[str, list[str]]:
     return committed_files(path.parent / "out")
 
 
-def test_a_local_cluster_run_killed_mid_run_then_resumed_gives_the_same_files(
+def test_a_local_cluster_run_killed_mid_run_then_resumed_gives_every_line_once(
     tmp_path: Path,
 ) -> None:
     """The first run's executors have their own JVMs and Python workers (local-cluster
-    mode); it is SIGKILLed mid-run and a local[2] run finishes it: the files are the
-    in-memory runner's, byte for byte."""
+    mode); it is SIGKILLed mid-run and a local[2] run finishes it: the files hold the
+    in-memory runner's lines, each once (the batch the kill cut short is planned again,
+    narrower after the crash, so its lines may fall in other files)."""
     expected = reference_output(tmp_path)
     path = write_pipeline(tmp_path / "spark")
     out = path.parent / "out"
@@ -384,7 +386,11 @@ def test_a_local_cluster_run_killed_mid_run_then_resumed_gives_the_same_files(
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
-    assert committed_files(out) == expected
+    got = committed_files(out)
+    assert Counter(line for lines in got.values() for line in lines) == Counter(
+        line for lines in expected.values() for line in lines)
+    # the files the first run committed are kept as they were
+    assert {name: got[name] for name in partial} == partial
     assert len(expected) > 20
 
 
