@@ -433,12 +433,16 @@ class Batches:
             raise
 
     def restore_staged(self) -> None:
-        """Deliver again the committed batches a staging sink had not made durable."""
+        """Deliver again the committed batches a staging sink had not made durable, and
+        make each durable at once (a flush per batch): a run that dies during the replay
+        leaves the next one less to replay, so runs that crash in a loop (faster than a
+        staging sink cuts its files) still make progress, where the debt of replays would
+        otherwise grow with every run."""
         for plan, targets in self._staged.replays():
             _log.info("batch %d again for %s (not durable there before the restart)",
                       plan.batch_id, ", ".join(targets))
             self.deliver(plan, targets)
-            self._staged.record()
+            self._staged.flush(targets)
 
     def _tasks(self, plan: BatchPlan, only: tuple[str, ...] | None) -> list[bytes]:
         return [pickle.dumps(Task(self.name, plan.batch_id, s, only)) for s in plan.slices]

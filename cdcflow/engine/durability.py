@@ -8,13 +8,14 @@ through which its output is durable (a *mark*, stored with each batch commit), a
 batch log keeps every batch above the smallest mark. After a crash, :meth:`replays`
 lists the logged batches above a sink's mark, and the engine runs each again — the
 deterministic slices make that exact — delivering it only to the sinks that had not made
-it durable. Nothing a sink had made durable is delivered twice; nothing it had not is
-lost.
+it durable, and flushes them after each (so a run that dies during the replay leaves the
+next one less to replay). Nothing a sink had made durable is delivered twice; nothing it
+had not is lost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from cdcflow.errors import OwedOutputError, StoreError
@@ -81,10 +82,12 @@ class StagedSinks:
         if self.sinks:
             self.store.mark_durable(self.pipeline, self.marks(), fence=self.fence())
 
-    def flush(self) -> None:
-        """Make everything staged durable and record it (the run ends gracefully)."""
-        for sink in self.sinks.values():
-            sink.flush()
+    def flush(self, labels: Iterable[str] | None = None) -> None:
+        """Make everything staged durable and record it (the run ends gracefully; or, with
+        ``labels``, those sinks after a batch replayed to them)."""
+        for label, sink in self.sinks.items():
+            if labels is None or label in labels:
+                sink.flush()
         self.record()
 
 

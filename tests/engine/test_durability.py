@@ -169,6 +169,42 @@ def test_a_crash_after_the_store_commit_replays_only_what_was_not_durable(
     assert sorted(SegmentSink(out, 3).values()) == list(range(80))
 
 
+class _DiesAtCommit(SegmentSink):
+    """A SegmentSink whose process dies at its ``nth`` commit (a run that lives that long)."""
+
+    def __init__(self, directory: Path, nth: int) -> None:
+        super().__init__(directory, every=1000)  # cuts a segment only when flushed
+        self.nth, self.commits = nth, 0
+
+    def commit(self, batch_id: int, messages: Sequence[list[int]]) -> None:
+        self.commits += 1
+        if self.commits == self.nth:
+            raise _Crash(f"commit {self.commits}")
+        super().commit(batch_id, messages)
+
+
+def test_runs_that_die_before_a_staging_sink_cuts_a_file_still_make_progress(
+    tmp_path: Path,
+) -> None:
+    # Every run dies at its third sink commit, long before the sink would cut a segment.
+    # The replayed batches are made durable one by one, so the next run has less to replay;
+    # before, each run replayed all the committed batches not durable, and died doing it.
+    from cdcflow.runners.in_memory import InMemoryRunner
+
+    out = tmp_path / "out"
+    crashes = 0
+    while crashes < 40:
+        try:
+            summary = _run(InMemoryRunner(), tmp_path / "s.db", _DiesAtCommit(out, 3))
+        except _Crash:
+            crashes += 1
+            continue
+        assert summary.reason == "end reached"
+        break
+    assert 2 <= crashes < 40, crashes  # it took crashes, and a run got through
+    assert sorted(SegmentSink(out, 3).values()) == list(range(80))
+
+
 def test_a_renamed_staging_sink_that_was_owed_batches_is_refused(tmp_path: Path) -> None:
     """A staging sink renamed after a crash would start at the last committed batch under
     its new label, and the batches its old label had staged were lost for good (silently):
