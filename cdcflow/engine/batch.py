@@ -69,6 +69,9 @@ from cdcflow.engine.steps import BatchSteps, Folded
 from cdcflow.errors import (
     BatchAbandoned,
     CdcflowError,
+    FencedError,
+    LeaseExpiredError,
+    LeaseLapsedError,
     PipelineStopped,
     RunnerContractError,
     SinkError,
@@ -178,12 +181,8 @@ class Batches:
                     if message is not None:
                         messages.setdefault(label, []).append(message)
         _log.debug("batch %d, read ahead, dropped", ahead.plan.batch_id)
-        for label, sink in self._sinks.items():
-            try:
-                sink.abort(ahead.plan.batch_id, messages.get(label, []))
-            except Exception as exc:
-                log_failure(_log, "sink %r failed to abort batch %d", label, ahead.plan.batch_id,
-                            exc=exc)
+        if not self._owned_elsewhere(None):
+            _abort(ahead.plan.batch_id, self._sinks, messages)
 
     def close(self) -> None:
         """Drop a batch read ahead and stop the read-ahead thread."""
@@ -404,9 +403,10 @@ class Batches:
                     # have committed the batch to them (the store fences only its writes).
                     self._guard()
                     _commit(label, sink, plan.batch_id, given[label])
-            except BaseException:
+            except BaseException as exc:
                 self.drop_ahead()  # its plan would follow a batch that did not commit
-                _abort(plan.batch_id, targets, given)
+                if not self._owned_elsewhere(exc):
+                    _abort(plan.batch_id, targets, given)
                 raise
             return done
 
@@ -431,6 +431,22 @@ class Batches:
                 raise BatchAbandoned(plan.batch_id, exc, written) from exc
             exc.add_note(f"batch {plan.batch_id} was not committed; {_next_run(written)}")
             raise
+
+    def _owned_elsewhere(self, error: BaseException | None) -> bool:
+        """Whether another run may own the pipeline now (this run's lease was lost or ran
+        out: ``error`` or the run's guard says so). Such a run aborts nothing in the sinks:
+        a sink's abort sweeps every attempt's leftovers of the batch id, and the run that
+        owns the pipeline may be writing that batch (it sweeps them when it commits)."""
+        lost = (FencedError, LeaseLapsedError, LeaseExpiredError)
+        if error is not None and caused_by(error, lost):
+            return True
+        try:
+            self._guard()
+        except lost:
+            return True
+        except BaseException:  # an aborted run: it cleans up what it leaves
+            return False
+        return False
 
     def restore_staged(self) -> None:
         """Deliver again the committed batches a staging sink had not made durable, and

@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 
 import cdcflow as cf
+from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.engine.ownership import Ownership, owner_gone
 from cdcflow.errors import FencedError, LeaseHeldError, PipelineDefinitionError
 from cdcflow.metadata import MemoryStore, SQLiteStore
 from cdcflow.metadata.base import MetadataStore
-from cdcflow.model import Lease
+from cdcflow.model import BatchPlan, Lease
 from cdcflow.runners.in_memory import InMemoryRunner
 from cdcflow.testing import ScriptedChangeStream
 
@@ -265,6 +266,7 @@ def test_a_changed_source_warns_or_with_strict_refuses(
 _SLOW_RELEASE = """
 import sys, time
 import cdcflow as cf
+from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine, RunOptions
 from cdcflow.metadata import MemoryStore
 from cdcflow.runners.in_memory import InMemoryRunner
@@ -432,3 +434,36 @@ def test_a_run_whose_lease_renewal_hangs_stops_and_does_not_wait_for_it(
             caplog.text)
     finally:
         hang.set()
+
+
+class _AbortsNoted(cf.Collect[Any]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted: list[int] = []
+
+    def abort(self, batch_id: int, messages: Any) -> None:
+        self.aborted.append(batch_id)
+        super().abort(batch_id, messages)
+
+
+def test_a_run_fenced_out_mid_batch_leaves_the_batch_to_the_run_that_took_over() -> None:
+    """A sink's abort sweeps every attempt's leftovers of the batch id, and the run that
+    took the pipeline over may be writing that batch (WriteFiles' temporary files were
+    deleted under it): a run whose lease is lost aborts nothing."""
+    store = MemoryStore()
+    taken: list[int] = []
+
+    class TakeOver(EngineListener):  # another run takes the pipeline as batch 2 is read
+        def on_planned(self, plan: BatchPlan, replay: bool) -> None:
+            lease = store.lease("owned")
+            if plan.batch_id == 2 and lease is not None:
+                taken.append(store.acquire_lease("owned", "elsewhere:1", "new", 3600 * S,
+                                                 replace=lease.token).token)
+
+    sink = _AbortsNoted()
+    opts = RunOptions(batch_interval=0, max_batch_span=1.0)
+    engine = Engine(_pipeline(_stream(), sink), store, InMemoryRunner(workers=2), opts,
+                    TakeOver())
+    with pytest.raises(FencedError):
+        engine.run()
+    assert taken and sink.aborted == []
