@@ -205,15 +205,12 @@ class IncompleteTransactionError(ChangeStreamError):
 
 
 class BatchAbandoned(CdcflowError):
-    """A batch failed transiently after the run was asked to stop, and was not retried: its
-    plan stays in the store and the next run replays it, or, when its plan was not written
-    yet (``written`` False: no sink had it), the next run plans it again (the engine ends
-    the run as stopped)."""
+    """A batch failed transiently after the run was asked to stop, and was not retried; the
+    engine ends the run as stopped. ``then`` says what the next run does with the batch
+    (replays its plan, or plans it again when the plan was not written)."""
 
-    def __init__(self, batch_id: int, cause: BaseException, written: bool = True) -> None:
+    def __init__(self, batch_id: int, cause: BaseException, then: str) -> None:
         reason = " ".join(str(cause).split()) or type(cause).__name__
-        then = ("its plan stays in the store and the next run replays it" if written else
-                "the next run plans it again")
         super().__init__(
             f"batch {batch_id} failed after the stop request ({type(cause).__name__}: "
             f"{reason}); stopping without retrying it: {then}"

@@ -377,7 +377,7 @@ class Batches:
                 # Asked to stop (during the backoff, or before a failure: then it is not
                 # retried): a supervisor's SIGTERM in an outage ends the run now, not
                 # after the retries; the batch is replayed.
-                raise BatchAbandoned(plan.batch_id, failed, written) from failed
+                raise BatchAbandoned(plan.batch_id, failed, _next_run(written)) from failed
             attempts += 1
             given: dict[str, list[Any]] = {}  # each sink's messages, once the tasks ran
             try:
@@ -428,7 +428,7 @@ class Batches:
             raise
         except Exception as exc:
             if self._stopping() and _is_transient(exc):
-                raise BatchAbandoned(plan.batch_id, exc, written) from exc
+                raise BatchAbandoned(plan.batch_id, exc, _next_run(written)) from exc
             exc.add_note(f"batch {plan.batch_id} was not committed; {_next_run(written)}")
             raise
 
