@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from cdcflow.cli._ending import (
 from cdcflow.cli._options import duration, key_value, port, positive_int, run_options
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine
+from cdcflow.engine.signals import defer, settle_deferred, start_deferring
 from cdcflow.errors import (
     CdcflowError,
     StoreURLError,
@@ -239,16 +241,20 @@ class _GracefulInterrupt:
         self._calls += 1
         if self._engine is None or self._calls > 1:
             raise KeyboardInterrupt
+        defer(functools.partial(self._stop, self._engine))  # a handler takes no lock
+
+    def _stop(self, engine: Engine) -> None:
         if isinstance(self._progress, LiveProgress):
             self._progress.clear()
         sys.stderr.write("cdcflow: stopping after the current batch (Ctrl-C again to abort)\n")
         sys.stderr.flush()
-        self._engine.request_stop()
+        engine.request_stop()
 
     _handle.cdcflow_stop_handler = True  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
+        start_deferring()
         try:
             previous = signal.signal(signal.SIGINT, self._handle)
         except ValueError:  # not the main thread: no signal handling there
@@ -528,6 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(e, log_format, debug, traced=True)
         return EXIT_ERROR
     except KeyboardInterrupt:
+        settle_deferred()  # what the signal's handler had to say comes first
         say("\ncdcflow: interrupted", log_format, "interrupted", logging.WARNING)
         if own_process:
             leave_busy_threads(EXIT_INTERRUPTED)

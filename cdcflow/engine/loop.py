@@ -64,7 +64,13 @@ from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.quota import quota_limit
 from cdcflow.engine.resume import resume_source, source_of_record, stored_source
 from cdcflow.engine.runner import Runner
-from cdcflow.engine.signals import abandon_on_signal, deferred_signals, handling
+from cdcflow.engine.signals import (
+    abandon_on_signal,
+    defer,
+    deferred_signals,
+    handling,
+    settle_deferred,
+)
 from cdcflow.engine.snapshot import snapshot_partitions
 from cdcflow.engine.steps import BatchSteps
 from cdcflow.engine.task import TaskProgram, make_client
@@ -165,7 +171,8 @@ class Engine:
         self._stop.wait(seconds)
 
     def request_stop(self) -> None:
-        """Stop after the current batch commits (safe from any thread or signal handler).
+        """Stop after the current batch commits (safe from any thread; a signal handler
+        defers it, :func:`cdcflow.engine.signals.defer`: it takes locks).
 
         A runner whose tasks cannot see the stop (Spark executors) is told, so that it can
         cut a batch short that does not end (its optional ``interrupt()``)."""
@@ -313,6 +320,7 @@ class Engine:
                 if self._owner.lost is not None:
                     raise self._owner.lost
             except KeyboardInterrupt:  # an abort: the runner waits for no running task
+                settle_deferred()  # the signal's warning first
                 abandon = getattr(self.runner, "abandon", None)
                 if abandon is not None:
                     abandon()
@@ -642,18 +650,22 @@ class Engine:
 
         signalled = False
 
-        def handler(signum: int, frame: FrameType | None) -> None:
-            nonlocal signalled
-            if signalled:  # the second: abort (the next run replays the batch)
-                _log.warning("signal %d again: aborting", signum)
-                raise KeyboardInterrupt
-            signalled = True
+        def stop(signum: int) -> None:
             if self._stop.is_set():  # the run's time is up, or its caller asked it to stop
                 _log.warning("signal %d: the run stops after the current batch already "
                              "(again to abort)", signum)
                 return
             _log.warning("signal %d: stopping after the current batch (again to abort)", signum)
             self.request_stop()
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            # takes no lock (see cdcflow.engine.signals): the stop request is deferred
+            nonlocal signalled
+            if signalled:  # the second: abort (the next run replays the batch)
+                defer(lambda: _log.warning("signal %d again: aborting", signum))
+                raise KeyboardInterrupt
+            signalled = True
+            defer(lambda: stop(signum))
 
         with handling(handler):
             yield

@@ -1,6 +1,13 @@
 """How a run answers SIGINT and SIGTERM around the blocks a signal must not cut short, or
 after which no batch is left to stop after: handlers put in place while a block runs
-(where Python's defaults, or the command line's own, are there), and put back after."""
+(where Python's defaults, or the command line's own, are there), and put back after.
+
+A handler runs on the main thread between two of its steps, wherever it is: possibly
+holding a lock (an ``Event``'s, while it waits on it; a stream's, while it writes), which
+the handler would then wait for for ever. So cdcflow's handlers take no lock: they count
+the signal, raise ``KeyboardInterrupt`` to abort, and hand everything else (a stop
+request, a log line) to :func:`defer`, which another thread runs at once.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,59 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from queue import SimpleQueue
 from types import FrameType
 
-__all__ = ["abandon_on_signal", "deferred_signals", "handling"]
+__all__ = ["abandon_on_signal", "defer", "deferred_signals", "handling", "settle_deferred",
+           "start_deferring"]
 
 _log = logging.getLogger("cdcflow.engine")
+
+# -- what a handler hands off ----------------------------------------------------------------
+
+_calls: SimpleQueue[Callable[[], None]] = SimpleQueue()  # its put() is reentrant
+_server: threading.Thread | None = None
+_server_lock = threading.Lock()
+
+
+def _serve() -> None:
+    while True:
+        call = _calls.get()
+        try:
+            call()
+        except Exception as exc:  # one line: a failed stop request must not end the thread
+            _log.warning("while answering a signal: %s: %s", type(exc).__name__, exc)
+
+
+def start_deferring() -> None:
+    """Start the thread that runs what handlers :func:`defer` (once; not from a handler:
+    starting a thread takes locks). Every place that installs a cdcflow handler calls it
+    first."""
+    global _server
+    with _server_lock:
+        if _server is None:
+            _server = threading.Thread(target=_serve, name="cdcflow-signals", daemon=True)
+            _server.start()
+
+
+def defer(call: Callable[[], None]) -> None:
+    """Run ``call`` on cdcflow's signal thread, at once: the one thing besides counting
+    and raising that a signal handler may do (see the module docstring). Runs ``call``
+    here when that thread was never started (a caller outside a handler)."""
+    if _server is None:
+        call()
+        return
+    _calls.put(call)
+
+
+def settle_deferred(timeout: float = 2.0) -> None:
+    """Wait (at most ``timeout`` seconds) until what handlers deferred so far has run: an
+    abort's warning is said before the process ends. Not from a handler."""
+    if _server is None:
+        return
+    done = threading.Event()
+    _calls.put(done.set)
+    done.wait(timeout)
 
 
 @contextmanager
@@ -27,6 +82,7 @@ def handling(
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    start_deferring()
 
     def replaceable(sig: signal.Signals) -> bool:
         # Python's SIGINT handler is the default one; the CLI's SIGTERM raises the same
@@ -54,11 +110,11 @@ def deferred_signals(doing: str) -> Iterator[None]:
 
     def handler(signum: int, frame: FrameType | None) -> None:
         if got:
-            _log.warning("signal %d again while %s: aborting", signum, doing)
+            defer(lambda: _log.warning("signal %d again while %s: aborting", signum, doing))
             raise KeyboardInterrupt
         got.append(signum)
-        _log.warning("signal %d while %s: stopping once that is done (again to abort now)",
-                     signum, doing)
+        defer(lambda: _log.warning("signal %d while %s: stopping once that is done (again "
+                                   "to abort now)", signum, doing))
 
     with handling(handler, ours_too=True):
         yield
@@ -74,7 +130,7 @@ def abandon_on_signal(doing: str, then: str) -> Iterator[None]:
     handler is replaced too)."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        _log.warning("signal %d while %s: stopping now; %s", signum, doing, then)
+        defer(lambda: _log.warning("signal %d while %s: stopping now; %s", signum, doing, then))
         raise KeyboardInterrupt
 
     with handling(handler, ours_too=True):
