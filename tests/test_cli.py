@@ -746,14 +746,19 @@ def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path, runner: str) -> No
          "--runner", runner, *(["--master", "local[1]"] if runner == "spark" else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
-    assert proc.stderr is not None
-    seen = []
-    for line in proc.stderr:  # wait until batches commit, then press Ctrl-C
-        seen.append(line)
-        if " batch 3:" in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    _, rest = proc.communicate(timeout=60)
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # wait until batches commit, then press Ctrl-C
+            seen.append(line)
+            if " batch 3:" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # (a run that does not stop leaves nothing running)
+            proc.kill()
+            proc.communicate()
     err = "".join(seen) + rest
     assert proc.returncode == 130, err
     assert "stopping after the current batch" in err
