@@ -517,11 +517,13 @@ class Engine:
             return not self._stop.is_set()
 
         while True:
-            if self._stop.is_set():
-                reason = self._stop_reason
-                break
-            if opts.max_batches is not None and batches >= opts.max_batches:
-                reason = "max batches"
+            stopping = self._stop.is_set()
+            if stopping or (opts.max_batches is not None and batches >= opts.max_batches):
+                # The batch that committed last may have reached the end: then that is why
+                # the run ended (a supervisor that stopped it learns it is complete).
+                done = pending is None and run.ahead is None and all_finished(view.snapshot())
+                reason = ("end reached" if done else
+                          self._stop_reason if stopping else "max batches")
                 break
             batch_began = time.monotonic()
             # 1. plan: replay a pending plan as it is; or take up the batch read ahead while

@@ -675,3 +675,40 @@ def test_a_reset_to_a_later_start_says_which_changes_it_skips(
     with caplog.at_level(logging.WARNING, logger="cdcflow.engine"):  # the same start: none
         run(runner, pipeline(s, Collect(), name="gap"), store, reset=True)
     assert not [r for r in caplog.records if "the reset forgot" in r.getMessage()]
+
+
+def test_a_run_stopped_by_the_batch_that_reached_the_end_says_the_end_was_reached(
+    runner: Runner,
+) -> None:
+    """A stop request (or the last of max_batches) while the batch that reaches end_at runs:
+    the run says "end reached" (the CLI exits 0), not "interrupted", so that whoever
+    stopped it learns the pipeline is complete."""
+    s = ScriptedChangeStream("S", origin=T0)
+    for i in range(3):
+        s.write("T", {"id": i}, "INSERT", {"v": i}, at=T0 + (i + 1) * S)
+    p = cf.Pipeline("ends-while-stopping")
+    p | DetectPartitions(stream="S", start_at=T0, end_at=T0 + 5 * S, client=s) | \
+        ReadPartition() | Collect()
+
+    class StopWhilePlanned(EngineListener):  # the second batch: the first finds children
+        engine: Engine | None = None
+
+        def on_planned(self, plan: BatchPlan, replay: bool) -> None:
+            if self.engine is not None and plan.batch_id == 2:
+                self.engine.request_stop()
+
+    listener = StopWhilePlanned()
+    engine = Engine(p, MemoryStore(), runner, RunOptions(max_batch_span=60), listener)
+    listener.engine = engine
+    summary = engine.run()
+    assert (summary.reason, summary.batches, summary.records) == ("end reached", 2, 3)
+    # the first batch of a run that ends later is still a stop
+    p2 = cf.Pipeline("stops")
+    p2 | DetectPartitions(stream="S", start_at=T0, end_at=T0 + 30 * S, client=s) | \
+        ReadPartition() | Collect()
+    engine = Engine(p2, MemoryStore(), runner, RunOptions(max_batch_span=2), listener)
+    listener.engine = engine
+    assert engine.run().reason == "interrupted"
+    summary = run(runner, p, max_batches=2, max_batch_span=60)
+    assert (summary.reason, summary.batches) == ("end reached", 2)
+    assert run(runner, p2, max_batches=2, max_batch_span=2).reason == "max batches"
