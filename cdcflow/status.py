@@ -132,6 +132,13 @@ def _render_one(
             + ("(the running run is reading or committing it)" if run is not None and run["alive"]
                else "(the next run replays it)")
         )
+    for sink in _staging(store, name, pending is not None):
+        owed = sink["owed_batches"]
+        out.append(
+            f"  staging sink   {sink['sink']}: durable through batch {sink['durable_through']}"
+            + (f"; {owed} committed batch{'es' if owed != 1 else ''} after it staged, not "
+               "durable yet (a flush, or the next run, writes them)" if owed else "")
+        )
     # the furthest behind first (those hold the low watermark), stuck ones before them
     held = _held(store, name, parts, now_ns, stuck_after)
     active = sorted((p for p in parts if p.state != PartitionState.FINISHED),
@@ -161,6 +168,17 @@ def _render_one(
         out += _table(["BATCH", "END", "SLICES", "RECORDS", "PLANNED", "TOOK", "PLAN", "READ",
                        "SINKS", "RETRIED", "SKIPPED", "DEAD"], rows)
     return out
+
+
+def _staging(store: MetadataStore, name: str, pending: bool) -> list[dict[str, Any]]:
+    """The staging sinks (those that make output durable after the store commits it, see
+    the two-stage ack): each one's durable mark and the committed batches after it."""
+    marks = store.durable_marks(name)
+    if not marks:
+        return []
+    committed = store.last_batch_id(name) - (1 if pending else 0)
+    return [{"sink": label, "durable_through": mark, "owed_batches": max(0, committed - mark)}
+            for label, mark in sorted(marks.items())]
 
 
 def _when(value: Any) -> str:
@@ -345,6 +363,7 @@ def _pipeline_doc(
                        for sl in pending.slices],
             "planned_at": _iso(pending.planned_at or None),
         },
+        "staging_sinks": _staging(store, name, pending is not None),
         "recent_batches": recent,
     }
 
@@ -362,7 +381,9 @@ def status_document(
     "low_watermark",
     "low_watermark_ns", "lag_seconds", "finished", "partitions_by_state", "partitions":
     [{"token", "state", "watermark", "watermark_ns", "lag_seconds", "stuck", "start", "end",
-    "parents", ...}], "stuck_partitions" (tokens), "pending_batch", "recent_batches":
+    "parents", ...}], "stuck_partitions" (tokens), "pending_batch", "staging_sinks":
+    [{"sink", "durable_through" (a batch id), "owed_batches" (committed after it, staged
+    but not durable yet)}], "recent_batches":
     [{"batch_id", "end", "slices",
     "records", "planned_at", "committed_at", "seconds", "phases" ({"plan", "execute",
     "sink_commit"}: seconds), "bytes", "retried", "skipped", "dead_lettered"}]}]}``

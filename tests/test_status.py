@@ -436,3 +436,51 @@ def test_watch_into_a_reader_that_goes_away_ends_quietly(store_url: str) -> None
         watch.kill()
     err = watch.stderr.read().decode()
     assert code == 0 and err == "", err
+
+
+def test_a_staging_sink_s_durable_mark_and_the_batches_it_owes(tmp_path: Path) -> None:
+    """A staging sink (WriteTables) makes output durable after the store commits it: status
+    shows through which batch it is durable, and how many committed batches it still owes
+    (what a crash now would leave to the next run to write again)."""
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    stream = ScriptedChangeStream("Orders", origin=T0)
+    for i in range(6):
+        stream.write("Orders", {"id": i}, "INSERT", {"n": i}, at=T0 + (i + 1) * 100_000_000)
+    pipeline = cf.Pipeline("tables")
+    (pipeline
+     | cf.ReadChangeStream(stream="Orders", start_at=T0, end_at=T0 + S, client=stream)
+     | cf.WriteTables(str(tmp_path / "out")))
+    summary = pipeline.run("memory", url, batch_interval=0, max_batch_span="200ms")
+    store = open_store(url)
+    try:
+        last = store.last_batch_id("tables")
+        label = next(iter(store.durable_marks("tables")))
+        # a graceful end made everything durable
+        doc = status_document(store, "tables")["pipelines"][0]
+        assert doc["staging_sinks"] == [{"sink": label, "durable_through": last,
+                                         "owed_batches": 0}]
+        assert f"staging sink   {label}: durable through batch {last}\n" in \
+            render_status(store, "tables") + "\n"
+        # as a crash before the last flushes leaves it (the mark is behind the batch log)
+        store.reset("tables")  # forgets the marks; batch ids go on
+        store.mark_durable("tables", {label: last - 3})
+        doc = status_document(store, "tables")["pipelines"][0]
+        assert doc["staging_sinks"] == [{"sink": label, "durable_through": last - 3,
+                                         "owed_batches": 3}]
+        assert (f"staging sink   {label}: durable through batch {last - 3}; 3 committed "
+                "batches after it staged, not durable yet") in render_status(store, "tables")
+    finally:
+        store.close()
+    assert summary.batches >= 4
+    # a pipeline without a staging sink shows none
+    plain = cf.Pipeline("plain")
+    (plain
+     | cf.ReadChangeStream(stream="Orders", start_at=T0, end_at=T0 + S, client=stream)
+     | cf.Collect())
+    plain.run("memory", url, batch_interval=0)
+    store = open_store(url)
+    try:
+        assert status_document(store, "plain")["pipelines"][0]["staging_sinks"] == []
+        assert "staging sink" not in render_status(store, "plain")
+    finally:
+        store.close()
