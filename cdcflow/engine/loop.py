@@ -58,7 +58,7 @@ from cdcflow.engine.lifecycle import (
 )
 from cdcflow.engine.listener import EngineListener, RunSummary
 from cdcflow.engine.options import RunOptions
-from cdcflow.engine.ownership import Ownership
+from cdcflow.engine.ownership import Ownership, held_by_a_live_run
 from cdcflow.engine.pacing import STEP_BATCH_BYTES, Pacer
 from cdcflow.engine.partitions import IdleSchedule, PartitionView
 from cdcflow.engine.quota import quota_limit
@@ -78,6 +78,7 @@ from cdcflow.errors import (
     BatchAbandoned,
     CdcflowError,
     FencedError,
+    LeaseHeldError,
     LostProgressError,
     PipelineDefinitionError,
     PluginError,
@@ -191,6 +192,12 @@ class Engine:
         pipeline, opts = self.pipeline, self.options
         pipeline.validate()
         name = pipeline.name
+        if not opts.takeover:
+            # A second run of a live pipeline is refused before it sets anything up (a
+            # sink's claim, Spark's JVM); the lease decides again when it is taken.
+            held = held_by_a_live_run(self.store, name)
+            if held is not None:
+                raise LeaseHeldError(held)
         first = TaskProgram.from_pipeline(pipeline)
         sinks = self._sinks([first, *BatchSteps(pipeline, first.step_labels).programs.values()])
         # One run per pipeline: every write below carries this run's fencing token, and what

@@ -85,8 +85,14 @@ def test_a_second_run_fails_at_once_naming_the_owner(tmp_path: Any) -> None:
     lease = _wait_for_lease(store)
     second_out: cf.Collect[Any] = cf.Collect()
     began = time.monotonic()
+
+    class Unopened(InMemoryRunner):  # the second run sets nothing up (Spark starts a JVM)
+        def open(self, pipeline: str) -> None:
+            raise AssertionError("a refused run opened its runner")
+
     with pytest.raises(LeaseHeldError) as refused:
-        _engine(_pipeline(_stream(), second_out), store).run()
+        Engine(_pipeline(_stream(), second_out), store, Unopened(),
+               RunOptions(batch_interval=0)).run()
     assert time.monotonic() - began < 5
     text = str(refused.value)
     assert f"{socket.gethostname()}:" in text and lease.run_id in text and "--takeover" in text
