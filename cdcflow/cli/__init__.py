@@ -37,7 +37,7 @@ from cdcflow.cli._ending import (
 from cdcflow.cli._options import duration, key_value, port, positive_int, run_options
 from cdcflow.engine.listener import EngineListener
 from cdcflow.engine.loop import Engine
-from cdcflow.engine.signals import defer, settle_deferred, start_deferring
+from cdcflow.engine.signals import defer, deferring, settle_deferred
 from cdcflow.errors import (
     CdcflowError,
     StoreURLError,
@@ -254,16 +254,16 @@ class _GracefulInterrupt:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        start_deferring()
-        try:
-            previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: no signal handling there
-            yield
-            return
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        with deferring():
+            try:
+                previous = signal.signal(signal.SIGINT, self._handle)
+            except ValueError:  # not the main thread: no signal handling there
+                yield
+                return
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGINT, previous)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

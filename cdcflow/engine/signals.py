@@ -19,55 +19,80 @@ from contextlib import contextmanager
 from queue import SimpleQueue
 from types import FrameType
 
-__all__ = ["abandon_on_signal", "defer", "deferred_signals", "handling", "settle_deferred",
-           "start_deferring"]
+__all__ = ["abandon_on_signal", "defer", "deferred_signals", "deferring", "handling",
+           "settle_deferred"]
 
 _log = logging.getLogger("cdcflow.engine")
 
 # -- what a handler hands off ----------------------------------------------------------------
 
-_calls: SimpleQueue[Callable[[], None]] = SimpleQueue()  # its put() is reentrant
-_server: threading.Thread | None = None
+
+class _Server:
+    """A thread that runs the calls put on its queue (``SimpleQueue.put`` is reentrant: a
+    handler may call it) until it is given None."""
+
+    def __init__(self) -> None:
+        self.calls: SimpleQueue[Callable[[], None] | None] = SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="cdcflow-signals", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while (call := self.calls.get()) is not None:
+            try:
+                call()
+            except Exception as exc:  # one line: a failed stop request ends nothing
+                _log.warning("while answering a signal: %s: %s", type(exc).__name__, exc)
+
+
+_SETTLE_S = 2.0  # how long what was deferred is waited for, at most
+_server: _Server | None = None
+_users = 0  # the blocks under way that need it (cdcflow handlers are installed)
 _server_lock = threading.Lock()
 
 
-def _serve() -> None:
-    while True:
-        call = _calls.get()
-        try:
-            call()
-        except Exception as exc:  # one line: a failed stop request must not end the thread
-            _log.warning("while answering a signal: %s: %s", type(exc).__name__, exc)
-
-
-def start_deferring() -> None:
-    """Start the thread that runs what handlers :func:`defer` (once; not from a handler:
-    starting a thread takes locks). Every place that installs a cdcflow handler calls it
-    first."""
-    global _server
+@contextmanager
+def deferring() -> Iterator[None]:
+    """The thread that runs what handlers :func:`defer`, while the block runs (not from a
+    handler: starting a thread takes locks). Every place that installs a cdcflow handler
+    does so inside; the thread ends, once what was deferred has run, when the last such
+    block does: a process that lives on after a run keeps no thread of it."""
+    global _server, _users
     with _server_lock:
+        _users += 1
         if _server is None:
-            _server = threading.Thread(target=_serve, name="cdcflow-signals", daemon=True)
-            _server.start()
+            _server = _Server()
+    try:
+        yield
+    finally:
+        with _server_lock:
+            _users -= 1
+            ending = _server if _users == 0 else None
+            if ending is not None:
+                _server = None
+                ending.calls.put(None)
+        if ending is not None:
+            ending.thread.join(_SETTLE_S)
 
 
 def defer(call: Callable[[], None]) -> None:
     """Run ``call`` on cdcflow's signal thread, at once: the one thing besides counting
-    and raising that a signal handler may do (see the module docstring). Runs ``call``
-    here when that thread was never started (a caller outside a handler)."""
-    if _server is None:
+    and raising that a signal handler may do (see the module docstring). Outside a
+    :func:`deferring` block (no handler of cdcflow's is installed) ``call`` runs here."""
+    server = _server
+    if server is None:
         call()
         return
-    _calls.put(call)
+    server.calls.put(call)
 
 
-def settle_deferred(timeout: float = 2.0) -> None:
+def settle_deferred(timeout: float = _SETTLE_S) -> None:
     """Wait (at most ``timeout`` seconds) until what handlers deferred so far has run: an
     abort's warning is said before the process ends. Not from a handler."""
-    if _server is None:
-        return
+    server = _server
+    if server is None:
+        return  # (its block ended, and waited for it)
     done = threading.Event()
-    _calls.put(done.set)
+    server.calls.put(done.set)
     done.wait(timeout)
 
 
@@ -82,7 +107,6 @@ def handling(
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    start_deferring()
 
     def replaceable(sig: signal.Signals) -> bool:
         # Python's SIGINT handler is the default one; the CLI's SIGTERM raises the same
@@ -91,13 +115,14 @@ def handling(
         default = found is signal.default_int_handler or found is signal.SIG_DFL
         return default or (ours_too and getattr(found, "cdcflow_stop_handler", False))
 
-    previous = {sig: signal.signal(sig, handler)
-                for sig in (signal.SIGINT, signal.SIGTERM) if replaceable(sig)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    with deferring():
+        previous = {sig: signal.signal(sig, handler)
+                    for sig in (signal.SIGINT, signal.SIGTERM) if replaceable(sig)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
 
 
 @contextmanager

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cdcflow.engine.signals import defer, settle_deferred, start_deferring
+from cdcflow.engine.signals import defer, deferring, settle_deferred
 
 # The handler runs on the main thread wherever it is: here, while that thread holds the
 # lock of the Event that a stop request sets (as it does, briefly, every time it waits on
@@ -59,30 +59,36 @@ def test_a_signal_while_the_main_thread_holds_a_lock_requests_the_stop(which: st
 
 
 def test_defer_runs_the_call_on_another_thread_and_settle_waits_for_it() -> None:
-    start_deferring()
     ran: list[str] = []
 
     def call() -> None:
         time.sleep(0.2)
         ran.append(threading.current_thread().name)
 
-    defer(call)
-    assert ran == []  # handed off: the caller (a handler) does not wait
-    settle_deferred(5)
-    assert ran == ["cdcflow-signals"]
+    with deferring():
+        defer(call)
+        assert ran == []  # handed off: the caller (a handler) does not wait
+        settle_deferred(5)
+        assert ran == ["cdcflow-signals"]
+        defer(call)
+    # the block's end waited for what was deferred, and the thread is gone
+    assert ran == ["cdcflow-signals"] * 2
+    assert "cdcflow-signals" not in [t.name for t in threading.enumerate()]
+    defer(call)  # no handler of cdcflow's is installed: it runs here
+    assert ran[-1] == threading.current_thread().name
 
 
 def test_a_deferred_call_that_fails_is_one_warning_and_the_thread_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    start_deferring()
     ran: list[int] = []
 
     def fails() -> None:
         raise OSError("stderr is gone")
 
-    defer(fails)
-    defer(lambda: ran.append(1))
-    settle_deferred(5)
+    with deferring():
+        defer(fails)
+        defer(lambda: ran.append(1))
+        settle_deferred(5)
     assert ran == [1]
     assert "while answering a signal: OSError: stderr is gone" in caplog.text
