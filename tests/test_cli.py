@@ -766,6 +766,66 @@ def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path, runner: str) -> No
     assert "Traceback" not in err
 
 
+SLOW_BATCH = """
+import time
+import cdcflow as cf
+from cdcflow.testing import ScriptedChangeStream
+
+T0 = 1_700_000_000 * 10**9
+stream = ScriptedChangeStream("Orders", partitions=1, origin=T0)
+for i in range(200):
+    stream.write("Orders", {"id": i}, "INSERT", {"total": i}, at=T0 + 10**9 + i)
+
+
+def slow(record):
+    print("reading", flush=True)
+    time.sleep(0.2)  # the batch takes 40 s
+    return record
+
+
+pipeline = cf.Pipeline("slow")
+(pipeline
+ | cf.DetectPartitions(stream="Orders", start_at=T0, end_at=T0 + 3 * 10**9, client=stream)
+ | cf.ReadPartition()
+ | cf.Map(slow)
+ | cf.WriteFiles("out"))
+"""
+
+
+@pytest.mark.parametrize("first,second", [(signal.SIGINT, signal.SIGTERM),
+                                          (signal.SIGTERM, signal.SIGINT)])
+def test_a_signal_of_the_other_kind_after_the_first_aborts(
+    tmp_path: Path, first: int, second: int
+) -> None:
+    """Ctrl-C then SIGTERM (a supervisor escalating), or the other way round: the second
+    aborts, as a second of the same kind does, instead of asking again to stop after a
+    batch that takes 40 s."""
+    path = write(tmp_path, SLOW_BATCH)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--metadata",
+         f"sqlite:///{tmp_path / 'state.db'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "reading"
+        proc.send_signal(first)
+        time.sleep(0.5)
+        began = time.monotonic()
+        proc.send_signal(second)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert took < 10, (took, err)
+    assert "stopping after the current batch" in err, err
+    assert "interrupted" in err and "stopped (interrupted)" not in err, err  # aborted
+    assert "Traceback" not in err, err
+
+
 STUCK_TASK = """
 import time
 import cdcflow as cf

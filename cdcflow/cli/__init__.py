@@ -230,18 +230,18 @@ class _GracefulInterrupt:
     def __init__(self, progress: EngineListener) -> None:
         self._progress = progress
         self._engine: Engine | None = None
-        self._calls = 0
 
     def attach(self, engine: Engine) -> None:
         self._engine = engine
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        """First Ctrl-C: stop after the current batch; the second aborts. (The engine's
-        final flush replaces it: there no batch is left to stop after.)"""
-        self._calls += 1
-        if self._engine is None or self._calls > 1:
+        """First Ctrl-C: stop after the current batch; the second aborts, as does a Ctrl-C
+        after a SIGTERM (the engine counts both). (The engine's final flush replaces it:
+        there no batch is left to stop after.)"""
+        engine = self._engine
+        if engine is None or engine.signalled():
             raise KeyboardInterrupt
-        defer(functools.partial(self._stop, self._engine))  # a handler takes no lock
+        defer(functools.partial(self._stop, engine))  # a handler takes no lock
 
     def _stop(self, engine: Engine) -> None:
         if isinstance(self._progress, LiveProgress):

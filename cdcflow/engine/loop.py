@@ -151,6 +151,7 @@ class Engine:
         self._reset_from: int | None = None
         self._sink_held = ("", 0)  # the sink whose own output reaches furthest, and where
         self._stop_reason = "interrupted"
+        self._signals_seen = 0  # see signalled()
 
     def _sink_stop(self, reason: str) -> None:
         """A sink ended the run (its consumer went away): stop after this batch commits."""
@@ -184,6 +185,13 @@ class Engine:
             interrupt()
 
     stop = request_stop
+
+    def signalled(self) -> bool:
+        """Count a stop signal (SIGINT or SIGTERM, whichever handler took it: the engine's
+        or its caller's, such as the CLI's Ctrl-C); True when it is not the first of the
+        run, which then aborts. Takes no lock: for signal handlers."""
+        self._signals_seen += 1
+        return self._signals_seen > 1
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -657,8 +665,6 @@ class Engine:
     def _signals(self) -> Iterator[None]:
         """Graceful stop on SIGINT/SIGTERM, unless the caller (the CLI) handles them."""
 
-        signalled = False
-
         def stop(signum: int) -> None:
             if self._stop.is_set():  # the run's time is up, or its caller asked it to stop
                 _log.warning("signal %d: the run stops after the current batch already "
@@ -669,11 +675,9 @@ class Engine:
 
         def handler(signum: int, frame: FrameType | None) -> None:
             # takes no lock (see cdcflow.engine.signals): the stop request is deferred
-            nonlocal signalled
-            if signalled:  # the second: abort (the next run replays the batch)
+            if self.signalled():  # the second: abort (the next run replays the batch)
                 defer(lambda: _log.warning("signal %d again: aborting", signum))
                 raise KeyboardInterrupt
-            signalled = True
             defer(lambda: stop(signum))
 
         with handling(handler):
