@@ -56,6 +56,7 @@ from cdcflow.stuck import StuckDetector, StuckWatch
 __all__ = [
     "LATENCY_PRESETS",
     "OBSERVER_OPTIONS",
+    "Listeners",
     "OptionKind",
     "OptionSpec",
     "RunnerFactory",
@@ -333,7 +334,7 @@ def _observer_options(options: dict[str, Any]) -> _ObserverOptions:
     return _ObserverOptions(**taken)
 
 
-class _Listeners(EngineListener):
+class Listeners(EngineListener):
     """Tells every listener in turn. The user's listener comes first and its errors end the
     run, as they would without this; an error in one of cdcflow's own observers is logged
     once and that observer is dropped, so watching a run can never stop it."""
@@ -464,7 +465,7 @@ def run_pipeline(
             else:
                 _log.info("metrics of %s at %s", dag.name, server.url)
         stack.enter_context(watch)
-        engine = Engine(dag, store, built, run_options, _Listeners(listener, observers))
+        engine = Engine(dag, store, built, run_options, Listeners(listener, observers))
         if on_engine is not None:
             on_engine(engine)
         return engine.run()

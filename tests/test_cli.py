@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -764,6 +765,39 @@ def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path, runner: str) -> No
     assert "stopping after the current batch" in err
     assert "stopped (interrupted)" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_after_the_summary_keeps_the_run_s_exit_code(
+    tmp_path: Path, signum: int
+) -> None:
+    """A run that completed and printed its summary is ending: a SIGTERM (a supervisor
+    stopping it just then) or a Ctrl-C does not turn its exit 0 into death by signal (143)
+    or a traceback from the interpreter's teardown."""
+    path = write(tmp_path, SCRIPTED)
+    for delay in (0.0, 0.05, 0.15):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cdcflow", "run", str(path), "--metadata", "memory://"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        )
+        try:
+            assert proc.stderr is not None
+            said = []
+            for line in proc.stderr:
+                said.append(line)
+                if "dead-lettered" in line:  # the summary's last line
+                    break
+            time.sleep(delay)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+            _, rest = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        err = "".join(said) + rest
+        assert proc.returncode == 0, (delay, proc.returncode, err)
+        assert "stopped (end reached)" in err and "Traceback" not in err, err
 
 
 SLOW_BATCH = """

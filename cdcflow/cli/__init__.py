@@ -27,6 +27,7 @@ from cdcflow import __version__
 from cdcflow.cli._ending import (
     BUS_ERROR,
     command_logging,
+    end_process,
     exit_on_bus_error,
     fail,
     leave_busy_threads,
@@ -35,7 +36,7 @@ from cdcflow.cli._ending import (
     term_as_interrupt,
 )
 from cdcflow.cli._options import duration, key_value, port, positive_int, run_options
-from cdcflow.engine.listener import EngineListener
+from cdcflow.engine.listener import EngineListener, RunSummary
 from cdcflow.engine.loop import Engine
 from cdcflow.engine.signals import defer, deferring, settle_deferred
 from cdcflow.errors import (
@@ -46,6 +47,7 @@ from cdcflow.errors import (
 )
 from cdcflow.launch import (
     LATENCY_PRESETS,
+    Listeners,
     default_store_url,
     option_specs,
     run_pipeline,
@@ -230,6 +232,7 @@ class _GracefulInterrupt:
     def __init__(self, progress: EngineListener) -> None:
         self._progress = progress
         self._engine: Engine | None = None
+        self._ending = False
 
     def attach(self, engine: Engine) -> None:
         self._engine = engine
@@ -252,6 +255,20 @@ class _GracefulInterrupt:
 
     _handle.cdcflow_stop_handler = True  # type: ignore[attr-defined]
 
+    def ending(self, code: int) -> None:
+        """The run's outcome is decided (its summary is printed next): from now on a SIGINT
+        or SIGTERM ends the process at once with ``code`` (what is left is closing: the
+        store, the metrics server), rather than turning a complete run into an
+        interrupted one (see also :func:`end_process`)."""
+
+        def now(signum: int, frame: FrameType | None) -> None:
+            os._exit(code)
+
+        with contextlib.suppress(ValueError):  # not the main thread: signals are not ours
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, now)
+            self._ending = True
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         with deferring():
@@ -263,7 +280,25 @@ class _GracefulInterrupt:
             try:
                 yield
             finally:
-                signal.signal(signal.SIGINT, previous)
+                if not self._ending:
+                    signal.signal(signal.SIGINT, previous)
+
+
+class _EndsOnSignal(Listeners):
+    """``progress``, and ``interrupt`` told that the run's outcome is decided just before
+    its summary is printed (see :meth:`_GracefulInterrupt.ending`)."""
+
+    def __init__(self, progress: EngineListener, interrupt: _GracefulInterrupt) -> None:
+        super().__init__(progress, [])
+        self._interrupt = interrupt
+
+    def on_stop(self, summary: RunSummary) -> None:
+        self._interrupt.ending(_run_code(summary))
+        super().on_stop(summary)
+
+
+def _run_code(summary: RunSummary) -> int:
+    return EXIT_INTERRUPTED if summary.reason == "interrupted" else EXIT_OK
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -298,10 +333,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     interrupt = _GracefulInterrupt(progress)
     with interrupt.installed():
         summary = run_pipeline(
-            pipeline, args.runner, url, listener=progress, on_engine=interrupt.attach,
-            on_metrics=show_metrics, **options,
+            pipeline, args.runner, url, listener=_EndsOnSignal(progress, interrupt),
+            on_engine=interrupt.attach, on_metrics=show_metrics, **options,
         )
-    return EXIT_INTERRUPTED if summary.reason == "interrupted" else EXIT_OK
+    return _run_code(summary)
 
 
 # -- graph, plugins, metadata --------------------------------------------------------------
@@ -496,9 +531,16 @@ def _cmd_emulator_start(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code.
+    Without ``argv`` (the process's own command line) it ends the process instead."""
     own_process = argv is None  # the process's own command line: it may end the process
-    argv = list(sys.argv[1:] if argv is None else argv)
+    code = _command(list(sys.argv[1:] if argv is None else argv), own_process)
+    if own_process:
+        end_process(code)
+    return code
+
+
+def _command(argv: list[str], own_process: bool) -> int:
     if own_process:
         term_as_interrupt()
         tune_malloc()
