@@ -13,8 +13,10 @@ EXIT_INTERRUPTED = 130
 
 def main() -> int:
     try:
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
+        for name in ("SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, signal.default_int_handler)
         from cdcflow.cli import main as command
     except KeyboardInterrupt:
         print("\ncdcflow: interrupted", file=sys.stderr)

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 
 __all__ = [
     "ARROW_MEMORY_POOL", "MALLOC_ARENAS", "MMAP_THRESHOLD", "YOUNG_COLLECTION_THRESHOLD",
-    "choose_arrow_pool", "process_alive", "settle_collector", "settled_heap", "tune_malloc",
+    "child_pids", "choose_arrow_pool", "process_alive", "settle_collector", "settled_heap",
+    "tune_malloc",
 ]
 
 #: The malloc arenas of a process cdcflow starts (glibc), unless ``MALLOC_ARENA_MAX`` says.
@@ -150,3 +151,27 @@ def _exited(pid: int) -> bool:
     # "pid (comm) S ...": the state follows the last ")", as comm may hold any character
     state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
     return state in (b"Z", b"X")
+
+
+def child_pids() -> set[int]:
+    """The processes this one started that still exist (on Linux, from /proc; empty where
+    /proc cannot say)."""
+    me = str(os.getpid()).encode()
+    found: set[int] = set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) S ppid ...": the parent follows the state, after the last ")"
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1 and fields[1] == me:
+            found.add(int(name))
+    return found

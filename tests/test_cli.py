@@ -800,6 +800,37 @@ def test_a_signal_after_the_summary_keeps_the_run_s_exit_code(
         assert "stopped (end reached)" in err and "Traceback" not in err, err
 
 
+def test_sighup_stops_after_the_current_batch(tmp_path: Path) -> None:
+    """SIGHUP (the terminal or the session closed) stops a run as SIGTERM does: the lease
+    is released and the run says so, rather than dying at once with no word (exit 129)."""
+    path = write(tmp_path, FOREVER)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdcflow", "run", str(path), "--batch-interval", "100ms",
+         "--metadata", f"sqlite:///{tmp_path / 'state.db'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if " batch 3:" in line:
+                break
+        proc.send_signal(signal.SIGHUP)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err
+    assert "signal 1: stopping after the current batch" in err, err
+    assert "stopped (interrupted)" in err and "Traceback" not in err, err
+    status = cdcflow("status", "--metadata", f"sqlite:///{tmp_path / 'state.db'}", "--json")
+    assert json.loads(status.stdout)["pipelines"][0]["run"]["alive"] is False
+
+
 SLOW_BATCH = """
 import time
 import cdcflow as cf

@@ -38,7 +38,7 @@ from cdcflow.cli._ending import (
 from cdcflow.cli._options import duration, key_value, port, positive_int, run_options
 from cdcflow.engine.listener import EngineListener, RunSummary
 from cdcflow.engine.loop import Engine
-from cdcflow.engine.signals import defer, deferring, settle_deferred
+from cdcflow.engine.signals import STOP_SIGNALS, defer, deferring, settle_deferred
 from cdcflow.errors import (
     CdcflowError,
     StoreURLError,
@@ -265,7 +265,7 @@ class _GracefulInterrupt:
             os._exit(code)
 
         with contextlib.suppress(ValueError):  # not the main thread: signals are not ours
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 signal.signal(sig, now)
             self._ending = True
 

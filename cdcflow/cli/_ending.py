@@ -16,6 +16,8 @@ import time
 from types import FrameType
 from typing import NoReturn
 
+from cdcflow.engine.signals import STOP_SIGNALS
+
 __all__ = [
     "BUS_ERROR", "command_logging", "end_process", "exit_on_bus_error", "fail",
     "leave_busy_threads", "one_line", "say", "stdout_gone", "term_as_interrupt",
@@ -94,7 +96,7 @@ def end_process(code: int, grace: float = 2.0) -> NoReturn:
         os._exit(code)
 
     with contextlib.suppress(ValueError):  # not the main thread: signals are not ours
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, now)
     try:
         deadline = time.monotonic() + grace
@@ -111,12 +113,14 @@ def end_process(code: int, grace: float = 2.0) -> NoReturn:
 
 
 def term_as_interrupt() -> None:
-    """SIGTERM ends the command as Ctrl-C does (one line, exit 130) until a run handles it
-    (the engine's graceful stop takes over where this is in place), instead of killing
-    the process with no word (exit 143) while a pipeline loads or a runner starts."""
+    """SIGTERM (and SIGHUP) ends the command as Ctrl-C does (one line, exit 130) until a
+    run handles it (the engine's graceful stop takes over where this is in place), instead
+    of killing the process with no word (exit 143, 129) while a pipeline loads or a runner
+    starts. An ignored one (``nohup``) stays ignored."""
     with contextlib.suppress(ValueError):  # not the main thread: signals are not ours
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, signal.default_int_handler)
 
 
 def command_logging(debug: bool, log_format: str) -> None:

@@ -311,6 +311,10 @@ class Engine:
                         self._warn_joining()
                         steps.load(self.store)
                         self.listener.on_start(name, self.runner.name, self.store.url)
+                        # what the store holds, for observers (metrics: the partitions and
+                        # the lag) before the first batch commits, which may take long
+                        if stored := batches.view.snapshot():
+                            self.listener.on_partitions(stored, self._clock())
                         with self._signals(), self._time_limit(), settled_heap(), \
                                 guarding(guard):
                             summary = self._loop(batches)
@@ -532,13 +536,14 @@ class Engine:
             return not self._stop.is_set()
 
         while True:
-            stopping = self._stop.is_set()
-            if stopping or (opts.max_batches is not None and batches >= opts.max_batches):
-                # The batch that committed last may have reached the end: then that is why
-                # the run ended (a supervisor that stopped it learns it is complete).
+            limit = opts.max_batches is not None and batches >= opts.max_batches
+            if limit or self._stop.is_set():
+                # The batch that committed last may have reached the end, or the last batch
+                # asked for: then that is why the run ended, whatever else asked it to stop
+                # meanwhile (a supervisor that stopped it learns it is complete).
                 done = pending is None and run.ahead is None and all_finished(view.snapshot())
-                reason = ("end reached" if done else
-                          self._stop_reason if stopping else "max batches")
+                reason = ("end reached" if done else "max batches" if limit else
+                          self._stop_reason)
                 break
             batch_began = time.monotonic()
             # 1. plan: replay a pending plan as it is; or take up the batch read ahead while

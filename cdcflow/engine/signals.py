@@ -19,10 +19,15 @@ from contextlib import contextmanager
 from queue import SimpleQueue
 from types import FrameType
 
-__all__ = ["abandon_on_signal", "defer", "deferred_signals", "deferring", "handling",
-           "settle_deferred"]
+__all__ = ["STOP_SIGNALS", "abandon_on_signal", "defer", "deferred_signals", "deferring",
+           "handling", "settle_deferred"]
 
 _log = logging.getLogger("cdcflow.engine")
+
+#: The signals that ask a run to stop: Ctrl-C, a supervisor's SIGTERM, and SIGHUP (the
+#: terminal or the session closed; ``nohup`` ignores it, and then so does cdcflow).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                     if hasattr(signal, name))
 
 # -- what a handler hands off ----------------------------------------------------------------
 
@@ -117,7 +122,7 @@ def handling(
 
     with deferring():
         previous = {sig: signal.signal(sig, handler)
-                    for sig in (signal.SIGINT, signal.SIGTERM) if replaceable(sig)}
+                    for sig in STOP_SIGNALS if replaceable(sig)}
         try:
             yield
         finally:
@@ -128,7 +133,9 @@ def handling(
 @contextmanager
 def deferred_signals(doing: str) -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block ends, then raise KeyboardInterrupt (a second
-    one raises at once): for a block a signal must not cut short, such as Spark's start (an
+    one raises at once), as does the block's failure after one (the signal reached a child
+    it started, most likely: a JVM that a supervisor's SIGTERM to the process group ended
+    while it started): for a block a signal must not cut short, such as Spark's start (an
     interrupted JVM launch leaves the JVM running with no parent to end it). Where an
     application handles the signals itself, its handlers stay (see :func:`handling`)."""
     got: list[int] = []
@@ -142,7 +149,12 @@ def deferred_signals(doing: str) -> Iterator[None]:
                                    "to abort now)", signum, doing))
 
     with handling(handler, ours_too=True):
-        yield
+        try:
+            yield
+        except Exception:
+            if got:  # it failed of the signal, most likely (it reached a child too)
+                raise KeyboardInterrupt from None
+            raise
     if got:
         raise KeyboardInterrupt
 

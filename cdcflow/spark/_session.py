@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cdcflow.errors import ConfigurationError
-from cdcflow.processes import process_alive
+from cdcflow.processes import child_pids, process_alive
 from cdcflow.spark._launch import (
     JvmOutput,
     failure_line,
@@ -151,6 +151,7 @@ def start_session(builder: Any, settings: Mapping[str, str]) -> Any:
 
     handler = signal.getsignal(signal.SIGINT)
     output: JvmOutput | None = None
+    before = child_pids()
     try:
         if SparkContext._gateway is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
             output = _launch(settings)
@@ -171,7 +172,7 @@ def start_session(builder: Any, settings: Mapping[str, str]) -> Any:
             if output is not None:
                 output.release()
             raise
-        except BaseException:  # Ctrl-C: the JVM stays, and says what it says from now on
+        except BaseException:  # Ctrl-C: what the JVM says is not held back
             if output is not None:
                 output.release()
             raise
@@ -179,10 +180,23 @@ def start_session(builder: Any, settings: Mapping[str, str]) -> Any:
             output.release(said_at_start)
         _make_active(session)
         return session
+    except KeyboardInterrupt:  # an abort (a second signal): the JVM it started goes too
+        _end_started(before)
+        raise
     finally:
         if (handler is not None and signal.getsignal(signal.SIGINT) is not handler
                 and threading.current_thread() is threading.main_thread()):
             signal.signal(signal.SIGINT, handler)
+
+
+def _end_started(before: set[int]) -> None:
+    """Kill the processes started since ``before`` was taken (the JVM being started, its
+    launcher): a start cut short by an abort left a JVM running with no parent, waiting
+    for a Python side that was gone."""
+    for pid in child_pids() - before:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _off_the_main_thread(make: Callable[[], Any]) -> Any:

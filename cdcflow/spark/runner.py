@@ -542,6 +542,12 @@ class SparkRunner:
                 msg = (f"the batch was still running {self.stop_grace:g}s after the stop "
                        "request, so its Spark job was cancelled")
                 raise BatchInterrupted(msg) from None
+            if self._grace is not None:
+                # Asked to stop: the signal most likely reached the JVM and the workers
+                # too (a supervisor signals the whole process group, or cgroup).
+                msg = (f"the batch's Spark job failed after the stop request "
+                       f"({_cause_text(exc)})")
+                raise BatchInterrupted(msg) from None
             _raise_if_gone(exc)
             raise self._task_error(exc, tasks, groups) from exc
         finally:

@@ -712,3 +712,8 @@ def test_a_run_stopped_by_the_batch_that_reached_the_end_says_the_end_was_reache
     summary = run(runner, p, max_batches=2, max_batch_span=60)
     assert (summary.reason, summary.batches) == ("end reached", 2)
     assert run(runner, p2, max_batches=2, max_batch_span=2).reason == "max batches"
+    # a stop during the last batch asked for: the run did what it was asked
+    engine = Engine(p2, MemoryStore(), runner, RunOptions(max_batch_span=2, max_batches=2),
+                    listener)
+    listener.engine = engine
+    assert engine.run().reason == "max batches"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from py4j.protocol import Py4JNetworkError  # type: ignore[import-untyped]
 
-from cdcflow.errors import SparkTaskError
+from cdcflow.errors import BatchInterrupted, SparkTaskError
 from cdcflow.spark.runner import SparkRunner
 
 
@@ -89,3 +89,17 @@ def test_a_jvm_gone_before_the_job_starts_is_said_so() -> None:
     with pytest.raises(KeyboardInterrupt):
         _failing_with(_empty_answer(KeyboardInterrupt()),
                       before_the_job=True).run_tasks(b"program", [b"task"])
+
+
+def test_a_job_that_fails_after_the_stop_request_interrupts_the_batch() -> None:
+    # A supervisor's SIGTERM to the whole process group (or cgroup) reaches the JVM and the
+    # Python workers too: the job then fails. The run was asked to stop: the batch is not
+    # committed and the next run reads it again (exit 130), not "fix the cause" (exit 1).
+    runner = _failing_with(_empty_answer(None))
+    runner.interrupt()
+    try:
+        with pytest.raises(BatchInterrupted, match="failed after the stop request"):
+            runner.run_tasks(b"program", [b"task"])
+    finally:
+        assert runner._grace is not None
+        runner._grace.cancel()
