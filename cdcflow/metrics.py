@@ -78,7 +78,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from cdcflow.engine.lifecycle import all_finished, low_watermark
+from cdcflow.engine.lifecycle import all_finished, count_states, low_watermark
 from cdcflow.engine.listener import BatchStats, EngineListener
 from cdcflow.engine.quota import current_quota
 from cdcflow.errors import UserInputError
@@ -235,8 +235,10 @@ class PipelineMetrics(EngineListener):
         )
         low = low_watermark(partitions)
         done = all_finished(partitions)
+        states = count_states(partitions)
         with self._lock:
             self._watermarks, self._low, self._done = active, low, done
+            self._states = states
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -609,3 +609,46 @@ def test_batches_run_again_are_counted_by_the_errors_class() -> None:
                  pipeline="outage") == 2
     assert value(got, "cdcflow_batch_retries_total", error="any", pipeline="outage") == 2
     assert value(got, "cdcflow_records_read_total", pipeline="outage") == 5
+
+
+def test_a_restarted_run_shows_its_stored_partitions_and_lag_before_its_first_batch(
+    tmp_path: Path,
+) -> None:
+    """A restart far behind (after an outage) may take long for its first batch: the
+    partitions and the lag are what the store holds from the start, not zeros and no lag
+    (an alert on "no running partition" fired on every restart, a lag alert saw nothing)."""
+    t0 = time.time_ns() - 600 * S
+    stream = ScriptedChangeStream("S", partitions=2, origin=t0)
+    for i in range(10):
+        stream.write("T", {"id": i}, "INSERT", {"v": i}, at=t0 + (i + 1) * S)
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+
+    def pipeline() -> cf.Pipeline:
+        p = cf.Pipeline("restarted")
+        (p | cf.DetectPartitions(stream="S", start_at=t0, client=stream)
+         | cf.ReadPartition() | cf.Collect())
+        return p
+
+    pipeline().run("memory", url, batch_interval=0, max_batch_span="1s", max_batches=3)
+    metrics = PipelineMetrics("restarted")
+    seen: list[Samples] = []
+
+    class AtFirstPlan(cf.EngineListener):
+        def on_planned(self, plan: Any, replay: bool) -> None:
+            if not seen:
+                seen.append(parse(metrics.exposition().decode()))
+
+    listeners = [metrics, AtFirstPlan()]
+
+    class Both(cf.EngineListener):
+        def __getattribute__(self, name: str) -> Any:
+            if name.startswith("on_"):
+                return lambda *a: [getattr(x, name)(*a) for x in listeners]
+            return super().__getattribute__(name)
+
+    pipeline().run("memory", url, listener=Both(), batch_interval=0, max_batch_span="1s",
+                   max_batches=1)
+    first = seen[0]
+    assert value(first, "cdcflow_partitions", pipeline="restarted", state="RUNNING") == 2
+    lag = value(first, "cdcflow_low_watermark_lag_seconds", pipeline="restarted")
+    assert 590 < lag < 700, lag
