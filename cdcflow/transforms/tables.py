@@ -712,7 +712,7 @@ class WriteTables(Sink[DataChangeRecord, TaskRows]):
         with uploads.lock:
             waiting = len(uploads.queue)
         if waiting:
-            _log.info("WriteTables: %d file(s) to upload to %s before the run ends", waiting,
+            _log.info("WriteTables: waiting for %d file(s) to reach %s (a flush)", waiting,
                       self.url)
 
         def given_up() -> bool:
