@@ -85,8 +85,8 @@ def leave_busy_threads(code: int, grace: float = 2.0) -> None:
 
 
 def end_process(code: int, grace: float = 2.0) -> NoReturn:
-    """End the command's own process with ``code``, its outcome decided: a SIGINT or
-    SIGTERM from here on ends it at once with that code. (The interpreter's own end tears
+    """End the command's own process with ``code``, its outcome decided: a SIGINT, SIGTERM
+    or SIGHUP from here on ends it at once with that code. (The interpreter's own end tears
     a large module set down for about 0.4 s and puts the default handlers back early in
     it: a SIGTERM there killed a run that had completed, exit 143, and a second Ctrl-C
     printed a traceback.) Threads still running get ``grace`` seconds, in all, to end;

@@ -187,9 +187,9 @@ class Engine:
     stop = request_stop
 
     def signalled(self) -> bool:
-        """Count a stop signal (SIGINT or SIGTERM, whichever handler took it: the engine's
-        or its caller's, such as the CLI's Ctrl-C); True when it is not the first of the
-        run, which then aborts. Takes no lock: for signal handlers."""
+        """Count a stop signal (SIGINT, SIGTERM or SIGHUP, whichever handler took it: the
+        engine's or its caller's, such as the CLI's Ctrl-C); True when it is not the first
+        of the run, which then aborts. Takes no lock: for signal handlers."""
         self._signals_seen += 1
         return self._signals_seen > 1
 
@@ -668,7 +668,7 @@ class Engine:
 
     @contextmanager
     def _signals(self) -> Iterator[None]:
-        """Graceful stop on SIGINT/SIGTERM, unless the caller (the CLI) handles them."""
+        """Graceful stop on SIGINT/SIGTERM/SIGHUP, unless the caller (the CLI) handles them."""
 
         def stop(signum: int) -> None:
             if self._stop.is_set():  # the run's time is up, or its caller asked it to stop
