@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import cdcflow as cf
 from cdcflow.engine.listener import BatchStats
 from cdcflow.errors import PipelineStopped, UserInputError
+from cdcflow.launch import Listeners
 from cdcflow.metadata import open_store
 from cdcflow.metrics import MetricsServer, PipelineMetrics
 from cdcflow.model import PartitionMetadata, PartitionState, Timestamp
@@ -638,16 +639,8 @@ def test_a_restarted_run_shows_its_stored_partitions_and_lag_before_its_first_ba
             if not seen:
                 seen.append(parse(metrics.exposition().decode()))
 
-    listeners = [metrics, AtFirstPlan()]
-
-    class Both(cf.EngineListener):
-        def __getattribute__(self, name: str) -> Any:
-            if name.startswith("on_"):
-                return lambda *a: [getattr(x, name)(*a) for x in listeners]
-            return super().__getattribute__(name)
-
-    pipeline().run("memory", url, listener=Both(), batch_interval=0, max_batch_span="1s",
-                   max_batches=1)
+    pipeline().run("memory", url, listener=Listeners(metrics, [AtFirstPlan()]),
+                   batch_interval=0, max_batch_span="1s", max_batches=1)
     first = seen[0]
     assert value(first, "cdcflow_partitions", pipeline="restarted", state="RUNNING") == 2
     lag = value(first, "cdcflow_low_watermark_lag_seconds", pipeline="restarted")

@@ -680,9 +680,9 @@ def test_a_reset_to_a_later_start_says_which_changes_it_skips(
 def test_a_run_stopped_by_the_batch_that_reached_the_end_says_the_end_was_reached(
     runner: Runner,
 ) -> None:
-    """A stop request (or the last of max_batches) while the batch that reaches end_at runs:
-    the run says "end reached" (the CLI exits 0), not "interrupted", so that whoever
-    stopped it learns the pipeline is complete."""
+    """A stop request while the batch that reaches end_at runs: the run says "end reached"
+    (the CLI exits 0), not "interrupted", so that whoever stopped it learns the pipeline is
+    complete; during the last batch of max_batches it says "max batches"."""
     s = ScriptedChangeStream("S", origin=T0)
     for i in range(3):
         s.write("T", {"id": i}, "INSERT", {"v": i}, at=T0 + (i + 1) * S)
@@ -702,7 +702,7 @@ def test_a_run_stopped_by_the_batch_that_reached_the_end_says_the_end_was_reache
     listener.engine = engine
     summary = engine.run()
     assert (summary.reason, summary.batches, summary.records) == ("end reached", 2, 3)
-    # the first batch of a run that ends later is still a stop
+    # a stop during a batch that does not reach the end is still a stop
     p2 = cf.Pipeline("stops")
     p2 | DetectPartitions(stream="S", start_at=T0, end_at=T0 + 30 * S, client=s) | \
         ReadPartition() | Collect()
