@@ -737,31 +737,42 @@ pipeline = cf.Pipeline("forever")
 """
 
 
-@pytest.mark.parametrize("runner", ["memory", pytest.param("spark", marks=pytest.mark.spark)])
-def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path, runner: str) -> None:
-    # On Spark too: PySpark's own SIGINT handler (cancel every job) must not replace ours.
-    path = write(tmp_path, FOREVER)
-    env = {**os.environ, "NO_COLOR": "1"}
+def signal_run(args: list[str], signum: int, *, at: str, delay: float = 0.0,
+               cwd: Path | None = None) -> tuple[int, str]:
+    """``cdcflow run ARGS``, sent ``signum`` ``delay`` seconds after a stderr line holding
+    ``at``: its exit code and stderr. A run that does not end is killed (nothing is left
+    running) and the wait fails."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cdcflow", "run", str(path), "--batch-interval", "100ms",
-         "--runner", runner, *(["--master", "local[1]"] if runner == "spark" else [])],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [sys.executable, "-m", "cdcflow", "run", *args], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=cwd, env={**os.environ, "NO_COLOR": "1"},
     )
     try:
         assert proc.stderr is not None
         seen = []
-        for line in proc.stderr:  # wait until batches commit, then press Ctrl-C
+        for line in proc.stderr:
             seen.append(line)
-            if " batch 3:" in line:
+            if at in line:
                 break
-        proc.send_signal(signal.SIGINT)
+        time.sleep(delay)
+        with contextlib.suppress(ProcessLookupError):  # (it may have ended meanwhile)
+            proc.send_signal(signum)
         _, rest = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:  # (a run that does not stop leaves nothing running)
+        if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    err = "".join(seen) + rest
-    assert proc.returncode == 130, err
+    return proc.returncode, "".join(seen) + rest
+
+
+@pytest.mark.parametrize("runner", ["memory", pytest.param("spark", marks=pytest.mark.spark)])
+def test_ctrl_c_stops_after_the_current_batch(tmp_path: Path, runner: str) -> None:
+    # On Spark too: PySpark's own SIGINT handler (cancel every job) must not replace ours.
+    path = write(tmp_path, FOREVER)
+    code, err = signal_run(  # once batches commit, press Ctrl-C
+        [str(path), "--batch-interval", "100ms", "--runner", runner,
+         *(["--master", "local[1]"] if runner == "spark" else [])],
+        signal.SIGINT, at=" batch 3:")
+    assert code == 130, err
     assert "stopping after the current batch" in err
     assert "stopped (interrupted)" in err
     assert "Traceback" not in err
@@ -776,27 +787,9 @@ def test_a_signal_after_the_summary_keeps_the_run_s_exit_code(
     or a traceback from the interpreter's teardown."""
     path = write(tmp_path, SCRIPTED)
     for delay in (0.0, 0.05, 0.15):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cdcflow", "run", str(path), "--metadata", "memory://"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        )
-        try:
-            assert proc.stderr is not None
-            said = []
-            for line in proc.stderr:
-                said.append(line)
-                if "dead-lettered" in line:  # the summary's last line
-                    break
-            time.sleep(delay)
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signum)
-            _, rest = proc.communicate(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        err = "".join(said) + rest
-        assert proc.returncode == 0, (delay, proc.returncode, err)
+        code, err = signal_run([str(path), "--metadata", "memory://"], signum,
+                               at="dead-lettered", delay=delay, cwd=tmp_path)  # its last line
+        assert code == 0, (delay, code, err)
         assert "stopped (end reached)" in err and "Traceback" not in err, err
 
 
@@ -804,30 +797,13 @@ def test_sighup_stops_after_the_current_batch(tmp_path: Path) -> None:
     """SIGHUP (the terminal or the session closed) stops a run as SIGTERM does: the lease
     is released and the run says so, rather than dying at once with no word (exit 129)."""
     path = write(tmp_path, FOREVER)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cdcflow", "run", str(path), "--batch-interval", "100ms",
-         "--metadata", f"sqlite:///{tmp_path / 'state.db'}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "NO_COLOR": "1"},
-    )
-    try:
-        assert proc.stderr is not None
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            if " batch 3:" in line:
-                break
-        proc.send_signal(signal.SIGHUP)
-        _, rest = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    err = "".join(seen) + rest
-    assert proc.returncode == 130, err
+    store = f"sqlite:///{tmp_path / 'state.db'}"
+    code, err = signal_run([str(path), "--batch-interval", "100ms", "--metadata", store],
+                           signal.SIGHUP, at=" batch 3:")
+    assert code == 130, err
     assert "signal 1: stopping after the current batch" in err, err
     assert "stopped (interrupted)" in err and "Traceback" not in err, err
-    status = cdcflow("status", "--metadata", f"sqlite:///{tmp_path / 'state.db'}", "--json")
+    status = cdcflow("status", "--metadata", store, "--json")
     assert json.loads(status.stdout)["pipelines"][0]["run"]["alive"] is False
 
 
