@@ -30,7 +30,6 @@ from cdcflow.cli._ending import (
     end_process,
     exit_on_bus_error,
     fail,
-    leave_busy_threads,
     say,
     stdout_gone,
     term_as_interrupt,
@@ -578,6 +577,4 @@ def _command(argv: list[str], own_process: bool) -> int:
     except KeyboardInterrupt:
         settle_deferred()  # what the signal's handler had to say comes first
         say("\ncdcflow: interrupted", log_format, "interrupted", logging.WARNING)
-        if own_process:
-            leave_busy_threads(EXIT_INTERRUPTED)
-        return EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED  # (end_process does not wait for threads still busy)

@@ -1,7 +1,7 @@
-"""How a command ends: the one line of an error (plain or a JSON log object), an exit
-while threads of a run are still busy, SIGTERM taken as Ctrl-C, the command's logging,
-a bus error's one line, a standard output whose reader has gone, and the process's own
-end once the command's outcome is decided."""
+"""How a command ends: the one line of an error (plain or a JSON log object), SIGTERM
+taken as Ctrl-C, the command's logging, a bus error's one line, a standard output whose
+reader has gone, and the process's own end once the command's outcome is decided (also
+while threads of a run are still busy)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import NoReturn
 from cdcflow.engine.signals import STOP_SIGNALS
 
 __all__ = [
-    "BUS_ERROR", "command_logging", "end_process", "exit_on_bus_error", "fail",
-    "leave_busy_threads", "one_line", "say", "stdout_gone", "term_as_interrupt",
+    "BUS_ERROR", "command_logging", "end_process", "exit_on_bus_error", "fail", "one_line",
+    "say", "stdout_gone", "term_as_interrupt",
 ]
 
 
@@ -64,33 +64,15 @@ def say(line: str, log_format: str, text: str | None = None, level: int = loggin
         print(line, file=sys.stderr, flush=True)
 
 
-def leave_busy_threads(code: int, grace: float = 2.0) -> None:
-    """After an abort, exit with ``code`` at once when threads of the run are still busy
-    ``grace`` seconds later (a task waiting on a silent connection): the interpreter would
-    wait for them at exit. The store keeps the batch's plan; the next run replays it."""
-    deadline = time.monotonic() + grace
-    me = threading.current_thread()
-
-    def busy() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t is not me and not t.daemon
-                and t.is_alive()]
-
-    for thread in busy():
-        thread.join(max(0.0, deadline - time.monotonic()))
-    if busy():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(code)
-
-
 def end_process(code: int, grace: float = 2.0) -> NoReturn:
     """End the command's own process with ``code``, its outcome decided: a SIGINT, SIGTERM
     or SIGHUP from here on ends it at once with that code. (The interpreter's own end tears
     a large module set down for about 0.4 s and puts the default handlers back early in
     it: a SIGTERM there killed a run that had completed, exit 143, and a second Ctrl-C
     printed a traceback.) Threads still running get ``grace`` seconds, in all, to end;
-    what is registered to run at exit runs."""
+    then what is registered to run at exit runs. Threads still busy then (after an abort,
+    a task waiting on a silent connection; the interpreter would wait for them for ever)
+    are left: only the logs are flushed, and the next run replays the batch."""
 
     def now(signum: int, frame: FrameType | None) -> None:
         os._exit(code)
@@ -101,10 +83,13 @@ def end_process(code: int, grace: float = 2.0) -> NoReturn:
     try:
         deadline = time.monotonic() + grace
         me = threading.current_thread()
-        for thread in threading.enumerate():
-            if thread is not me and not thread.daemon:
-                thread.join(max(0.0, deadline - time.monotonic()))
-        atexit._run_exitfuncs()
+        busy = [t for t in threading.enumerate() if t is not me and not t.daemon]
+        for thread in busy:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in busy):
+            logging.shutdown()
+        else:
+            atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # (a reader that has gone)

@@ -445,7 +445,7 @@ class Batches:
         except lost:
             return True
         except BaseException:  # an aborted run: it cleans up what it leaves
-            return False
+            pass
         return False
 
     def restore_staged(self) -> None:
